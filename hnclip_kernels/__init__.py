@@ -1,0 +1,10 @@
+"""hnclip-kernels: the HN-CLIP contrastive loss (arXiv 2608.18521), exact, fast and memory-lean.
+
+Public API: :func:`hn_clip_loss`. Backends: ``hnclip_kernels.reference`` (pure PyTorch),
+``hnclip_kernels.ops.hn_clip_triton`` (fused Triton kernels), ``hnclip_kernels.ops.hn_clip_cpp``
+(fused C++ CPU kernel).
+"""
+from .loss import hn_clip_loss
+
+__all__ = ["hn_clip_loss"]
+__version__ = "0.1.0"

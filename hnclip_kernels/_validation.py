@@ -1,0 +1,75 @@
+"""Argument checks shared by every entry point.
+
+Each check raises ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind,
+bad value) with a message that names the argument and says how to fix it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Union
+
+import torch
+
+REDUCTIONS = ("mean", "sum", "none")
+BACKENDS = ("auto", "torch", "triton", "cpp")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_features(img: torch.Tensor, txt: torch.Tensor, img_name: str = "img", txt_name: str = "txt") -> None:
+    for name, x in ((img_name, img), (txt_name, txt)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape (N, D), got {type(x).__name__}")
+        if x.dim() != 2:
+            raise ValueError(f"{name} must be 2-D (N, D), got shape {tuple(x.shape)}; flatten or reshape it first")
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {x.dtype}; use float16, bfloat16, float32 or float64 embeddings (cast with .float())"
+            )
+    if img.shape != txt.shape:
+        raise ValueError(
+            f"{img_name} and {txt_name} must have the same shape (N, D), got {tuple(img.shape)} and {tuple(txt.shape)}"
+        )
+    if img.shape[0] == 0:
+        raise ValueError(f"{img_name} and {txt_name} have N = 0 rows; the loss needs at least one image-text pair")
+    if img.shape[1] == 0:
+        raise ValueError(f"{img_name} and {txt_name} have D = 0 columns; embeddings need at least one dimension")
+    if img.dtype != txt.dtype:
+        raise TypeError(f"{img_name} ({img.dtype}) and {txt_name} ({txt.dtype}) must have the same dtype; cast one of them")
+    if img.device != txt.device:
+        raise ValueError(f"{img_name} ({img.device}) and {txt_name} ({txt.device}) must be on the same device; move one of them")
+
+
+def check_tau(tau: Union[float, torch.Tensor], device: torch.device) -> None:
+    """τ must be a positive finite Python number or a one-element floating tensor."""
+    if isinstance(tau, torch.Tensor):
+        if tau.numel() != 1:
+            raise ValueError(f"tau must be a scalar (0-dim) tensor, got shape {tuple(tau.shape)}")
+        if not tau.is_floating_point():
+            raise TypeError(f"tau tensor must be floating point, got {tau.dtype}; pass e.g. 1 / logit_scale.exp()")
+        if tau.device != device and tau.device.type != "cpu":
+            raise ValueError(f"tau is on {tau.device} but the features are on {device}; move tau to {device}")
+        if torch.compiler.is_compiling():
+            return  # a value check would force a graph break; the eager path checks it
+        value = float(tau.detach())  # one host sync; the price of a clear error instead of a NaN loss
+    elif isinstance(tau, bool) or not isinstance(tau, (int, float)):
+        raise TypeError(f"tau must be a float or a 0-dim tensor, got {type(tau).__name__}")
+    else:
+        value = float(tau)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"tau (temperature) must be finite and > 0, got {value}; open_clip users pass 1 / logit_scale")
+
+
+def check_options(gamma: float, label_smoothing: float, reduction: str, backend: str) -> None:
+    for name, x in (("gamma", gamma), ("label_smoothing", label_smoothing)):
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise TypeError(f"{name} must be a Python float, got {type(x).__name__}")
+        if not math.isfinite(x):
+            raise ValueError(f"{name} must be finite, got {x}")
+    if gamma < 0:
+        raise ValueError(f"gamma (margin scale) must be >= 0, got {gamma}; gamma = 0 is plain InfoNCE")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

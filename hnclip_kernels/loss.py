@@ -1,0 +1,157 @@
+"""``hn_clip_loss``: the public entry point, argument checks and backend dispatch."""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable, Union
+
+import torch
+
+from . import _validation
+from .reference import compute_dtype, directional_nll_torch
+
+_warned = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def triton_directional() -> Callable:
+    """The Triton directional op, imported lazily: triton is optional on CPU-only installs."""
+    try:
+        from .ops.hn_clip_triton import directional_nll_triton
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ValueError(
+            f"backend='triton' needs the triton package ({exc}); install triton or use backend='torch'"
+        ) from exc
+    return directional_nll_triton
+
+
+def _triton_interpreting() -> bool:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return True
+    from .ops import hn_clip_triton
+
+    return hn_clip_triton._is_interpreting()
+
+
+def cpp_directional():
+    """The C++ directional op, or None when the extension was not built."""
+    try:
+        from .ops.hn_clip_cpp import directional_nll_cpp
+    except ImportError:
+        return None
+    return directional_nll_cpp
+
+
+def resolve_backend(backend: str, x: torch.Tensor) -> str:
+    """Map ``backend`` to "torch", "triton" or "cpp" for tensors like ``x``, or raise."""
+    if backend == "auto":
+        if x.device.type == "cuda" and x.dtype != torch.float64:
+            return "triton"
+        if x.device.type == "cpu" and x.dtype != torch.float64 and cpp_directional() is not None:
+            return "cpp"
+        if x.device.type == "cpu" and cpp_directional() is None:
+            _warn_once("auto-cpu", "hnclip_kernels: the C++ extension is not built; backend='auto' uses "
+                                   "the pure-PyTorch backend (materialises N×N logits) on CPU")
+        return "torch"
+    if backend == "triton":
+        if x.dtype == torch.float64:
+            raise TypeError("backend='triton' supports float16, bfloat16 and float32 inputs; "
+                            "use backend='torch' for float64")
+        if x.device.type == "cpu" and not _triton_interpreting():
+            raise ValueError("backend='triton' got CPU tensors but Triton is not interpreting; move the "
+                             "tensors to CUDA, set TRITON_INTERPRET=1 before importing triton, or use "
+                             "backend='cpp' / 'torch'")
+        if x.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"backend='triton' needs CUDA tensors, got device {x.device}")
+    if backend == "cpp":
+        if x.device.type != "cpu":
+            raise ValueError(f"backend='cpp' needs CPU tensors, got device {x.device}; use backend='triton'")
+        if cpp_directional() is None:
+            raise ValueError("backend='cpp' needs the C++ extension, which is not built; reinstall with the "
+                             "README's install command (it compiles csrc/), or use backend='torch'")
+    return backend
+
+
+def directional_fn(backend: str) -> Callable:
+    if backend == "triton":
+        return triton_directional()
+    if backend == "cpp":
+        return cpp_directional()
+    return directional_nll_torch
+
+
+def as_tau_tensor(tau: Union[float, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    if isinstance(tau, torch.Tensor):
+        return tau.to(device=like.device).reshape(())
+    return torch.tensor(float(tau), device=like.device, dtype=compute_dtype(like.dtype))
+
+
+def reduce_rows(rows: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "mean":
+        return rows.mean()
+    if reduction == "sum":
+        return rows.sum()
+    return rows
+
+
+def hn_clip_loss(
+    img: torch.Tensor,
+    txt: torch.Tensor,
+    tau: Union[float, torch.Tensor],
+    *,
+    gamma: float = 0.5,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    normalize: bool = True,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """HN-CLIP contrastive loss with adaptive similarity margins (arXiv 2608.18521, Eq. 2).
+
+    With v = img, t = txt (L2-normalised row-wise when ``normalize``)::
+
+        Z = (v tᵀ + γ · stopgrad(t tᵀ) · (1 − I)) / τ
+        loss = ½ [CE(Z, arange(N)) + CE(Zᵀ, arange(N))]
+
+    γ = 0 is CLIP's symmetric InfoNCE. Each row's NLL is computed as
+    ``softplus(LSE_{j≠i} Z_ij − Z_ii)`` with float32 accumulation, so losses far below
+    float32's epsilon (saturated fine-tuning, τ ≈ 0.01) keep their value and gradient.
+
+    Args:
+        img: (N, D) image embeddings; float16, bfloat16, float32 (float64: torch backend).
+        txt: (N, D) text embeddings, same dtype and device as ``img``; row i pairs with image i.
+        tau: temperature τ > 0 (dimensionless), a Python float or a 0-dim tensor. open_clip's
+            ``logit_scale`` s is 1/τ: pass ``1 / logit_scale.exp()`` (or ``1 / logit_scale``
+            if it is already exponentiated). A tensor that requires grad receives dL/dτ.
+            A tensor τ is read once on the host to validate it (one device sync).
+        gamma: margin scale γ ≥ 0 (default 0.5, the paper's value).
+        label_smoothing: ε in [0, 1), ``torch.nn.functional.cross_entropy`` semantics.
+        reduction: "mean" (scalar), "sum" (scalar) or "none" ((N,), entry k = ½(i2t_k + t2i_k)).
+        normalize: L2-normalise inside (autograd through it); False trusts the caller.
+        backend: "auto" (Triton on CUDA, the C++ kernel on CPU when built, else torch),
+            "torch" (pure PyTorch reference, materialises N×N), "triton" (fused kernels; CPU
+            tensors only under TRITON_INTERPRET=1) or "cpp" (fused CPU kernel).
+
+    Returns:
+        float32 loss (float64 for float64 inputs): a scalar, or shape (N,) for "none".
+        Gradients reach ``img``/``txt`` in their own dtype and ``tau`` in its dtype.
+
+    Raises:
+        TypeError: non-tensor or integer features, dtype mismatch, non-float ``tau``/``gamma``,
+            float64 with backend="triton".
+        ValueError: non-2-D features, shape or device mismatch, N = 0 or D = 0, τ ≤ 0 or
+            non-finite, γ < 0, ε outside [0, 1), unknown ``reduction``/``backend``, a backend
+            that cannot run on these tensors.
+    """
+    _validation.check_features(img, txt)
+    _validation.check_options(gamma, label_smoothing, reduction, backend)
+    _validation.check_tau(tau, img.device)
+    fn = directional_fn(resolve_backend(backend, img))
+    tau_t = as_tau_tensor(tau, img)
+    i2t = fn(img, txt, txt, txt, tau_t, 0, float(gamma), float(label_smoothing), normalize)
+    t2i = fn(txt, img, txt, txt, tau_t, 0, float(gamma), float(label_smoothing), normalize)
+    return reduce_rows(0.5 * (i2t + t2i), reduction)

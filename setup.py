@@ -1,0 +1,54 @@
+"""Build for hnclip-kernels.
+
+The C++ CPU kernel in csrc/ is compiled against the torch already installed, so install
+with ``--no-build-isolation`` (see README): build isolation would download torch again.
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+
+def _extensions():
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    if not sources or os.environ.get("HNCLIP_NO_CPP") == "1":
+        return [], {}
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError as exc:
+        raise RuntimeError(
+            "hnclip-kernels compiles its C++ kernel against an installed torch: install torch first, "
+            "then `pip install --no-build-isolation .` (see README)"
+        ) from exc
+    ext = CppExtension(
+        name="hnclip_kernels._C",
+        sources=sources,
+        extra_compile_args=["-O3", "-fopenmp", "-std=c++17"],
+        extra_link_args=["-fopenmp"],
+    )
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    name="hnclip-kernels",
+    version="0.1.0",
+    description="Exact, fast, memory-lean HN-CLIP contrastive loss (Triton, C++, PyTorch)",
+    packages=find_packages(include=["hnclip_kernels", "hnclip_kernels.*"]),
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4"],
+    extras_require={
+        "triton": ["triton>=3.0"],
+        "test": [
+            "triton>=3.0",
+            "pytest>=8",
+            "hypothesis>=6",
+            "open_clip_torch>=2.24",
+            "matplotlib>=3.7",
+            "tqdm>=4.60",
+        ],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
