@@ -1,0 +1,55 @@
+"""Float64 truth for the HN-CLIP loss and comparison helpers that say where values mismatch."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def hn_clip_loss_f64(img, txt, tau, gamma=0.5, label_smoothing=0.0, reduction="mean", normalize=True):
+    """Float64 evaluation of arXiv 2608.18521 Eq. 2, written independently of the package.
+
+    The NLL is log1p(Σ_{j≠i} exp(Z_ij − Z_ii)) (a plain LSE − Z_ii would round a 1e-30 loss
+    to 0 even in float64); label smoothing uses ε·(Z_ii − mean_j Z_ij). Takes and returns
+    tensors that keep autograd, so gradients of the truth come from float64 autograd.
+    """
+    v, t = img.double(), txt.double()
+    tau = tau.double() if isinstance(tau, torch.Tensor) else torch.tensor(float(tau), dtype=torch.float64)
+    if normalize:
+        v, t = F.normalize(v, dim=1), F.normalize(t, dim=1)
+    n = v.shape[0]
+    eye = torch.eye(n, dtype=torch.bool)
+    margin = (t @ t.T).detach().masked_fill(eye, 0.0)
+    logits = (v @ t.T + gamma * margin) / tau
+    per_dir = []
+    for z in (logits, logits.T):
+        diag = z.diagonal()
+        gaps = (z - diag[:, None]).masked_fill(eye, float("-inf"))
+        top = gaps.max(dim=1, keepdim=True).values.clamp_min(-1e300)  # shift for exp, finite when n == 1
+        nll = torch.log1p(torch.exp(top.squeeze(1)) * torch.exp(gaps - top).sum(dim=1)) if n > 1 else diag * 0
+        per_dir.append(nll + label_smoothing * (diag - z.mean(dim=1)))
+    rows = 0.5 * (per_dir[0] + per_dir[1])
+    return {"mean": rows.mean(), "sum": rows.sum(), "none": rows}[reduction]
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """‖actual − expected‖ / ‖expected‖ in float64 (absolute error when expected is 0)."""
+    a, e = actual.detach().double(), expected.detach().double()
+    denom = e.norm().item()
+    diff = (a - e).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def assert_close_rel(actual, expected, tol: float, what: str = "value") -> None:
+    """Relative-norm check; on failure report the worst element and where it is."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, e = actual.detach().double(), expected.detach().double()
+    assert torch.isfinite(a).all() == torch.isfinite(e).all(), f"{what}: non-finite mismatch\n{a}\n{e}"
+    err = rel_err(a, e)
+    if not err <= tol:
+        diff = (a - e).abs().reshape(-1)
+        worst = int(diff.argmax())
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), a.shape)) if a.dim() else ()
+        raise AssertionError(
+            f"{what}: relative error {err:.3e} > {tol:.1e}; worst at {idx}: "
+            f"got {a.reshape(-1)[worst].item():.10e}, expected {e.reshape(-1)[worst].item():.10e}"
+        )
