@@ -170,7 +170,8 @@ def _bwd_kernel(
                          HAS_MARGIN, UPCAST, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
         # P_ik = exp(Z_ik − LSE_i) = exp(d_ik − nll_i); tiny P stay representable in float32
-        prob = tl.where(neg, tl.exp(z - pos[:, None] - row_nll[:, None]), 0.0)
+        # mask before exp: the positive's tile entry carries a margin and may overflow
+        prob = tl.exp(tl.where(neg, z - pos[:, None] - row_nll[:, None], float("-inf")))
         ds = prob * g[:, None]
         if FOR_KEYS:
             ds = ds * rq[:, None]  # scale here so the raw q tile feeds the dot

@@ -1,0 +1,103 @@
+"""Shared test inputs and the check that runs any backend against the float64 truth."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from hnclip_kernels import hn_clip_loss
+from helpers import assert_close_rel, hn_clip_loss_f64
+
+SIZES_N = (1, 2, 15, 16, 17, 65, 130)
+SIZES_D = (3, 8, 64, 100)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+GAMMAS = (0.0, 0.5, 2.0)
+TAUS = (0.01, 0.07, 1.0)
+SMOOTHINGS = (0.0, 0.1)
+REDUCTIONS = ("mean", "sum", "none")
+
+# Tolerances (relative error in norm against the float64 formula on the same upcast inputs).
+TOL_F32_LOSS, TOL_F32_GRAD = 1e-5, 1e-4
+TOL_LOWP_LOSS = 1e-3
+
+
+def covering_cases():
+    """Every (N, D) pair once, the other axes rotated so each of their values appears
+    many times and in different combinations (a full product would take hours in the
+    Triton interpreter)."""
+    others = list(itertools.product(DTYPES, GAMMAS, TAUS, SMOOTHINGS, REDUCTIONS))
+    cases = []
+    for start, step in ((0, 37), (81, 53)):  # steps coprime with 162: walk through the combinations
+        for idx, (n, d) in enumerate(itertools.product(SIZES_N, SIZES_D)):
+            dtype, gamma, tau, eps, red = others[(start + idx * step) % len(others)]
+            cases.append((n, d, dtype, gamma, tau, eps, red))
+    return cases
+
+
+def case_id(case) -> str:
+    n, d, dtype, gamma, tau, eps, red = case
+    return f"N{n}-D{d}-{str(dtype).split('.')[-1]}-g{gamma}-tau{tau}-ls{eps}-{red}"
+
+
+def make_pair(n: int, d: int, dtype=torch.float32, seed: int = 0, aligned: float = 0.0):
+    """Random (img, txt); ``aligned`` > 0 pulls each caption towards its image (trained model)."""
+    gen = torch.Generator().manual_seed(seed)
+    img = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    txt = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    if aligned:
+        txt = img + (1.0 - aligned) * txt
+    return img.to(dtype), txt.to(dtype)
+
+
+def check_against_truth(backend, n, d, dtype, gamma, tau, eps, reduction, *, tau_grad=True,
+                        upstream=None, normalize=True, img=None, txt=None, seed=0):
+    """Run ``backend`` and the float64 truth on the same inputs; assert loss and all grads."""
+    if img is None:
+        img, txt = make_pair(n, d, dtype, seed=seed)
+    leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt)]
+    tau_arg = torch.tensor(tau, dtype=torch.float32, requires_grad=True) if tau_grad else tau
+    loss = hn_clip_loss(leaves[0], leaves[1], tau_arg, gamma=gamma, label_smoothing=eps,
+                        reduction=reduction, normalize=normalize, backend=backend)
+    ref_leaves = [x.detach().double().requires_grad_(True) for x in (img, txt)]
+    ref_tau = torch.tensor(tau, dtype=torch.float64, requires_grad=True)
+    ref = hn_clip_loss_f64(ref_leaves[0], ref_leaves[1], ref_tau, gamma, eps, reduction, normalize)
+
+    assert loss.dtype == torch.float32
+    lowp = dtype in (torch.float16, torch.bfloat16)
+    assert_close_rel(loss, ref, TOL_LOWP_LOSS if lowp else TOL_F32_LOSS, "loss")
+    if upstream is None:
+        upstream = torch.ones_like(ref) if reduction == "none" else torch.ones(())
+    loss.backward(upstream.to(loss.dtype))
+    ref.backward(upstream.double())
+    for leaf, ref_leaf, name in zip(leaves, ref_leaves, ("d img", "d txt")):
+        assert leaf.grad.dtype == dtype, f"{name} dtype {leaf.grad.dtype} != input dtype {dtype}"
+        if lowp:
+            # gradients rounded to the input dtype: judge against the float64 truth rounded likewise
+            floor = (ref_leaf.grad.to(dtype).double() - ref_leaf.grad).norm() / ref_leaf.grad.norm().clamp_min(1e-300)
+            assert_close_rel(leaf.grad, ref_leaf.grad, 2 * float(floor) + 2e-3, name)
+        else:
+            assert_close_rel(leaf.grad, ref_leaf.grad, TOL_F32_GRAD, name)
+    if tau_grad:
+        assert_close_rel(tau_arg.grad, ref_tau.grad, TOL_LOWP_LOSS if lowp else TOL_F32_GRAD, "d tau")
+    return loss
+
+
+def naive_clip_loss(img, txt, tau, gamma=0.0):
+    """What a user writes by hand: logits in the input dtype, F.cross_entropy."""
+    v, t = F.normalize(img, dim=1), F.normalize(txt, dim=1)
+    n = v.shape[0]
+    margin = (t @ t.T).detach() * (1 - torch.eye(n, dtype=v.dtype))
+    z = (v @ t.T + gamma * margin) / tau
+    labels = torch.arange(n)
+    return 0.5 * (F.cross_entropy(z, labels) + F.cross_entropy(z.T, labels))
+
+
+def fused_backends():
+    """The fused backends testable here: triton (interpreted on CPU) and cpp when built."""
+    from hnclip_kernels.loss import cpp_directional
+
+    return ["triton"] + (["cpp"] if cpp_directional() is not None else [])
+
+
+ALL_BACKENDS = ["torch"] + fused_backends()

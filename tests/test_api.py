@@ -1,0 +1,145 @@
+"""Public API behaviour shared by every backend: bad input, edge cases, open_clip parity."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cases import ALL_BACKENDS, check_against_truth, make_pair
+from hnclip_kernels import hn_clip_loss
+from hnclip_kernels.loss import resolve_backend
+from helpers import assert_close_rel
+
+X = torch.randn(4, 3)
+
+BAD_INPUTS = [
+    (dict(img=torch.randn(4)), ValueError, "img must be 2-D"),
+    (dict(txt=torch.randn(2, 4, 3)), ValueError, "txt must be 2-D"),
+    (dict(txt=torch.randn(5, 3)), ValueError, "same shape"),
+    (dict(txt=torch.randn(4, 2)), ValueError, "same shape"),
+    (dict(img=torch.randn(0, 3), txt=torch.randn(0, 3)), ValueError, "N = 0"),
+    (dict(img=torch.randn(4, 0), txt=torch.randn(4, 0)), ValueError, "D = 0"),
+    (dict(txt=torch.randn(4, 3, dtype=torch.float64)), TypeError, "same dtype"),
+    (dict(img=torch.ones(4, 3, dtype=torch.int64), txt=torch.ones(4, 3, dtype=torch.int64)), TypeError, "dtype"),
+    (dict(img=[[1.0]]), TypeError, "img must be a torch.Tensor"),
+    (dict(txt=torch.randn(4, 3, device="meta")), ValueError, "same device"),
+    (dict(tau=0.0), ValueError, "tau"),
+    (dict(tau=-0.07), ValueError, "tau"),
+    (dict(tau=float("nan")), ValueError, "tau"),
+    (dict(tau=float("inf")), ValueError, "tau"),
+    (dict(tau=torch.tensor(-1.0)), ValueError, "tau"),
+    (dict(tau=torch.tensor([0.1, 0.2])), ValueError, "tau must be a scalar"),
+    (dict(tau=torch.tensor(1)), TypeError, "tau tensor must be floating"),
+    (dict(tau="0.07"), TypeError, "tau must be a float"),
+    (dict(gamma=-0.1), ValueError, "gamma"),
+    (dict(gamma=float("nan")), ValueError, "gamma"),
+    (dict(gamma=None), TypeError, "gamma"),
+    (dict(label_smoothing=1.0), ValueError, "label_smoothing"),
+    (dict(label_smoothing=-0.1), ValueError, "label_smoothing"),
+    (dict(reduction="avg"), ValueError, "reduction"),
+    (dict(backend="cuda"), ValueError, "backend"),
+    (dict(backend="triton", img=X.double(), txt=X.double()), TypeError, "float64"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", BAD_INPUTS, ids=[f"{i}-{m}" for i, (_, _, m) in enumerate(BAD_INPUTS)])
+def test_bad_input_raises_clear_error(kwargs, exc, match):
+    args = dict(img=X, txt=torch.randn(4, 3), tau=0.07)
+    args.update(kwargs)
+    img, txt, tau = args.pop("img"), args.pop("txt"), args.pop("tau")
+    with pytest.raises(exc, match=match):
+        hn_clip_loss(img, txt, tau, **args)
+
+
+def test_triton_on_cpu_without_interpreter_raises():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import torch, hnclip_kernels as h\n"
+            "try:\n    h.hn_clip_loss(torch.randn(3, 4), torch.randn(3, 4), 0.1, backend='triton')\n"
+            "except ValueError as e:\n    print('OK', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("OK") and "TRITON_INTERPRET" in out.stdout, out.stdout + out.stderr
+
+
+def test_auto_backend_on_cpu():
+    from hnclip_kernels.loss import cpp_directional
+    assert resolve_backend("auto", X) == ("cpp" if cpp_directional() is not None else "torch")
+    assert resolve_backend("auto", X.double()) == "torch"
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_single_pair_is_zero_with_zero_grads(backend):
+    img, txt = make_pair(1, 5)
+    img.requires_grad_(True)
+    txt.requires_grad_(True)
+    tau = torch.tensor(0.05, requires_grad=True)
+    loss = hn_clip_loss(img, txt, tau, label_smoothing=0.1, backend=backend)
+    loss.backward()
+    assert loss.item() == 0.0
+    for g in (img.grad, txt.grad, tau.grad):
+        assert torch.isfinite(g).all() and (g == 0).all()
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("where", ["img", "txt"])
+def test_nan_propagates(backend, where):
+    img, txt = make_pair(17, 8)
+    (img if where == "img" else txt)[5, 2] = float("nan")
+    for reduction in ("mean", "sum"):
+        assert torch.isnan(hn_clip_loss(img, txt, 0.07, reduction=reduction, backend=backend))
+    rows = hn_clip_loss(img, txt, 0.07, reduction="none", backend=backend)
+    assert torch.isnan(rows).all()  # every row's LSE sees the NaN row or column
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_inputs_not_mutated(backend):
+    img, txt = make_pair(16, 8, torch.bfloat16)
+    img_before, txt_before = img.clone(), txt.clone()
+    img.requires_grad_(True)
+    txt.requires_grad_(True)
+    hn_clip_loss(img, txt, 0.07, label_smoothing=0.1, backend=backend).backward()
+    assert torch.equal(img.detach(), img_before) and torch.equal(txt.detach(), txt_before)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_tau_float_equals_tau_tensor(backend):
+    img, txt = make_pair(15, 8)
+    a = hn_clip_loss(img, txt, 0.07, backend=backend)
+    b = hn_clip_loss(img, txt, torch.tensor(0.07), backend=backend)
+    assert_close_rel(a, b, 1e-7, "loss")
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_normalize_false_trusts_caller(backend):
+    img, txt = (F.normalize(x, dim=1) for x in make_pair(15, 8, seed=9))
+    check_against_truth(backend, 15, 8, torch.float32, 0.5, 0.07, 0.1, "mean", normalize=False, img=img, txt=txt)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_gamma_zero_equals_open_clip(backend):
+    open_clip_loss = pytest.importorskip("open_clip.loss")
+    img, txt = make_pair(12, 16, torch.float32, seed=5)
+    logit_scale = torch.tensor(14.3, requires_grad=True)
+    ours_in = [x.clone().requires_grad_(True) for x in (img, txt)]
+    theirs_in = [x.clone().requires_grad_(True) for x in (img, txt)]
+    ours = hn_clip_loss(*ours_in, 1.0 / logit_scale, gamma=0.0, backend=backend)
+    ours.backward()
+    ours_scale_grad = logit_scale.grad.clone()
+    logit_scale.grad = None
+    theirs = open_clip_loss.ClipLoss()(F.normalize(theirs_in[0], dim=-1), F.normalize(theirs_in[1], dim=-1),
+                                       logit_scale)
+    theirs.backward()
+    assert_close_rel(ours, theirs, 1e-6, "loss")
+    assert_close_rel(ours_in[0].grad, theirs_in[0].grad, 1e-5, "d img")
+    assert_close_rel(ours_in[1].grad, theirs_in[1].grad, 1e-5, "d txt")
+    assert_close_rel(ours_scale_grad, logit_scale.grad, 1e-5, "d logit_scale")
+
+
+def test_margin_raises_loss_of_similar_captions():
+    # γ > 0 raises the negatives' logits by γ·cos(t_i, t_j)/τ: with near-duplicate captions the
+    # loss must grow. (That G carries no gradient is checked by every comparison with the truth.)
+    img, txt = make_pair(9, 6, seed=11)
+    txt = txt + 2.0
+    for backend in ALL_BACKENDS:
+        assert hn_clip_loss(img, txt, 0.1, gamma=0.5, backend=backend) > hn_clip_loss(img, txt, 0.1, gamma=0.0, backend=backend)
