@@ -5,6 +5,8 @@ Public API: :func:`hn_clip_loss`. Backends: ``hnclip_kernels.reference`` (pure P
 (fused C++ CPU kernel).
 """
 from .loss import hn_clip_loss
+from .distributed import gather_features
+from .clip_loss import HNClipLoss
 
-__all__ = ["hn_clip_loss"]
+__all__ = ["hn_clip_loss", "HNClipLoss", "gather_features"]
 __version__ = "0.1.0"

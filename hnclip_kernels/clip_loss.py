@@ -1,0 +1,154 @@
+"""``HNClipLoss``: a drop-in replacement for ``open_clip.loss.ClipLoss`` computing HN-CLIP."""
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+from torch import nn
+
+from .distributed import distributed_hn_clip_loss
+
+
+class HNClipLoss(nn.Module):
+    """HN-CLIP contrastive loss (arXiv 2608.18521) with open_clip's ``ClipLoss`` interface.
+
+    Swap it in where open_clip builds ``ClipLoss`` (``open_clip_train.train.create_loss``)::
+
+        loss = HNClipLoss(local_loss=args.local_loss, gather_with_grad=args.gather_with_grad,
+                          cache_labels=True, rank=args.rank, world_size=args.world_size,
+                          gamma=0.5)
+        total = loss(image_features, text_features, logit_scale)   # logit_scale = model's exp'd scale
+
+    With ``gamma=0`` (and ``label_smoothing=0``) it equals ``ClipLoss`` in value and in the
+    gradients of the image features, text features and ``logit_scale``, in every mode below.
+
+    Modes (``W`` ranks, rank r holds n_r pairs, global batch of N = Σ n_r pairs in rank
+    order; ``L`` is the single-process HN-CLIP mean loss on the global batch, ``ℓ_i`` its
+    per-pair rows ½(i2t_i + t2i_i); "DDP-averaged" means each rank's gradients summed over
+    ranks and divided by W, as DistributedDataParallel does):
+
+    * ``local_loss=True, gather_with_grad=True`` (recommended, open_clip's
+      ``--local-loss --gather-with-grad``): rank r computes only its own rows: its n_r
+      images against all N texts and its n_r texts against all N images, positives at global
+      column ``offset_r + i``, margins from its texts against all gathered texts (global
+      margins). It returns ``(W/N)·Σ_{i on r} ℓ_i`` (equal sizes: the mean of its rows); the
+      mean over ranks is ``L``. Gradients through the gather are summed into the owning rank,
+      so the DDP-averaged gradient of every parameter, ``logit_scale`` included, equals the
+      gradient of ``L`` on one process. Exact also with unequal local batch sizes. The fused
+      backends never hold an n×N matrix.
+    * ``local_loss=True, gather_with_grad=False``: same rows and value, but the gathered
+      features are constants: a rank's features receive only their *query-side* gradient
+      (its images as i2t queries, its texts as t2i queries); the key-side part (as negatives
+      and positives in every rank's rows) is dropped. DDP-averaged: ``logit_scale``'s
+      gradient equals dL/ds exactly; the model's gradient is the query-side part of dL/dθ.
+      Cheapest, not the global-batch gradient.
+    * ``local_loss=False, gather_with_grad=False`` (open_clip's default): every rank
+      computes the full global loss ``L`` (all N rows, offset 0); only the rank's own slot of
+      the gathered features carries gradients. Each rank's feature gradients are exactly
+      dL/d(own features), so DDP-averaged model gradients are dL/dθ **divided by W**, while
+      ``logit_scale``'s DDP-averaged gradient is dL/ds (not divided). Every rank does the
+      whole N×N work.
+    * ``local_loss=False, gather_with_grad=True``: every rank computes ``L`` on the full batch
+      and gradients through the gather are summed (W·dL/d(own features) per rank), so the
+      DDP-averaged gradients equal dL/dθ and dL/ds exactly, at W times the compute.
+    * ``world_size=1``: the single-process loss ``L`` on the local batch; all modes coincide.
+
+    Args:
+        local_loss, gather_with_grad, rank, world_size: as ``ClipLoss`` (``rank`` and
+            ``world_size`` must be this process's rank and the size of ``group``).
+        cache_labels: accepted for compatibility; has no effect (no label tensor is built:
+            the kernels index the positives by offset).
+        use_horovod: not supported; ``True`` raises ``ValueError``.
+        gamma: margin scale γ ≥ 0 (0.5 is the paper's value; 0 is CLIP's InfoNCE).
+        label_smoothing: ε in [0, 1), ``cross_entropy`` semantics.
+        backend: "auto", "torch", "triton" or "cpp" (see :func:`hnclip_kernels.hn_clip_loss`).
+        normalize: L2-normalise the features inside. Default False because open_clip's
+            ``CLIP.forward`` already returns normalised features (as ``ClipLoss`` assumes);
+            pass True for raw embeddings.
+        group: process group to gather over (default: the global group).
+
+    Unequal local batch sizes (e.g. the last batch of an epoch) are exact: sizes are
+    all-gathered, features padded to the largest, gathered and stripped. Invalid or
+    inconsistent inputs raise on every rank, never hang (see ``hnclip_kernels.distributed``).
+    Each ``forward`` with ``world_size > 1`` costs one extra tiny all_gather (sizes and
+    checks) and one host sync. Autocast is disabled inside the loss (float32 accumulation).
+    """
+
+    def __init__(
+        self,
+        local_loss: bool = False,
+        gather_with_grad: bool = False,
+        cache_labels: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        use_horovod: bool = False,
+        *,
+        gamma: float = 0.5,
+        label_smoothing: float = 0.0,
+        backend: str = "auto",
+        normalize: bool = False,
+        group=None,
+    ):
+        super().__init__()
+        if use_horovod:
+            raise ValueError("HNClipLoss does not support horovod (use_horovod=True); launch with "
+                             "torchrun / torch.distributed (NCCL on GPUs, gloo on CPU) instead")
+        if int(world_size) < 1 or not 0 <= int(rank) < int(world_size):
+            raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got rank={rank}, "
+                             f"world_size={world_size}")
+        self.local_loss = local_loss
+        self.gather_with_grad = gather_with_grad
+        self.cache_labels = cache_labels
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.use_horovod = use_horovod
+        self.gamma = gamma
+        self.label_smoothing = label_smoothing
+        self.backend = backend
+        self.normalize = normalize
+        self.group = group
+
+    def extra_repr(self) -> str:
+        return (f"local_loss={self.local_loss}, gather_with_grad={self.gather_with_grad}, "
+                f"rank={self.rank}, world_size={self.world_size}, gamma={self.gamma}, "
+                f"label_smoothing={self.label_smoothing}, backend={self.backend!r}, "
+                f"normalize={self.normalize}")
+
+    def forward(
+        self,
+        image_features: torch.Tensor,
+        text_features: torch.Tensor,
+        logit_scale: Union[float, torch.Tensor],
+        logit_bias=None,
+        output_dict: bool = False,
+    ):
+        """Loss of this rank (see the class docstring for what it equals in each mode).
+
+        Args:
+            image_features, text_features: (n, D) local features of this rank, row i paired.
+            logit_scale: open_clip's already-exponentiated scale s = 1/τ (``model(...)``'s
+                third output, i.e. ``model.logit_scale.exp()``); a tensor requiring grad
+                receives ds. A Python float is accepted too.
+            logit_bias: must be None (SigLIP-style biases are not part of HN-CLIP).
+            output_dict: return ``{"contrastive_loss": loss}`` instead of the scalar.
+
+        Returns:
+            A float32 scalar (float64 for float64 features), or the dict; as ``ClipLoss``.
+        """
+        if logit_bias is not None:
+            raise ValueError("HNClipLoss does not take a logit_bias (HN-CLIP has no bias term); "
+                             "use a model without init_logit_bias or open_clip's SigLipLoss")
+        if isinstance(logit_scale, torch.Tensor):
+            tau = logit_scale.reciprocal()
+        elif isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)):
+            raise TypeError(f"logit_scale must be a tensor or a float, got {type(logit_scale).__name__}")
+        else:
+            tau = 1.0 / float(logit_scale) if logit_scale != 0 else float("inf")
+        loss = distributed_hn_clip_loss(
+            image_features, text_features, tau,
+            local_loss=self.local_loss, gather_with_grad=self.gather_with_grad,
+            rank=self.rank, world_size=self.world_size, group=self.group,
+            gamma=self.gamma, label_smoothing=self.label_smoothing,
+            backend=self.backend, normalize=self.normalize,
+        )
+        return {"contrastive_loss": loss} if output_dict else loss
