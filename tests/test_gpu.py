@@ -1,0 +1,198 @@
+"""GPU correctness: the core test matrix with compiled Triton kernels against the float64 formula.
+
+float32 must match the float64 truth (tests/helpers.py) to 1e-5 (loss) and 1e-4 (gradients)
+in relative norm. float16 and bfloat16 are judged the way Apple's cut-cross-entropy judges its
+kernels: elementwise, our error against the truth may exceed the error of plain PyTorch in
+the same dtype (logits computed in that dtype, then F.cross_entropy) by at most a small
+tolerance, here relative to the truth's largest magnitude because gradients scale with 1/N.
+"""
+import itertools
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cases import (DTYPES, GAMMAS, REDUCTIONS, SIZES_D, SIZES_N, SMOOTHINGS, TAUS, TOL_F32_GRAD,
+                   TOL_F32_LOSS, make_pair)
+from helpers import assert_close_rel, hn_clip_loss_f64
+from hnclip_kernels import hn_clip_loss
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton kernels)"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                       reason="TRITON_INTERPRET is set: these tests are for compiled kernels"),
+]
+
+DEV = "cuda"
+GPU_N = SIZES_N + (4097,)
+GPU_D = SIZES_D + (768,)
+LOWP_TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}  # cut-cross-entropy's tolerances
+OPTIONS = list(itertools.product(GAMMAS, TAUS, SMOOTHINGS, REDUCTIONS))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def all_cpu_threads():
+    # the float64 truth runs on the CPU; conftest's 2 threads would make N = 4097 crawl
+    before = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    yield
+    torch.set_num_threads(before)
+
+
+def matrix_cases():
+    """Every (N, D, dtype) once; the loss options walk through their product (step coprime with 54)."""
+    cases = []
+    for idx, (n, d, dtype) in enumerate(itertools.product(GPU_N, GPU_D, DTYPES)):
+        gamma, tau, eps, red = OPTIONS[(idx * 23) % len(OPTIONS)]
+        cases.append((n, d, dtype, gamma, tau, eps, red))
+    return cases
+
+
+def case_id(case):
+    n, d, dtype, gamma, tau, eps, red = case
+    return f"N{n}-D{d}-{str(dtype).split('.')[-1]}-g{gamma}-tau{tau}-ls{eps}-{red}"
+
+
+def plain_lowp_loss(img, txt, tau, gamma, label_smoothing, reduction):
+    """Plain PyTorch in the inputs' dtype: logits in that dtype, F.cross_entropy on their float32 copy."""
+    v, t = F.normalize(img, dim=1), F.normalize(txt, dim=1)
+    n = v.shape[0]
+    eye = torch.eye(n, dtype=torch.bool, device=v.device)
+    z = ((v @ t.T + gamma * (t @ t.T).detach().masked_fill(eye, 0.0)) / tau).float()
+    labels = torch.arange(n, device=v.device)
+    rows = 0.5 * (F.cross_entropy(z, labels, reduction="none", label_smoothing=label_smoothing)
+                  + F.cross_entropy(z.T, labels, reduction="none", label_smoothing=label_smoothing))
+    return {"mean": rows.mean(), "sum": rows.sum(), "none": rows}[reduction]
+
+
+def loss_and_grads(fn, img, txt, tau, tau_dtype, upstream):
+    """(loss, d img, d txt[, d tau]) as float64 CPU tensors; ``tau_dtype`` None passes a float."""
+    leaves = [x.detach().requires_grad_(True) for x in (img, txt)]  # detach keeps the strides
+    tau_arg = tau if tau_dtype is None else torch.tensor(tau, dtype=tau_dtype, device=img.device,
+                                                         requires_grad=True)
+    loss = fn(leaves[0], leaves[1], tau_arg)
+    loss.backward(upstream.to(loss.device, loss.dtype) if upstream is not None else torch.ones_like(loss))
+    out = [loss, leaves[0].grad, leaves[1].grad] + ([tau_arg.grad] if tau_dtype is not None else [])
+    return [x.detach().double().cpu() for x in out]
+
+
+def assert_no_worse_than_plain(ours, plain, truth, tol, what):
+    err, plain_err = (ours - truth).abs(), (plain - truth).abs()
+    excess = err - plain_err - tol * truth.abs().max().clamp_min(1e-12)
+    if (excess > 0).any():
+        i = int(excess.reshape(-1).argmax())
+        raise AssertionError(
+            f"{what}: error {err.reshape(-1)[i]:.3e} > plain-PyTorch error {plain_err.reshape(-1)[i]:.3e} + tolerance "
+            f"at flat index {i}: ours {ours.reshape(-1)[i]:.8e}, plain {plain.reshape(-1)[i]:.8e}, "
+            f"truth {truth.reshape(-1)[i]:.8e}")
+
+
+def check_case(n, d, dtype, gamma, tau, eps, reduction, *, tau_grad=True, upstream=None, img=None, txt=None,
+               seed=0):
+    """Triton on the GPU against the float64 truth on the CPU, on the same (upcast) inputs."""
+    if img is None:
+        img, txt = (x.to(DEV) for x in make_pair(n, d, dtype, seed=seed))
+    n = img.shape[0]
+    if upstream is None and reduction == "none":
+        upstream = torch.linspace(-1.0, 2.0, n, dtype=torch.float64)  # an upstream gradient that is not 1
+
+    def ours_fn(a, b, t):
+        return hn_clip_loss(a, b, t, gamma=gamma, label_smoothing=eps, reduction=reduction, backend="triton")
+
+    def truth_fn(a, b, t):
+        return hn_clip_loss_f64(a, b, t, gamma, eps, reduction)
+
+    ours = loss_and_grads(ours_fn, img, txt, tau, torch.float32 if tau_grad else None, upstream)
+    truth = loss_and_grads(truth_fn, img.cpu().double(), txt.cpu().double(), tau,
+                           torch.float64 if tau_grad else None, upstream)
+    names = ("loss", "d img", "d txt", "d tau")
+    if dtype == torch.float32:
+        for name, a, b in zip(names, ours, truth):
+            assert_close_rel(a, b, TOL_F32_LOSS if name == "loss" else TOL_F32_GRAD, name)
+        return
+
+    def plain_fn(a, b, t):
+        return plain_lowp_loss(a, b, t, gamma, eps, reduction)
+
+    plain = loss_and_grads(plain_fn, img, txt, tau, torch.float32 if tau_grad else None, upstream)
+    for name, a, p, b in zip(names, ours, plain, truth):
+        assert_no_worse_than_plain(a, p, b, LOWP_TOL[dtype], name)
+
+
+@pytest.mark.parametrize("case", matrix_cases(), ids=case_id)
+def test_matrix_against_float64(case):
+    n, d, dtype, gamma, tau, eps, reduction = case
+    check_case(n, d, dtype, gamma, tau, eps, reduction, tau_grad=(n + d) % 2 == 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("gamma,tau,eps,reduction", OPTIONS)
+def test_every_option_combination(dtype, gamma, tau, eps, reduction):
+    check_case(130, 100, dtype, gamma, tau, eps, reduction, tau_grad=True, seed=3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_non_contiguous_inputs_and_upstream_grad(dtype):
+    n, d = 257, 96
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    img = torch.randn(d, n, device=DEV, generator=gen).to(dtype).T  # column-major
+    txt = torch.randn(n, 2 * d, device=DEV, generator=gen).to(dtype)[:, ::2]  # strided
+    assert not img.is_contiguous() and not txt.is_contiguous()
+    upstream = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    check_case(n, d, dtype, 0.5, 0.07, 0.1, "none", upstream=upstream, img=img, txt=txt)
+    check_case(n, d, dtype, 2.0, 0.05, 0.0, "sum", upstream=torch.tensor(-3.5, dtype=torch.float64),
+               img=img, txt=txt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_large_n_against_float64_torch_backend(dtype):
+    # beyond the CPU truth's reach: the torch backend in float64 on the GPU is the reference
+    img, txt = (x.to(DEV) for x in make_pair(16384, 512, dtype, seed=11))
+
+    def run(a, b, backend):
+        tau_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
+        return loss_and_grads(lambda x, y, t: hn_clip_loss(x, y, t, gamma=0.5, label_smoothing=0.1,
+                                                           backend=backend), a, b, 0.05, tau_dtype, None)
+
+    truth = run(img.double(), txt.double(), "torch")
+    ours = run(img, txt, "triton")
+    names = ("loss", "d img", "d txt", "d tau")
+    if dtype == torch.float32:
+        for name, a, b in zip(names, ours, truth):
+            assert_close_rel(a, b, TOL_F32_LOSS if name == "loss" else TOL_F32_GRAD, name)
+    else:
+        plain = loss_and_grads(lambda x, y, t: plain_lowp_loss(x, y, t, 0.5, 0.1, "mean"), img, txt, 0.05,
+                               torch.float32, None)
+        for name, a, p, b in zip(names, ours, plain, truth):
+            assert_no_worse_than_plain(a, p, b, LOWP_TOL[dtype], name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_deterministic_bitwise(dtype):
+    img, txt = (x.to(DEV) for x in make_pair(4097, 768, dtype, seed=7))
+    runs = []
+    for _ in range(2):
+        leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
+        tau = torch.tensor(0.05, device=DEV, requires_grad=True)
+        loss = hn_clip_loss(*leaves, tau, gamma=0.5, label_smoothing=0.1, backend="triton")
+        loss.backward()
+        runs.append((loss, leaves[0].grad, leaves[1].grad, tau.grad))
+    for name, a, b in zip(("loss", "d img", "d txt", "d tau"), *runs):
+        assert torch.equal(a, b), f"{name} differs between identical runs"
+
+
+def test_large_n_memory_is_linear():
+    n, d = 65536, 256
+    img, txt = (torch.randn(n, d, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = hn_clip_loss(img, txt, 0.07, backend="triton")
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert torch.isfinite(loss) and torch.isfinite(img.grad.float()).all()
+    # O(N·D) working set (float32 copies and gradients), against 16 GiB for one float32 N×N matrix
+    assert extra <= 24 * n * d * 4, f"peak {extra / 2**20:.0f} MiB above the inputs"
+    assert extra <= n * n * 4 // 10
