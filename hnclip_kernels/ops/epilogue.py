@@ -45,6 +45,26 @@ def row_nll(stats: RowStats) -> torch.Tensor:
     return F.softplus(stats.delta)
 
 
+def add_positive_and_smoothing(stats: RowStats, g, q_hat, k_hat, d_q, d_k, offset: int, label_smoothing: float):
+    """Add, in place, the parts of dL/dq̂ and dL/dk̂ (times τ) that no kernel computes: the
+    positive's gradient and the uniform label-smoothing term. Returns this direction's
+    Σ_ik dZ_ik·Z_ik (a scalar), from which dL/dτ = −(that) / τ.
+    """
+    m, n = q_hat.shape[0], k_hat.shape[0]
+    eps = label_smoothing
+    q_prob = torch.sigmoid(stats.delta)  # Σ of the negatives' probabilities, stable when tiny
+    g_pos = g * (eps - q_prob)  # dL/dZ_pos = ε(1 − 1/N) − q, the −ε/N part is in the uniform term below
+    d_q.add_(g_pos[:, None] * k_hat[offset : offset + m])
+    d_k[offset : offset + m].add_(g_pos[:, None] * q_hat)
+    if eps != 0.0:
+        # every column (positive included) gets −ε/N · g_i
+        d_q.sub_((eps / n) * g[:, None] * k_hat.sum(dim=0)[None, :])
+        d_k.sub_((eps / n) * (g[:, None] * q_hat).sum(dim=0)[None, :])
+    # Σ_k dZ_ik Z_ik = Σ_{k≠pos} (P_ik − ε/N)(Z_ik − Z_pos), since each row of dZ sums to 0:
+    # written with gaps, so there is no cancellation when the loss is tiny
+    return (g * (q_prob * stats.mean_neg - (eps / n) * stats.dsum)).sum()
+
+
 def grads_outside_kernel(
     stats: RowStats,
     g: torch.Tensor,
@@ -63,28 +83,17 @@ def grads_outside_kernel(
     ``d_k_neg`` in place (they are kernel scratch) and returns (dq̂, dk̂, dτ_times_tau)
     where the last must still be divided by τ (done by the caller to keep τ's dtype).
     """
-    m, n = q_hat.shape[0], k_hat.shape[0]
-    eps = label_smoothing
-    q_prob = torch.sigmoid(stats.delta)  # Σ of the negatives' probabilities, stable when tiny
-    g_pos = g * (eps - q_prob)  # dL/dZ_pos = ε(1 − 1/N) − q, the −ε/N part is in the uniform term below
-    d_q_neg.add_(g_pos[:, None] * k_hat[offset : offset + m])
-    d_k_neg[offset : offset + m].add_(g_pos[:, None] * q_hat)
-    if eps != 0.0:
-        # every column (positive included) gets −ε/N · g_i
-        d_q_neg.sub_((eps / n) * g[:, None] * k_hat.sum(dim=0)[None, :])
-        d_k_neg.sub_((eps / n) * (g[:, None] * q_hat).sum(dim=0)[None, :])
-    d_q = d_q_neg.mul_(inv_tau)
-    d_k = d_k_neg.mul_(inv_tau)
-    # dL/dτ = −(1/τ) Σ_ik dZ_ik Z_ik = −(1/τ) Σ_i g_i Σ_{k≠pos} (P_ik − ε/N) (Z_ik − Z_pos)
-    d_tau_scaled = -(g * (q_prob * stats.mean_neg - (eps / n) * stats.dsum)).sum()
-    return d_q, d_k, d_tau_scaled
+    dz_z = add_positive_and_smoothing(stats, g, q_hat, k_hat, d_q_neg, d_k_neg, offset, label_smoothing)
+    # dL/dτ = −(1/τ) Σ_ik dZ_ik Z_ik
+    return d_q_neg.mul_(inv_tau), d_k_neg.mul_(inv_tau), -dz_z
 
 
 def unnormalize_grad(x: torch.Tensor, inv_norm: torch.Tensor, d_hat: torch.Tensor, normalize: bool) -> torch.Tensor:
-    """Chain dL/dx̂ through x̂ = x / max(‖x‖, eps) (F.normalize semantics), in float32."""
+    """Chain dL/dx̂ through x̂ = x / max(‖x‖, eps) (F.normalize semantics), in ``inv_norm``'s
+    dtype (float32; float64 for the C++ kernel's float64 path)."""
     if not normalize:
         return d_hat
-    x_hat = x.float() * inv_norm[:, None]
+    x_hat = x.to(inv_norm.dtype) * inv_norm[:, None]
     radial = (x_hat * d_hat).sum(dim=1, keepdim=True)
     clamped = inv_norm >= 1.0 / 1e-12  # ‖x‖ below eps: x̂ = x / eps is linear, no projection
     proj = torch.where(clamped[:, None], d_hat, d_hat - x_hat * radial)

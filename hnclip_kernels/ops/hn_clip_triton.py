@@ -121,13 +121,20 @@ def _bwd_kernel(
     q_ptr, k_ptr, a_ptr, b_ptr,
     s_qm, s_qd, s_kn, s_kd, s_am, s_ad, s_bn, s_bd,
     rq_ptr, rk_ptr, ra_ptr, rb_ptr, pos_ptr, nll_ptr, g_ptr, tau_ptr,
+    pos_c_ptr, nll_c_ptr, g_c_ptr,  # SYMMETRIC only: the key direction's row statistics
     out_ptr, s_om, s_od,
     M, N, D, offset, gamma,
     FOR_KEYS: tl.constexpr,  # False: program owns query rows, out = Σ_k ds_ik k_k; True: owns key columns, out = Σ_i ds_ik q_i
+    SYMMETRIC: tl.constexpr,  # M = N, offset 0: ds also carries the key direction's softmax (Z is shared)
     HAS_MARGIN: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, GRAD_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Negatives' share of dL/dq̂ (or dL/dk̂) times τ, for one block of rows and a slice of D."""
+    """Negatives' share of dL/dq̂ (or dL/dk̂) times τ, for one block of rows and a slice of D.
+
+    With SYMMETRIC the tile's gradient is ds_ik = g_i P_ik + g'_k P'_ki, where P' is the
+    softmax of the other direction (column k of the same Z), so one recomputed tile serves
+    both i2t and t2i and the backward costs two kernels instead of four.
+    """
     pid = tl.program_id(0)
     pid_d = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -138,6 +145,10 @@ def _bwd_kernel(
         mask_n = offs_n < N
         rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
         rb = tl.load(rb_ptr + offs_n, mask=mask_n, other=0.0)
+        if SYMMETRIC:
+            pos_c = tl.load(pos_c_ptr + offs_n, mask=mask_n, other=0.0)
+            nll_c = tl.load(nll_c_ptr + offs_n, mask=mask_n, other=0.0)
+            g_c = tl.load(g_c_ptr + offs_n, mask=mask_n, other=0.0)
         acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         n_outer = M
     else:
@@ -165,6 +176,10 @@ def _bwd_kernel(
             mask_n = offs_n < N
             rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
             rb = tl.load(rb_ptr + offs_n, mask=mask_n, other=0.0)
+            if SYMMETRIC:
+                pos_c = tl.load(pos_c_ptr + offs_n, mask=mask_n, other=0.0)
+                nll_c = tl.load(nll_c_ptr + offs_n, mask=mask_n, other=0.0)
+                g_c = tl.load(g_c_ptr + offs_n, mask=mask_n, other=0.0)
         z = _logits_tile(q_ptr, k_ptr, a_ptr, b_ptr, s_qm, s_qd, s_kn, s_kd, s_am, s_ad, s_bn, s_bd,
                          rq, rk, ra, rb, offs_m, offs_n, M, N, D, gamma, inv_tau,
                          HAS_MARGIN, UPCAST, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -173,6 +188,9 @@ def _bwd_kernel(
         # mask before exp: the positive's tile entry carries a margin and may overflow
         prob = tl.exp(tl.where(neg, z - pos[:, None] - row_nll[:, None], float("-inf")))
         ds = prob * g[:, None]
+        if SYMMETRIC:
+            prob_c = tl.exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf")))
+            ds += prob_c * g_c[None, :]
         if FOR_KEYS:
             ds = ds * rq[:, None]  # scale here so the raw q tile feeds the dot
             src = tl.load(q_ptr + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd,
@@ -226,74 +244,135 @@ def _strides(*xs):
     return [s for x in xs for s in x.stride()]
 
 
+def _forward_stats(ops, norms, pos, tau32, offset: int, gamma: float, cfg: dict) -> epilogue.RowStats:
+    """Run the forward kernel on operands ``ops = (q, k, a, b)`` with inverse norms ``norms``."""
+    q, k, _, _ = ops
+    m, d = q.shape
+    n = k.shape[0]
+    delta = torch.empty(m, device=q.device, dtype=torch.float32)
+    mean_neg, dsum = torch.empty_like(delta), torch.empty_like(delta)
+    _fwd_kernel[(triton.cdiv(m, cfg["BLOCK_M"]),)](
+        *ops, *_strides(*ops), *norms, pos, tau32, delta, mean_neg, dsum, m, n, d, offset, gamma,
+        HAS_MARGIN=gamma != 0.0, UPCAST=cfg["UPCAST"], DOT_PREC=cfg["DOT_PREC"],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+    )
+    return epilogue.RowStats(pos, delta, mean_neg, dsum)
+
+
+def _backward_shares(ops, norms, stats, g, tau32, offset: int, gamma: float, cfg: dict, key_side=None):
+    """Negatives' shares (times τ) of dL/dq̂ (M, D) and dL/dk̂ (N, D), float32.
+
+    ``key_side = (stats, g)`` of the transposed direction makes it symmetric (M = N, offset 0).
+    """
+    q, k, _, _ = ops
+    m, d = q.shape
+    n = k.shape[0]
+    nll = epilogue.row_nll(stats)
+    col = (stats.pos, epilogue.row_nll(key_side[0]), key_side[1]) if key_side else (nll, nll, nll)
+    d_q = torch.empty(m, d, device=q.device, dtype=torch.float32)
+    d_k = torch.empty(n, d, device=q.device, dtype=torch.float32)
+    block_d = _pow2(d, 16, 128)
+    for out, for_keys, rows, block in ((d_q, False, m, "BLOCK_M"), (d_k, True, n, "BLOCK_N")):
+        _bwd_kernel[(triton.cdiv(rows, cfg[block]), triton.cdiv(d, block_d))](
+            *ops, *_strides(*ops), *norms, stats.pos, nll, g, tau32, *col, out, *out.stride(),
+            m, n, d, offset, gamma, FOR_KEYS=for_keys, SYMMETRIC=key_side is not None,
+            HAS_MARGIN=gamma != 0.0, UPCAST=cfg["UPCAST"], DOT_PREC=cfg["DOT_PREC"], GRAD_FP32=cfg["GRAD_FP32"],
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_D=block_d,
+        )
+    return d_q, d_k
+
+
+def _tau_grad(ctx, dz_z: torch.Tensor, inv_tau: torch.Tensor):
+    """dL/dτ = −(Σ dZ·Z) / τ, in τ's own dtype and shape; None when τ needs no gradient."""
+    if not ctx.needs_input_grad[ctx.tau_index]:
+        return None
+    tau_dtype, tau_shape = ctx.tau_meta
+    return (-dz_z * inv_tau).to(tau_dtype).reshape(tau_shape)
+
+
+def _save_tau(ctx, tau: torch.Tensor, index: int, like: torch.Tensor) -> torch.Tensor:
+    ctx.tau_meta, ctx.tau_index = (tau.dtype, tau.shape), index
+    return tau.detach().to(device=like.device, dtype=torch.float32).reshape(1)
+
+
 class HNClipDirectionalTriton(torch.autograd.Function):
     """One direction of the HN-CLIP loss: per-row losses (M,) float32; grads for q, k, τ.
 
-    ``a``/``b`` (the margin's text factors) are stop-gradient by definition of the loss.
+    M local query rows against N key columns, positive at ``offset + i``: what a rank of a
+    distributed job computes. ``a``/``b`` (the margin's text factors) are stop-gradient.
     """
 
     @staticmethod
     def forward(ctx, q, k, a, b, tau, offset: int, gamma: float, label_smoothing: float, normalize: bool):
-        m, d = q.shape
-        n = k.shape[0]
-        rq, rk = _inv_norms(q, normalize), _inv_norms(k, normalize)
-        ra, rb = _inv_norms(a, normalize), _inv_norms(b, normalize)
-        tau32 = tau.detach().to(device=q.device, dtype=torch.float32).reshape(1)
+        norms = tuple(_inv_norms(x, normalize) for x in (q, k, a, b))
+        tau32 = _save_tau(ctx, tau, 4, q)
         inv_tau = 1.0 / tau32
-        q_hat = q.float() * rq[:, None]
-        k_hat = k.float() * rk[:, None]
-        pos = epilogue.positive_logits(q_hat, k_hat, offset, inv_tau)
-        delta = torch.empty(m, device=q.device, dtype=torch.float32)
-        mean_neg, dsum = torch.empty_like(delta), torch.empty_like(delta)
-        cfg = _launch_config(m, n, d, q.dtype)
-        has_margin = gamma != 0.0
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]),)
-        _fwd_kernel[grid](
-            q, k, a, b, *_strides(q, k, a, b), rq, rk, ra, rb, pos, tau32,
-            delta, mean_neg, dsum, m, n, d, offset, float(gamma),
-            HAS_MARGIN=has_margin, UPCAST=cfg["UPCAST"], DOT_PREC=cfg["DOT_PREC"],
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        )
-        stats = epilogue.RowStats(pos, delta, mean_neg, dsum)
-        ctx.save_for_backward(q, k, a, b, rq, rk, ra, rb, tau32, *stats)
-        ctx.cfg = (offset, float(gamma), label_smoothing, normalize, has_margin, cfg)
-        ctx.tau_meta = (tau.dtype, tau.shape)
-        return epilogue.row_losses(stats, n, label_smoothing)
+        pos = epilogue.positive_logits(q.float() * norms[0][:, None], k.float() * norms[1][:, None], offset, inv_tau)
+        cfg = _launch_config(q.shape[0], k.shape[0], q.shape[1], q.dtype)
+        stats = _forward_stats((q, k, a, b), norms, pos, tau32, offset, float(gamma), cfg)
+        ctx.save_for_backward(q, k, a, b, *norms, tau32, *stats)
+        ctx.cfg = (offset, float(gamma), label_smoothing, normalize, cfg)
+        return epilogue.row_losses(stats, k.shape[0], label_smoothing)
 
     @staticmethod
     def backward(ctx, grad_rows):
         q, k, a, b, rq, rk, ra, rb, tau32, *stats = ctx.saved_tensors
         stats = epilogue.RowStats(*stats)
-        offset, gamma, eps, normalize, has_margin, cfg = ctx.cfg
-        m, d = q.shape
-        n = k.shape[0]
+        offset, gamma, eps, normalize, cfg = ctx.cfg
         g = grad_rows.detach().float().contiguous()
-        nll = epilogue.row_nll(stats)
-        d_q = torch.empty(m, d, device=q.device, dtype=torch.float32)
-        d_k = torch.empty(n, d, device=q.device, dtype=torch.float32)
-        block_d = _pow2(d, 16, 128)
-        common = dict(
-            HAS_MARGIN=has_margin, UPCAST=cfg["UPCAST"], DOT_PREC=cfg["DOT_PREC"], GRAD_FP32=cfg["GRAD_FP32"],
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_D=block_d,
-        )
-        args = (q, k, a, b, *_strides(q, k, a, b), rq, rk, ra, rb, stats.pos, nll, g, tau32)
-        for out, for_keys, rows, block in ((d_q, False, m, "BLOCK_M"), (d_k, True, n, "BLOCK_N")):
-            grid = (triton.cdiv(rows, cfg[block]), triton.cdiv(d, block_d))
-            _bwd_kernel[grid](*args, out, *out.stride(), m, n, d, offset, gamma, FOR_KEYS=for_keys, **common)
+        d_q, d_k = _backward_shares((q, k, a, b), (rq, rk, ra, rb), stats, g, tau32, offset, gamma, cfg)
         inv_tau = 1.0 / tau32
-        q_hat = q.float() * rq[:, None]
-        k_hat = k.float() * rk[:, None]
-        d_q_hat, d_k_hat, d_tau_scaled = epilogue.grads_outside_kernel(
-            stats, g, q_hat, k_hat, d_q, d_k, offset, inv_tau, eps)
-        d_q_in = epilogue.unnormalize_grad(q, rq, d_q_hat, normalize).to(q.dtype)
-        d_k_in = epilogue.unnormalize_grad(k, rk, d_k_hat, normalize).to(k.dtype)
-        d_tau = None
-        if ctx.needs_input_grad[4]:
-            tau_dtype, tau_shape = ctx.tau_meta
-            d_tau = (d_tau_scaled * inv_tau).to(tau_dtype).reshape(tau_shape)
-        return d_q_in, d_k_in, None, None, d_tau, None, None, None, None
+        q_hat, k_hat = q.float() * rq[:, None], k.float() * rk[:, None]
+        dz_z = epilogue.add_positive_and_smoothing(stats, g, q_hat, k_hat, d_q, d_k, offset, eps)
+        d_q_in = epilogue.unnormalize_grad(q, rq, d_q.mul_(inv_tau), normalize).to(q.dtype)
+        d_k_in = epilogue.unnormalize_grad(k, rk, d_k.mul_(inv_tau), normalize).to(k.dtype)
+        return d_q_in, d_k_in, None, None, _tau_grad(ctx, dz_z, inv_tau), None, None, None, None
+
+
+class HNClipTriton(torch.autograd.Function):
+    """The whole single-process loss: per-pair losses ½(i2t_k + t2i_k), shape (N,), float32.
+
+    Forward: two passes of the forward kernel (rows of Z for i2t, rows of Zᵀ for t2i).
+    Backward: one pass over image rows and one over text rows, each recomputed tile
+    carrying both directions' softmax, so it costs half of two directional backwards.
+    """
+
+    @staticmethod
+    def forward(ctx, img, txt, tau, gamma: float, label_smoothing: float, normalize: bool):
+        rv, rt = _inv_norms(img, normalize), _inv_norms(txt, normalize)
+        tau32 = _save_tau(ctx, tau, 2, img)
+        inv_tau = 1.0 / tau32
+        pos = epilogue.positive_logits(img.float() * rv[:, None], txt.float() * rt[:, None], 0, inv_tau)
+        n, d = img.shape
+        cfg = _launch_config(n, n, d, img.dtype)
+        i2t = _forward_stats((img, txt, txt, txt), (rv, rt, rt, rt), pos, tau32, 0, float(gamma), cfg)
+        t2i = _forward_stats((txt, img, txt, txt), (rt, rv, rt, rt), pos, tau32, 0, float(gamma), cfg)
+        ctx.save_for_backward(img, txt, rv, rt, tau32, *i2t, *t2i)
+        ctx.cfg = (float(gamma), label_smoothing, normalize, cfg)
+        return 0.5 * (epilogue.row_losses(i2t, n, label_smoothing) + epilogue.row_losses(t2i, n, label_smoothing))
+
+    @staticmethod
+    def backward(ctx, grad_pairs):
+        img, txt, rv, rt, tau32, *stats = ctx.saved_tensors
+        i2t, t2i = epilogue.RowStats(*stats[:4]), epilogue.RowStats(*stats[4:])
+        gamma, eps, normalize, cfg = ctx.cfg
+        g = 0.5 * grad_pairs.detach().float().contiguous()  # each direction's rows get half
+        d_v, d_t = _backward_shares((img, txt, txt, txt), (rv, rt, rt, rt), i2t, g, tau32, 0, gamma, cfg,
+                                    key_side=(t2i, g))
+        inv_tau = 1.0 / tau32
+        v_hat, t_hat = img.float() * rv[:, None], txt.float() * rt[:, None]
+        dz_z = epilogue.add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v, d_t, 0, eps)
+        dz_z = dz_z + epilogue.add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_t, d_v, 0, eps)
+        d_img = epilogue.unnormalize_grad(img, rv, d_v.mul_(inv_tau), normalize).to(img.dtype)
+        d_txt = epilogue.unnormalize_grad(txt, rt, d_t.mul_(inv_tau), normalize).to(txt.dtype)
+        return d_img, d_txt, _tau_grad(ctx, dz_z, inv_tau), None, None, None
 
 
 def directional_nll_triton(q, k, a, b, tau, offset, gamma, label_smoothing, normalize):
     """Triton counterpart of :func:`hnclip_kernels.reference.directional_nll_torch`."""
     return HNClipDirectionalTriton.apply(q, k, a, b, tau, offset, gamma, label_smoothing, normalize)
+
+
+def hn_clip_pairs_triton(img, txt, tau, gamma, label_smoothing, normalize):
+    """Per-pair losses ½(i2t_k + t2i_k), shape (N,): the fused single-process loss."""
+    return HNClipTriton.apply(img, txt, tau, gamma, label_smoothing, normalize)
