@@ -23,7 +23,8 @@ def _extensions():
     ext = CppExtension(
         name="hnclip_kernels._C",
         sources=sources,
-        extra_compile_args=["-O3", "-fopenmp", "-std=c++17"],
+        # no -std=: BuildExtension adds the standard the installed torch headers need (C++20 today)
+        extra_compile_args=["-O3", "-fopenmp"],
         extra_link_args=["-fopenmp"],
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}

@@ -20,6 +20,13 @@ REDUCTIONS = ("mean", "sum", "none")
 # Tolerances (relative error in norm against the float64 formula on the same upcast inputs).
 TOL_F32_LOSS, TOL_F32_GRAD = 1e-5, 1e-4
 TOL_LOWP_LOSS = 1e-3
+# Saturated regime (τ = 0.01, true loss < 1e-20): each row's loss is exp(d) of a few hardest
+# negatives with |d| ≈ 50-100, so any float32 evaluation carries a relative error of about
+# |d|·2⁻²⁴·(a few) ≈ 1e-5 from float32 logits and dot products alone (half an ulp of a logit
+# of 100 is 4e-6). Over 48 such batches the float32 torch backend exceeded 1e-5 in 30 (max
+# 2.3e-5), Triton in 15 (max 1.3e-5), the C++ kernel in 11 (max 1.5e-5). The loss is held to
+# 3e-5 there; gradients keep 1e-4.
+TOL_F32_LOSS_SATURATED = 3e-5
 
 
 def covering_cases():
@@ -51,7 +58,7 @@ def make_pair(n: int, d: int, dtype=torch.float32, seed: int = 0, aligned: float
 
 
 def check_against_truth(backend, n, d, dtype, gamma, tau, eps, reduction, *, tau_grad=True,
-                        upstream=None, normalize=True, img=None, txt=None, seed=0):
+                        upstream=None, normalize=True, img=None, txt=None, seed=0, loss_tol=None):
     """Run ``backend`` and the float64 truth on the same inputs; assert loss and all grads."""
     if img is None:
         img, txt = make_pair(n, d, dtype, seed=seed)
@@ -65,7 +72,7 @@ def check_against_truth(backend, n, d, dtype, gamma, tau, eps, reduction, *, tau
 
     assert loss.dtype == torch.float32
     lowp = dtype in (torch.float16, torch.bfloat16)
-    assert_close_rel(loss, ref, TOL_LOWP_LOSS if lowp else TOL_F32_LOSS, "loss")
+    assert_close_rel(loss, ref, loss_tol or (TOL_LOWP_LOSS if lowp else TOL_F32_LOSS), "loss")
     if upstream is None:
         upstream = torch.ones_like(ref) if reduction == "none" else torch.ones(())
     loss.backward(upstream.to(loss.dtype))
@@ -101,3 +108,8 @@ def fused_backends():
 
 
 ALL_BACKENDS = ["torch"] + fused_backends()
+
+
+def saturated_pair(seed: int, n: int = 40, d: int = 128):
+    """Well-separated pairs for τ = 0.01: the true loss is < 1e-20 (asserted by the callers)."""
+    return make_pair(n, d, torch.float32, seed=seed, aligned=0.95)

@@ -1,0 +1,172 @@
+"""Fused HN-CLIP loss on CPU: the C++ kernels of ``csrc/`` and their autograd.
+
+The extension ``hnclip_kernels._C`` registers two kernel operators with ``TORCH_LIBRARY``:
+
+* ``torch.ops.hnclip.directional_fwd``: per-row ``delta``, ``mean_neg``, ``dsum`` over the
+  negatives (the same three numbers as the Triton forward kernel) and, when a gradient
+  will be needed, the negatives' gradient shares for an upstream gradient of 1
+  (``Σ_k P_ik k̂_k`` per query row and ``Σ_i P_ik q̂_i`` per key row), computed from the
+  same logit tiles, so the backward usually recomputes nothing.
+* ``torch.ops.hnclip.directional_bwd``: the negatives' shares for the actual upstream
+  gradient ``g`` (a rescale of the forward's shares when ``g`` is the same for every row,
+  as for ``mean``/``sum``; otherwise a column sweep that recomputes the tiles).
+
+This module wraps them, together with the O(N·D) algebra of :mod:`.epilogue`, in two
+``torch.library.custom_op`` operators, ``hnclip::directional_nll`` and
+``hnclip::directional_nll_backward``, and registers the autograd formula and the fake
+(meta) kernels once, at import. Being registered operators they compose with
+``torch.compile(fullgraph=True)`` (no graph break) and ``torch.autograd.gradcheck``.
+
+Importing this module raises ImportError when the extension was not built;
+``hnclip_kernels.loss`` treats that as "C++ backend unavailable".
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from ..reference import NORM_EPS, compute_dtype
+from . import epilogue
+
+try:
+    from .. import _C  # noqa: F401  (loading the library runs its TORCH_LIBRARY registrations)
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        f"hnclip_kernels._C, the C++ CPU kernel, is not available ({exc}); reinstall with "
+        "`pip install --no-build-isolation -e .` to compile csrc/"
+    ) from exc
+
+if not hasattr(torch.ops.hnclip, "directional_fwd"):  # pragma: no cover
+    raise ImportError("hnclip_kernels._C loaded but did not register torch.ops.hnclip.directional_fwd")
+
+
+def _inv_norms(x: Tensor, normalize: bool, dt: torch.dtype) -> Tensor:
+    """1 / max(‖x_i‖, eps) per row in ``dt`` (ones when not normalising)."""
+    if not normalize:
+        return torch.ones(x.shape[0], device=x.device, dtype=dt)
+    return 1.0 / torch.linalg.vector_norm(x, dim=1, dtype=dt).clamp_min(NORM_EPS)
+
+
+def _scaled(x: Tensor, inv_norm: Tensor, dt: torch.dtype) -> Tensor:
+    # the C++ side builds b̂ / â with the same expression and compares bits to spot i2t / t2i
+    return x.to(dt) * inv_norm[:, None]
+
+
+_FwdOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+@torch.library.custom_op("hnclip::directional_nll", mutates_args=(), device_types="cpu")
+def _directional_nll(
+    q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor,
+    offset: int, gamma: float, label_smoothing: float, normalize: bool, need_grad: bool,
+) -> _FwdOut:
+    """Per-row losses (M,) and what the backward needs:
+    (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, row_acc, col_acc)."""
+    dt = compute_dtype(q.dtype)
+    rq, rk, ra, rb = (_inv_norms(x, normalize, dt) for x in (q, k, a, b))
+    inv_tau = 1.0 / tau.detach().to(dt)
+    q_hat, k_hat = _scaled(q, rq, dt), _scaled(k, rk, dt)
+    pos = epilogue.positive_logits(q_hat, k_hat, offset, inv_tau)
+    delta, mean_neg, dsum, row_acc, col_acc = torch.ops.hnclip.directional_fwd(
+        q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad)
+    loss = epilogue.row_losses(epilogue.RowStats(pos, delta, mean_neg, dsum), k.shape[0], label_smoothing)
+    return loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, row_acc, col_acc
+
+
+@_directional_nll.register_fake
+def _directional_nll_fake(q, k, a, b, tau, offset, gamma, label_smoothing, normalize, need_grad):
+    dt = compute_dtype(q.dtype)
+    m, d = q.shape
+    n = k.shape[0]
+    loss, rq, ra, pos, delta, mean_neg, dsum = (q.new_empty((m,), dtype=dt) for _ in range(7))
+    rk, rb = q.new_empty((n,), dtype=dt), q.new_empty((n,), dtype=dt)
+    row_acc = q.new_empty((m if need_grad else 0, d), dtype=dt)
+    col_acc = q.new_empty((n if need_grad else 0, d), dtype=dt)
+    return loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, row_acc, col_acc
+
+
+@torch.library.custom_op("hnclip::directional_nll_backward", mutates_args=(), device_types="cpu")
+def _directional_nll_backward(
+    grad: Tensor, q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor,
+    rq: Tensor, rk: Tensor, ra: Tensor, rb: Tensor, pos: Tensor, delta: Tensor, mean_neg: Tensor, dsum: Tensor,
+    row_acc: Tensor, col_acc: Tensor,
+    offset: int, gamma: float, label_smoothing: float, normalize: bool, need_qk: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dL/dq in q's dtype, dL/dk in k's dtype, dL/dτ in τ's dtype and shape)."""
+    dt = compute_dtype(q.dtype)
+    g = grad.to(dt).contiguous()
+    inv_tau = 1.0 / tau.detach().to(dt)
+    q_hat, k_hat = _scaled(q, rq, dt), _scaled(k, rk, dt)
+    if need_qk:
+        d_q_neg, d_k_neg = torch.ops.hnclip.directional_bwd(
+            q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma)
+    else:  # only τ wants a gradient: it needs the row statistics alone
+        d_q_neg, d_k_neg = torch.zeros_like(q_hat), torch.zeros_like(k_hat)
+    stats = epilogue.RowStats(pos, delta, mean_neg, dsum)
+    d_q_hat, d_k_hat, d_tau_scaled = epilogue.grads_outside_kernel(
+        stats, g, q_hat, k_hat, d_q_neg, d_k_neg, offset, inv_tau, label_smoothing)
+    del q_hat, k_hat, d_q_neg, d_k_neg  # peak memory: free before the normalisation's temporaries
+    # contiguous whatever the inputs' strides, as the fake kernel promises
+    d_q = epilogue.unnormalize_grad(q, rq, d_q_hat, normalize).to(q.dtype).contiguous()
+    d_k = epilogue.unnormalize_grad(k, rk, d_k_hat, normalize).to(k.dtype).contiguous()
+    d_tau = (d_tau_scaled * inv_tau).to(tau.dtype).reshape(tau.shape).contiguous()
+    return d_q, d_k, d_tau
+
+
+@_directional_nll_backward.register_fake
+def _directional_nll_backward_fake(grad, q, k, a, b, tau, *rest):
+    return q.new_empty(q.shape), k.new_empty(k.shape), tau.new_empty(tau.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, a, b, tau, offset, gamma, label_smoothing, normalize, need_grad = inputs
+    saved = output[1:]
+    ctx.mark_non_differentiable(*saved)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, a, b, tau, *saved)
+    ctx.options = (int(offset), float(gamma), float(label_smoothing), bool(normalize))
+
+
+def _backward(ctx, grad_loss, *_unused):
+    q, k, a, b, tau, *saved = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    if grad_loss is None:
+        grad_loss = torch.zeros(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device)
+    need_qk = bool(needs[0] or needs[1])
+    d_q, d_k, d_tau = torch.ops.hnclip.directional_nll_backward(grad_loss, q, k, a, b, tau, *saved, *ctx.options, need_qk)
+    return (d_q if needs[0] else None, d_k if needs[1] else None, None, None,
+            d_tau if needs[4] else None, None, None, None, None, None)
+
+
+torch.library.register_autograd("hnclip::directional_nll", _backward, setup_context=_setup_context)
+
+
+# ---- fake kernels of the raw C++ operators (so they can be traced on their own too) ----
+@torch.library.register_fake("hnclip::directional_fwd")
+def _directional_fwd_fake(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad):
+    m, d = q_hat.shape
+    n = k_hat.shape[0]
+    vec = [q_hat.new_empty((m,)) for _ in range(3)]
+    return (*vec, q_hat.new_empty((m if need_grad else 0, d)), q_hat.new_empty((n if need_grad else 0, d)))
+
+
+@torch.library.register_fake("hnclip::directional_bwd")
+def _directional_bwd_fake(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma):
+    return q_hat.new_empty(q_hat.shape), k_hat.new_empty(k_hat.shape)
+
+
+def directional_nll_cpp(q, k, a, b, tau, offset, gamma, label_smoothing, normalize):
+    """C++ counterpart of :func:`hnclip_kernels.reference.directional_nll_torch`.
+
+    Per-row losses (M,) of query rows ``q`` (M, D) against key rows ``k`` (N, D), the
+    positive of row i at column ``offset + i``; margin factors ``a`` (M, D), ``b`` (N, D)
+    are stop-gradient. float32 result (float64 for float64 inputs); gradients reach ``q``,
+    ``k`` and ``tau`` (a 0-dim tensor).
+    """
+    # the forward also produces the gradient shares only when a backward can follow
+    need_grad = torch.is_grad_enabled() and bool(q.requires_grad or k.requires_grad)
+    out = torch.ops.hnclip.directional_nll(
+        q, k, a, b, tau, int(offset), float(gamma), float(label_smoothing), bool(normalize), need_grad)
+    return out[0]

@@ -1,0 +1,347 @@
+"""The fused C++ CPU kernel (csrc/, torch.ops.hnclip.*) against the float64 formula.
+
+Skipped as a whole when the extension ``hnclip_kernels._C`` was not built.
+"""
+import itertools
+import warnings
+
+import pytest
+import torch
+
+from cases import (GAMMAS, REDUCTIONS, SIZES_D, SIZES_N, SMOOTHINGS, TOL_F32_GRAD, TOL_F32_LOSS, TOL_F32_LOSS_SATURATED,
+                   TOL_LOWP_LOSS,
+                   case_id, check_against_truth, covering_cases, make_pair, naive_clip_loss)
+from helpers import assert_close_rel, hn_clip_loss_f64
+
+try:
+    from hnclip_kernels.ops.hn_clip_cpp import directional_nll_cpp
+except ImportError as exc:  # pragma: no cover - depends on the install
+    pytest.skip(f"C++ extension hnclip_kernels._C not built ({exc}); reinstall with "
+                "`pip install --no-build-isolation -e .`", allow_module_level=True)
+
+import hnclip_kernels.loss as loss_mod
+from hnclip_kernels import hn_clip_loss
+from hnclip_kernels.reference import directional_nll_torch
+
+
+# ------------------------------------------------------------------ values and gradients
+
+
+@pytest.mark.parametrize("n,d", list(itertools.product(SIZES_N, SIZES_D)))
+@pytest.mark.parametrize("gamma", GAMMAS)
+@pytest.mark.parametrize("eps", SMOOTHINGS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_float32_full_product(n, d, gamma, eps, reduction):
+    # every N × D × γ × ε × reduction (cheap on CPU), τ a tensor that receives its gradient
+    check_against_truth("cpp", n, d, torch.float32, gamma, 0.07, eps, reduction)
+
+
+@pytest.mark.parametrize("case", covering_cases(), ids=case_id)
+def test_matrix_against_float64(case):
+    # the core's covering matrix: every (N, D) with dtypes (fp32/fp16/bf16), γ, τ, ε, reduction rotated
+    n, d, dtype, gamma, tau, eps, reduction = case
+    check_against_truth("cpp", n, d, dtype, gamma, tau, eps, reduction, tau_grad=(n + d) % 2 == 0)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("normalize", [True, False])
+def test_every_reduction(reduction, normalize):
+    check_against_truth("cpp", 33, 24, torch.float32, 0.5, 0.07, 0.1, reduction, normalize=normalize, seed=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("gamma", [0.0, 2.0])
+def test_low_precision_inputs(dtype, gamma):
+    # accumulated in float32: the loss is float32 and within 1e-3 of the float64 truth
+    check_against_truth("cpp", 65, 64, dtype, gamma, 0.05, 0.1, "mean", seed=5)
+
+
+# Saturated regime: see TOL_F32_LOSS_SATURATED in cases.py for why the loss is held to 3e-5.
+TOL_SATURATED_LOSS = TOL_F32_LOSS_SATURATED
+
+
+def _check_saturated(img, txt, gamma, reduction, upstream=None):
+    leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
+    tau = torch.tensor(0.01, requires_grad=True)
+    loss = hn_clip_loss(*leaves, tau, gamma=gamma, reduction=reduction, backend="cpp")
+    ref_leaves = [x.double().requires_grad_(True) for x in (img, txt)]
+    ref_tau = torch.tensor(0.01, dtype=torch.float64, requires_grad=True)
+    ref = hn_clip_loss_f64(*ref_leaves, ref_tau, gamma, 0.0, reduction)
+    assert ref.mean().item() < 1e-20 and (loss > 0).all()  # tiny, and never rounded to 0
+    assert_close_rel(loss, ref, TOL_SATURATED_LOSS, "saturated loss")
+    if upstream is None:
+        upstream = torch.ones_like(ref) if reduction == "none" else torch.ones(())
+    loss.backward(upstream.float())
+    ref.backward(upstream.double())
+    for x, y, name in zip((*leaves, tau), (*ref_leaves, ref_tau), ("d img", "d txt", "d tau")):
+        assert_close_rel(x.grad, y.grad, TOL_F32_GRAD, name)
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.5])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_saturated_regime(gamma, reduction):
+    # the core's case: naive float32 cross-entropy returns exactly 0 (and a zero gradient)
+    img, txt = make_pair(40, 64, torch.float32, seed=1, aligned=0.9)
+    assert naive_clip_loss(img, txt, 0.01, gamma).item() == 0.0
+    _check_saturated(img, txt, gamma, reduction)
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.5])
+def test_saturated_noise_pairs(gamma):
+    # txt = img + small noise, τ = 0.01; a different weight per row (the recomputing backward)
+    gen = torch.Generator().manual_seed(11)
+    img = torch.randn(48, 128, generator=gen)
+    txt = img + 0.02 * torch.randn(48, 128, generator=gen)
+    _check_saturated(img, txt, gamma, "none", upstream=torch.rand(48, generator=gen) + 0.5)
+    _check_saturated(img, txt, gamma, "sum")
+
+
+def test_non_contiguous_inputs_and_upstream_grad():
+    n, d = 17, 8
+    base_img = torch.randn(d, n).T  # column-major view
+    base_txt = torch.randn(n, 2 * d)[:, ::2]  # strided view
+    assert not base_img.is_contiguous() and not base_txt.is_contiguous()
+    upstream = torch.linspace(-1.0, 2.0, n)
+    check_against_truth("cpp", n, d, torch.float32, 0.5, 0.07, 0.1, "none", upstream=upstream,
+                        img=base_img, txt=base_txt)
+    bf_img, bf_txt = base_img.bfloat16(), torch.randn(n, 3 * d).bfloat16()[:, 1::3]
+    check_against_truth("cpp", n, d, torch.bfloat16, 2.0, 0.07, 0.0, "sum", img=bf_img, txt=bf_txt)
+
+
+@pytest.mark.parametrize("reduction,upstream", [
+    ("sum", torch.tensor(-3.5)),  # uniform row gradient ≠ 1: the forward's shares are rescaled
+    ("none", None),  # a different gradient per row: the backward recomputes the key gradient
+])
+def test_upstream_gradient(reduction, upstream):
+    n = 130
+    if upstream is None:
+        upstream = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    check_against_truth("cpp", n, 64, torch.float32, 0.5, 0.05, 0.1, reduction, upstream=upstream, seed=9)
+
+
+def test_only_tau_requires_grad_and_no_grad_forward():
+    img, txt = make_pair(65, 16, seed=4)
+    tau = torch.tensor(0.07, requires_grad=True)
+    loss = hn_clip_loss(img, txt, tau, gamma=0.5, label_smoothing=0.1, backend="cpp")
+    loss.backward()
+    ref_tau = torch.tensor(0.07, dtype=torch.float64, requires_grad=True)
+    hn_clip_loss_f64(img.double(), txt.double(), ref_tau, 0.5, 0.1).backward()
+    assert_close_rel(tau.grad, ref_tau.grad, TOL_F32_GRAD, "d tau")
+    with torch.no_grad():  # stats-only sweep, nothing saved for a backward
+        nograd = hn_clip_loss(img, txt, 0.07, gamma=0.5, label_smoothing=0.1, reduction="none", backend="cpp")
+    withgrad = hn_clip_loss(img.clone().requires_grad_(True), txt, 0.07, gamma=0.5, label_smoothing=0.1,
+                            reduction="none", backend="cpp")
+    assert_close_rel(nograd, withgrad, 1e-6, "no-grad forward")
+
+
+def test_large_several_blocks_and_threads():
+    # N = 600: several row blocks, column tiles and thread groups; non-uniform upstream gradient
+    upstream = torch.rand(600, generator=torch.Generator().manual_seed(0)) + 0.5
+    check_against_truth("cpp", 600, 48, torch.float32, 0.5, 0.05, 0.1, "none", upstream=upstream, seed=12)
+    check_against_truth("cpp", 600, 48, torch.float32, 2.0, 0.02, 0.0, "mean", seed=13)
+
+
+def test_nan_propagates():
+    img, txt = make_pair(16, 8, seed=0)
+    img[3, 2] = float("nan")
+    rows = hn_clip_loss(img, txt, 0.07, reduction="none", backend="cpp")
+    assert torch.isnan(rows[3])
+    assert torch.isnan(hn_clip_loss(img, txt, 0.07, backend="cpp"))
+
+
+# ------------------------------------------------------------------ offset / rectangular
+
+
+def _directional_case(kind, m=5, n=19, d=8, offset=7, dtype=torch.float32, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(m, d, generator=gen), torch.randn(n, d, generator=gen)
+    k[offset:offset + m] = q + 0.1 * k[offset:offset + m]
+    if kind == "i2t":  # q local images, k = b global texts, a the local slice of the texts
+        b = k
+        a = k[offset:offset + m]
+    elif kind == "t2i":  # q = a local texts, k global images, b global texts
+        b = torch.randn(n, d, generator=gen)
+        b[offset:offset + m] = q
+        a = q
+    else:  # unrelated margin factors
+        a, b = torch.randn(m, d, generator=gen), torch.randn(n, d, generator=gen)
+    return [x.to(dtype) for x in (q, k, a, b)]
+
+
+@pytest.mark.parametrize("kind", ["i2t", "t2i", "general"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_offset_and_rectangular_directional(kind, normalize):
+    q, k, a, b = _directional_case(kind)
+    weights = torch.arange(1.0, 6.0)
+    outs = []
+    for fn, dt in ((directional_nll_cpp, torch.float32), (directional_nll_torch, torch.float64)):
+        qq, kk = (x.detach().to(dt).clone().requires_grad_(True) for x in (q, k))
+        tau = torch.tensor(0.05, dtype=dt, requires_grad=True)
+        rows = fn(qq, kk, a.to(dt), b.to(dt), tau, 7, 0.5, 0.1, normalize)
+        (rows * weights.to(dt)).sum().backward()
+        outs.append((rows, qq.grad, kk.grad, tau.grad))
+    assert outs[0][0].dtype == torch.float32
+    for name, x, y in zip(("rows", "d q", "d k", "d tau"), *outs):
+        assert_close_rel(x, y, TOL_F32_LOSS if name == "rows" else TOL_F32_GRAD, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["i2t", "t2i", "general"])
+def test_low_precision_directional(dtype, kind):
+    # the op itself takes fp16/bf16 (hn_clip_loss upcasts first): accumulated in float32
+    q, k, a, b = _directional_case(kind, m=6, n=21, d=16, offset=9, dtype=dtype, seed=5)
+    qq, kk = (x.clone().requires_grad_(True) for x in (q, k))
+    tau = torch.tensor(0.07, requires_grad=True)
+    rows = directional_nll_cpp(qq, kk, a, b, tau, 9, 0.5, 0.1, True)
+    assert rows.dtype == torch.float32
+    rows.sum().backward()
+    assert qq.grad.dtype == dtype and kk.grad.dtype == dtype
+    rq, rk = (x.double().requires_grad_(True) for x in (q, k))
+    rtau = torch.tensor(0.07, dtype=torch.float64, requires_grad=True)
+    ref = directional_nll_torch(rq, rk, a.double(), b.double(), rtau, 9, 0.5, 0.1, True)
+    ref.sum().backward()
+    assert_close_rel(rows, ref, TOL_LOWP_LOSS, "rows")
+    for x, y, name in ((qq.grad, rq.grad, "d q"), (kk.grad, rk.grad, "d k")):
+        assert_close_rel(x, y, 1e-2, name)
+    assert_close_rel(tau.grad, rtau.grad, TOL_LOWP_LOSS, "d tau")
+
+
+# ------------------------------------------------------------------ operator properties
+
+
+@pytest.mark.parametrize("kind", ["i2t", "t2i", "general"])
+def test_gradcheck_float64_registered_op(kind):
+    q, k, a, b = (x.double() for x in _directional_case(kind, m=4, n=9, d=5, offset=3, seed=1))
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    for eps, normalize in ((0.0, True), (0.1, False)):
+        fn = lambda q_, k_, t_: directional_nll_cpp(q_, k_, a, b, t_, 3, 0.7, eps, normalize)  # noqa: E731
+        assert torch.autograd.gradcheck(fn, (q, k, tau))
+
+
+def test_gradcheck_float64_public_api():
+    # γ = 0: with γ > 0 the margin t tᵀ is stop-gradient by definition, which finite
+    # differences of the public function cannot see (the registered-op test covers γ > 0)
+    img, txt = (x.double().requires_grad_(True) for x in make_pair(6, 4, seed=8))
+    tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+    for reduction in ("mean", "none"):
+        fn = lambda i, t, s: hn_clip_loss(i, t, s, gamma=0.0, label_smoothing=0.1, reduction=reduction,  # noqa: E731
+                                          backend="cpp")
+        assert torch.autograd.gradcheck(fn, (img, txt, tau))
+
+
+def test_float64_values_match_reference_tightly():
+    img, txt = (x.requires_grad_(True) for x in make_pair(65, 32, torch.float64, seed=6))
+    loss = hn_clip_loss(img, txt, 0.05, gamma=0.5, label_smoothing=0.1, backend="cpp")
+    assert loss.dtype == torch.float64
+    ref = hn_clip_loss_f64(img, txt, 0.05, 0.5, 0.1)
+    assert_close_rel(loss, ref, 1e-12, "float64 loss")
+    g = torch.autograd.grad(loss, (img, txt))
+    r = torch.autograd.grad(ref, (img, txt))
+    for x, y, name in zip(g, r, ("d img", "d txt")):
+        assert_close_rel(x, y, 1e-10, name)
+
+
+def test_inputs_not_mutated():
+    for dtype in (torch.float32, torch.bfloat16):
+        img, txt = make_pair(17, 8, dtype, seed=3)
+        img = img.requires_grad_(True)
+        txt = txt.requires_grad_(True)
+        tau = torch.tensor(0.07, requires_grad=True)
+        before = [x.detach().clone() for x in (img, txt, tau)]
+        hn_clip_loss(img, txt, tau, gamma=0.5, label_smoothing=0.1, reduction="none",
+                     backend="cpp").backward(torch.linspace(0.1, 1.0, 17))
+        for x, x0 in zip((img, txt, tau), before):
+            assert torch.equal(x.detach(), x0)
+
+
+def test_deterministic_bitwise():
+    img, txt = make_pair(600, 40, torch.float32, seed=7)
+    upstream = torch.rand(600, generator=torch.Generator().manual_seed(1))
+    for reduction in ("mean", "none"):
+        results = []
+        for _ in range(2):
+            leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
+            tau = torch.tensor(0.05, requires_grad=True)
+            loss = hn_clip_loss(*leaves, tau, gamma=0.5, label_smoothing=0.1, reduction=reduction, backend="cpp")
+            loss.backward(upstream if reduction == "none" else None)
+            results.append((loss, leaves[0].grad, leaves[1].grad, tau.grad))
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+
+    def f(img, txt, tau):
+        return hn_clip_loss(img, txt, tau, gamma=0.5, label_smoothing=0.1, backend="cpp")
+
+    compiled = torch.compile(f, fullgraph=True)  # fullgraph: a graph break would raise
+    img, txt = make_pair(33, 16, seed=10)
+    img = img.T.contiguous().T  # column-major: gradients must still come back right
+    out = []
+    for fn in (f, compiled):
+        leaves = [x.detach().clone(memory_format=torch.preserve_format).requires_grad_(True) for x in (img, txt)]
+        tau = torch.tensor(0.07, requires_grad=True)
+        loss = fn(*leaves, tau)
+        loss.backward()
+        out.append((loss.detach(), leaves[0].grad, leaves[1].grad, tau.grad))
+    for name, a, b in zip(("loss", "d img", "d txt", "d tau"), *out):
+        assert_close_rel(a, b, 1e-6, f"compiled {name}")
+
+
+def test_opcheck_registered_operators():
+    q, k, a, b = _directional_case("i2t", m=4, n=9, d=5, offset=3, seed=2)
+    q.requires_grad_(True)
+    tau = torch.tensor(0.1, requires_grad=True)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    args = (q, k, a, b, tau, 3, 0.5, 0.1, True, True)
+    torch.library.opcheck(torch.ops.hnclip.directional_nll.default, args, test_utils=checks)
+    saved = [x.detach() for x in torch.ops.hnclip.directional_nll(*args)[1:]]
+    grad = torch.linspace(0.5, 1.0, 4)
+    torch.library.opcheck(torch.ops.hnclip.directional_nll_backward.default,
+                          (grad, q.detach(), k, a, b, tau.detach(), *saved, 3, 0.5, 0.1, True, True),
+                          test_utils=checks)
+
+
+def test_thread_counts_agree():
+    # 1 thread (one group) and 3 threads (three groups of row blocks, summed in order)
+    img, txt = make_pair(300, 40, seed=14)
+    upstream = torch.rand(300, generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
+            rows = hn_clip_loss(*leaves, 0.05, gamma=0.5, label_smoothing=0.1, reduction="none", backend="cpp")
+            rows.backward(upstream)
+            results.append((rows, *(x.grad for x in leaves)))
+            check_against_truth("cpp", 300, 40, torch.float32, 2.0, 0.05, 0.1, "mean", seed=15)
+    finally:
+        torch.set_num_threads(before)
+    for name, x, y in zip(("rows", "d img", "d txt"), *results):
+        assert_close_rel(x, y, 1e-6, name)
+
+
+# ------------------------------------------------------------------ dispatch
+
+
+def test_auto_picks_cpp_on_cpu():
+    img, txt = make_pair(20, 8, seed=1)
+    assert loss_mod.resolve_backend("auto", img) == "cpp"
+    assert torch.equal(hn_clip_loss(img, txt, 0.07, backend="auto"), hn_clip_loss(img, txt, 0.07, backend="cpp"))
+
+
+def test_missing_extension_messages(monkeypatch):
+    monkeypatch.setattr(loss_mod, "cpp_directional", lambda: None)
+    monkeypatch.setattr(loss_mod, "_warned", set())
+    img, txt = make_pair(4, 3)
+    with pytest.raises(ValueError, match="C\\+\\+ extension"):
+        hn_clip_loss(img, txt, 0.07, backend="cpp")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hn_clip_loss(img, txt, 0.07, backend="auto")
+        hn_clip_loss(img, txt, 0.07, backend="auto")
+    assert sum("not built" in str(w.message) for w in caught) == 1
