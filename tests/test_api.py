@@ -103,6 +103,16 @@ def test_inputs_not_mutated(backend):
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_non_contiguous_inputs_and_upstream_grad(backend):
+    n, d = 17, 8
+    img = torch.randn(d, n).T  # column-major view
+    txt = torch.randn(n, 2 * d)[:, ::2]  # strided view
+    assert not img.is_contiguous() and not txt.is_contiguous()
+    upstream = torch.linspace(-1.0, 2.0, n)
+    check_against_truth(backend, n, d, torch.float32, 0.5, 0.07, 0.1, "none", upstream=upstream, img=img, txt=txt)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_tau_float_equals_tau_tensor(backend):
     img, txt = make_pair(15, 8)
     a = hn_clip_loss(img, txt, 0.07, backend=backend)

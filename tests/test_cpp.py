@@ -96,15 +96,11 @@ def test_saturated_noise_pairs(gamma):
     _check_saturated(img, txt, gamma, "sum")
 
 
-def test_non_contiguous_inputs_and_upstream_grad():
+def test_non_contiguous_bfloat16_inputs():
+    # float32 strided inputs are covered for every backend in test_api.py
     n, d = 17, 8
-    base_img = torch.randn(d, n).T  # column-major view
-    base_txt = torch.randn(n, 2 * d)[:, ::2]  # strided view
-    assert not base_img.is_contiguous() and not base_txt.is_contiguous()
-    upstream = torch.linspace(-1.0, 2.0, n)
-    check_against_truth("cpp", n, d, torch.float32, 0.5, 0.07, 0.1, "none", upstream=upstream,
-                        img=base_img, txt=base_txt)
-    bf_img, bf_txt = base_img.bfloat16(), torch.randn(n, 3 * d).bfloat16()[:, 1::3]
+    bf_img, bf_txt = torch.randn(d, n).T.bfloat16(), torch.randn(n, 3 * d).bfloat16()[:, 1::3]
+    assert not bf_img.is_contiguous() and not bf_txt.is_contiguous()
     check_against_truth("cpp", n, d, torch.bfloat16, 2.0, 0.07, 0.0, "sum", img=bf_img, txt=bf_txt)
 
 

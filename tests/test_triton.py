@@ -49,16 +49,6 @@ def test_saturated_regime(gamma, seed):
         assert (loss > 0).all()
 
 
-def test_non_contiguous_inputs_and_upstream_grad():
-    n, d = 17, 8
-    base_img = torch.randn(d, n).T  # column-major view
-    base_txt = torch.randn(n, 2 * d)[:, ::2]  # strided view
-    assert not base_img.is_contiguous() and not base_txt.is_contiguous()
-    upstream = torch.linspace(-1.0, 2.0, n)
-    check_against_truth("triton", n, d, torch.float32, 0.5, 0.07, 0.1, "none", upstream=upstream,
-                        img=base_img, txt=base_txt)
-
-
 def test_offset_and_rectangular_directional():
     # local rows vs global columns, as a rank of a distributed job sees them
     gen = torch.Generator().manual_seed(4)
