@@ -6,6 +6,7 @@ bad value) with a message that names the argument and says how to fix it.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Union
 
 import torch
@@ -39,8 +40,20 @@ def check_features(img: torch.Tensor, txt: torch.Tensor, img_name: str = "img", 
         raise ValueError(f"{img_name} ({img.device}) and {txt_name} ({txt.device}) must be on the same device; move one of them")
 
 
-def check_tau(tau: Union[float, torch.Tensor], device: torch.device) -> None:
-    """τ must be a positive finite Python number or a one-element floating tensor."""
+def _real(name: str, x) -> float:
+    """A Python/NumPy real number as a float, or TypeError/ValueError naming ``name``."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number (float), got {type(x).__name__}")
+    try:
+        return float(x)
+    except OverflowError:
+        raise ValueError(f"{name} = {x} does not fit in a float") from None
+
+
+def check_tau(tau: Union[float, torch.Tensor], device: torch.device, dtype: torch.dtype = torch.float32,
+              gamma: float = 0.0) -> None:
+    """τ must be a positive finite number or a one-element floating tensor, large enough that
+    the logits (1 + γ)/τ stay finite in the compute ``dtype`` (float32 for all but float64)."""
     if isinstance(tau, torch.Tensor):
         if tau.numel() != 1:
             raise ValueError(f"tau must be a scalar (0-dim) tensor, got shape {tuple(tau.shape)}")
@@ -49,27 +62,34 @@ def check_tau(tau: Union[float, torch.Tensor], device: torch.device) -> None:
         if tau.device != device and tau.device.type != "cpu":
             raise ValueError(f"tau is on {tau.device} but the features are on {device}; move tau to {device}")
         if torch.compiler.is_compiling():
-            return  # a value check would force a graph break; the eager path checks it
-        value = float(tau.detach())  # one host sync; the price of a clear error instead of a NaN loss
-    elif isinstance(tau, bool) or not isinstance(tau, (int, float)):
-        raise TypeError(f"tau must be a float or a 0-dim tensor, got {type(tau).__name__}")
+            return  # a value check would break the graph; eager calls check it
+        value = float(tau.detach())  # one host sync: the price of a clear error instead of a NaN loss
     else:
-        value = float(tau)
+        value = _real("tau", tau)
+        if torch.compiler.is_compiling():
+            return  # may be a symbolic float under torch.compile
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"tau (temperature) must be finite and > 0, got {value}; open_clip users pass 1 / logit_scale")
+    largest = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
+    if (1.0 + gamma) / value >= largest:
+        raise ValueError(f"tau = {value} makes the logits (1 + gamma) / tau overflow {dtype} arithmetic; "
+                         f"use tau > {(1.0 + gamma) / largest:.1e}")
 
 
-def check_options(gamma: float, label_smoothing: float, reduction: str, backend: str) -> None:
-    for name, x in (("gamma", gamma), ("label_smoothing", label_smoothing)):
-        if isinstance(x, bool) or not isinstance(x, (int, float)):
-            raise TypeError(f"{name} must be a Python float, got {type(x).__name__}")
-        if not math.isfinite(x):
-            raise ValueError(f"{name} must be finite, got {x}")
-    if gamma < 0:
-        raise ValueError(f"gamma (margin scale) must be >= 0, got {gamma}; gamma = 0 is plain InfoNCE")
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+def check_options(gamma: float, label_smoothing: float, reduction: str, backend: str, normalize: bool = True) -> None:
+    if not isinstance(normalize, bool):
+        raise TypeError(f"normalize must be True or False, got {normalize!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    values = {name: _real(name, x) for name, x in (("gamma", gamma), ("label_smoothing", label_smoothing))}
+    if torch.compiler.is_compiling():
+        return  # the floats may be symbolic under torch.compile; eager calls check them
+    for name, x in values.items():
+        if not math.isfinite(x):
+            raise ValueError(f"{name} must be finite, got {x}")
+    if values["gamma"] < 0:
+        raise ValueError(f"gamma (margin scale) must be >= 0, got {gamma}; gamma = 0 is plain InfoNCE")
+    if not 0.0 <= values["label_smoothing"] < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")

@@ -1,6 +1,9 @@
 """``HNClipLoss``: a drop-in replacement for ``open_clip.loss.ClipLoss`` computing HN-CLIP."""
 from __future__ import annotations
 
+import math
+import numbers
+
 from typing import Union
 
 import torch
@@ -138,12 +141,8 @@ class HNClipLoss(nn.Module):
         if logit_bias is not None:
             raise ValueError("HNClipLoss does not take a logit_bias (HN-CLIP has no bias term); "
                              "use a model without init_logit_bias or open_clip's SigLipLoss")
-        if isinstance(logit_scale, torch.Tensor):
-            tau = logit_scale.reciprocal()
-        elif isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)):
-            raise TypeError(f"logit_scale must be a tensor or a float, got {type(logit_scale).__name__}")
-        else:
-            tau = 1.0 / float(logit_scale) if logit_scale != 0 else float("inf")
+        _check_logit_scale(logit_scale)
+        tau = logit_scale.reciprocal() if isinstance(logit_scale, torch.Tensor) else 1.0 / float(logit_scale)
         loss = distributed_hn_clip_loss(
             image_features, text_features, tau,
             local_loss=self.local_loss, gather_with_grad=self.gather_with_grad,
@@ -152,3 +151,20 @@ class HNClipLoss(nn.Module):
             backend=self.backend, normalize=self.normalize,
         )
         return {"contrastive_loss": loss} if output_dict else loss
+
+
+def _check_logit_scale(logit_scale) -> None:
+    """Name ``logit_scale`` (not the τ = 1/s it becomes) in every error."""
+    if isinstance(logit_scale, torch.Tensor):
+        if logit_scale.numel() != 1 or not logit_scale.is_floating_point():
+            raise ValueError(f"logit_scale must be a floating 0-dim tensor (model(...)'s third output), "
+                             f"got {logit_scale.dtype} of shape {tuple(logit_scale.shape)}")
+        if torch.compiler.is_compiling():
+            return
+        value = float(logit_scale.detach())
+    elif isinstance(logit_scale, bool) or not isinstance(logit_scale, numbers.Real):
+        raise TypeError(f"logit_scale must be a tensor or a float, got {type(logit_scale).__name__}")
+    else:
+        value = float(logit_scale)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"logit_scale (s = 1/tau, already exponentiated) must be finite and > 0, got {value}")

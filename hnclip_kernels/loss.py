@@ -141,17 +141,20 @@ def hn_clip_loss(
         Gradients reach ``img``/``txt`` in their own dtype and ``tau`` in its dtype.
 
     Raises:
-        TypeError: non-tensor or integer features, dtype mismatch, non-float ``tau``/``gamma``,
-            float64 with backend="triton".
-        ValueError: non-2-D features, shape or device mismatch, N = 0 or D = 0, τ ≤ 0 or
-            non-finite, γ < 0, ε outside [0, 1), unknown ``reduction``/``backend``, a backend
-            that cannot run on these tensors.
+        TypeError: non-tensor or integer features, dtype mismatch, non-real ``tau``/``gamma``/
+            ``label_smoothing``, non-bool ``normalize``, float64 with backend="triton".
+        ValueError: non-2-D features, shape or device mismatch, N = 0 or D = 0, τ ≤ 0,
+            non-finite or so small that (1 + γ)/τ overflows float32, γ < 0 or non-finite, ε
+            outside [0, 1), unknown ``reduction``/``backend``, a backend that cannot run on
+            these tensors. Under ``torch.compile`` value checks are skipped (no graph breaks).
     """
     _validation.check_features(img, txt)
-    _validation.check_options(gamma, label_smoothing, reduction, backend)
-    _validation.check_tau(tau, img.device)
-    rows = pair_losses(resolve_backend(backend, img), img, txt, as_tau_tensor(tau, img), float(gamma),
-                       float(label_smoothing), normalize)
+    _validation.check_options(gamma, label_smoothing, reduction, backend, normalize)
+    _validation.check_tau(tau, img.device, img.dtype, float(gamma))
+    # autocast would run the reference's matmuls in bf16: accumulation here is float32 by design
+    with torch.autocast(img.device.type, enabled=False):
+        rows = pair_losses(resolve_backend(backend, img), img, txt, as_tau_tensor(tau, img), float(gamma),
+                           float(label_smoothing), normalize)
     return reduce_rows(rows, reduction)
 
 

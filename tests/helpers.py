@@ -8,7 +8,7 @@ import torch.nn.functional as F
 def hn_clip_loss_f64(img, txt, tau, gamma=0.5, label_smoothing=0.0, reduction="mean", normalize=True):
     """Float64 evaluation of arXiv 2608.18521 Eq. 2, written independently of the package.
 
-    The NLL is log1p(Σ_{j≠i} exp(Z_ij − Z_ii)) (a plain LSE − Z_ii would round a 1e-30 loss
+    The NLL is log(1 + Σ_{j≠i} exp(Z_ij − Z_ii)) (a plain LSE − Z_ii would round a 1e-30 loss
     to 0 even in float64); label smoothing uses ε·(Z_ii − mean_j Z_ij). Takes and returns
     tensors that keep autograd, so gradients of the truth come from float64 autograd.
     """
@@ -24,8 +24,8 @@ def hn_clip_loss_f64(img, txt, tau, gamma=0.5, label_smoothing=0.0, reduction="m
     for z in (logits, logits.T):
         diag = z.diagonal()
         gaps = (z - diag[:, None]).masked_fill(eye, float("-inf"))
-        top = gaps.max(dim=1, keepdim=True).values.clamp_min(-1e300)  # shift for exp, finite when n == 1
-        nll = torch.log1p(torch.exp(top.squeeze(1)) * torch.exp(gaps - top).sum(dim=1)) if n > 1 else diag * 0
+        # log(1 + Σ_{j≠i} exp(gap)): logaddexp keeps 1e-30 and 1e+30 alike (no exp overflow)
+        nll = torch.logaddexp(torch.zeros_like(diag), torch.logsumexp(gaps, dim=1)) if n > 1 else diag * 0
         per_dir.append(nll + label_smoothing * (diag - z.mean(dim=1)))
     rows = 0.5 * (per_dir[0] + per_dir[1])
     return {"mean": rows.mean(), "sum": rows.sum(), "none": rows}[reduction]

@@ -32,7 +32,12 @@ BAD_INPUTS = [
     (dict(tau=torch.tensor(-1.0)), ValueError, "tau"),
     (dict(tau=torch.tensor([0.1, 0.2])), ValueError, "tau must be a scalar"),
     (dict(tau=torch.tensor(1)), TypeError, "tau tensor must be floating"),
-    (dict(tau="0.07"), TypeError, "tau must be a float"),
+    (dict(tau="0.07"), TypeError, "tau must be a real number"),
+    (dict(tau=1e-50), ValueError, "overflow"),
+    (dict(tau=torch.tensor(1e-50, dtype=torch.float64)), ValueError, "overflow"),
+    (dict(gamma=10**400), ValueError, "gamma"),
+    (dict(normalize=None), TypeError, "normalize"),
+    (dict(normalize="no"), TypeError, "normalize"),
     (dict(gamma=-0.1), ValueError, "gamma"),
     (dict(gamma=float("nan")), ValueError, "gamma"),
     (dict(gamma=None), TypeError, "gamma"),
@@ -153,3 +158,43 @@ def test_margin_raises_loss_of_similar_captions():
     txt = txt + 2.0
     for backend in ALL_BACKENDS:
         assert hn_clip_loss(img, txt, 0.1, gamma=0.5, backend=backend) > hn_clip_loss(img, txt, 0.1, gamma=0.0, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_autocast_does_not_lower_the_accumulation(backend):
+    img, txt = make_pair(16, 8, seed=13)
+    plain = hn_clip_loss(img, txt, 0.07, backend=backend)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = hn_clip_loss(img, txt, 0.07, backend=backend)
+    assert inside.dtype == torch.float32
+    assert_close_rel(inside, plain, 1e-6, "loss under autocast")
+
+
+@pytest.mark.parametrize("backend", [b for b in ALL_BACKENDS if b != "torch"])
+def test_fused_double_backward_raises(backend):
+    # the fused backwards are not themselves differentiable: say so rather than return a partial answer
+    img, txt = make_pair(8, 4, seed=14)
+    img.requires_grad_(True)
+    loss = hn_clip_loss(img, txt, 0.1, backend=backend)
+    (grad,) = torch.autograd.grad(loss, img, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(grad.pow(2).sum(), img)
+
+
+def test_compile_fullgraph_with_changing_floats():
+    # dynamo turns floats that change between calls into symbolic values: the checks must not break the graph
+    backend = "cpp" if "cpp" in ALL_BACKENDS else "torch"
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, b, tau, gamma: hn_clip_loss(a, b, tau, gamma=gamma, backend=backend), fullgraph=True)
+    img, txt = make_pair(12, 8, seed=15)
+    for tau, gamma in ((0.05, 0.5), (0.06, 0.7), (0.07, 0.9)):
+        assert_close_rel(fn(img, txt, tau, gamma), hn_clip_loss(img, txt, tau, gamma=gamma, backend=backend), 1e-6,
+                         f"compiled loss at tau={tau}")
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("n,gamma,tau", [(16, 1e4, 1e-4), (64, 1e3, 0.07)])
+def test_huge_logits(backend, n, gamma, tau):
+    # |Z| up to 1e8: a backward that recomputes a tile with other rounding than the forward's
+    # statistics were made from turns an ulp of Z (8 at 1e8) into a factor e^8 on P
+    check_against_truth(backend, n, 16, torch.float32, gamma, tau, 0.0, "mean", seed=3)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from torch.autograd.function import once_differentiable
 import triton.language as tl
 
 from . import epilogue
@@ -66,54 +67,94 @@ def _logits_tile(
 
 
 @triton.jit
+def _online_lse_step(d, neg, run_max, run_sum, run_wsum, run_dsum, AXIS: tl.constexpr):
+    """Fold one tile of gaps d = Z − Z_pos (−inf off the negatives) into the running
+    max, Σexp, Σexp·d and Σd along AXIS (1: rows of the tile, 0: its columns)."""
+    new_max = tl.maximum(run_max, tl.max(d, axis=AXIS))
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # no -inf - -inf
+    rescale = tl.exp(run_max - safe_max)
+    if AXIS == 1:
+        p = tl.exp(d - safe_max[:, None])
+    else:
+        p = tl.exp(d - safe_max[None, :])
+    d0 = tl.where(neg, d, 0.0)
+    run_sum = run_sum * rescale + tl.sum(p, axis=AXIS)
+    run_wsum = run_wsum * rescale + tl.sum(p * d0, axis=AXIS)
+    run_dsum += tl.sum(d0, axis=AXIS)
+    return new_max, run_sum, run_wsum, run_dsum
+
+
+@triton.jit
 def _fwd_kernel(
     q_ptr, k_ptr, a_ptr, b_ptr,
     s_qm, s_qd, s_kn, s_kd, s_am, s_ad, s_bn, s_bd,
     rq_ptr, rk_ptr, ra_ptr, rb_ptr, pos_ptr, tau_ptr,
     delta_ptr, mean_neg_ptr, dsum_ptr,
     M, N, D, offset, gamma,
+    COLUMNS: tl.constexpr,  # False: a program owns query rows (LSE of Z's rows); True: key columns (of Zᵀ's rows)
     HAS_MARGIN: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """Per-row statistics over the negatives: delta = LSE(d), mean_neg = E_softmax[d], dsum = Σd.
+
+    The column pass walks the very same (query × key) tiles as the row pass and the backward,
+    so the t2i statistics and the recomputed tiles agree to the bit, whatever the logits' size.
+    """
     pid = tl.program_id(0)
-    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
     inv_tau = 1.0 / tl.load(tau_ptr)
-    rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
-    ra = tl.load(ra_ptr + offs_m, mask=mask_m, other=0.0)
-    pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
-    # online LSE of d = Z - Z_pos over the negatives: running max, Σexp, Σexp·d, Σd
-    run_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    run_sum = tl.zeros((BLOCK_M,), tl.float32)
-    run_wsum = tl.zeros((BLOCK_M,), tl.float32)
-    run_dsum = tl.zeros((BLOCK_M,), tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
+    if COLUMNS:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
         rb = tl.load(rb_ptr + offs_n, mask=mask_n, other=0.0)
+        pos = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)  # column j's positive: Z[j - offset, j]
+        run_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        n_inner = M
+        step = BLOCK_M
+    else:
+        offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
+        ra = tl.load(ra_ptr + offs_m, mask=mask_m, other=0.0)
+        pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
+        run_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        n_inner = N
+        step = BLOCK_N
+    # online LSE of d = Z - Z_pos over the negatives: running max, Σexp, Σexp·d, Σd
+    run_sum = tl.zeros_like(run_max)
+    run_wsum = tl.zeros_like(run_max)
+    run_dsum = tl.zeros_like(run_max)
+    for j0 in range(0, n_inner, step):
+        if COLUMNS:
+            offs_m = j0 + tl.arange(0, BLOCK_M)
+            mask_m = offs_m < M
+            rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
+            ra = tl.load(ra_ptr + offs_m, mask=mask_m, other=0.0)
+        else:
+            offs_n = j0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < N
+            rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
+            rb = tl.load(rb_ptr + offs_n, mask=mask_n, other=0.0)
         z = _logits_tile(q_ptr, k_ptr, a_ptr, b_ptr, s_qm, s_qd, s_kn, s_kd, s_am, s_ad, s_bn, s_bd,
                          rq, rk, ra, rb, offs_m, offs_n, M, N, D, gamma, inv_tau,
                          HAS_MARGIN, UPCAST, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
-        d = tl.where(neg, z - pos[:, None], float("-inf"))
-        new_max = tl.maximum(run_max, tl.max(d, axis=1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # no -inf - -inf
-        rescale = tl.exp(run_max - safe_max)
-        p = tl.exp(d - safe_max[:, None])
-        d0 = tl.where(neg, d, 0.0)
-        run_sum = run_sum * rescale + tl.sum(p, axis=1)
-        run_wsum = run_wsum * rescale + tl.sum(p * d0, axis=1)
-        run_dsum += tl.sum(d0, axis=1)
-        run_max = new_max
+        if COLUMNS:
+            d = tl.where(neg, z - pos[None, :], float("-inf"))
+            run_max, run_sum, run_wsum, run_dsum = _online_lse_step(d, neg, run_max, run_sum, run_wsum, run_dsum, 0)
+        else:
+            d = tl.where(neg, z - pos[:, None], float("-inf"))
+            run_max, run_sum, run_wsum, run_dsum = _online_lse_step(d, neg, run_max, run_sum, run_wsum, run_dsum, 1)
     has_neg = run_sum > 0.0
     delta = tl.where(has_neg, run_max + tl.log(tl.where(has_neg, run_sum, 1.0)), float("-inf"))
     # a NaN anywhere in the row poisons run_sum; keep it visible in the loss
     delta = tl.where(run_sum != run_sum, run_sum, delta)
     mean_neg = tl.where(has_neg, run_wsum / tl.where(has_neg, run_sum, 1.0), 0.0)
-    tl.store(delta_ptr + offs_m, delta, mask=mask_m)
-    tl.store(mean_neg_ptr + offs_m, mean_neg, mask=mask_m)
-    tl.store(dsum_ptr + offs_m, run_dsum, mask=mask_m)
+    offs = offs_n if COLUMNS else offs_m
+    mask = mask_n if COLUMNS else mask_m
+    tl.store(delta_ptr + offs, delta, mask=mask)
+    tl.store(mean_neg_ptr + offs, mean_neg, mask=mask)
+    tl.store(dsum_ptr + offs, run_dsum, mask=mask)
 
 
 @triton.jit
@@ -244,16 +285,19 @@ def _strides(*xs):
     return [s for x in xs for s in x.stride()]
 
 
-def _forward_stats(ops, norms, pos, tau32, offset: int, gamma: float, cfg: dict) -> epilogue.RowStats:
-    """Run the forward kernel on operands ``ops = (q, k, a, b)`` with inverse norms ``norms``."""
+def _forward_stats(ops, norms, pos, tau32, offset: int, gamma: float, cfg: dict,
+                   columns: bool = False) -> epilogue.RowStats:
+    """Run the forward kernel on operands ``ops = (q, k, a, b)`` with inverse norms ``norms``:
+    statistics of Z's rows, or with ``columns`` of Zᵀ's rows (M = N, offset 0)."""
     q, k, _, _ = ops
     m, d = q.shape
     n = k.shape[0]
-    delta = torch.empty(m, device=q.device, dtype=torch.float32)
+    delta = torch.empty(n if columns else m, device=q.device, dtype=torch.float32)
     mean_neg, dsum = torch.empty_like(delta), torch.empty_like(delta)
-    _fwd_kernel[(triton.cdiv(m, cfg["BLOCK_M"]),)](
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]) if columns else triton.cdiv(m, cfg["BLOCK_M"]),)
+    _fwd_kernel[grid](
         *ops, *_strides(*ops), *norms, pos, tau32, delta, mean_neg, dsum, m, n, d, offset, gamma,
-        HAS_MARGIN=gamma != 0.0, UPCAST=cfg["UPCAST"], DOT_PREC=cfg["DOT_PREC"],
+        COLUMNS=columns, HAS_MARGIN=gamma != 0.0, UPCAST=cfg["UPCAST"], DOT_PREC=cfg["DOT_PREC"],
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
     )
     return epilogue.RowStats(pos, delta, mean_neg, dsum)
@@ -315,6 +359,7 @@ class HNClipDirectionalTriton(torch.autograd.Function):
         return epilogue.row_losses(stats, k.shape[0], label_smoothing)
 
     @staticmethod
+    @once_differentiable  # a second derivative raises instead of coming back silently partial
     def backward(ctx, grad_rows):
         q, k, a, b, rq, rk, ra, rb, tau32, *stats = ctx.saved_tensors
         stats = epilogue.RowStats(*stats)
@@ -332,7 +377,8 @@ class HNClipDirectionalTriton(torch.autograd.Function):
 class HNClipTriton(torch.autograd.Function):
     """The whole single-process loss: per-pair losses ½(i2t_k + t2i_k), shape (N,), float32.
 
-    Forward: two passes of the forward kernel (rows of Z for i2t, rows of Zᵀ for t2i).
+    Forward: two passes of the forward kernel over the same tiles of Z (its rows for i2t,
+    its columns for t2i).
     Backward: one pass over image rows and one over text rows, each recomputed tile
     carrying both directions' softmax, so it costs half of two directional backwards.
     """
@@ -345,13 +391,15 @@ class HNClipTriton(torch.autograd.Function):
         pos = epilogue.positive_logits(img.float() * rv[:, None], txt.float() * rt[:, None], 0, inv_tau)
         n, d = img.shape
         cfg = _launch_config(n, n, d, img.dtype)
-        i2t = _forward_stats((img, txt, txt, txt), (rv, rt, rt, rt), pos, tau32, 0, float(gamma), cfg)
-        t2i = _forward_stats((txt, img, txt, txt), (rt, rv, rt, rt), pos, tau32, 0, float(gamma), cfg)
+        ops, norms = (img, txt, txt, txt), (rv, rt, rt, rt)
+        i2t = _forward_stats(ops, norms, pos, tau32, 0, float(gamma), cfg)
+        t2i = _forward_stats(ops, norms, pos, tau32, 0, float(gamma), cfg, columns=True)
         ctx.save_for_backward(img, txt, rv, rt, tau32, *i2t, *t2i)
         ctx.cfg = (float(gamma), label_smoothing, normalize, cfg)
         return 0.5 * (epilogue.row_losses(i2t, n, label_smoothing) + epilogue.row_losses(t2i, n, label_smoothing))
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_pairs):
         img, txt, rv, rt, tau32, *stats = ctx.saved_tensors
         i2t, t2i = epilogue.RowStats(*stats[:4]), epilogue.RowStats(*stats[4:])
