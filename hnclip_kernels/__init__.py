@@ -1,6 +1,7 @@
 """hnclip-kernels: the HN-CLIP contrastive loss (arXiv 2608.18521), exact, fast and memory-lean.
 
-Public API: :func:`hn_clip_loss`. Backends: ``hnclip_kernels.reference`` (pure PyTorch),
+Public API: :func:`hn_clip_loss`, :class:`HNClipLoss` (drop-in for open_clip's ClipLoss),
+:func:`gather_features`. Backends: ``hnclip_kernels.reference`` (pure PyTorch),
 ``hnclip_kernels.ops.hn_clip_triton`` (fused Triton kernels), ``hnclip_kernels.ops.hn_clip_cpp``
 (fused C++ CPU kernel).
 """
