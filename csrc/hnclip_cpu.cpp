@@ -31,6 +31,8 @@
 //     recomputes Z tiles and accumulates Σ_i w_i P_ik q̂_i. The backward uses it only
 //     when the upstream gradient is not the same for every row (with a uniform g, the
 //     forward's unweighted col_acc times g is the exact answer and nothing is recomputed).
+//   symmetric forward / backward (the single-process loss, M = N, offset 0): one tile
+//     serves i2t (its rows) and t2i (its columns); see "Symmetric single-process kernels".
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -155,6 +157,77 @@ static inline void seg_sums(const float* z, int64_t n, float s, float p, float m
 }
 static inline void seg_prob(float* z, int64_t n, float s, float p, float shift, float w) {
   seg_prob_f32(z, n, s, p, shift, w);
+}
+
+// Column-wise loops of the symmetric kernels: vectorised across the columns j of one row
+// of a tile, with a per-column positive p_j (d_j = z_j·s − p_j), so the column statistics
+// (the t2i rows of Zᵀ) come from the same row-major tile as the row statistics.
+// mx_j ← max(mx_j, d_j)
+HNCLIP_CLONES static void col_max_f32(const float* z, const float* p, int64_t n, float s, float* mx) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float d = z[j] * s - p[j];
+    mx[j] = d > mx[j] ? d : mx[j];
+  }
+}
+
+// se_j += e, sw_j += e·d, sd_j += d with e = exp(d − m_j)
+HNCLIP_CLONES static void col_sums_f32(const float* z, const float* p, const float* m, int64_t n, float s, float* se,
+                                       float* sw, float* sd) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float d = z[j] * s - p[j];
+    const float e = exp_f32(d - m[j]);
+    se[j] += e;
+    sw[j] += e * d;
+    sd[j] += d;
+  }
+}
+
+// z_j ← w·exp((z_j·s − p) − shift) + wc_j·exp((z_j·s − pc_j) − shc_j): row i's softmax over
+// its negatives plus column j's (the transposed direction's) at the same logit
+HNCLIP_CLONES static void sym_prob_f32(float* z, int64_t n, float s, float p, float shift, float w, const float* pc,
+                                       const float* shc, const float* wc) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float zs = z[j] * s;
+    z[j] = w * exp_f32((zs - p) - shift) + wc[j] * exp_f32((zs - pc[j]) - shc[j]);
+  }
+}
+
+static void col_max(const double* z, const double* p, int64_t n, double s, double* mx) {
+  for (int64_t j = 0; j < n; ++j) {
+    const double d = z[j] * s - p[j];
+    mx[j] = d > mx[j] ? d : mx[j];
+  }
+}
+static void col_sums(const double* z, const double* p, const double* m, int64_t n, double s, double* se, double* sw,
+                     double* sd) {
+  for (int64_t j = 0; j < n; ++j) {
+    const double d = z[j] * s - p[j];
+    const double e = std::exp(d - m[j]);
+    se[j] += e;
+    sw[j] += e * d;
+    sd[j] += d;
+  }
+}
+static void sym_prob(double* z, int64_t n, double s, double p, double shift, double w, const double* pc,
+                     const double* shc, const double* wc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const double zs = z[j] * s;
+    z[j] = w * std::exp((zs - p) - shift) + wc[j] * std::exp((zs - pc[j]) - shc[j]);
+  }
+}
+static inline void col_max(const float* z, const float* p, int64_t n, float s, float* mx) {
+  col_max_f32(z, p, n, s, mx);
+}
+static inline void col_sums(const float* z, const float* p, const float* m, int64_t n, float s, float* se, float* sw,
+                            float* sd) {
+  col_sums_f32(z, p, m, n, s, se, sw, sd);
+}
+static inline void sym_prob(float* z, int64_t n, float s, float p, float shift, float w, const float* pc,
+                            const float* shc, const float* wc) {
+  sym_prob_f32(z, n, s, p, shift, w, pc, shc, wc);
 }
 
 template <typename T>
@@ -386,6 +459,187 @@ void col_sweep(const Tensor& L, const Tensor& R, const Tensor& qh, const T* pos,
 }
 
 // ---------------------------------------------------------------------------------------
+// Symmetric single-process kernels: N images against N texts, positives on the diagonal.
+// Z = L R̂ᵀ / τ with L = v̂ + γ t̂, R = t̂ serves both directions: i2t rows are the rows of Z,
+// t2i rows are its columns (Z'_ji = t̂_j·v̂_i + γ t̂_j·t̂_i = Z_ij), so each tile is computed
+// once for both.
+//   forward  (stats only, one product): rows of a block are owned by one task (online LSE
+//     along the row, as in the row sweep); columns get an online LSE state per *group* of
+//     row blocks (the same contiguous split of the rows as the row sweep's key
+//     accumulators), folded tile by tile in row-block order, and the groups' states are
+//     merged in group order: bit-identical reruns for a given thread count, extra memory
+//     4·N numbers per group.
+//   backward (three products): a block's strip Z_I,: is recomputed, turned into
+//       ds_ij = g_i P_ij + g_j P'_ji   (0 on the diagonal: the positives are in the epilogue)
+//     and dv̂_I = ds_I t̂, dt̂ += ds_Iᵀ v̂_I (per-group accumulators summed in group order).
+// Against two directional calls (three products each) this is four products instead of six.
+// ---------------------------------------------------------------------------------------
+template <typename T>
+struct ColStats {  // online LSE state of every column: max, Σe, Σe·d (relative to max), Σd
+  std::vector<T> m, se, sw, sd;
+  explicit ColStats(int64_t n)
+      : m(n, -std::numeric_limits<T>::infinity()), se(n, T(0)), sw(n, T(0)), sd(n, T(0)) {}
+};
+
+// Fold a (rows × nb) tile (leading dimension ld), columns [n0, n0 + nb), into the column
+// states; row r's excluded entry (the positive) is at tile column diag + r. scratch: 5·nb.
+template <typename T>
+void col_update(const T* z, int64_t ld, int64_t rows, int64_t nb, int64_t diag, T s, const T* pc, ColStats<T>& cs,
+                int64_t n0, T* scratch) {
+  T* tmax = scratch;
+  T* safe = scratch + nb;
+  T* ts = scratch + 2 * nb;
+  T* tw = scratch + 3 * nb;
+  T* td = scratch + 4 * nb;
+  std::fill(tmax, tmax + nb, -std::numeric_limits<T>::infinity());
+  auto segments = [&](int64_t r, int64_t& n1, int64_t& n2) {
+    const int64_t excl = diag + r;
+    n1 = (excl >= 0 && excl < nb) ? excl : nb;  // [0, n1) and [n1 + 1, nb)
+    n2 = n1 < nb ? nb - n1 - 1 : 0;
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t n1, n2;
+    segments(r, n1, n2);
+    const T* zr = z + r * ld;
+    if (n1 > 0) col_max(zr, pc, n1, s, tmax);
+    if (n2 > 0) col_max(zr + n1 + 1, pc + n1 + 1, n2, s, tmax + n1 + 1);
+  }
+  T* m = cs.m.data() + n0;
+  T* se = cs.se.data() + n0;
+  T* sw = cs.sw.data() + n0;
+  T* sd = cs.sd.data() + n0;
+  for (int64_t j = 0; j < nb; ++j) {
+    const T new_m = std::max(m[j], tmax[j]);
+    const T sf = (new_m == -std::numeric_limits<T>::infinity()) ? T(0) : new_m;  // no −inf − −inf
+    if (m[j] != new_m) {
+      const T rescale = std::exp(m[j] - sf);
+      se[j] *= rescale;
+      sw[j] *= rescale;
+    }
+    m[j] = new_m;
+    safe[j] = sf;
+  }
+  std::fill(ts, ts + 3 * nb, T(0));  // ts, tw, td: this tile's sums, added to the state once
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t n1, n2;
+    segments(r, n1, n2);
+    const T* zr = z + r * ld;
+    if (n1 > 0) col_sums(zr, pc, safe, n1, s, ts, tw, td);
+    if (n2 > 0) col_sums(zr + n1 + 1, pc + n1 + 1, safe + n1 + 1, n2, s, ts + n1 + 1, tw + n1 + 1, td + n1 + 1);
+  }
+  for (int64_t j = 0; j < nb; ++j) {
+    se[j] += ts[j];
+    sw[j] += tw[j];
+    sd[j] += td[j];
+  }
+}
+
+template <typename T>
+void symmetric_stats(const Tensor& L, const Tensor& R, const T* pos, T inv_tau, T* delta_r, T* mean_r, T* dsum_r,
+                     T* delta_c, T* mean_c, T* dsum_c) {
+  const int64_t N = R.size(0);
+  if (N == 0) return;
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const Blocks bl = split(N, kTileRows, threads, threads);
+  const int64_t groups = std::min(threads, bl.count);
+  const int64_t bn = std::min(kBlockN, N);
+  std::vector<ColStats<T>> cols;
+  cols.reserve(groups);
+  for (int64_t g = 0; g < groups; ++g) cols.emplace_back(N);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    Tensor buf = at::empty({bl.size, bn}, L.options());
+    T* bp = buf.data_ptr<T>();
+    std::vector<T> scratch(5 * bn);
+    std::vector<RowState<T>> st(bl.size);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t first = g * bl.count / groups, last = (g + 1) * bl.count / groups;
+      for (int64_t blk = first; blk < last; ++blk) {
+        const int64_t i0 = blk * bl.size, rows = std::min(bl.size, N - i0);
+        const Tensor Li = L.narrow(0, i0, rows);
+        std::fill(st.begin(), st.end(), RowState<T>());
+        for (int64_t n0 = 0; n0 < N; n0 += bn) {
+          const int64_t nb = std::min(bn, N - n0);
+          Tensor tile = buf.narrow(0, 0, rows).narrow(1, 0, nb);
+          at::mm_out(tile, Li, R.narrow(0, n0, nb).t());
+          for (int64_t r = 0; r < rows; ++r) update_row<T>(bp + r * bn, nb, i0 + r - n0, inv_tau, pos[i0 + r], st[r]);
+          col_update<T>(bp, bn, rows, nb, i0 - n0, inv_tau, pos + n0, cols[g], n0, scratch.data());
+        }
+        for (int64_t r = 0; r < rows; ++r) finish_row<T>(st[r], delta_r + i0 + r, mean_r + i0 + r, dsum_r + i0 + r);
+      }
+    }
+  });
+  // merge the groups' column states in group order
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  at::parallel_for(0, N, 1024, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      RowState<T> st;
+      st.m = cols[0].m[j];
+      st.acc[0] = cols[0].se[j];
+      st.acc[1] = cols[0].sw[j];
+      st.acc[2] = cols[0].sd[j];
+      for (int64_t g = 1; g < groups; ++g) {
+        const T m2 = cols[g].m[j];
+        const T nm = std::max(st.m, m2);
+        const T sf = (nm == kNegInf) ? T(0) : nm;
+        const T a = (st.m == nm) ? T(1) : std::exp(st.m - sf);
+        const T b = (m2 == nm) ? T(1) : std::exp(m2 - sf);
+        st.acc[0] = st.acc[0] * a + cols[g].se[j] * b;
+        st.acc[1] = st.acc[1] * a + cols[g].sw[j] * b;
+        st.acc[2] += cols[g].sd[j];
+        st.m = nm;
+      }
+      finish_row<T>(st, delta_c + j, mean_c + j, dsum_c + j);
+    }
+  });
+}
+
+// Negatives' shares (times τ) of dL/dv̂ and dL/dt̂ for row weights g (both directions'
+// upstream gradient of pair k is g_k); nll_r / nll_c = softplus(delta) of i2t / t2i.
+template <typename T>
+void symmetric_grads(const Tensor& L, const Tensor& R, const Tensor& vh, const T* pos, const T* nll_r, const T* nll_c,
+                     const T* g, T inv_tau, Tensor& d_v, Tensor& d_t) {
+  const int64_t N = R.size(0), D = R.size(1);
+  if (N == 0) return;
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const auto opts = L.options();
+  const int64_t per_partial = std::max<int64_t>(N * D * static_cast<int64_t>(sizeof(T)), 1);
+  const int64_t max_groups = 1 + kPartialBudget / per_partial;
+  const int64_t groups_wanted = std::min(threads, max_groups);
+  const Blocks bl = split(N, kStripRows, groups_wanted, groups_wanted);
+  const int64_t groups = std::min(groups_wanted, bl.count);
+  std::vector<Tensor> partial(groups);
+  partial[0] = d_t;
+  for (int64_t k = 1; k < groups; ++k) partial[k] = at::empty({N, D}, opts);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    Tensor buf = at::empty({bl.size, N}, opts);
+    T* bp = buf.data_ptr<T>();
+    for (int64_t k = g0; k < g1; ++k) {
+      const int64_t first = k * bl.count / groups, last = (k + 1) * bl.count / groups;
+      for (int64_t blk = first; blk < last; ++blk) {
+        const int64_t i0 = blk * bl.size, rows = std::min(bl.size, N - i0);
+        Tensor strip = buf.narrow(0, 0, rows);
+        at::mm_out(strip, L.narrow(0, i0, rows), R.t());
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = i0 + r;
+          T* zr = bp + r * N;
+          sym_prob(zr, N, inv_tau, pos[i], nll_r[i], g[i], pos, nll_c, g);
+          zr[i] = T(0);
+        }
+        Tensor dv = d_v.narrow(0, i0, rows);
+        at::mm_out(dv, strip, R);
+        const Tensor vi = vh.narrow(0, i0, rows);
+        if (blk == first) {
+          at::mm_out(partial[k], strip.t(), vi);
+        } else {
+          partial[k].addmm_(strip.t(), vi);
+        }
+      }
+    }
+  });
+  for (int64_t k = 1; k < groups; ++k) d_t.add_(partial[k]);
+}
+
+// ---------------------------------------------------------------------------------------
 // Operators
 // ---------------------------------------------------------------------------------------
 struct Factors {
@@ -585,6 +839,86 @@ std::tuple<Tensor, Tensor> directional_bwd(const Tensor& q_hat, const Tensor& k_
   return {d_q, d_k};
 }
 
+void check_symmetric(const Tensor& vh, const Tensor& th, const Tensor& pos) {
+  TORCH_CHECK(vh.dim() == 2 && th.dim() == 2, "hnclip: v_hat and t_hat must be 2-D");
+  TORCH_CHECK(vh.device().is_cpu() && th.device().is_cpu(), "hnclip: the C++ kernel runs on CPU tensors");
+  TORCH_CHECK(vh.scalar_type() == at::kFloat || vh.scalar_type() == at::kDouble,
+              "hnclip: v_hat must be float32 or float64, got ", vh.scalar_type());
+  TORCH_CHECK(th.scalar_type() == vh.scalar_type(), "hnclip: v_hat and t_hat dtypes differ");
+  TORCH_CHECK(vh.sizes() == th.sizes(), "hnclip: v_hat and t_hat shapes differ");
+  TORCH_CHECK(pos.numel() == vh.size(0), "hnclip: pos needs N entries");
+}
+
+// L = v̂ + γ t̂ (v̂ itself when γ = 0): the i2t logits' left factor, margin included
+template <typename T>
+Tensor margin_left(const Tensor& vh, const Tensor& th, double gamma) {
+  if (gamma == 0.0) return vh;
+  Tensor out = at::empty_like(vh, at::MemoryFormat::Contiguous);
+  const T* vp = vh.const_data_ptr<T>();
+  const T* tp = th.const_data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T g = static_cast<T>(gamma);
+  at::parallel_for(0, vh.numel(), 1 << 16, [&](int64_t e0, int64_t e1) {
+    for (int64_t e = e0; e < e1; ++e) op[e] = vp[e] + g * tp[e];
+  });
+  return out;
+}
+
+Tensor softplus_of(const Tensor& x, at::ScalarType dt) {
+  Tensor out = x.to(dt).contiguous().clone();
+  AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_softplus", [&] {
+    scalar_t* p = out.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < out.numel(); ++i) p[i] = softplus<scalar_t>(p[i]);
+  });
+  return out;
+}
+
+// Row (i2t) and column (t2i) statistics of the single-process loss from one product.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symmetric_fwd(const Tensor& v_hat, const Tensor& t_hat,
+                                                                         const Tensor& pos, const Tensor& inv_tau,
+                                                                         double gamma) {
+  check_symmetric(v_hat, t_hat, pos);
+  at::NoGradGuard no_grad;
+  const auto dt = v_hat.scalar_type();
+  const int64_t N = v_hat.size(0);
+  const auto opts = v_hat.options();
+  const Tensor vh = v_hat.contiguous(), th = t_hat.contiguous();
+  const Tensor pos_c = pos.to(dt).contiguous();
+  Tensor dr = at::empty({N}, opts), mr = at::empty({N}, opts), sr = at::empty({N}, opts);
+  Tensor dc = at::empty({N}, opts), mc = at::empty({N}, opts), sc = at::empty({N}, opts);
+  AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_symmetric_fwd", [&] {
+    const Tensor L = margin_left<scalar_t>(vh, th, gamma);
+    symmetric_stats<scalar_t>(L, th, pos_c.data_ptr<scalar_t>(), inv_tau.to(dt).item<scalar_t>(),
+                              dr.data_ptr<scalar_t>(), mr.data_ptr<scalar_t>(), sr.data_ptr<scalar_t>(),
+                              dc.data_ptr<scalar_t>(), mc.data_ptr<scalar_t>(), sc.data_ptr<scalar_t>());
+  });
+  return {dr, mr, sr, dc, mc, sc};
+}
+
+// Negatives' shares of dL/dv̂ and dL/dt̂ (times τ), both directions, for pair weights g.
+std::tuple<Tensor, Tensor> symmetric_bwd(const Tensor& v_hat, const Tensor& t_hat, const Tensor& pos,
+                                         const Tensor& inv_tau, const Tensor& delta_r, const Tensor& delta_c,
+                                         const Tensor& g, double gamma) {
+  check_symmetric(v_hat, t_hat, pos);
+  at::NoGradGuard no_grad;
+  const auto dt = v_hat.scalar_type();
+  const int64_t N = v_hat.size(0), D = v_hat.size(1);
+  TORCH_CHECK(delta_r.numel() == N && delta_c.numel() == N && g.numel() == N,
+              "hnclip: delta_r, delta_c and g need N entries");
+  const auto opts = v_hat.options();
+  const Tensor vh = v_hat.contiguous(), th = t_hat.contiguous();
+  const Tensor pos_c = pos.to(dt).contiguous(), gc = g.to(dt).contiguous();
+  const Tensor nll_r = softplus_of(delta_r, dt), nll_c = softplus_of(delta_c, dt);
+  Tensor d_v = at::empty({N, D}, opts), d_t = at::empty({N, D}, opts);
+  AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_symmetric_bwd", [&] {
+    const Tensor L = margin_left<scalar_t>(vh, th, gamma);
+    symmetric_grads<scalar_t>(L, th, vh, pos_c.data_ptr<scalar_t>(), nll_r.data_ptr<scalar_t>(),
+                              nll_c.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), inv_tau.to(dt).item<scalar_t>(),
+                              d_v, d_t);
+  });
+  return {d_v, d_t};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hnclip, m) {
@@ -596,11 +930,19 @@ TORCH_LIBRARY(hnclip, m) {
       "directional_bwd(Tensor q_hat, Tensor k_hat, Tensor a, Tensor b, Tensor ra, Tensor rb, Tensor pos, "
       "Tensor inv_tau, Tensor delta, Tensor row_acc, Tensor col_acc, Tensor g, int offset, float gamma) "
       "-> (Tensor d_q_neg, Tensor d_k_neg)");
+  m.def(
+      "symmetric_fwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, float gamma) "
+      "-> (Tensor delta_r, Tensor mean_neg_r, Tensor dsum_r, Tensor delta_c, Tensor mean_neg_c, Tensor dsum_c)");
+  m.def(
+      "symmetric_bwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, Tensor delta_r, Tensor delta_c, "
+      "Tensor g, float gamma) -> (Tensor d_v_neg, Tensor d_t_neg)");
 }
 
 TORCH_LIBRARY_IMPL(hnclip, CPU, m) {
   m.impl("directional_fwd", &directional_fwd);
   m.impl("directional_bwd", &directional_bwd);
+  m.impl("symmetric_fwd", &symmetric_fwd);
+  m.impl("symmetric_bwd", &symmetric_bwd);
 }
 
 }  // namespace hnclip

@@ -122,7 +122,7 @@ def hn_clip_loss(
     float32's epsilon (saturated fine-tuning, τ ≈ 0.01) keep their value and gradient.
 
     Args:
-        img: (N, D) image embeddings; float16, bfloat16, float32 (float64: torch backend).
+        img: (N, D) image embeddings; float16, bfloat16, float32 (float64: torch and cpp backends).
         txt: (N, D) text embeddings, same dtype and device as ``img``; row i pairs with image i.
         tau: temperature τ > 0 (dimensionless), a Python float or a 0-dim tensor. open_clip's
             ``logit_scale`` s is 1/τ: pass ``1 / logit_scale.exp()`` (or ``1 / logit_scale``
@@ -169,6 +169,10 @@ def pair_losses(backend: str, img, txt, tau: torch.Tensor, gamma: float, label_s
         # each tensor feeds both directions: upcast once, so its two gradient halves are summed
         # in float32 and rounded to the input dtype once (two bf16 halves summed lose ~1e-3)
         img, txt = img.float(), txt.float()
+    if backend == "cpp":
+        from .ops.hn_clip_cpp import hn_clip_pairs_cpp  # one operator: each logit tile serves i2t and t2i
+
+        return hn_clip_pairs_cpp(img, txt, tau, gamma, label_smoothing, normalize)
     fn = directional_fn(backend)
     i2t = fn(img, txt, txt, txt, tau, 0, gamma, label_smoothing, normalize)
     t2i = fn(txt, img, txt, txt, tau, 0, gamma, label_smoothing, normalize)

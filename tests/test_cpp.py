@@ -341,3 +341,99 @@ def test_missing_extension_messages(monkeypatch):
         hn_clip_loss(img, txt, 0.07, backend="auto")
         hn_clip_loss(img, txt, 0.07, backend="auto")
     assert sum("not built" in str(w.message) for w in caught) == 1
+
+
+# ------------------------------------------------------------------ symmetric single-process op
+
+
+def _pairs_both_ways(img, txt, tau, gamma, eps, normalize, upstream, symmetric):
+    """Per-pair losses and (d img, d txt, d tau): the symmetric op, or two directional calls."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt)]
+    t = torch.tensor(tau, dtype=img.dtype, requires_grad=True)
+    if symmetric:
+        rows = torch.ops.hnclip.symmetric_nll(*leaves, t, gamma, eps, normalize)[0]
+    else:
+        v, w = leaves
+        rows = 0.5 * (directional_nll_cpp(v, w, w, w, t, 0, gamma, eps, normalize)
+                      + directional_nll_cpp(w, v, w, w, t, 0, gamma, eps, normalize))
+    rows.backward(upstream.to(rows.dtype))
+    return rows.detach(), leaves[0].grad, leaves[1].grad, t.grad
+
+
+@pytest.mark.parametrize("n,gamma,eps,normalize", [
+    (1, 0.5, 0.1, True), (2, 2.0, 0.0, True), (129, 0.5, 0.1, True), (300, 0.0, 0.1, False), (515, 2.0, 0.1, True),
+])
+def test_symmetric_matches_directional(n, gamma, eps, normalize):
+    # N not a multiple of any block (row tiles 128, strips 256, column tiles 512), non-uniform upstream
+    img, txt = make_pair(n, 24, seed=n)
+    upstream = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    sym = _pairs_both_ways(img, txt, 0.05, gamma, eps, normalize, upstream, True)
+    two = _pairs_both_ways(img, txt, 0.05, gamma, eps, normalize, upstream, False)
+    for name, x, y in zip(("rows", "d img", "d txt", "d tau"), sym, two):
+        assert_close_rel(x, y, 1e-5, name)
+    # and the public API goes through the symmetric op
+    rows = hn_clip_loss(img, txt, 0.05, gamma=gamma, label_smoothing=eps, reduction="none", normalize=normalize,
+                        backend="cpp")
+    assert torch.equal(rows, sym[0])
+
+
+def test_symmetric_float64_matches_directional_tightly():
+    img, txt = make_pair(70, 16, torch.float64, seed=21)
+    upstream = torch.rand(70, generator=torch.Generator().manual_seed(4), dtype=torch.float64) - 0.3
+    sym = _pairs_both_ways(img, txt, 0.03, 0.5, 0.1, True, upstream, True)
+    two = _pairs_both_ways(img, txt, 0.03, 0.5, 0.1, True, upstream, False)
+    assert sym[0].dtype == torch.float64
+    for name, x, y in zip(("rows", "d img", "d txt", "d tau"), sym, two):
+        assert_close_rel(x, y, 1e-12, name)
+
+
+def test_symmetric_gradcheck_with_margin():
+    # γ > 0: the margin t tᵀ is stop-gradient, so finite differences run over img and τ only
+    img, txt = (x.double() for x in make_pair(7, 5, seed=3))
+    img.requires_grad_(True)
+    tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    for eps, normalize in ((0.0, True), (0.1, False)):
+        fn = lambda i, s: torch.ops.hnclip.symmetric_nll(i, txt, s, 0.7, eps, normalize)[0]  # noqa: E731
+        assert torch.autograd.gradcheck(fn, (img, tau))
+
+
+def test_symmetric_threads_deterministic_and_agree():
+    # several row groups: bit-identical reruns for a thread count, agreement across counts
+    img, txt = make_pair(333, 40, seed=16)
+    upstream = torch.rand(333, generator=torch.Generator().manual_seed(5)) + 0.5
+    before = torch.get_num_threads()
+    runs = {}
+    try:
+        for threads in (1, 2, 3, 3):
+            torch.set_num_threads(threads)
+            out = _pairs_both_ways(img, txt, 0.05, 0.5, 0.1, True, upstream, True)
+            if threads in runs:
+                for x, y in zip(out, runs[threads]):
+                    assert torch.equal(x, y)
+            runs[threads] = out
+    finally:
+        torch.set_num_threads(before)
+    for threads in (2, 3):
+        for name, x, y in zip(("rows", "d img", "d txt", "d tau"), runs[threads], runs[1]):
+            assert_close_rel(x, y, 1e-6, f"{threads} threads {name}")
+
+
+def test_symmetric_nan_in_txt_reaches_every_t2i_row():
+    img, txt = make_pair(20, 8, seed=2)
+    txt[5, 1] = float("nan")  # column 5 of Z (every i2t row) and t2i row 5, through the column statistics
+    rows = hn_clip_loss(img, txt, 0.07, gamma=0.0, reduction="none", backend="cpp")
+    assert torch.isnan(rows).all()
+    assert torch.isnan(hn_clip_loss(img, txt, 0.07, backend="cpp"))
+
+
+def test_opcheck_symmetric_operators():
+    img, txt = make_pair(9, 5, seed=2)
+    img.requires_grad_(True)
+    tau = torch.tensor(0.1, requires_grad=True)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    args = (img, txt, tau, 0.5, 0.1, True)
+    torch.library.opcheck(torch.ops.hnclip.symmetric_nll.default, args, test_utils=checks)
+    saved = [x.detach() for x in torch.ops.hnclip.symmetric_nll(*args)[1:]]
+    grad = torch.linspace(0.5, 1.0, 9)
+    torch.library.opcheck(torch.ops.hnclip.symmetric_nll_backward.default,
+                          (grad, img.detach(), txt, tau.detach(), *saved, 0.5, 0.1, True, True), test_utils=checks)

@@ -11,10 +11,20 @@ The extension ``hnclip_kernels._C`` registers two kernel operators with ``TORCH_
   gradient ``g`` (a rescale of the forward's shares when ``g`` is the same for every row,
   as for ``mean``/``sum``; otherwise a column sweep that recomputes the tiles).
 
-This module wraps them, together with the O(N·D) algebra of :mod:`.epilogue`, in two
-``torch.library.custom_op`` operators, ``hnclip::directional_nll`` and
-``hnclip::directional_nll_backward``, and registers the autograd formula and the fake
-(meta) kernels once, at import. Being registered operators they compose with
+* ``torch.ops.hnclip.symmetric_fwd`` / ``symmetric_bwd``: the single-process loss (N images
+  against N texts, positives on the diagonal). Each logit tile Z = (v̂ + γ t̂) t̂ᵀ / τ is
+  computed once for both directions: its rows give the i2t statistics and its columns the
+  t2i ones (Zᵀ holds the t2i logits): one product in the forward. The backward recomputes
+  a strip of tiles (one product), forms ds_ij = g_i P_ij + g_j P'_ji and applies it to t̂ and
+  v̂ (two products). Four N×N×D
+  products for forward + backward, against six for two directional calls (ten when the
+  upstream gradient differs per row).
+
+This module wraps them, together with the O(N·D) algebra of :mod:`.epilogue`, in
+``torch.library.custom_op`` operators, ``hnclip::directional_nll`` (what the distributed
+loss runs per rank) and ``hnclip::symmetric_nll`` (what ``hn_clip_loss(backend="cpp")``
+runs), each with a ``*_backward`` operator, and registers the autograd formulas and the
+fake (meta) kernels once, at import. Being registered operators they compose with
 ``torch.compile(fullgraph=True)`` (no graph break) and ``torch.autograd.gradcheck``.
 
 Importing this module raises ImportError when the extension was not built;
@@ -157,6 +167,100 @@ def _directional_bwd_fake(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_a
     return q_hat.new_empty(q_hat.shape), k_hat.new_empty(k_hat.shape)
 
 
+# ---- the single-process loss: both directions from one product per tile ----
+_SymOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+@torch.library.custom_op("hnclip::symmetric_nll", mutates_args=(), device_types="cpu")
+def _symmetric_nll(
+    img: Tensor, txt: Tensor, tau: Tensor, gamma: float, label_smoothing: float, normalize: bool,
+) -> _SymOut:
+    """Per-pair losses ½(i2t_k + t2i_k) (N,) and what the backward needs:
+    (pairs, rv, rt, pos, delta_i2t, mean_neg_i2t, dsum_i2t, delta_t2i, mean_neg_t2i, dsum_t2i)."""
+    dt = compute_dtype(img.dtype)
+    rv, rt = _inv_norms(img, normalize, dt), _inv_norms(txt, normalize, dt)
+    inv_tau = 1.0 / tau.detach().to(dt)
+    v_hat, t_hat = _scaled(img, rv, dt), _scaled(txt, rt, dt)
+    pos = epilogue.positive_logits(v_hat, t_hat, 0, inv_tau)  # Z_kk, the same for both directions
+    stats = torch.ops.hnclip.symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma)
+    n = img.shape[0]
+    i2t = epilogue.row_losses(epilogue.RowStats(pos, *stats[:3]), n, label_smoothing)
+    t2i = epilogue.row_losses(epilogue.RowStats(pos, *stats[3:]), n, label_smoothing)
+    return (0.5 * (i2t + t2i), rv, rt, pos, *stats)
+
+
+@_symmetric_nll.register_fake
+def _symmetric_nll_fake(img, txt, tau, gamma, label_smoothing, normalize):
+    dt = compute_dtype(img.dtype)
+    return tuple(img.new_empty((img.shape[0],), dtype=dt) for _ in range(10))
+
+
+@torch.library.custom_op("hnclip::symmetric_nll_backward", mutates_args=(), device_types="cpu")
+def _symmetric_nll_backward(
+    grad: Tensor, img: Tensor, txt: Tensor, tau: Tensor,
+    rv: Tensor, rt: Tensor, pos: Tensor, delta_r: Tensor, mean_neg_r: Tensor, dsum_r: Tensor,
+    delta_c: Tensor, mean_neg_c: Tensor, dsum_c: Tensor,
+    gamma: float, label_smoothing: float, normalize: bool, need_vt: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dL/dimg in img's dtype, dL/dtxt in txt's dtype, dL/dτ in τ's dtype and shape)."""
+    dt = compute_dtype(img.dtype)
+    g = 0.5 * grad.to(dt).contiguous()  # each direction's row k gets half of pair k's gradient
+    inv_tau = 1.0 / tau.detach().to(dt)
+    v_hat, t_hat = _scaled(img, rv, dt), _scaled(txt, rt, dt)
+    if need_vt:
+        d_v, d_t = torch.ops.hnclip.symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma)
+    else:  # only τ wants a gradient: it needs the statistics alone
+        d_v, d_t = torch.zeros_like(v_hat), torch.zeros_like(t_hat)
+    i2t = epilogue.RowStats(pos, delta_r, mean_neg_r, dsum_r)
+    t2i = epilogue.RowStats(pos, delta_c, mean_neg_c, dsum_c)
+    dz_z = epilogue.add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v, d_t, 0, label_smoothing)
+    dz_z = dz_z + epilogue.add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_t, d_v, 0, label_smoothing)
+    del v_hat, t_hat  # peak memory: free before the normalisation's temporaries
+    d_img = epilogue.unnormalize_grad(img, rv, d_v.mul_(inv_tau), normalize).to(img.dtype).contiguous()
+    d_txt = epilogue.unnormalize_grad(txt, rt, d_t.mul_(inv_tau), normalize).to(txt.dtype).contiguous()
+    d_tau = (-dz_z * inv_tau).to(tau.dtype).reshape(tau.shape).contiguous()  # dL/dτ = −(Σ dZ·Z) / τ
+    return d_img, d_txt, d_tau
+
+
+@_symmetric_nll_backward.register_fake
+def _symmetric_nll_backward_fake(grad, img, txt, tau, *rest):
+    return img.new_empty(img.shape), txt.new_empty(txt.shape), tau.new_empty(tau.shape)
+
+
+def _sym_setup_context(ctx, inputs, output):
+    img, txt, tau, gamma, label_smoothing, normalize = inputs
+    saved = output[1:]
+    ctx.mark_non_differentiable(*saved)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(img, txt, tau, *saved)
+    ctx.options = (float(gamma), float(label_smoothing), bool(normalize))
+
+
+def _sym_backward(ctx, grad_pairs, *_unused):
+    img, txt, tau, *saved = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    if grad_pairs is None:
+        grad_pairs = torch.zeros(img.shape[0], dtype=compute_dtype(img.dtype), device=img.device)
+    need_vt = bool(needs[0] or needs[1])
+    d_img, d_txt, d_tau = torch.ops.hnclip.symmetric_nll_backward(grad_pairs, img, txt, tau, *saved, *ctx.options,
+                                                                  need_vt)
+    return (d_img if needs[0] else None, d_txt if needs[1] else None, d_tau if needs[2] else None,
+            None, None, None)
+
+
+torch.library.register_autograd("hnclip::symmetric_nll", _sym_backward, setup_context=_sym_setup_context)
+
+
+@torch.library.register_fake("hnclip::symmetric_fwd")
+def _symmetric_fwd_fake(v_hat, t_hat, pos, inv_tau, gamma):
+    return tuple(v_hat.new_empty((v_hat.shape[0],)) for _ in range(6))
+
+
+@torch.library.register_fake("hnclip::symmetric_bwd")
+def _symmetric_bwd_fake(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma):
+    return v_hat.new_empty(v_hat.shape), t_hat.new_empty(t_hat.shape)
+
+
 def directional_nll_cpp(q, k, a, b, tau, offset, gamma, label_smoothing, normalize):
     """C++ counterpart of :func:`hnclip_kernels.reference.directional_nll_torch`.
 
@@ -170,3 +274,14 @@ def directional_nll_cpp(q, k, a, b, tau, offset, gamma, label_smoothing, normali
     out = torch.ops.hnclip.directional_nll(
         q, k, a, b, tau, int(offset), float(gamma), float(label_smoothing), bool(normalize), need_grad)
     return out[0]
+
+
+def hn_clip_pairs_cpp(img, txt, tau, gamma, label_smoothing, normalize):
+    """Per-pair losses ½(i2t_k + t2i_k), shape (N,): the single-process loss in one operator.
+
+    Each logit tile is computed once for both directions (its rows are i2t's, its columns
+    t2i's): one product in the forward, three in the backward, against six for two
+    :func:`directional_nll_cpp` calls. float32 result (float64 for float64 inputs);
+    gradients reach ``img``, ``txt`` and ``tau`` (a 0-dim tensor).
+    """
+    return torch.ops.hnclip.symmetric_nll(img, txt, tau, float(gamma), float(label_smoothing), bool(normalize))[0]
