@@ -141,30 +141,43 @@ class HNClipLoss(nn.Module):
         if logit_bias is not None:
             raise ValueError("HNClipLoss does not take a logit_bias (HN-CLIP has no bias term); "
                              "use a model without init_logit_bias or open_clip's SigLipLoss")
-        _check_logit_scale(logit_scale)
-        tau = logit_scale.reciprocal() if isinstance(logit_scale, torch.Tensor) else 1.0 / float(logit_scale)
-        loss = distributed_hn_clip_loss(
-            image_features, text_features, tau,
-            local_loss=self.local_loss, gather_with_grad=self.gather_with_grad,
-            rank=self.rank, world_size=self.world_size, group=self.group,
-            gamma=self.gamma, label_smoothing=self.label_smoothing,
-            backend=self.backend, normalize=self.normalize,
-        )
+        problem = _logit_scale_problem(logit_scale)
+        if problem is not None:
+            if self.world_size == 1:
+                raise problem
+            # raising here would leave the other ranks waiting in a collective: a NaN τ fails the
+            # all-ranks check inside, which raises on every rank; this rank then names logit_scale
+            tau = float("nan")
+        else:
+            tau = logit_scale.reciprocal() if isinstance(logit_scale, torch.Tensor) else 1.0 / float(logit_scale)
+        try:
+            loss = distributed_hn_clip_loss(
+                image_features, text_features, tau,
+                local_loss=self.local_loss, gather_with_grad=self.gather_with_grad,
+                rank=self.rank, world_size=self.world_size, group=self.group,
+                gamma=self.gamma, label_smoothing=self.label_smoothing,
+                backend=self.backend, normalize=self.normalize,
+            )
+        except (TypeError, ValueError) as exc:
+            if problem is not None:
+                raise problem from exc
+            raise
         return {"contrastive_loss": loss} if output_dict else loss
 
 
-def _check_logit_scale(logit_scale) -> None:
-    """Name ``logit_scale`` (not the τ = 1/s it becomes) in every error."""
+def _logit_scale_problem(logit_scale):
+    """The error naming ``logit_scale`` (not the τ = 1/s it becomes), or None if it is valid."""
     if isinstance(logit_scale, torch.Tensor):
         if logit_scale.numel() != 1 or not logit_scale.is_floating_point():
-            raise ValueError(f"logit_scale must be a floating 0-dim tensor (model(...)'s third output), "
-                             f"got {logit_scale.dtype} of shape {tuple(logit_scale.shape)}")
+            return ValueError(f"logit_scale must be a floating 0-dim tensor (model(...)'s third output), "
+                              f"got {logit_scale.dtype} of shape {tuple(logit_scale.shape)}")
         if torch.compiler.is_compiling():
-            return
+            return None
         value = float(logit_scale.detach())
     elif isinstance(logit_scale, bool) or not isinstance(logit_scale, numbers.Real):
-        raise TypeError(f"logit_scale must be a tensor or a float, got {type(logit_scale).__name__}")
+        return TypeError(f"logit_scale must be a tensor or a float, got {type(logit_scale).__name__}")
     else:
         value = float(logit_scale)
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"logit_scale (s = 1/tau, already exponentiated) must be finite and > 0, got {value}")
+        return ValueError(f"logit_scale (s = 1/tau, already exponentiated) must be finite and > 0, got {value}")
+    return None

@@ -198,3 +198,12 @@ def test_huge_logits(backend, n, gamma, tau):
     # |Z| up to 1e8: a backward that recomputes a tile with other rounding than the forward's
     # statistics were made from turns an ulp of Z (8 at 1e8) into a factor e^8 on P
     check_against_truth(backend, n, 16, torch.float32, gamma, tau, 0.0, "mean", seed=3)
+
+
+@pytest.mark.parametrize("bad,exc", [(torch.tensor(float("nan")), ValueError), (torch.tensor(0.0), ValueError),
+                                     (torch.ones(2), ValueError), ("100", TypeError)])
+def test_hn_clip_loss_module_names_logit_scale(bad, exc):
+    from hnclip_kernels import HNClipLoss
+    img, txt = make_pair(4, 3)
+    with pytest.raises(exc, match="logit_scale"):
+        HNClipLoss()(img, txt, bad)

@@ -9,7 +9,9 @@ from hnclip_kernels import hn_clip_loss
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize: CI sees the same examples every run (a random sweep is for local exploration)
+@settings(max_examples=12, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     n=st.integers(1, 40),
     d=st.integers(1, 20),
