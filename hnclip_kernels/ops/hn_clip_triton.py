@@ -67,6 +67,14 @@ def _logits_tile(
 
 
 @triton.jit
+def _block(start, size, norm1_ptr, norm2_ptr, BLOCK: tl.constexpr):
+    """Offsets, bounds mask and the two inverse-norm vectors of one block of rows (or columns)."""
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < size
+    return offs, mask, tl.load(norm1_ptr + offs, mask=mask, other=0.0), tl.load(norm2_ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _online_lse_step(d, neg, run_max, run_sum, run_wsum, run_dsum, AXIS: tl.constexpr):
     """Fold one tile of gaps d = Z − Z_pos (−inf off the negatives) into the running
     max, Σexp, Σexp·d and Σd along AXIS (1: rows of the tile, 0: its columns)."""
@@ -103,19 +111,13 @@ def _fwd_kernel(
     pid = tl.program_id(0)
     inv_tau = 1.0 / tl.load(tau_ptr)
     if COLUMNS:
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
-        rb = tl.load(rb_ptr + offs_n, mask=mask_n, other=0.0)
+        offs_n, mask_n, rk, rb = _block(pid * BLOCK_N, N, rk_ptr, rb_ptr, BLOCK_N)
         pos = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)  # column j's positive: Z[j - offset, j]
         run_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
         n_inner = M
         step = BLOCK_M
     else:
-        offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < M
-        rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
-        ra = tl.load(ra_ptr + offs_m, mask=mask_m, other=0.0)
+        offs_m, mask_m, rq, ra = _block(pid * BLOCK_M, M, rq_ptr, ra_ptr, BLOCK_M)
         pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
         run_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         n_inner = N
@@ -126,15 +128,9 @@ def _fwd_kernel(
     run_dsum = tl.zeros_like(run_max)
     for j0 in range(0, n_inner, step):
         if COLUMNS:
-            offs_m = j0 + tl.arange(0, BLOCK_M)
-            mask_m = offs_m < M
-            rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
-            ra = tl.load(ra_ptr + offs_m, mask=mask_m, other=0.0)
+            offs_m, mask_m, rq, ra = _block(j0, M, rq_ptr, ra_ptr, BLOCK_M)
         else:
-            offs_n = j0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < N
-            rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
-            rb = tl.load(rb_ptr + offs_n, mask=mask_n, other=0.0)
+            offs_n, mask_n, rk, rb = _block(j0, N, rk_ptr, rb_ptr, BLOCK_N)
         z = _logits_tile(q_ptr, k_ptr, a_ptr, b_ptr, s_qm, s_qd, s_kn, s_kd, s_am, s_ad, s_bn, s_bd,
                          rq, rk, ra, rb, offs_m, offs_n, M, N, D, gamma, inv_tau,
                          HAS_MARGIN, UPCAST, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -182,10 +178,7 @@ def _bwd_kernel(
     mask_d = offs_d < D
     inv_tau = 1.0 / tl.load(tau_ptr)
     if FOR_KEYS:
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
-        rb = tl.load(rb_ptr + offs_n, mask=mask_n, other=0.0)
+        offs_n, mask_n, rk, rb = _block(pid * BLOCK_N, N, rk_ptr, rb_ptr, BLOCK_N)
         if SYMMETRIC:
             pos_c = tl.load(pos_c_ptr + offs_n, mask=mask_n, other=0.0)
             nll_c = tl.load(nll_c_ptr + offs_n, mask=mask_n, other=0.0)
@@ -193,10 +186,7 @@ def _bwd_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         n_outer = M
     else:
-        offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < M
-        rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
-        ra = tl.load(ra_ptr + offs_m, mask=mask_m, other=0.0)
+        offs_m, mask_m, rq, ra = _block(pid * BLOCK_M, M, rq_ptr, ra_ptr, BLOCK_M)
         pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
         row_nll = tl.load(nll_ptr + offs_m, mask=mask_m, other=0.0)
         g = tl.load(g_ptr + offs_m, mask=mask_m, other=0.0)
@@ -205,18 +195,12 @@ def _bwd_kernel(
     step = BLOCK_M if FOR_KEYS else BLOCK_N
     for j0 in range(0, n_outer, step):
         if FOR_KEYS:
-            offs_m = j0 + tl.arange(0, BLOCK_M)
-            mask_m = offs_m < M
-            rq = tl.load(rq_ptr + offs_m, mask=mask_m, other=0.0)
-            ra = tl.load(ra_ptr + offs_m, mask=mask_m, other=0.0)
+            offs_m, mask_m, rq, ra = _block(j0, M, rq_ptr, ra_ptr, BLOCK_M)
             pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
             row_nll = tl.load(nll_ptr + offs_m, mask=mask_m, other=0.0)
             g = tl.load(g_ptr + offs_m, mask=mask_m, other=0.0)
         else:
-            offs_n = j0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < N
-            rk = tl.load(rk_ptr + offs_n, mask=mask_n, other=0.0)
-            rb = tl.load(rb_ptr + offs_n, mask=mask_n, other=0.0)
+            offs_n, mask_n, rk, rb = _block(j0, N, rk_ptr, rb_ptr, BLOCK_N)
             if SYMMETRIC:
                 pos_c = tl.load(pos_c_ptr + offs_n, mask=mask_n, other=0.0)
                 nll_c = tl.load(nll_c_ptr + offs_n, mask=mask_n, other=0.0)
