@@ -304,6 +304,31 @@ Blocks split(int64_t total, int64_t max_size, int64_t tasks, int64_t multiple = 
   return {size, ceil_div(total, size)};
 }
 
+// Runs body(i0, rows, buf, acc_g, first_in_group) over the row blocks of `total` rows, split
+// into groups; each group adds into its own (N, D) key accumulator (the first group into
+// `acc`), and the groups are summed in order at the end, so the result does not depend on
+// how threads were scheduled (bit-identical for a fixed thread count). buf is (block, N).
+template <typename T, typename F>
+void grouped_row_blocks(int64_t total, int64_t N, int64_t D, Tensor& acc, F&& body) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t per_partial = std::max<int64_t>(N * D * static_cast<int64_t>(sizeof(T)), 1);
+  const int64_t groups_wanted = std::min(threads, 1 + kPartialBudget / per_partial);
+  const Blocks bl = split(total, kStripRows, groups_wanted, groups_wanted);
+  const int64_t groups = std::min(groups_wanted, bl.count);
+  std::vector<Tensor> partial(groups);
+  partial[0] = acc;
+  for (int64_t g = 1; g < groups; ++g) partial[g] = at::empty({N, D}, acc.options());
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    Tensor buf = at::empty({bl.size, std::max<int64_t>(N, 1)}, acc.options());
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t first = g * bl.count / groups, last = (g + 1) * bl.count / groups;
+      for (int64_t blk = first; blk < last; ++blk)
+        body(blk * bl.size, std::min(bl.size, total - blk * bl.size), buf, partial[g], blk == first);
+    }
+  });
+  for (int64_t g = 1; g < groups; ++g) acc.add_(partial[g]);
+}
+
 // ---------------------------------------------------------------------------------------
 // Row sweep
 // ---------------------------------------------------------------------------------------
@@ -341,24 +366,9 @@ struct RowSweep {
       });
       return;
     }
-    // key accumulators: one per group of row blocks, summed in group order at the end
-    const int64_t per_partial = std::max<int64_t>(N * D * static_cast<int64_t>(sizeof(T)), 1);
-    const int64_t max_groups = 1 + kPartialBudget / per_partial;
-    const int64_t groups_wanted = std::min(threads, max_groups);
-    const Blocks bl = split(M, kStripRows, groups_wanted, groups_wanted);
-    const int64_t groups = std::min(groups_wanted, bl.count);
-    std::vector<Tensor> partial(groups);
-    partial[0] = col_acc;
-    for (int64_t g = 1; g < groups; ++g) partial[g] = at::empty({N, D}, opts);
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      Tensor buf = at::empty({bl.size, std::max<int64_t>(N, 1)}, opts);
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t first = g * bl.count / groups, last = (g + 1) * bl.count / groups;
-        for (int64_t blk = first; blk < last; ++blk)
-          block(blk * bl.size, std::min(bl.size, M - blk * bl.size), buf, &partial[g], blk == first);
-      }
+    grouped_row_blocks<T>(M, N, D, col_acc, [&](int64_t i0, int64_t rows, Tensor& buf, Tensor& part, bool first) {
+      block(i0, rows, buf, &part, first);
     });
-    for (int64_t g = 1; g < groups; ++g) col_acc.add_(partial[g]);
   }
 
   // rows [i0, i0 + rows) of the queries; buf is (>= rows, N) in strip mode, (>= rows, BN) otherwise
@@ -600,43 +610,25 @@ void symmetric_grads(const Tensor& L, const Tensor& R, const Tensor& vh, const T
                      const T* g, T inv_tau, Tensor& d_v, Tensor& d_t) {
   const int64_t N = R.size(0), D = R.size(1);
   if (N == 0) return;
-  const int64_t threads = std::max(1, at::get_num_threads());
-  const auto opts = L.options();
-  const int64_t per_partial = std::max<int64_t>(N * D * static_cast<int64_t>(sizeof(T)), 1);
-  const int64_t max_groups = 1 + kPartialBudget / per_partial;
-  const int64_t groups_wanted = std::min(threads, max_groups);
-  const Blocks bl = split(N, kStripRows, groups_wanted, groups_wanted);
-  const int64_t groups = std::min(groups_wanted, bl.count);
-  std::vector<Tensor> partial(groups);
-  partial[0] = d_t;
-  for (int64_t k = 1; k < groups; ++k) partial[k] = at::empty({N, D}, opts);
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    Tensor buf = at::empty({bl.size, N}, opts);
+  grouped_row_blocks<T>(N, N, D, d_t, [&](int64_t i0, int64_t rows, Tensor& buf, Tensor& part, bool first) {
     T* bp = buf.data_ptr<T>();
-    for (int64_t k = g0; k < g1; ++k) {
-      const int64_t first = k * bl.count / groups, last = (k + 1) * bl.count / groups;
-      for (int64_t blk = first; blk < last; ++blk) {
-        const int64_t i0 = blk * bl.size, rows = std::min(bl.size, N - i0);
-        Tensor strip = buf.narrow(0, 0, rows);
-        at::mm_out(strip, L.narrow(0, i0, rows), R.t());
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t i = i0 + r;
-          T* zr = bp + r * N;
-          sym_prob(zr, N, inv_tau, pos[i], nll_r[i], g[i], pos, nll_c, g);
-          zr[i] = T(0);
-        }
-        Tensor dv = d_v.narrow(0, i0, rows);
-        at::mm_out(dv, strip, R);
-        const Tensor vi = vh.narrow(0, i0, rows);
-        if (blk == first) {
-          at::mm_out(partial[k], strip.t(), vi);
-        } else {
-          partial[k].addmm_(strip.t(), vi);
-        }
-      }
+    Tensor strip = buf.narrow(0, 0, rows);
+    at::mm_out(strip, L.narrow(0, i0, rows), R.t());
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = i0 + r;
+      T* zr = bp + r * N;
+      sym_prob(zr, N, inv_tau, pos[i], nll_r[i], g[i], pos, nll_c, g);
+      zr[i] = T(0);
+    }
+    Tensor dv = d_v.narrow(0, i0, rows);
+    at::mm_out(dv, strip, R);
+    const Tensor vi = vh.narrow(0, i0, rows);
+    if (first) {
+      at::mm_out(part, strip.t(), vi);
+    } else {
+      part.addmm_(strip.t(), vi);
     }
   });
-  for (int64_t k = 1; k < groups; ++k) d_t.add_(partial[k]);
 }
 
 // ---------------------------------------------------------------------------------------
