@@ -1,28 +1,143 @@
-"""Fused HN-CLIP loss in Triton: forward kernel, backward kernels and their autograd.Function.
+"""Fused HN-CLIP loss in Triton: forward, backward and their autograd.Functions.
 
-Design (after Triton's fused-attention tutorial): a tile of logits
-``Z = (q̂ k̂ᵀ + γ · stopgrad(â b̂ᵀ)) / τ`` is computed on the fly from the raw inputs and
-their float32 inverse row norms; an online LSE runs along each query row over the
-negatives only; three float32 numbers per row are saved and the backward recomputes
-the tiles. Nothing of size M×N is ever stored, and every output element is written by
-exactly one program (no atomics), so results are bit-reproducible.
+A tile of logits ``Z = (q̂ k̂ᵀ + γ · stopgrad(â b̂ᵀ)) / τ`` is formed on the fly from the raw
+features and their float32 inverse row norms. Nothing of size M×N is stored.
 
-One direction at a time: M query rows vs N key columns, positive of row i at column
-``offset + i``. i2t is (q, k, a, b) = (img, txt, txt, txt); t2i is (txt, img, txt, txt).
+Forward (``_fwd_kernel``, one walk over the tiles): program (row block, column split)
+forms each of its tiles once and folds it into an online LSE along its rows (i2t) and,
+for the symmetric loss, into complete statistics of the tile's columns (t2i). Both are
+partial (the rows' over one column split, the columns' over one row block) and
+``_merge_kernel`` combines them in a fixed order: deterministic, no atomics.
+
+Backward, per R × C chunk of Z (R·C·elem ≤ ``BWD_WORKSPACE_BYTES``, 256 MiB): ``_dscore_kernel``
+forms each tile once more and writes W = diag(r_q) · dS · diag(r_k) (dS = dL/dZ times τ,
+negatives only) to a float32 workspace; ``_grad_gemm_kernel`` then adds (W k) / r_q to dq̂ and
+(Wᵀ q) / r_k to dk̂. Why a workspace and not full-D accumulators: at D = 768 a 64-row
+float32 accumulator alone is 192 KiB, more than a program's registers, so a fused
+backward must slice D and re-form each tile once per slice (6× at D = 768); materialising
+dS costs one write and two reads of 2 bytes per logit, and both products become plain
+GEMMs with long reductions, whatever D is. Matmul work per step, in N×N×D products:
+2 forward + 2 dS + 2 × 2 GEMM passes with the margin (2.67× the 3 useful ones), 1 + 1 + 4
+without (2.0×). The GEMMs take two passes because W is kept in float32 and split into a
+head and a tail in the features' type: a single bf16 pass would round dS to 8 bits, and
+for near-duplicate captions (the hard negatives the margin is for) the gradient
+Σ_k dS_ik (t̂_k − t̂_i) is small against its terms, so that rounding reached 2% of it.
+
+Every output element is written by one program, chunks run in order: bit-reproducible.
+One direction at a time (M query rows vs N key columns, positive of row i at column
+``offset + i``) serves a rank of a distributed job; ``HNClipTriton`` is the fused
+single-process loss (both directions from the same tiles).
 """
 from __future__ import annotations
 
 import torch
 import triton
-from torch.autograd.function import once_differentiable
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from . import epilogue
+from . import triton_config as cfg
 
 
 def _is_interpreting() -> bool:
     # triton.jit returns an InterpretedFunction when TRITON_INTERPRET=1 was set at import
     return "Interpreted" in type(_fwd_kernel).__name__
+
+
+# ------------------------------------------------------------------ device helpers
+@triton.jit
+def _round_tf32(x, NEAREST: tl.constexpr):
+    """x rounded to tf32 (10-bit mantissa): truncated, as a tensor core reads float32
+    registers, or to nearest (ties away), as Triton's tf32x3 split does."""
+    bits = x.to(tl.uint32, bitcast=True)
+    if NEAREST:
+        bits = bits + 0x1000
+    return (bits & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_bf16(x):
+    """x rounded to bfloat16, to nearest even (the GPU's conversion; the interpreter's
+    own conversion truncates), returned as float32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    rounded = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, rounded)
+
+
+@triton.jit
+def _dot(a, b, acc, PREC: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc + a @ b with float32 accumulation. On a GPU, ``input_precision=PREC`` (used for
+    float32 operands only). Under the interpreter, which multiplies exactly in float32
+    (and mis-multiplies bf16), the operands are upcast and rounded as the tensor cores
+    round them, and multi-pass modes are spelled out, so CPU runs compute what a GPU does."""
+    if PREC == "bf16x2" or PREC == "tf32x2":
+        # float32 a (the dS workspace) against b whose values the narrow type holds exactly
+        # (bf16, or fp16 in tf32): only a is split, into head and tail, 2 passes
+        acc = _dot_split_a(a, b, acc, PREC == "bf16x2", INTERPRET)
+    elif INTERPRET:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        if PREC == "tf32":
+            acc = tl.dot(_round_tf32(a, False), _round_tf32(b, False), acc)
+        elif PREC == "tf32x3":
+            a_hi = _round_tf32(a, True)
+            b_hi = _round_tf32(b, True)
+            a_lo = _round_tf32(a - a_hi, False)
+            b_lo = _round_tf32(b - b_hi, False)
+            acc = tl.dot(a_lo, b_hi, acc)
+            acc = tl.dot(a_hi, b_lo, acc)
+            acc = tl.dot(a_hi, b_hi, acc)
+        elif PREC == "bf16x3":
+            a_hi = _round_bf16(a)
+            b_hi = _round_bf16(b)
+            a_lo = _round_bf16(a - a_hi)
+            b_lo = _round_bf16(b - b_hi)
+            acc = tl.dot(a_lo, b_hi, acc)
+            acc = tl.dot(a_hi, b_lo, acc)
+            acc = tl.dot(a_hi, b_hi, acc)
+        elif PREC == "bf16x6":
+            a1 = _round_bf16(a)
+            b1 = _round_bf16(b)
+            a2 = _round_bf16(a - a1)
+            b2 = _round_bf16(b - b1)
+            a3 = _round_bf16(a - a1 - a2)
+            b3 = _round_bf16(b - b1 - b2)
+            acc = tl.dot(a1, b3, acc)
+            acc = tl.dot(a2, b2, acc)
+            acc = tl.dot(a3, b1, acc)
+            acc = tl.dot(a1, b2, acc)
+            acc = tl.dot(a2, b1, acc)
+            acc = tl.dot(a1, b1, acc)
+        else:
+            acc = tl.dot(a, b, acc)
+    else:
+        if a.dtype == tl.float32:
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+        else:
+            acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _dot_split_a(a, b, acc, BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    b = b.to(tl.float32) if INTERPRET or not BF16 else b
+    if BF16:
+        a_hi = _round_bf16(a) if INTERPRET else a.to(tl.bfloat16).to(tl.float32)
+        a_lo = _round_bf16(a - a_hi) if INTERPRET else (a - a_hi).to(tl.bfloat16).to(tl.float32)
+    else:
+        a_hi = _round_tf32(a, True)
+        a_lo = _round_tf32(a - a_hi, False)
+    if INTERPRET:
+        acc = tl.dot(a_lo, b, acc)
+        acc = tl.dot(a_hi, b, acc)
+    elif BF16:
+        acc = tl.dot(a_lo.to(tl.bfloat16), b, acc)
+        acc = tl.dot(a_hi.to(tl.bfloat16), b, acc)
+    else:
+        acc = tl.dot(a_lo, b, acc, input_precision="tf32")
+        acc = tl.dot(a_hi, b, acc, input_precision="tf32")
+    return acc
 
 
 @triton.jit
@@ -31,7 +146,7 @@ def _logits_tile(
     s_qm, s_qd, s_kn, s_kd, s_am, s_ad, s_bn, s_bd,
     rq, rk, ra, rb,  # float32 inverse norms of this tile's rows / columns
     offs_m, offs_n, M, N, D, gamma, inv_tau,
-    HAS_MARGIN: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_MARGIN: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """(BLOCK_M, BLOCK_N) float32 tile of Z, dots accumulated in float32 over D."""
@@ -46,19 +161,13 @@ def _logits_tile(
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         k = tl.load(k_ptr + offs_k[:, None] * s_kd + offs_n[None, :] * s_kn,
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if UPCAST:  # interpreter: tl.dot on bf16 multiplies raw bits (triton#11584)
-            q = q.to(tl.float32)
-            k = k.to(tl.float32)
-        acc = tl.dot(q, k, acc, input_precision=DOT_PREC)
+        acc = _dot(q, k, acc, PREC, INTERPRET)
         if HAS_MARGIN:
             a = tl.load(a_ptr + offs_m[:, None] * s_am + offs_k[None, :] * s_ad,
                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             b = tl.load(b_ptr + offs_k[:, None] * s_bd + offs_n[None, :] * s_bn,
                         mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc_margin = tl.dot(a, b, acc_margin, input_precision=DOT_PREC)
+            acc_margin = _dot(a, b, acc_margin, PREC, INTERPRET)
     # the norms scale float32 tiles: the normalised vectors are never rounded to bf16
     z = acc * rq[:, None] * rk[None, :]
     if HAS_MARGIN:
@@ -75,190 +184,216 @@ def _block(start, size, norm1_ptr, norm2_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _online_lse_step(d, neg, run_max, run_sum, run_wsum, run_dsum, AXIS: tl.constexpr):
-    """Fold one tile of gaps d = Z − Z_pos (−inf off the negatives) into the running
-    max, Σexp, Σexp·d and Σd along AXIS (1: rows of the tile, 0: its columns)."""
-    new_max = tl.maximum(run_max, tl.max(d, axis=AXIS))
-    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # no -inf - -inf
-    rescale = tl.exp(run_max - safe_max)
+def _tile_stats(d, neg, AXIS: tl.constexpr):
+    """Max, Σexp(d − max), Σexp(d − max)·d and Σd of a tile of gaps along AXIS
+    (d is −inf off the negatives; so is the max of a line without negatives)."""
+    top = tl.max(d, axis=AXIS)
+    safe = tl.where(top == float("-inf"), 0.0, top)  # no -inf - -inf
     if AXIS == 1:
-        p = tl.exp(d - safe_max[:, None])
+        p = tl.exp(d - safe[:, None])
     else:
-        p = tl.exp(d - safe_max[None, :])
+        p = tl.exp(d - safe[None, :])
     d0 = tl.where(neg, d, 0.0)
-    run_sum = run_sum * rescale + tl.sum(p, axis=AXIS)
-    run_wsum = run_wsum * rescale + tl.sum(p * d0, axis=AXIS)
-    run_dsum += tl.sum(d0, axis=AXIS)
-    return new_max, run_sum, run_wsum, run_dsum
+    return top, tl.sum(p, axis=AXIS), tl.sum(p * d0, axis=AXIS), tl.sum(d0, axis=AXIS)
 
 
+@triton.jit
+def _combine(m1, s1, w1, m2, s2, w2):
+    """Merge two (max, Σexp, Σexp·d) summaries, each relative to its own max (−inf: empty).
+    Rescaling to the joint max keeps tiny sums (a saturated row's exp(−90)) representable."""
+    m = tl.maximum(m1, m2)
+    safe = tl.where(m == float("-inf"), 0.0, m)  # no -inf - -inf
+    e1 = tl.exp(m1 - safe)
+    e2 = tl.exp(m2 - safe)
+    return m, s1 * e1 + s2 * e2, w1 * e1 + w2 * e2
+
+
+@triton.jit
+def _store_partial(ptr, plane, offs, mask, m, s, w, ds, SMOOTHING: tl.constexpr):
+    tl.store(ptr + offs, m, mask=mask)
+    tl.store(ptr + plane + offs, s, mask=mask)
+    tl.store(ptr + 2 * plane + offs, w, mask=mask)
+    if SMOOTHING:
+        tl.store(ptr + 3 * plane + offs, ds, mask=mask)
+
+
+# ------------------------------------------------------------------ forward
 @triton.jit
 def _fwd_kernel(
     q_ptr, k_ptr, a_ptr, b_ptr,
     s_qm, s_qd, s_kn, s_kd, s_am, s_ad, s_bn, s_bd,
     rq_ptr, rk_ptr, ra_ptr, rb_ptr, pos_ptr, tau_ptr,
-    delta_ptr, mean_neg_ptr, dsum_ptr,
-    M, N, D, offset, gamma,
-    COLUMNS: tl.constexpr,  # False: a program owns query rows (LSE of Z's rows); True: key columns (of Zᵀ's rows)
-    HAS_MARGIN: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    row_part_ptr,  # (splits, planes, M): this split's summary of each row
+    col_part_ptr,  # (row blocks, planes, N): this row block's summary of each column (COL_STATS)
+    M, N, D, offset, gamma, cols_per_split,
+    COL_STATS: tl.constexpr, SMOOTHING: tl.constexpr,
+    HAS_MARGIN: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Per-row statistics over the negatives: delta = LSE(d), mean_neg = E_softmax[d], dsum = Σd.
+    """One walk over the tiles of Z: each tile formed once serves the rows and the columns.
 
-    The column pass walks the very same (query × key) tiles as the row pass and the backward,
-    so the t2i statistics and the recomputed tiles agree to the bit, whatever the logits' size.
+    For the gaps d = Z − Z_pos over the negatives, a row's summary is (max, Σexp, Σexp·d,
+    Σd) over this program's column split; a column's is the same over this row block.
     """
-    pid = tl.program_id(0)
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
     inv_tau = 1.0 / tl.load(tau_ptr)
-    if COLUMNS:
-        offs_n, mask_n, rk, rb = _block(pid * BLOCK_N, N, rk_ptr, rb_ptr, BLOCK_N)
-        pos = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)  # column j's positive: Z[j - offset, j]
-        run_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-        n_inner = M
-        step = BLOCK_M
-    else:
-        offs_m, mask_m, rq, ra = _block(pid * BLOCK_M, M, rq_ptr, ra_ptr, BLOCK_M)
-        pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
-        run_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        n_inner = N
-        step = BLOCK_N
-    # online LSE of d = Z - Z_pos over the negatives: running max, Σexp, Σexp·d, Σd
-    run_sum = tl.zeros_like(run_max)
-    run_wsum = tl.zeros_like(run_max)
-    run_dsum = tl.zeros_like(run_max)
-    for j0 in range(0, n_inner, step):
-        if COLUMNS:
-            offs_m, mask_m, rq, ra = _block(j0, M, rq_ptr, ra_ptr, BLOCK_M)
-        else:
-            offs_n, mask_n, rk, rb = _block(j0, N, rk_ptr, rb_ptr, BLOCK_N)
+    offs_m, mask_m, rq, ra = _block(pid_m * BLOCK_M, M, rq_ptr, ra_ptr, BLOCK_M)
+    pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
+    run_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    run_sum = tl.zeros((BLOCK_M,), tl.float32)
+    run_wsum = tl.zeros((BLOCK_M,), tl.float32)
+    run_dsum = tl.zeros((BLOCK_M,), tl.float32)
+    n_start = pid_s * cols_per_split
+    n_end = tl.minimum(n_start + cols_per_split, N)
+    for n0 in range(n_start, n_end, BLOCK_N):
+        offs_n, mask_n, rk, rb = _block(n0, n_end, rk_ptr, rb_ptr, BLOCK_N)
         z = _logits_tile(q_ptr, k_ptr, a_ptr, b_ptr, s_qm, s_qd, s_kn, s_kd, s_am, s_ad, s_bn, s_bd,
                          rq, rk, ra, rb, offs_m, offs_n, M, N, D, gamma, inv_tau,
-                         HAS_MARGIN, UPCAST, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+                         HAS_MARGIN, INTERPRET, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
-        if COLUMNS:
-            d = tl.where(neg, z - pos[None, :], float("-inf"))
-            run_max, run_sum, run_wsum, run_dsum = _online_lse_step(d, neg, run_max, run_sum, run_wsum, run_dsum, 0)
-        else:
-            d = tl.where(neg, z - pos[:, None], float("-inf"))
-            run_max, run_sum, run_wsum, run_dsum = _online_lse_step(d, neg, run_max, run_sum, run_wsum, run_dsum, 1)
-    has_neg = run_sum > 0.0
-    delta = tl.where(has_neg, run_max + tl.log(tl.where(has_neg, run_sum, 1.0)), float("-inf"))
-    # a NaN anywhere in the row poisons run_sum; keep it visible in the loss
-    delta = tl.where(run_sum != run_sum, run_sum, delta)
-    mean_neg = tl.where(has_neg, run_wsum / tl.where(has_neg, run_sum, 1.0), 0.0)
-    offs = offs_n if COLUMNS else offs_m
-    mask = mask_n if COLUMNS else mask_m
-    tl.store(delta_ptr + offs, delta, mask=mask)
-    tl.store(mean_neg_ptr + offs, mean_neg, mask=mask)
-    tl.store(dsum_ptr + offs, run_dsum, mask=mask)
+        d = tl.where(neg, z - pos[:, None], float("-inf"))
+        t_max, t_sum, t_wsum, t_dsum = _tile_stats(d, neg, 1)
+        run_max, run_sum, run_wsum = _combine(run_max, run_sum, run_wsum, t_max, t_sum, t_wsum)
+        run_dsum += t_dsum
+        if COL_STATS:  # symmetric loss (M = N, offset 0): column j's positive is Z_jj = pos_j
+            pos_c = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
+            d_c = tl.where(neg, z - pos_c[None, :], float("-inf"))
+            c_max, c_sum, c_wsum, c_dsum = _tile_stats(d_c, neg, 0)
+            _store_partial(col_part_ptr + pid_m * (3 + SMOOTHING) * N, N, offs_n, mask_n,
+                           c_max, c_sum, c_wsum, c_dsum, SMOOTHING)
+    _store_partial(row_part_ptr + pid_s * (3 + SMOOTHING) * M, M, offs_m, mask_m,
+                   run_max, run_sum, run_wsum, run_dsum, SMOOTHING)
 
 
 @triton.jit
-def _bwd_kernel(
+def _merge_kernel(part_ptr, n_parts, L, delta_ptr, mean_neg_ptr, dsum_ptr,
+                  SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
+    """Combine ``n_parts`` summaries (n_parts, planes, L) of each line, in order, into
+    delta = LSE(d) (−inf without negatives), mean_neg = E_softmax[d] and Σd."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < L
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK,), tl.float32)
+    w = tl.zeros((BLOCK,), tl.float32)
+    ds = tl.zeros((BLOCK,), tl.float32)
+    planes = 3 + SMOOTHING
+    for p in range(0, n_parts):
+        base = part_ptr + p * planes * L + offs
+        m, s, w = _combine(m, s, w, tl.load(base, mask=mask, other=0.0), tl.load(base + L, mask=mask, other=0.0),
+                           tl.load(base + 2 * L, mask=mask, other=0.0))
+        if SMOOTHING:
+            ds += tl.load(base + 3 * L, mask=mask, other=0.0)
+    has_neg = s > 0.0
+    delta = tl.where(has_neg, m + tl.log(tl.where(has_neg, s, 1.0)), float("-inf"))
+    delta = tl.where(s != s, s, delta)  # a NaN anywhere in the line stays visible in the loss
+    tl.store(delta_ptr + offs, delta, mask=mask)
+    tl.store(mean_neg_ptr + offs, tl.where(has_neg, w / tl.where(has_neg, s, 1.0), 0.0), mask=mask)
+    tl.store(dsum_ptr + offs, ds, mask=mask)
+
+
+# ------------------------------------------------------------------ backward
+@triton.jit
+def _dscore_kernel(
     q_ptr, k_ptr, a_ptr, b_ptr,
     s_qm, s_qd, s_kn, s_kd, s_am, s_ad, s_bn, s_bd,
     rq_ptr, rk_ptr, ra_ptr, rb_ptr, pos_ptr, nll_ptr, g_ptr, tau_ptr,
-    pos_c_ptr, nll_c_ptr, g_c_ptr,  # SYMMETRIC only: the key direction's row statistics
-    out_ptr, s_om, s_od,
-    M, N, D, offset, gamma,
-    FOR_KEYS: tl.constexpr,  # False: program owns query rows, out = Σ_k ds_ik k_k; True: owns key columns, out = Σ_i ds_ik q_i
-    SYMMETRIC: tl.constexpr,  # M = N, offset 0: ds also carries the key direction's softmax (Z is shared)
-    HAS_MARGIN: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, GRAD_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    nll_c_ptr, g_c_ptr,  # SYMMETRIC only: the key direction's NLL and upstream gradient
+    w_ptr, s_wm, s_wn,
+    row0, row_end, col0, col_end, D, offset, gamma,
+    SYMMETRIC: tl.constexpr,
+    HAS_MARGIN: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Negatives' share of dL/dq̂ (or dL/dk̂) times τ, for one block of rows and a slice of D.
+    """W[i − row0, k − col0] = r_q,i · dS_ik · r_k,k over one chunk [row0, row_end) × [col0, col_end).
 
-    With SYMMETRIC the tile's gradient is ds_ik = g_i P_ik + g'_k P'_ki, where P' is the
-    softmax of the other direction (column k of the same Z), so one recomputed tile serves
-    both i2t and t2i and the backward costs two kernels instead of four.
+    dS_ik = g_i P_ik over the negatives (P = exp(d − nll)); with SYMMETRIC (M = N,
+    offset 0) plus g'_k P'_ki, the softmax of column k, so one tile serves i2t and t2i.
     """
-    pid = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
+    offs_m, mask_m, rq, ra = _block(row0 + tl.program_id(0) * BLOCK_M, row_end, rq_ptr, ra_ptr, BLOCK_M)
+    offs_n, mask_n, rk, rb = _block(col0 + tl.program_id(1) * BLOCK_N, col_end, rk_ptr, rb_ptr, BLOCK_N)
     inv_tau = 1.0 / tl.load(tau_ptr)
-    if FOR_KEYS:
-        offs_n, mask_n, rk, rb = _block(pid * BLOCK_N, N, rk_ptr, rb_ptr, BLOCK_N)
-        if SYMMETRIC:
-            pos_c = tl.load(pos_c_ptr + offs_n, mask=mask_n, other=0.0)
-            nll_c = tl.load(nll_c_ptr + offs_n, mask=mask_n, other=0.0)
-            g_c = tl.load(g_c_ptr + offs_n, mask=mask_n, other=0.0)
-        acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-        n_outer = M
-    else:
-        offs_m, mask_m, rq, ra = _block(pid * BLOCK_M, M, rq_ptr, ra_ptr, BLOCK_M)
-        pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
-        row_nll = tl.load(nll_ptr + offs_m, mask=mask_m, other=0.0)
-        g = tl.load(g_ptr + offs_m, mask=mask_m, other=0.0)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        n_outer = N
-    step = BLOCK_M if FOR_KEYS else BLOCK_N
-    for j0 in range(0, n_outer, step):
-        if FOR_KEYS:
-            offs_m, mask_m, rq, ra = _block(j0, M, rq_ptr, ra_ptr, BLOCK_M)
-            pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
-            row_nll = tl.load(nll_ptr + offs_m, mask=mask_m, other=0.0)
-            g = tl.load(g_ptr + offs_m, mask=mask_m, other=0.0)
-        else:
-            offs_n, mask_n, rk, rb = _block(j0, N, rk_ptr, rb_ptr, BLOCK_N)
-            if SYMMETRIC:
-                pos_c = tl.load(pos_c_ptr + offs_n, mask=mask_n, other=0.0)
-                nll_c = tl.load(nll_c_ptr + offs_n, mask=mask_n, other=0.0)
-                g_c = tl.load(g_c_ptr + offs_n, mask=mask_n, other=0.0)
-        z = _logits_tile(q_ptr, k_ptr, a_ptr, b_ptr, s_qm, s_qd, s_kn, s_kd, s_am, s_ad, s_bn, s_bd,
-                         rq, rk, ra, rb, offs_m, offs_n, M, N, D, gamma, inv_tau,
-                         HAS_MARGIN, UPCAST, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
-        neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
-        # P_ik = exp(Z_ik − LSE_i) = exp(d_ik − nll_i); tiny P stay representable in float32
-        # mask before exp: the positive's tile entry carries a margin and may overflow
-        prob = tl.exp(tl.where(neg, z - pos[:, None] - row_nll[:, None], float("-inf")))
-        ds = prob * g[:, None]
-        if SYMMETRIC:
-            prob_c = tl.exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf")))
-            ds += prob_c * g_c[None, :]
-        if FOR_KEYS:
-            ds = ds * rq[:, None]  # scale here so the raw q tile feeds the dot
-            src = tl.load(q_ptr + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd,
-                          mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-            ds_t = tl.trans(ds)
-            if GRAD_FP32:
-                acc = tl.dot(ds_t, src.to(tl.float32), acc, input_precision=DOT_PREC)
-            else:
-                acc = tl.dot(ds_t.to(src.dtype), src, acc)
-        else:
-            ds = ds * rk[None, :]
-            src = tl.load(k_ptr + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd,
-                          mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-            if GRAD_FP32:
-                acc = tl.dot(ds, src.to(tl.float32), acc, input_precision=DOT_PREC)
-            else:
-                acc = tl.dot(ds.to(src.dtype), src, acc)
-    if FOR_KEYS:
-        tl.store(out_ptr + offs_n[:, None] * s_om + offs_d[None, :] * s_od, acc,
-                 mask=mask_n[:, None] & mask_d[None, :])
-    else:
-        tl.store(out_ptr + offs_m[:, None] * s_om + offs_d[None, :] * s_od, acc,
-                 mask=mask_m[:, None] & mask_d[None, :])
+    z = _logits_tile(q_ptr, k_ptr, a_ptr, b_ptr, s_qm, s_qd, s_kn, s_kd, s_am, s_ad, s_bn, s_bd,
+                     rq, rk, ra, rb, offs_m, offs_n, row_end, col_end, D, gamma, inv_tau,
+                     HAS_MARGIN, INTERPRET, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
+    pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
+    nll = tl.load(nll_ptr + offs_m, mask=mask_m, other=0.0)
+    g = tl.load(g_ptr + offs_m, mask=mask_m, other=0.0)
+    # mask before exp: the positive's tile entry carries a margin and may overflow
+    ds = tl.exp(tl.where(neg, z - pos[:, None] - nll[:, None], float("-inf"))) * g[:, None]
+    if SYMMETRIC:
+        pos_c = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
+        nll_c = tl.load(nll_c_ptr + offs_n, mask=mask_n, other=0.0)
+        g_c = tl.load(g_c_ptr + offs_n, mask=mask_n, other=0.0)
+        ds += tl.exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf"))) * g_c[None, :]
+    w = ds * rq[:, None] * rk[None, :]
+    tl.store(w_ptr + (offs_m - row0)[:, None] * s_wm + (offs_n - col0)[None, :] * s_wn, w,
+             mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _pow2(x: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(max(int(x), 1))))
+@triton.jit
+def _grad_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, r_ptr,
+    M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn,
+    ACCUMULATE: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """C (+)= (A @ B) / r[:, None], float32 C and accumulation. A is the dS workspace (or
+    its transpose, through strides), B the raw features; 1/r undoes W's row scaling."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    # grouped order: GROUP_M row blocks share each column block of B while it is in L2
+    group = pid // (GROUP_M * grid_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % group_size
+    pid_n = (pid % (GROUP_M * grid_n)) // group_size
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(a_ptr + offs_m[:, None] * s_am + offs_k[None, :] * s_ak,
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptr + offs_k[:, None] * s_bk + offs_n[None, :] * s_bn,
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = _dot(a, b, acc, PREC, INTERPRET)
+    r = tl.load(r_ptr + offs_m, mask=mask_m, other=1.0)
+    acc = acc / r[:, None]
+    c_ptrs = c_ptr + offs_m[:, None] * s_cm + offs_n[None, :] * s_cn
+    mask = mask_m[:, None] & mask_n[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=mask, other=0.0)
+    tl.store(c_ptrs, acc, mask=mask)
 
 
-def _launch_config(m: int, n: int, d: int, dtype: torch.dtype) -> dict:
-    interpret = _is_interpreting()
-    # the interpreter pays per program, not per flop: take larger tiles when small shapes allow
-    block_mn = 32 if interpret else 64
-    return dict(
-        BLOCK_M=_pow2(m, 16, block_mn),
-        BLOCK_N=_pow2(n, 16, block_mn),
-        BLOCK_K=_pow2(d, 16, 64),
-        UPCAST=interpret,
-        DOT_PREC="ieee" if dtype == torch.float32 or interpret else "tf32",
-        GRAD_FP32=interpret or dtype in (torch.float32, torch.float16),  # fp16 would flush tiny P·g to 0
-    )
+# autotuned twins of the kernels (GPU only; the interpreter and HNCLIP_AUTOTUNE=0 use cfg.heuristic)
+_KEY = ["D", "HAS_MARGIN", "PREC"]
+_fwd_tuned = triton.autotune(cfg.FWD_CONFIGS, key=_KEY + ["COL_STATS"],
+                             prune_configs_by={"early_config_prune": cfg.pruner("fwd", "q_ptr")})(_fwd_kernel)
+_dscore_tuned = triton.autotune(cfg.DSCORE_CONFIGS, key=_KEY + ["SYMMETRIC"],
+                                prune_configs_by={"early_config_prune": cfg.pruner("dscore", "q_ptr")})(_dscore_kernel)
+_gemm_tuned = triton.autotune(cfg.GEMM_CONFIGS, key=["N", "PREC", "ACCUMULATE"], restore_value=["c_ptr"],
+                              prune_configs_by={"early_config_prune": cfg.pruner("gemm", "b_ptr")})(_grad_gemm_kernel)
 
 
+def _launch(kernel, tuned, name: str, width: int, grid, args, **constexprs):
+    """Launch ``kernel`` (autotuned twin ``tuned`` in mode "autotune"); ``grid(tiles)`` maps
+    the chosen constexprs to the launch grid."""
+    if cfg.launch_mode() == "autotune":
+        tuned[lambda meta: grid(meta)](*args, **constexprs)
+        return
+    fixed = cfg.heuristic(name, width)
+    tiles = {**constexprs, **fixed.constexprs}
+    kernel[grid(tiles)](*args, **tiles, num_warps=fixed.num_warps, num_stages=fixed.num_stages)
+
+
+# ------------------------------------------------------------------ launchers
 def _inv_norms(x: torch.Tensor, normalize: bool) -> torch.Tensor:
     if not normalize:
         return torch.ones(x.shape[0], device=x.device, dtype=torch.float32)
@@ -269,47 +404,92 @@ def _strides(*xs):
     return [s for x in xs for s in x.stride()]
 
 
-def _forward_stats(ops, norms, pos, tau32, offset: int, gamma: float, cfg: dict,
-                   columns: bool = False) -> epilogue.RowStats:
-    """Run the forward kernel on operands ``ops = (q, k, a, b)`` with inverse norms ``norms``:
-    statistics of Z's rows, or with ``columns`` of Zᵀ's rows (M = N, offset 0)."""
-    q, k, _, _ = ops
-    m, d = q.shape
-    n = k.shape[0]
-    delta = torch.empty(n if columns else m, device=q.device, dtype=torch.float32)
-    mean_neg, dsum = torch.empty_like(delta), torch.empty_like(delta)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]) if columns else triton.cdiv(m, cfg["BLOCK_M"]),)
-    _fwd_kernel[grid](
-        *ops, *_strides(*ops), *norms, pos, tau32, delta, mean_neg, dsum, m, n, d, offset, gamma,
-        COLUMNS=columns, HAS_MARGIN=gamma != 0.0, UPCAST=cfg["UPCAST"], DOT_PREC=cfg["DOT_PREC"],
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-    )
-    return epilogue.RowStats(pos, delta, mean_neg, dsum)
+def _merge(part: torch.Tensor, smoothing: bool):
+    """(delta, mean_neg, dsum) of each line from its partial summaries (n_parts, planes, L)."""
+    n_parts, _, length = part.shape
+    out = torch.empty(3, length, device=part.device, dtype=torch.float32)
+    block = 128 if cfg.launch_mode() != "interpret" else 64
+    _merge_kernel[(triton.cdiv(length, block),)](part, n_parts, length, out[0], out[1], out[2],
+                                                 SMOOTHING=smoothing, BLOCK=block)
+    return out.unbind(0)
 
 
-def _backward_shares(ops, norms, stats, g, tau32, offset: int, gamma: float, cfg: dict, key_side=None):
-    """Negatives' shares (times τ) of dL/dq̂ (M, D) and dL/dk̂ (N, D), float32.
+def _forward_stats(ops, norms, pos, tau32, offset: int, gamma: float, smoothing: bool, precision,
+                   columns: bool = False):
+    """Statistics of Z's rows (``epilogue.RowStats``), and with ``columns`` also of Zᵀ's rows
+    (M = N, offset 0), from one walk over the tiles.
 
-    ``key_side = (stats, g)`` of the transposed direction makes it symmetric (M = N, offset 0).
+    Workspace: 4 bytes × (3, or 4 with label smoothing) × (M · splits + N · ⌈M / BLOCK_M⌉), e.g.
+    384 MiB at N = 65536 with 16-bit features (BLOCK_M = 128), nothing at all of size N × N.
     """
     q, k, _, _ = ops
     m, d = q.shape
     n = k.shape[0]
+    width = q.element_size()
+    block_m = cfg.fwd_block_m(width)
+    row_blocks = triton.cdiv(m, block_m)
+    splits, per_split = cfg.column_splits(row_blocks, n, q.device)
+    planes = 4 if smoothing else 3
+    row_part = torch.empty(splits, planes, m, device=q.device, dtype=torch.float32)
+    col_part = (torch.empty(row_blocks, planes, n, device=q.device, dtype=torch.float32) if columns
+                else row_part)  # unused without COL_STATS
+    args = (*ops, *_strides(*ops), *norms, pos, tau32, row_part, col_part, m, n, d, offset, gamma, per_split)
+    _launch(_fwd_kernel, _fwd_tuned, "fwd", width, lambda t: (row_blocks, splits), args,
+            COL_STATS=columns, SMOOTHING=smoothing, HAS_MARGIN=gamma != 0.0, INTERPRET=cfg.is_interpreting(),
+            PREC=cfg.dot_precision(q.dtype, precision), BLOCK_M=block_m, BLOCK_K=cfg.score_block_k(width))
+    rows = epilogue.RowStats(pos, *_merge(row_part, smoothing))
+    if not columns:
+        return rows
+    return rows, epilogue.RowStats(pos, *_merge(col_part, smoothing))
+
+
+def _gemm(a, b, c, r, accumulate: bool, precision: str):
+    """c (+)= (a @ b) / r[:, None] (a may be a transposed view of the workspace)."""
+    m, kk = a.shape
+    n = b.shape[1]
+    args = (a, b, c, r, m, n, kk, *a.stride(), *b.stride(), *c.stride())
+    _launch(_grad_gemm_kernel, _gemm_tuned, "gemm", b.element_size(),
+            lambda t: (triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"]),), args,
+            ACCUMULATE=accumulate, INTERPRET=cfg.is_interpreting(), PREC=precision, GROUP_M=8)
+
+
+def _backward_shares(ops, norms, stats, g, tau32, offset: int, gamma: float, precision, key_side=None):
+    """Negatives' shares (times τ) of dL/dq̂ (M, D) and dL/dk̂ (N, D), float32.
+
+    ``key_side = (stats, g)`` of the transposed direction makes it symmetric (M = N, offset 0).
+    dS is materialised one R × C chunk at a time (R·C·elem ≤ ``cfg.BWD_WORKSPACE_BYTES``: e.g.
+    11520 × 11648 for bf16, 8192 × 8192 for float32, 256 MiB); square chunks keep both GEMMs'
+    grids full and their reductions long. Chunks run in a fixed order: deterministic.
+    """
+    q, k, _, _ = ops
+    m, d = q.shape
+    n = k.shape[0]
+    rq, rk = norms[0], norms[1]
+    width = q.element_size()
     nll = epilogue.row_nll(stats)
-    col = (stats.pos, epilogue.row_nll(key_side[0]), key_side[1]) if key_side else (nll, nll, nll)
+    nll_c, g_c = (epilogue.row_nll(key_side[0]), key_side[1]) if key_side else (nll, g)
+    rows, cols = cfg.chunk_shape(m, n)
+    work = torch.empty(rows * cols, device=q.device, dtype=torch.float32)
     d_q = torch.empty(m, d, device=q.device, dtype=torch.float32)
     d_k = torch.empty(n, d, device=q.device, dtype=torch.float32)
-    block_d = _pow2(d, 16, 128)
-    for out, for_keys, rows, block in ((d_q, False, m, "BLOCK_M"), (d_k, True, n, "BLOCK_N")):
-        _bwd_kernel[(triton.cdiv(rows, cfg[block]), triton.cdiv(d, block_d))](
-            *ops, *_strides(*ops), *norms, stats.pos, nll, g, tau32, *col, out, *out.stride(),
-            m, n, d, offset, gamma, FOR_KEYS=for_keys, SYMMETRIC=key_side is not None,
-            HAS_MARGIN=gamma != 0.0, UPCAST=cfg["UPCAST"], DOT_PREC=cfg["DOT_PREC"], GRAD_FP32=cfg["GRAD_FP32"],
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], BLOCK_D=block_d,
-        )
+    prec, grad_prec = cfg.dot_precision(q.dtype, precision), cfg.grad_precision(q.dtype, precision)
+    for row0 in range(0, m, rows):
+        row_end = min(row0 + rows, m)
+        for col0 in range(0, n, cols):
+            col_end = min(col0 + cols, n)
+            w = work[: (row_end - row0) * (col_end - col0)].view(row_end - row0, col_end - col0)
+            args = (*ops, *_strides(*ops), *norms, stats.pos, nll, g, tau32, nll_c, g_c, w, *w.stride(),
+                    row0, row_end, col0, col_end, d, offset, gamma)
+            _launch(_dscore_kernel, _dscore_tuned, "dscore", width,
+                    lambda t: (triton.cdiv(row_end - row0, t["BLOCK_M"]), triton.cdiv(col_end - col0, t["BLOCK_N"])),
+                    args, SYMMETRIC=key_side is not None, HAS_MARGIN=gamma != 0.0, INTERPRET=cfg.is_interpreting(),
+                    PREC=prec, BLOCK_K=cfg.score_block_k(width))
+            _gemm(w, k[col0:col_end], d_q[row0:row_end], rq[row0:row_end], col0 > 0, grad_prec)
+            _gemm(w.t(), q[row0:row_end], d_k[col0:col_end], rk[col0:col_end], row0 > 0, grad_prec)
     return d_q, d_k
 
 
+# ------------------------------------------------------------------ autograd
 def _tau_grad(ctx, dz_z: torch.Tensor, inv_tau: torch.Tensor):
     """dL/dτ = −(Σ dZ·Z) / τ, in τ's own dtype and shape; None when τ needs no gradient."""
     if not ctx.needs_input_grad[ctx.tau_index]:
@@ -336,10 +516,9 @@ class HNClipDirectionalTriton(torch.autograd.Function):
         tau32 = _save_tau(ctx, tau, 4, q)
         inv_tau = 1.0 / tau32
         pos = epilogue.positive_logits(q.float() * norms[0][:, None], k.float() * norms[1][:, None], offset, inv_tau)
-        cfg = _launch_config(q.shape[0], k.shape[0], q.shape[1], q.dtype)
-        stats = _forward_stats((q, k, a, b), norms, pos, tau32, offset, float(gamma), cfg)
+        stats = _forward_stats((q, k, a, b), norms, pos, tau32, offset, float(gamma), label_smoothing != 0.0, None)
         ctx.save_for_backward(q, k, a, b, *norms, tau32, *stats)
-        ctx.cfg = (offset, float(gamma), label_smoothing, normalize, cfg)
+        ctx.cfg = (offset, float(gamma), label_smoothing, normalize)
         return epilogue.row_losses(stats, k.shape[0], label_smoothing)
 
     @staticmethod
@@ -347,9 +526,9 @@ class HNClipDirectionalTriton(torch.autograd.Function):
     def backward(ctx, grad_rows):
         q, k, a, b, rq, rk, ra, rb, tau32, *stats = ctx.saved_tensors
         stats = epilogue.RowStats(*stats)
-        offset, gamma, eps, normalize, cfg = ctx.cfg
+        offset, gamma, eps, normalize = ctx.cfg
         g = grad_rows.detach().float().contiguous()
-        d_q, d_k = _backward_shares((q, k, a, b), (rq, rk, ra, rb), stats, g, tau32, offset, gamma, cfg)
+        d_q, d_k = _backward_shares((q, k, a, b), (rq, rk, ra, rb), stats, g, tau32, offset, gamma, None)
         inv_tau = 1.0 / tau32
         q_hat, k_hat = q.float() * rq[:, None], k.float() * rk[:, None]
         dz_z = epilogue.add_positive_and_smoothing(stats, g, q_hat, k_hat, d_q, d_k, offset, eps)
@@ -361,10 +540,8 @@ class HNClipDirectionalTriton(torch.autograd.Function):
 class HNClipTriton(torch.autograd.Function):
     """The whole single-process loss: per-pair losses ½(i2t_k + t2i_k), shape (N,), float32.
 
-    Forward: two passes of the forward kernel over the same tiles of Z (its rows for i2t,
-    its columns for t2i).
-    Backward: one pass over image rows and one over text rows, each recomputed tile
-    carrying both directions' softmax, so it costs half of two directional backwards.
+    Forward: one walk over the tiles of Z gives its rows' (i2t) and columns' (t2i) statistics.
+    Backward: each recomputed tile carries both directions' softmax into one dS workspace.
     """
 
     @staticmethod
@@ -373,13 +550,12 @@ class HNClipTriton(torch.autograd.Function):
         tau32 = _save_tau(ctx, tau, 2, img)
         inv_tau = 1.0 / tau32
         pos = epilogue.positive_logits(img.float() * rv[:, None], txt.float() * rt[:, None], 0, inv_tau)
-        n, d = img.shape
-        cfg = _launch_config(n, n, d, img.dtype)
+        n = img.shape[0]
         ops, norms = (img, txt, txt, txt), (rv, rt, rt, rt)
-        i2t = _forward_stats(ops, norms, pos, tau32, 0, float(gamma), cfg)
-        t2i = _forward_stats(ops, norms, pos, tau32, 0, float(gamma), cfg, columns=True)
+        i2t, t2i = _forward_stats(ops, norms, pos, tau32, 0, float(gamma), label_smoothing != 0.0, None,
+                                  columns=True)
         ctx.save_for_backward(img, txt, rv, rt, tau32, *i2t, *t2i)
-        ctx.cfg = (float(gamma), label_smoothing, normalize, cfg)
+        ctx.cfg = (float(gamma), label_smoothing, normalize)
         return 0.5 * (epilogue.row_losses(i2t, n, label_smoothing) + epilogue.row_losses(t2i, n, label_smoothing))
 
     @staticmethod
@@ -387,9 +563,9 @@ class HNClipTriton(torch.autograd.Function):
     def backward(ctx, grad_pairs):
         img, txt, rv, rt, tau32, *stats = ctx.saved_tensors
         i2t, t2i = epilogue.RowStats(*stats[:4]), epilogue.RowStats(*stats[4:])
-        gamma, eps, normalize, cfg = ctx.cfg
+        gamma, eps, normalize = ctx.cfg
         g = 0.5 * grad_pairs.detach().float().contiguous()  # each direction's rows get half
-        d_v, d_t = _backward_shares((img, txt, txt, txt), (rv, rt, rt, rt), i2t, g, tau32, 0, gamma, cfg,
+        d_v, d_t = _backward_shares((img, txt, txt, txt), (rv, rt, rt, rt), i2t, g, tau32, 0, gamma, None,
                                     key_side=(t2i, g))
         inv_tau = 1.0 / tau32
         v_hat, t_hat = img.float() * rv[:, None], txt.float() * rt[:, None]
