@@ -374,11 +374,11 @@ def _grad_gemm_kernel(
 
 # autotuned twins of the kernels (GPU only; the interpreter and HNCLIP_AUTOTUNE=0 use cfg.heuristic)
 _KEY = ["D", "HAS_MARGIN", "PREC"]
-_fwd_tuned = triton.autotune(cfg.FWD_CONFIGS, key=_KEY + ["COL_STATS"],
+_fwd_tuned = triton.autotune(cfg.all_candidates("fwd"), key=_KEY + ["COL_STATS"],
                              prune_configs_by={"early_config_prune": cfg.pruner("fwd", "q_ptr")})(_fwd_kernel)
-_dscore_tuned = triton.autotune(cfg.DSCORE_CONFIGS, key=_KEY + ["SYMMETRIC"],
+_dscore_tuned = triton.autotune(cfg.all_candidates("dscore"), key=_KEY + ["SYMMETRIC"],
                                 prune_configs_by={"early_config_prune": cfg.pruner("dscore", "q_ptr")})(_dscore_kernel)
-_gemm_tuned = triton.autotune(cfg.GEMM_CONFIGS, key=["N", "PREC", "ACCUMULATE"], restore_value=["c_ptr"],
+_gemm_tuned = triton.autotune(cfg.all_candidates("gemm"), key=["N", "PREC", "ACCUMULATE"], restore_value=["c_ptr"],
                               prune_configs_by={"early_config_prune": cfg.pruner("gemm", "b_ptr")})(_grad_gemm_kernel)
 
 
@@ -511,14 +511,16 @@ class HNClipDirectionalTriton(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, a, b, tau, offset: int, gamma: float, label_smoothing: float, normalize: bool):
+    def forward(ctx, q, k, a, b, tau, offset: int, gamma: float, label_smoothing: float, normalize: bool,
+                precision=None):
         norms = tuple(_inv_norms(x, normalize) for x in (q, k, a, b))
         tau32 = _save_tau(ctx, tau, 4, q)
         inv_tau = 1.0 / tau32
         pos = epilogue.positive_logits(q.float() * norms[0][:, None], k.float() * norms[1][:, None], offset, inv_tau)
-        stats = _forward_stats((q, k, a, b), norms, pos, tau32, offset, float(gamma), label_smoothing != 0.0, None)
+        stats = _forward_stats((q, k, a, b), norms, pos, tau32, offset, float(gamma), label_smoothing != 0.0,
+                               precision)
         ctx.save_for_backward(q, k, a, b, *norms, tau32, *stats)
-        ctx.cfg = (offset, float(gamma), label_smoothing, normalize)
+        ctx.cfg = (offset, float(gamma), label_smoothing, normalize, precision)
         return epilogue.row_losses(stats, k.shape[0], label_smoothing)
 
     @staticmethod
@@ -526,15 +528,15 @@ class HNClipDirectionalTriton(torch.autograd.Function):
     def backward(ctx, grad_rows):
         q, k, a, b, rq, rk, ra, rb, tau32, *stats = ctx.saved_tensors
         stats = epilogue.RowStats(*stats)
-        offset, gamma, eps, normalize = ctx.cfg
+        offset, gamma, eps, normalize, precision = ctx.cfg
         g = grad_rows.detach().float().contiguous()
-        d_q, d_k = _backward_shares((q, k, a, b), (rq, rk, ra, rb), stats, g, tau32, offset, gamma, None)
+        d_q, d_k = _backward_shares((q, k, a, b), (rq, rk, ra, rb), stats, g, tau32, offset, gamma, precision)
         inv_tau = 1.0 / tau32
         q_hat, k_hat = q.float() * rq[:, None], k.float() * rk[:, None]
         dz_z = epilogue.add_positive_and_smoothing(stats, g, q_hat, k_hat, d_q, d_k, offset, eps)
         d_q_in = epilogue.unnormalize_grad(q, rq, d_q.mul_(inv_tau), normalize).to(q.dtype)
         d_k_in = epilogue.unnormalize_grad(k, rk, d_k.mul_(inv_tau), normalize).to(k.dtype)
-        return d_q_in, d_k_in, None, None, _tau_grad(ctx, dz_z, inv_tau), None, None, None, None
+        return d_q_in, d_k_in, None, None, _tau_grad(ctx, dz_z, inv_tau), None, None, None, None, None
 
 
 class HNClipTriton(torch.autograd.Function):
@@ -545,17 +547,17 @@ class HNClipTriton(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, img, txt, tau, gamma: float, label_smoothing: float, normalize: bool):
+    def forward(ctx, img, txt, tau, gamma: float, label_smoothing: float, normalize: bool, precision=None):
         rv, rt = _inv_norms(img, normalize), _inv_norms(txt, normalize)
         tau32 = _save_tau(ctx, tau, 2, img)
         inv_tau = 1.0 / tau32
         pos = epilogue.positive_logits(img.float() * rv[:, None], txt.float() * rt[:, None], 0, inv_tau)
         n = img.shape[0]
         ops, norms = (img, txt, txt, txt), (rv, rt, rt, rt)
-        i2t, t2i = _forward_stats(ops, norms, pos, tau32, 0, float(gamma), label_smoothing != 0.0, None,
+        i2t, t2i = _forward_stats(ops, norms, pos, tau32, 0, float(gamma), label_smoothing != 0.0, precision,
                                   columns=True)
         ctx.save_for_backward(img, txt, rv, rt, tau32, *i2t, *t2i)
-        ctx.cfg = (float(gamma), label_smoothing, normalize)
+        ctx.cfg = (float(gamma), label_smoothing, normalize, precision)
         return 0.5 * (epilogue.row_losses(i2t, n, label_smoothing) + epilogue.row_losses(t2i, n, label_smoothing))
 
     @staticmethod
@@ -563,9 +565,9 @@ class HNClipTriton(torch.autograd.Function):
     def backward(ctx, grad_pairs):
         img, txt, rv, rt, tau32, *stats = ctx.saved_tensors
         i2t, t2i = epilogue.RowStats(*stats[:4]), epilogue.RowStats(*stats[4:])
-        gamma, eps, normalize = ctx.cfg
+        gamma, eps, normalize, precision = ctx.cfg
         g = 0.5 * grad_pairs.detach().float().contiguous()  # each direction's rows get half
-        d_v, d_t = _backward_shares((img, txt, txt, txt), (rv, rt, rt, rt), i2t, g, tau32, 0, gamma, None,
+        d_v, d_t = _backward_shares((img, txt, txt, txt), (rv, rt, rt, rt), i2t, g, tau32, 0, gamma, precision,
                                     key_side=(t2i, g))
         inv_tau = 1.0 / tau32
         v_hat, t_hat = img.float() * rv[:, None], txt.float() * rt[:, None]
@@ -573,14 +575,16 @@ class HNClipTriton(torch.autograd.Function):
         dz_z = dz_z + epilogue.add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_t, d_v, 0, eps)
         d_img = epilogue.unnormalize_grad(img, rv, d_v.mul_(inv_tau), normalize).to(img.dtype)
         d_txt = epilogue.unnormalize_grad(txt, rt, d_t.mul_(inv_tau), normalize).to(txt.dtype)
-        return d_img, d_txt, _tau_grad(ctx, dz_z, inv_tau), None, None, None
+        return d_img, d_txt, _tau_grad(ctx, dz_z, inv_tau), None, None, None, None
 
 
-def directional_nll_triton(q, k, a, b, tau, offset, gamma, label_smoothing, normalize):
-    """Triton counterpart of :func:`hnclip_kernels.reference.directional_nll_torch`."""
-    return HNClipDirectionalTriton.apply(q, k, a, b, tau, offset, gamma, label_smoothing, normalize)
+def directional_nll_triton(q, k, a, b, tau, offset, gamma, label_smoothing, normalize, precision=None):
+    """Triton counterpart of :func:`hnclip_kernels.reference.directional_nll_torch`.
+    ``precision``: tensor-core input precision for float32 features (``triton_config.FP32_PRECISIONS``;
+    None: ``DEFAULT_FP32_PRECISION``); ignored for 16-bit features."""
+    return HNClipDirectionalTriton.apply(q, k, a, b, tau, offset, gamma, label_smoothing, normalize, precision)
 
 
-def hn_clip_pairs_triton(img, txt, tau, gamma, label_smoothing, normalize):
+def hn_clip_pairs_triton(img, txt, tau, gamma, label_smoothing, normalize, precision=None):
     """Per-pair losses ½(i2t_k + t2i_k), shape (N,): the fused single-process loss."""
-    return HNClipTriton.apply(img, txt, tau, gamma, label_smoothing, normalize)
+    return HNClipTriton.apply(img, txt, tau, gamma, label_smoothing, normalize, precision)

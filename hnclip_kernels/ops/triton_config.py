@@ -93,30 +93,25 @@ def _cfg(num_warps, num_stages, **tiles):
     return triton.Config(tiles, num_warps=num_warps, num_stages=num_stages)
 
 
-FWD_CONFIGS = [
-    _cfg(8, 3, BLOCK_N=128), _cfg(8, 4, BLOCK_N=64), _cfg(4, 3, BLOCK_N=64),  # 16-bit inputs
-    _cfg(4, 2, BLOCK_N=64), _cfg(4, 3, BLOCK_N=32),  # float32 inputs
-]
-DSCORE_CONFIGS = [
-    _cfg(8, 3, BLOCK_M=128, BLOCK_N=128), _cfg(4, 3, BLOCK_M=64, BLOCK_N=128), _cfg(4, 4, BLOCK_M=128, BLOCK_N=64),
-    _cfg(4, 2, BLOCK_M=64, BLOCK_N=64), _cfg(4, 3, BLOCK_M=64, BLOCK_N=32),
-]
-GEMM_CONFIGS = [
-    _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64), _cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
-    _cfg(4, 4, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64),  # bf16 operands
-    _cfg(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32), _cfg(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32),  # float32
-]
-# which candidates each operand width may use (the rest spill or overflow shared memory at sm_90a)
-_FOR_WIDTH = {
-    "fwd": {2: [0, 1, 2], 4: [3, 4]},
-    "dscore": {2: [0, 1, 2], 4: [3, 4]},
-    "gemm": {2: [0, 1, 2], 4: [3, 4]},
+# by operand width (bytes): only candidates that compile for sm_90a without spills
+# (registers are the limit: two float32 tiles when γ ≠ 0, plus the column statistics)
+CANDIDATES = {
+    "fwd": {2: [_cfg(8, 4, BLOCK_N=64), _cfg(8, 3, BLOCK_N=64)],
+            4: [_cfg(4, 3, BLOCK_N=32), _cfg(8, 2, BLOCK_N=64)]},
+    "dscore": {2: [_cfg(4, 3, BLOCK_M=64, BLOCK_N=128), _cfg(4, 4, BLOCK_M=128, BLOCK_N=64)],
+               4: [_cfg(4, 3, BLOCK_M=64, BLOCK_N=32), _cfg(8, 2, BLOCK_M=64, BLOCK_N=64)]},
+    # A is the float32 dS workspace; the width is B's (the features')
+    "gemm": {2: [_cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64)],
+             4: [_cfg(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32), _cfg(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)]},
 }
 
 
+def all_candidates(kernel: str) -> list:
+    return [c for width in sorted(CANDIDATES[kernel]) for c in CANDIDATES[kernel][width]]
+
+
 def candidates(kernel: str, elem_size: int) -> list:
-    table = {"fwd": FWD_CONFIGS, "dscore": DSCORE_CONFIGS, "gemm": GEMM_CONFIGS}[kernel]
-    return [table[i] for i in _FOR_WIDTH[kernel][elem_size]]
+    return CANDIDATES[kernel][elem_size]
 
 
 def pruner(kernel: str, width_arg: str):
@@ -158,8 +153,7 @@ def score_block_k(elem_size: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def max_block_n(kernel: str) -> int:
-    table = {"fwd": FWD_CONFIGS, "dscore": DSCORE_CONFIGS}[kernel]
-    return max(c.kwargs["BLOCK_N"] for c in table)
+    return max(c.kwargs["BLOCK_N"] for c in all_candidates(kernel))
 
 
 def column_splits(row_blocks: int, n: int, device: torch.device) -> tuple[int, int]:
