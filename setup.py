@@ -49,6 +49,15 @@ setup(
             "matplotlib>=3.7",
             "tqdm>=4.60",
         ],
+        # python -m benchmarks.run with the peer providers. inf-cl 1.2.1 needs only numpy and
+        # triton (a pure-Python wheel of Triton kernels: Linux/CUDA); open_clip_torch brings
+        # torchvision (tied to the installed torch version), timm, huggingface_hub, ftfy, regex.
+        "bench": [
+            'inf-cl==1.2.1; platform_system == "Linux"',
+            "open_clip_torch>=2.24",
+            "matplotlib>=3.7",
+            "tqdm>=4.60",
+        ],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -5,6 +5,16 @@ in relative norm. float16 and bfloat16 are judged the way Apple's cut-cross-entr
 kernels: elementwise, our error against the truth may exceed the error of plain PyTorch in
 the same dtype (logits computed in that dtype, then F.cross_entropy) by at most a small
 tolerance, here relative to the truth's largest magnitude because gradients scale with 1/N.
+
+Two levels, chosen by the environment variable GPU_TEST_LEVEL (every distinct set of kernel
+constexprs and argument specialisations compiles separately, and compiling dominates the run):
+
+* ``full`` (the default): every (N, D, dtype) of the matrix, all 54 option combinations per
+  dtype, every test below (about 12 minutes on an H200, serially).
+* ``quick`` (what ``benchmarks/gpu_check.sh`` runs): N in {1, 17, 130, 4097}, D in {3, 64, 768},
+  every dtype; γ = 0 and γ > 0, with and without label smoothing, for every dtype; every τ and
+  reduction per dtype; non-contiguous inputs, large N against the float64 torch backend,
+  bitwise determinism and the N = 65536 memory bound unchanged. Tolerances are the same.
 """
 import itertools
 import os
@@ -25,28 +35,65 @@ pytestmark = [
 ]
 
 DEV = "cuda"
-GPU_N = SIZES_N + (4097,)
-GPU_D = SIZES_D + (768,)
+LEVELS = ("quick", "full")
+LEVEL = os.environ.get("GPU_TEST_LEVEL", "") or "full"
+if LEVEL not in LEVELS:
+    raise ValueError(f"GPU_TEST_LEVEL={LEVEL!r}: choose from {', '.join(LEVELS)}")
+GPU_N = {"full": SIZES_N + (4097,), "quick": (1, 17, 130, 4097)}
+GPU_D = {"full": SIZES_D + (768,), "quick": (3, 64, 768)}
 LOWP_TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}  # cut-cross-entropy's tolerances
 OPTIONS = list(itertools.product(GAMMAS, TAUS, SMOOTHINGS, REDUCTIONS))
 
 
 @pytest.fixture(scope="module", autouse=True)
 def all_cpu_threads():
-    # the float64 truth runs on the CPU; conftest's 2 threads would make N = 4097 crawl
+    # the float64 truth runs on the CPU; conftest's 2 threads would make N = 4097 crawl.
+    # Under pytest-xdist the workers share the cores.
     before = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     yield
     torch.set_num_threads(before)
 
 
-def matrix_cases():
-    """Every (N, D, dtype) once; the loss options walk through their product (step coprime with 54)."""
+def matrix_cases(level=LEVEL):
+    """full: every (N, D, dtype) once, the loss options walking through their product (step
+    coprime with 54). quick: every (N, D) once, the dtype a Latin square over them (each dtype
+    meets every N and every D), and each dtype's four cases (one per N) take the four
+    (γ = 0 / γ > 0) × (ε = 0 / ε > 0) combinations, every τ and every reduction."""
     cases = []
-    for idx, (n, d, dtype) in enumerate(itertools.product(GPU_N, GPU_D, DTYPES)):
-        gamma, tau, eps, red = OPTIONS[(idx * 23) % len(OPTIONS)]
-        cases.append((n, d, dtype, gamma, tau, eps, red))
+    if level == "full":
+        for idx, (n, d, dtype) in enumerate(itertools.product(GPU_N[level], GPU_D[level], DTYPES)):
+            gamma, tau, eps, red = OPTIONS[(idx * 23) % len(OPTIONS)]
+            cases.append((n, d, dtype, gamma, tau, eps, red))
+        return cases
+    for i, n in enumerate(GPU_N[level]):
+        for j, d in enumerate(GPU_D[level]):
+            k = (i + j) % len(DTYPES)
+            margin, smooth = divmod((i + k) % 4, 2)
+            gamma = GAMMAS[1 + (i + j) % 2] if margin else 0.0
+            eps = SMOOTHINGS[1] if smooth else 0.0
+            tau = TAUS[(2 * i + j) % len(TAUS)]
+            cases.append((n, d, DTYPES[k], gamma, tau, eps, REDUCTIONS[(i + k) % len(REDUCTIONS)]))
     return cases
+
+
+def option_cases(level=LEVEL):
+    """(dtype, γ, τ, ε, reduction) at N = 130, D = 100. full: every combination for every dtype.
+    quick: for every dtype each (γ, ε) pair once, τ and the reduction rotating so that every
+    value of each appears (the kernels specialise on γ ≠ 0 and ε ≠ 0, not on the values)."""
+    if level == "full":
+        return [(dtype, *opt) for dtype in DTYPES for opt in OPTIONS]
+    cases = []
+    for i, dtype in enumerate(DTYPES):
+        for j, (gamma, eps) in enumerate(itertools.product(GAMMAS, SMOOTHINGS)):
+            cases.append((dtype, gamma, TAUS[(i + j) % len(TAUS)], eps, REDUCTIONS[(i + 2 * j) % len(REDUCTIONS)]))
+    return cases
+
+
+def option_id(case):
+    dtype, gamma, tau, eps, red = case
+    return f"{str(dtype).split('.')[-1]}-g{gamma}-tau{tau}-ls{eps}-{red}"
 
 
 def case_id(case):
@@ -126,9 +173,9 @@ def test_matrix_against_float64(case):
     check_case(n, d, dtype, gamma, tau, eps, reduction, tau_grad=(n + d) % 2 == 1)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("gamma,tau,eps,reduction", OPTIONS)
-def test_every_option_combination(dtype, gamma, tau, eps, reduction):
+@pytest.mark.parametrize("case", option_cases(), ids=option_id)
+def test_every_option_combination(case):
+    dtype, gamma, tau, eps, reduction = case
     check_case(130, 100, dtype, gamma, tau, eps, reduction, tau_grad=True, seed=3)
 
 
