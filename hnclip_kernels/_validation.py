@@ -14,6 +14,8 @@ import torch
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("auto", "torch", "triton", "cpp")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# tensor-core input precisions of the Triton backend for float32 features (README, "Precision")
+FP32_PRECISIONS = ("ieee", "tf32x3", "bf16x6", "bf16x3")
 
 
 def check_features(img: torch.Tensor, txt: torch.Tensor, img_name: str = "img", txt_name: str = "txt") -> None:
@@ -74,6 +76,16 @@ def check_tau(tau: Union[float, torch.Tensor], device: torch.device, dtype: torc
     if (1.0 + gamma) / value >= largest:
         raise ValueError(f"tau = {value} makes the logits (1 + gamma) / tau overflow {dtype} arithmetic; "
                          f"use tau > {(1.0 + gamma) / largest:.1e}")
+
+
+def check_precision(precision) -> None:
+    if precision is None:
+        return
+    if not isinstance(precision, str):
+        raise TypeError(f"precision must be a string or None, got {type(precision).__name__}")
+    if precision not in FP32_PRECISIONS:
+        hint = " (plain tf32 loses float32 accuracy: use tf32x3)" if precision == "tf32" else ""
+        raise ValueError(f"precision must be None or one of {FP32_PRECISIONS}, got {precision!r}{hint}")
 
 
 def check_options(gamma: float, label_smoothing: float, reduction: str, backend: str, normalize: bool = True) -> None:

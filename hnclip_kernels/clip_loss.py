@@ -9,6 +9,7 @@ from typing import Union
 import torch
 from torch import nn
 
+from . import _validation
 from .distributed import distributed_hn_clip_loss
 
 
@@ -68,6 +69,8 @@ class HNClipLoss(nn.Module):
         normalize: L2-normalise the features inside. Default False because open_clip's
             ``CLIP.forward`` already returns normalised features (as ``ClipLoss`` assumes);
             pass True for raw embeddings.
+        precision: the Triton backend's tensor-core input precision for float32 features
+            (see :func:`hnclip_kernels.hn_clip_loss`); None is its default, "tf32x3".
         group: process group to gather over (default: the global group).
 
     Unequal local batch sizes (e.g. the last batch of an epoch) are exact: sizes are
@@ -91,6 +94,7 @@ class HNClipLoss(nn.Module):
         backend: str = "auto",
         normalize: bool = False,
         group=None,
+        precision=None,
     ):
         super().__init__()
         if use_horovod:
@@ -110,6 +114,8 @@ class HNClipLoss(nn.Module):
         self.backend = backend
         self.normalize = normalize
         self.group = group
+        _validation.check_precision(precision)
+        self.precision = precision
 
     def extra_repr(self) -> str:
         return (f"local_loss={self.local_loss}, gather_with_grad={self.gather_with_grad}, "
@@ -156,7 +162,7 @@ class HNClipLoss(nn.Module):
                 local_loss=self.local_loss, gather_with_grad=self.gather_with_grad,
                 rank=self.rank, world_size=self.world_size, group=self.group,
                 gamma=self.gamma, label_smoothing=self.label_smoothing,
-                backend=self.backend, normalize=self.normalize,
+                backend=self.backend, normalize=self.normalize, precision=self.precision,
             )
         except (TypeError, ValueError) as exc:
             if problem is not None:

@@ -246,7 +246,7 @@ def rank_hn_clip_loss(
     return (0.5 * (i2t + t2i)).mean()
 
 
-def _local_checks(image_features, text_features, tau, gamma, label_smoothing, backend,
+def _local_checks(image_features, text_features, tau, gamma, label_smoothing, backend, precision,
                   rank, world_size, group):
     """Run every local check without raising: (status, exception or None, fn or None)."""
     try:
@@ -259,7 +259,8 @@ def _local_checks(image_features, text_features, tau, gamma, label_smoothing, ba
         return 2, exc, None
     try:
         _validation.check_options(gamma, label_smoothing, "mean", backend)
-        fn = directional_fn(resolve_backend(backend, image_features))
+        _validation.check_precision(precision)
+        fn = directional_fn(resolve_backend(backend, image_features), precision)
     except (TypeError, ValueError) as exc:
         return 3, exc, None
     if world_size > 1:
@@ -291,11 +292,11 @@ def _meta_row(status, image_features, text_features, flags, gamma, label_smoothi
     return row
 
 
-def _collective_check(image_features, text_features, tau, gamma, label_smoothing, backend,
+def _collective_check(image_features, text_features, tau, gamma, label_smoothing, backend, precision,
                       flags, rank, world_size, group) -> Tuple[List[int], Callable]:
     """Check inputs on every rank at once; return (sizes, fn) or raise on every rank."""
     status, exc, fn = _local_checks(image_features, text_features, tau, gamma, label_smoothing,
-                                    backend, rank, world_size, group)
+                                    backend, precision, rank, world_size, group)
     like = image_features if isinstance(image_features, torch.Tensor) else None
     row = _meta_row(status, image_features, text_features, flags, gamma, label_smoothing, world_size)
     mine = torch.tensor(row, dtype=torch.int64, device=_meta_device(group, like))
@@ -338,6 +339,7 @@ def distributed_hn_clip_loss(
     label_smoothing: float = 0.0,
     backend: str = "auto",
     normalize: bool = True,
+    precision: Optional[str] = None,
 ) -> torch.Tensor:
     """HN-CLIP loss of this rank's share of the global batch (a collective: call on every rank).
 
@@ -360,10 +362,10 @@ def distributed_hn_clip_loss(
     if world_size > 1:
         _require_distributed()
         sizes, fn = _collective_check(image_features, text_features, tau, gamma, label_smoothing,
-                                      backend, flags, rank, world_size, group)
+                                      backend, precision, flags, rank, world_size, group)
     else:
         status, exc, fn = _local_checks(image_features, text_features, tau, gamma, label_smoothing,
-                                        backend, rank, world_size, group)
+                                        backend, precision, rank, world_size, group)
         if exc is not None:
             raise exc
         sizes = [image_features.shape[0]]

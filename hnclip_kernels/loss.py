@@ -1,9 +1,10 @@
 """``hn_clip_loss``: the public entry point, argument checks and backend dispatch."""
 from __future__ import annotations
 
+import functools
 import os
 import warnings
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -77,9 +78,12 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
     return backend
 
 
-def directional_fn(backend: str) -> Callable:
+def directional_fn(backend: str, precision: Optional[str] = None) -> Callable:
+    """The directional op of a resolved backend; ``precision`` reaches the Triton one only
+    (the other backends compute float32 products in IEEE float32)."""
     if backend == "triton":
-        return triton_directional()
+        fn = triton_directional()
+        return functools.partial(fn, precision=precision) if precision is not None else fn
     if backend == "cpp":
         return cpp_directional()
     return directional_nll_torch
@@ -109,6 +113,7 @@ def hn_clip_loss(
     reduction: str = "mean",
     normalize: bool = True,
     backend: str = "auto",
+    precision: Optional[str] = None,
 ) -> torch.Tensor:
     """HN-CLIP contrastive loss with adaptive similarity margins (arXiv 2608.18521, Eq. 2).
 
@@ -135,6 +140,11 @@ def hn_clip_loss(
         backend: "auto" (Triton on CUDA, the C++ kernel on CPU when built, else torch),
             "torch" (pure PyTorch reference, materialises N×N), "triton" (fused kernels; CPU
             tensors only under TRITON_INTERPRET=1) or "cpp" (fused CPU kernel).
+        precision: tensor-core input precision of the Triton backend for float32 features:
+            "tf32x3" (default, None), "bf16x6", "ieee" (no tensor cores) or "bf16x3" (faster,
+            below float32 accuracy in the saturated regime); see the README's "Precision"
+            table. 16-bit features and the other backends ignore it (they are exact in
+            float32 accumulation already).
 
     Returns:
         float32 loss (float64 for float64 inputs): a scalar, or shape (N,) for "none".
@@ -142,29 +152,31 @@ def hn_clip_loss(
 
     Raises:
         TypeError: non-tensor or integer features, dtype mismatch, non-real ``tau``/``gamma``/
-            ``label_smoothing``, non-bool ``normalize``, float64 with backend="triton".
+            ``label_smoothing``, non-bool ``normalize``, non-string ``precision``, float64
+            with backend="triton".
         ValueError: non-2-D features, shape or device mismatch, N = 0 or D = 0, τ ≤ 0,
             non-finite or so small that (1 + γ)/τ overflows float32, γ < 0 or non-finite, ε
-            outside [0, 1), unknown ``reduction``/``backend``, a backend that cannot run on
+            outside [0, 1), unknown ``reduction``/``backend``/``precision``, a backend that cannot run on
             these tensors. Under ``torch.compile`` value checks are skipped (no graph breaks).
     """
     _validation.check_features(img, txt)
     _validation.check_options(gamma, label_smoothing, reduction, backend, normalize)
+    _validation.check_precision(precision)
     _validation.check_tau(tau, img.device, img.dtype, float(gamma))
     # autocast would run the reference's matmuls in bf16: accumulation here is float32 by design
     with torch.autocast(img.device.type, enabled=False):
         rows = pair_losses(resolve_backend(backend, img), img, txt, as_tau_tensor(tau, img), float(gamma),
-                           float(label_smoothing), normalize)
+                           float(label_smoothing), normalize, precision)
     return reduce_rows(rows, reduction)
 
 
 def pair_losses(backend: str, img, txt, tau: torch.Tensor, gamma: float, label_smoothing: float,
-                normalize: bool) -> torch.Tensor:
+                normalize: bool, precision: Optional[str] = None) -> torch.Tensor:
     """½(i2t_k + t2i_k) for every pair k, shape (N,), on a resolved backend."""
     if backend == "triton":
         from .ops.hn_clip_triton import hn_clip_pairs_triton  # one fused Function for both directions
 
-        return hn_clip_pairs_triton(img, txt, tau, gamma, label_smoothing, normalize)
+        return hn_clip_pairs_triton(img, txt, tau, gamma, label_smoothing, normalize, precision)
     if img.dtype in (torch.float16, torch.bfloat16):
         # each tensor feeds both directions: upcast once, so its two gradient halves are summed
         # in float32 and rounded to the input dtype once (two bf16 halves summed lose ~1e-3)

@@ -27,10 +27,11 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .._validation import FP32_PRECISIONS  # noqa: F401  (the public list lives with the checks)
+
 # Input precision of the tensor-core products for float32 features ("ieee" is plain FMA,
 # no tensor cores). tf32x3 splits each operand into a tf32 head and tail and sums three
 # tf32 products: float32 accuracy on tensor cores (see README, "Precision").
-FP32_PRECISIONS = ("ieee", "tf32x3", "bf16x3", "bf16x6")
 DEFAULT_FP32_PRECISION = "tf32x3"
 
 # Backward workspace: dS is materialised chunk by chunk (R rows × N columns) and multiplied
