@@ -27,12 +27,19 @@ class Provider:
     pip: str  # what provides it
     build: Callable[[torch.device], Callable]
     note: str = ""  # why it is limited to ``devices``
+    dtypes: tuple = ()  # the feature dtypes it is meant for (empty: all)
 
 
-def _hnclip(backend: str, device: torch.device) -> Callable:
+def _hnclip(backend: str, device: torch.device, **options) -> Callable:
     from hnclip_kernels import hn_clip_loss
 
-    return functools.partial(hn_clip_loss, tau=TAU, gamma=GAMMA, backend=backend)
+    return functools.partial(hn_clip_loss, tau=TAU, **{"gamma": GAMMA, "backend": backend, **options})
+
+
+def _triton_precision(precision: str) -> Provider:
+    """Ours on float32 features in another tensor-core input precision (hnclip-triton: tf32x3)."""
+    return Provider(f"hnclip-triton-{precision}", ("cuda",), "triton", "triton",
+                    functools.partial(_hnclip, "triton", precision=precision), "CUDA only", ("float32",))
 
 
 def _hnclip_compiled(device: torch.device) -> Callable:
@@ -66,6 +73,10 @@ PROVIDERS = {
     for p in (
         Provider("hnclip-triton", ("cuda",), "triton", "triton", functools.partial(_hnclip, "triton"),
                  "CUDA only (the Triton interpreter on CPU is far too slow to benchmark)"),
+        # γ = 0: plain InfoNCE through our kernels, like for like with open_clip and Inf-CL
+        Provider("hnclip-triton-g0", ("cuda",), "triton", "triton", functools.partial(_hnclip, "triton", gamma=0.0),
+                 "CUDA only"),
+        *(_triton_precision(p) for p in ("ieee", "bf16x3", "bf16x6")),
         Provider("hnclip-torch", ("cuda", "cpu"), "hnclip_kernels", "hnclip-kernels",
                  functools.partial(_hnclip, "torch")),
         Provider("hnclip-torch-compile", ("cuda", "cpu"), "hnclip_kernels", "hnclip-kernels", _hnclip_compiled),
@@ -76,7 +87,7 @@ PROVIDERS = {
         Provider("memeff", ("cuda",), "memeff", "memeff", _memeff, "CUDA only (Triton kernels)"),
     )
 }
-OURS = ("hnclip-triton", "hnclip-torch", "hnclip-torch-compile", "hnclip-cpp")
+OURS = tuple(name for name in PROVIDERS if name.startswith("hnclip-"))
 
 
 def unavailable(name: str, device: str, deep: bool = True) -> Optional[str]:

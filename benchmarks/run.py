@@ -91,7 +91,7 @@ def _cells(args, providers):
     """Sweep order: the smallest N of every dtype first (cheap, and it pays every compilation),
     then --dtypes order and growing N, so that a time budget drops the last dtype's largest N."""
     cells = [(p, dt, n, d, m) for dt in args.dtypes for n in args.sizes for d in args.dims
-             for p in providers for m in args.modes]
+             for p in providers for m in args.modes if dt in (PROVIDERS[p].dtypes or (dt,))]
     return sorted(cells, key=lambda c: (c[2] != min(args.sizes), args.dtypes.index(c[1]), c[2]))
 
 
