@@ -32,27 +32,17 @@ from __future__ import annotations
 import os
 import sys
 
+from .interpreted import LAUNCH_ENV, enter_interpreter, gpu_launch, write_rows  # before anything imports triton
 
-def _interpret_env() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+enter_interpreter("benchmarks.precision",
+                  "measures the tensor cores' operand rounding as emulated in Triton's interpreter")
 
-
-if "triton" in sys.modules and not _interpret_env():
-    raise RuntimeError(
-        "benchmarks.precision measures the tensor cores' operand rounding as emulated in Triton's interpreter, "
-        "but triton was imported without TRITON_INTERPRET=1, so its kernels would be compiled ones; run "
-        "`python -m benchmarks.precision` in a fresh process, or set TRITON_INTERPRET=1 before anything "
-        "imports triton")
-os.environ.setdefault("TRITON_INTERPRET", "1")
-LAUNCH_ENV = "HNCLIP_TRITON_LAUNCH"
 if __name__ == "__main__":
     # run as a program: the whole process uses the GPU's launch configuration. Imported (by a
     # test), the study sets it only while it runs (gpu_launch), so nothing leaks to other code.
     os.environ[LAUNCH_ENV] = "gpu"
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import csv  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from typing import Callable  # noqa: E402
@@ -118,22 +108,6 @@ GRADS = ("d_img", "d_txt", "d_tau")
 COLUMNS = ["precision", "regime", "n", "d", "tau", "gamma", "seeds", "mma_passes", "pass_unit", "bf16_pass_equiv",
            "loss_err", "grad_err", "d_img_err", "d_txt_err", "d_tau_err", "loss_tol", "grad_tol", "ok",
            "max_true_loss"]
-
-
-@contextlib.contextmanager
-def gpu_launch():
-    """The GPU's launch configuration (tiles, warps, column splits) inside the block."""
-    previous = os.environ.get(LAUNCH_ENV)
-    os.environ[LAUNCH_ENV] = "gpu"
-    try:
-        if cfg.launch_mode() != "gpu":
-            raise RuntimeError(f"{LAUNCH_ENV}=gpu did not give the GPU launch mode (got {cfg.launch_mode()!r})")
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(LAUNCH_ENV, None)
-        else:
-            os.environ[LAUNCH_ENV] = previous
 
 
 def _require_interpreted_kernels() -> None:
@@ -294,11 +268,7 @@ def main(argv=None) -> list:
     print(f"current default (triton_config.DEFAULT_FP32_PRECISION): {cfg.DEFAULT_FP32_PRECISION}; "
           f"study took {elapsed:.1f} s")
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=COLUMNS)
-            writer.writeheader()
-            writer.writerows(rows)
-        print(f"wrote {args.csv}")
+        write_rows(rows, args.csv, COLUMNS)
     return rows
 
 

@@ -28,24 +28,14 @@ torch matmul all count as overhead.
 from __future__ import annotations
 
 import os
-import sys
 
+from .interpreted import LAUNCH_ENV, enter_interpreter, gpu_launch, write_rows  # before anything imports triton
 
-def _interpret_env() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-if "triton" in sys.modules and not _interpret_env():
-    raise RuntimeError(
-        "benchmarks.work counts tl.dot inside Triton's interpreter, but triton was imported without "
-        "TRITON_INTERPRET=1, so its kernels may be compiled ones; run `python -m benchmarks.work` in a "
-        "fresh process, or set TRITON_INTERPRET=1 before anything imports triton")
-os.environ.setdefault("TRITON_INTERPRET", "1")
+enter_interpreter("benchmarks.work", "counts tl.dot inside Triton's interpreter")
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import contextlib  # noqa: E402
-import csv  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -58,7 +48,6 @@ from hnclip_kernels.loss import triton_directional  # noqa: E402
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 KINDS = ("loss", "directional")
 USEFUL_PRODUCTS = 3  # q kᵀ forward; dS·k and dSᵀ·q backward
-LAUNCH_ENV = "HNCLIP_TRITON_LAUNCH"
 COLUMNS = ["kind", "n", "m", "d", "dtype", "gamma", "dot_flops", "torch_flops", "total_flops", "product_flops",
            "dot_products", "torch_products", "products", "useful_products", "x_useful", "dot_tiles"]
 
@@ -113,19 +102,6 @@ def count_matmul_flops():
         count.torch_flops = int(torch_counter.get_total_flops())
 
 
-@contextlib.contextmanager
-def _gpu_launch():
-    previous = os.environ.get(LAUNCH_ENV)
-    os.environ[LAUNCH_ENV] = "gpu"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(LAUNCH_ENV, None)
-        else:
-            os.environ[LAUNCH_ENV] = previous
-
-
 def count_products(n: int = 256, d: int = 512, dtype: str = "bfloat16", gamma: float = 0.5,
                    kind: str = "loss", m: int | None = None, seed: int = 0) -> dict:
     """Matmul work of one forward+backward of one case, as a dict (keys: :data:`COLUMNS`).
@@ -151,7 +127,7 @@ def count_products(n: int = 256, d: int = 512, dtype: str = "bfloat16", gamma: f
         k = torch.randn(n, d, generator=gen).to(dt).requires_grad_()
         a, b = k.detach()[offset:offset + m].clone(), k.detach().clone()
         fn = triton_directional()
-    with _gpu_launch(), count_matmul_flops() as count:
+    with gpu_launch(), count_matmul_flops() as count:
         if kind == "loss":
             loss = hnclip_kernels.hn_clip_loss(img, txt, tau, gamma=gamma, backend="triton")
         else:
@@ -212,11 +188,7 @@ def main(argv=None) -> list:
           f"Triton interpreter under {LAUNCH_ENV}=gpu")
     print(format_table(rows))
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=COLUMNS)
-            writer.writeheader()
-            writer.writerows(rows)
-        print(f"wrote {args.csv}")
+        write_rows(rows, args.csv, COLUMNS)
     return rows
 
 
