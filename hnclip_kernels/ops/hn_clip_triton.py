@@ -66,6 +66,22 @@ def _round_bf16(x):
 
 
 @triton.jit
+def _head(x, BF16: tl.constexpr):
+    """The leading part of a multi-pass split: bf16 to nearest even, or tf32 to nearest."""
+    if BF16:
+        return _round_bf16(x)
+    return _round_tf32(x, True)
+
+
+@triton.jit
+def _tail(x, BF16: tl.constexpr):
+    """A remainder as the tensor core reads it: bf16 to nearest even, or tf32 truncated."""
+    if BF16:
+        return _round_bf16(x)
+    return _round_tf32(x, False)
+
+
+@triton.jit
 def _dot(a, b, acc, PREC: tl.constexpr, INTERPRET: tl.constexpr):
     """acc + a @ b with float32 accumulation. On a GPU, ``input_precision=PREC`` (used for
     float32 operands only). Under the interpreter, which multiplies exactly in float32
@@ -80,21 +96,12 @@ def _dot(a, b, acc, PREC: tl.constexpr, INTERPRET: tl.constexpr):
         b = b.to(tl.float32)
         if PREC == "tf32":
             acc = tl.dot(_round_tf32(a, False), _round_tf32(b, False), acc)
-        elif PREC == "tf32x3":
-            a_hi = _round_tf32(a, True)
-            b_hi = _round_tf32(b, True)
-            a_lo = _round_tf32(a - a_hi, False)
-            b_lo = _round_tf32(b - b_hi, False)
-            acc = tl.dot(a_lo, b_hi, acc)
-            acc = tl.dot(a_hi, b_lo, acc)
-            acc = tl.dot(a_hi, b_hi, acc)
-        elif PREC == "bf16x3":
-            a_hi = _round_bf16(a)
-            b_hi = _round_bf16(b)
-            a_lo = _round_bf16(a - a_hi)
-            b_lo = _round_bf16(b - b_hi)
-            acc = tl.dot(a_lo, b_hi, acc)
-            acc = tl.dot(a_hi, b_lo, acc)
+        elif PREC == "tf32x3" or PREC == "bf16x3":
+            # Σ of three products: tail·head + head·tail + head·head (the tails' product dropped)
+            a_hi = _head(a, PREC == "bf16x3")
+            b_hi = _head(b, PREC == "bf16x3")
+            acc = tl.dot(_tail(a - a_hi, PREC == "bf16x3"), b_hi, acc)
+            acc = tl.dot(a_hi, _tail(b - b_hi, PREC == "bf16x3"), acc)
             acc = tl.dot(a_hi, b_hi, acc)
         elif PREC == "bf16x6":
             a1 = _round_bf16(a)
@@ -122,12 +129,15 @@ def _dot(a, b, acc, PREC: tl.constexpr, INTERPRET: tl.constexpr):
 @triton.jit
 def _dot_split_a(a, b, acc, BF16: tl.constexpr, INTERPRET: tl.constexpr):
     b = b.to(tl.float32) if INTERPRET or not BF16 else b
-    if BF16:
-        a_hi = _round_bf16(a) if INTERPRET else a.to(tl.bfloat16).to(tl.float32)
-        a_lo = _round_bf16(a - a_hi) if INTERPRET else (a - a_hi).to(tl.bfloat16).to(tl.float32)
+    if INTERPRET:
+        a_hi = _head(a, BF16)
+        a_lo = _tail(a - a_hi, BF16)
+    elif BF16:
+        a_hi = a.to(tl.bfloat16).to(tl.float32)
+        a_lo = (a - a_hi).to(tl.bfloat16).to(tl.float32)
     else:
         a_hi = _round_tf32(a, True)
-        a_lo = _round_tf32(a - a_hi, False)
+        a_lo = a - a_hi  # the MMA reads it truncated to tf32
     if INTERPRET:
         acc = tl.dot(a_lo, b, acc)
         acc = tl.dot(a_hi, b, acc)
