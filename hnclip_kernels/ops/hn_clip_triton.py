@@ -270,9 +270,9 @@ def _fwd_kernel(
             pos_c = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
             d_c = tl.where(neg, z - pos_c[None, :], float("-inf"))
             c_max, c_sum, c_wsum, c_dsum = _tile_stats(d_c, neg, 0)
-            _store_partial(col_part_ptr + pid_m * (3 + SMOOTHING) * N, N, offs_n, mask_n,
+            _store_partial(col_part_ptr + pid_m.to(tl.int64) * (3 + SMOOTHING) * N, N, offs_n, mask_n,
                            c_max, c_sum, c_wsum, c_dsum, SMOOTHING)
-    _store_partial(row_part_ptr + pid_s * (3 + SMOOTHING) * M, M, offs_m, mask_m,
+    _store_partial(row_part_ptr + pid_s.to(tl.int64) * (3 + SMOOTHING) * M, M, offs_m, mask_m,
                    run_max, run_sum, run_wsum, run_dsum, SMOOTHING)
 
 
@@ -288,12 +288,13 @@ def _merge_kernel(part_ptr, n_parts, L, delta_ptr, mean_neg_ptr, dsum_ptr,
     w = tl.zeros((BLOCK,), tl.float32)
     ds = tl.zeros((BLOCK,), tl.float32)
     planes = 3 + SMOOTHING
-    for p in range(0, n_parts):
-        base = part_ptr + p * planes * L + offs
+    base = part_ptr + offs
+    for _ in range(0, n_parts):
         m, s, w = _combine(m, s, w, tl.load(base, mask=mask, other=0.0), tl.load(base + L, mask=mask, other=0.0),
                            tl.load(base + 2 * L, mask=mask, other=0.0))
         if SMOOTHING:
             ds += tl.load(base + 3 * L, mask=mask, other=0.0)
+        base += planes * L  # pointer steps: the workspace passes 2^31 entries near N = 2^18
     has_neg = s > 0.0
     delta = tl.where(has_neg, m + tl.log(tl.where(has_neg, s, 1.0)), float("-inf"))
     delta = tl.where(s != s, s, delta)  # a NaN anywhere in the line stays visible in the loss
