@@ -310,6 +310,7 @@ def _dscore_kernel(
     s_qm, s_qd, s_kn, s_kd, s_am, s_ad, s_bn, s_bd,
     rq_ptr, rk_ptr, ra_ptr, rb_ptr, pos_ptr, nll_ptr, g_ptr, tau_ptr,
     nll_c_ptr, g_c_ptr,  # SYMMETRIC only: the key direction's NLL and upstream gradient
+    wq_ptr, wk_ptr,  # powers of two that bring the inverse norms near 1 in W (see _pow2_unit)
     w_ptr, s_wm, s_wn,
     row0, row_end, col0, col_end, D, offset, gamma,
     SYMMETRIC: tl.constexpr,
@@ -338,7 +339,9 @@ def _dscore_kernel(
         nll_c = tl.load(nll_c_ptr + offs_n, mask=mask_n, other=0.0)
         g_c = tl.load(g_c_ptr + offs_n, mask=mask_n, other=0.0)
         ds += tl.exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf"))) * g_c[None, :]
-    w = ds * rq[:, None] * rk[None, :]
+    # W_ik = dS_ik · r_q,i · r_k,k, the norms first brought near 1 by exact powers of two: with
+    # ‖q‖‖k‖ ~ 1e36, r_q·r_k·dS would otherwise fall below float32's normal range
+    w = ds * (rq * tl.load(wq_ptr))[:, None] * (rk * tl.load(wk_ptr))[None, :]
     tl.store(w_ptr + (offs_m - row0)[:, None] * s_wm + (offs_n - col0)[None, :] * s_wn, w,
              mask=mask_m[:, None] & mask_n[None, :])
 
@@ -454,6 +457,12 @@ def _forward_stats(ops, norms, pos, tau32, offset: int, gamma: float, smoothing:
     return rows, epilogue.RowStats(pos, *_merge(col_part, smoothing))
 
 
+def _pow2_unit(r: torch.Tensor) -> torch.Tensor:
+    """The power of two (a 1-element float32 tensor, no host sync) that brings max(r) into [0.5, 1)."""
+    _, exponent = torch.frexp(r.max().reshape(1))
+    return torch.ldexp(torch.ones(1, device=r.device), -exponent)
+
+
 def _gemm(a, b, c, r, accumulate: bool, precision: str):
     """c (+)= (a @ b) / r[:, None] (a may be a transposed view of the workspace)."""
     m, kk = a.shape
@@ -475,7 +484,10 @@ def _backward_shares(ops, norms, stats, g, tau32, offset: int, gamma: float, pre
     q, k, _, _ = ops
     m, d = q.shape
     n = k.shape[0]
-    rq, rk = norms[0], norms[1]
+    wq, wk = _pow2_unit(norms[0]), _pow2_unit(norms[1])
+    # what each GEMM divides out of W = diag(r_q wq) dS diag(r_k wk): its own side's scale and
+    # the other side's power of two (all exact: powers of two)
+    rq, rk = norms[0] * wq * wk, norms[1] * wk * wq
     width = q.element_size()
     nll = epilogue.row_nll(stats)
     nll_c, g_c = (epilogue.row_nll(key_side[0]), key_side[1]) if key_side else (nll, g)
@@ -489,7 +501,7 @@ def _backward_shares(ops, norms, stats, g, tau32, offset: int, gamma: float, pre
         for col0 in range(0, n, cols):
             col_end = min(col0 + cols, n)
             w = work[: (row_end - row0) * (col_end - col0)].view(row_end - row0, col_end - col0)
-            args = (*ops, *_strides(*ops), *norms, stats.pos, nll, g, tau32, nll_c, g_c, w, *w.stride(),
+            args = (*ops, *_strides(*ops), *norms, stats.pos, nll, g, tau32, nll_c, g_c, wq, wk, w, *w.stride(),
                     row0, row_end, col0, col_end, d, offset, gamma)
             _launch(_dscore_kernel, _dscore_tuned, "dscore", width,
                     lambda t: (triton.cdiv(row_end - row0, t["BLOCK_M"]), triton.cdiv(col_end - col0, t["BLOCK_N"])),
