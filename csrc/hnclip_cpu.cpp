@@ -6,31 +6,37 @@
 //
 //     Z_ik = (q̂_i·k̂_k + γ â_i·b̂_k) / τ,   d_ik = Z_ik − pos_i   (k ≠ offset + i)
 //
-// The logits are produced tile by tile with one BLAS product per tile, Z·τ = L_I R_Kᵀ:
-//   * b̂ == k̂ (i2t: b and k are both the texts):  L = q̂ + γ â, R = k̂
-//   * â == q̂ (t2i: a and q are both the texts):  L = q̂,       R = k̂ + γ b̂
-//   * otherwise                                  L = [q̂, γ â], R = [k̂, b̂]   (inner dim 2D)
+// The logits are produced tile by tile with one BLAS product per tile, Z = L_I R_Kᵀ, 1/τ folded
+// into L (so a gap d = z − pos is one subtraction, the same in every loop and every clone):
+//   * b̂ == k̂ (i2t: b and k are both the texts):  L = (q̂ + γ â)/τ, R = k̂
+//   * â == q̂ (t2i: a and q are both the texts):  L = q̂/τ,         R = k̂ + γ b̂
+//   * otherwise                                  L = [q̂, γ â]/τ,  R = [k̂, b̂]   (inner dim 2D)
 // so the margin costs nothing in the usual i2t/t2i calls. Nothing of size M×N is stored:
 // extra memory is O(N·D) (the factors above, per-group key accumulators) plus one
 // (rows × N) strip per task.
 //
+// Every pass forms its tiles on one grid (TileGrid: tile-rows of 16-128 query rows, 512 key
+// columns) with one routine (form_tile), whatever the pass and the thread count: a backward
+// sees bit for bit the logits the forward's statistics came from. It has to: at |Z| ≈ 1e8 an
+// ulp of Z is 8, a factor e^8 on P = exp(Z − LSE) if the backward's logit rounds otherwise.
+//
 // Kernels
-//   row sweep  (parallel over row blocks; each row owned by one task)
-//     stats only (no grad needed): tiles of BM×BN, online LSE along the row, over the
+//   row sweep  (parallel over tile-rows / strips of them; each row owned by one task)
+//     stats only (no grad needed): tile by tile, online LSE along the row, over the
 //       negatives: delta = LSE d, mean_neg = Σ softmax(d)·d, dsum = Σ d.
 //     with grad: the task keeps its (rows × N) strip of Z, finishes the row statistics,
 //       turns the strip into P_ik = w_i·exp(d_ik − softplus(delta_i)) (0 at the
 //       positive) and applies two BLAS products:
 //         row_acc_I = P_I k̂                  (negatives' share of dL/dq̂ · τ, g = w)
 //         col_acc  += P_Iᵀ q̂_I               (negatives' share of dL/dk̂ · τ)
-//       The key accumulator is per *group* of row blocks (a contiguous split of the rows,
+//       The key accumulator is per *group* of strips (a contiguous split of the rows,
 //       one group per thread, at most 1 + 256 MiB / (N·D·sizeof) groups) and the groups
 //       are summed in group order afterwards, so results are bit-identical from run to run
 //       for a given thread count (and agree to rounding across thread counts).
-//   column sweep (parallel over column blocks; each key row owned by one task)
-//     recomputes Z tiles and accumulates Σ_i w_i P_ik q̂_i. The backward uses it only
-//     when the upstream gradient is not the same for every row (with a uniform g, the
-//     forward's unweighted col_acc times g is the exact answer and nothing is recomputed).
+//     backward recompute: the same strips from the same tiles, P_ik = w_i exp(d_ik − nll_i)
+//       with the saved nll. The backward needs it only when the upstream gradient is not the
+//       same for every row (with a uniform g, the forward's unweighted col_acc times g is the
+//       exact answer and nothing is recomputed).
 //   symmetric forward / backward (the single-process loss, M = N, offset 0): one tile
 //     serves i2t (its rows) and t2i (its columns); see "Symmetric single-process kernels".
 #include <Python.h>
@@ -45,6 +51,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -90,23 +97,30 @@ static inline float exp_f32(float x) {
   return p * s1 * s2;
 }
 
-// max_j (z_j·s − p)
-HNCLIP_CLONES static float seg_max_f32(const float* z, int64_t n, float s, float p) {
+// The tiles hold the logits themselves, Z = (L/τ) Rᵀ (1/τ is folded into the left factor), so
+// every loop below forms a gap as ONE subtraction, d = z − p. There is no z·s − p for the
+// compiler to contract into an FMA in some loops and clones and not in others: with the product
+// separate, GCC fused it (one rounding) in the statistics loops of the AVX2 clone but not in
+// sym_prob (z·s used twice), so at |Z| ≈ 1e8 the backward's gaps differed from the forward's by an
+// ulp (2-8), a factor up to e^8 on P. The forward and backward must see bit-identical gaps.
+
+// max_j (z_j − p)
+HNCLIP_CLONES static float seg_max_f32(const float* z, int64_t n, float p) {
   float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
   for (int64_t j = 0; j < n; ++j) {
-    const float d = z[j] * s - p;
+    const float d = z[j] - p;
     m = d > m ? d : m;
   }
   return m;
 }
 
-// Σ e, Σ e·d, Σ d with d = z·s − p, e = exp(d − m)
-HNCLIP_CLONES static void seg_sums_f32(const float* z, int64_t n, float s, float p, float m, float* out) {
+// Σ e, Σ e·d, Σ d with d = z − p, e = exp(d − m)
+HNCLIP_CLONES static void seg_sums_f32(const float* z, int64_t n, float p, float m, float* out) {
   float se = 0.f, sw = 0.f, sd = 0.f;
 #pragma omp simd reduction(+ : se, sw, sd)
   for (int64_t j = 0; j < n; ++j) {
-    const float d = z[j] * s - p;
+    const float d = z[j] - p;
     const float e = exp_f32(d - m);
     se += e;
     sw += e * d;
@@ -117,28 +131,28 @@ HNCLIP_CLONES static void seg_sums_f32(const float* z, int64_t n, float s, float
   out[2] += sd;
 }
 
-// z ← w · exp((z·s − p) − shift)
-HNCLIP_CLONES static void seg_prob_f32(float* z, int64_t n, float s, float p, float shift, float w) {
+// out ← w · exp((z − p) − shift)   (out may be z)
+HNCLIP_CLONES static void seg_prob_f32(const float* z, float* out, int64_t n, float p, float shift, float w) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
-    const float d = z[j] * s - p;
-    z[j] = w * exp_f32(d - shift);
+    const float d = z[j] - p;
+    out[j] = w * exp_f32(d - shift);
   }
 }
 
 // float64: the accuracy path (tests, gradcheck), plain loops with std::exp.
-static double seg_max(const double* z, int64_t n, double s, double p) {
+static double seg_max(const double* z, int64_t n, double p) {
   double m = -std::numeric_limits<double>::infinity();
   for (int64_t j = 0; j < n; ++j) {
-    const double d = z[j] * s - p;
+    const double d = z[j] - p;
     m = d > m ? d : m;
   }
   return m;
 }
-static void seg_sums(const double* z, int64_t n, double s, double p, double m, double* out) {
+static void seg_sums(const double* z, int64_t n, double p, double m, double* out) {
   double se = 0., sw = 0., sd = 0.;
   for (int64_t j = 0; j < n; ++j) {
-    const double d = z[j] * s - p;
+    const double d = z[j] - p;
     const double e = std::exp(d - m);
     se += e;
     sw += e * d;
@@ -148,35 +162,33 @@ static void seg_sums(const double* z, int64_t n, double s, double p, double m, d
   out[1] += sw;
   out[2] += sd;
 }
-static void seg_prob(double* z, int64_t n, double s, double p, double shift, double w) {
-  for (int64_t j = 0; j < n; ++j) z[j] = w * std::exp((z[j] * s - p) - shift);
+static void seg_prob(const double* z, double* out, int64_t n, double p, double shift, double w) {
+  for (int64_t j = 0; j < n; ++j) out[j] = w * std::exp((z[j] - p) - shift);
 }
-static inline float seg_max(const float* z, int64_t n, float s, float p) { return seg_max_f32(z, n, s, p); }
-static inline void seg_sums(const float* z, int64_t n, float s, float p, float m, float* out) {
-  seg_sums_f32(z, n, s, p, m, out);
-}
-static inline void seg_prob(float* z, int64_t n, float s, float p, float shift, float w) {
-  seg_prob_f32(z, n, s, p, shift, w);
+static inline float seg_max(const float* z, int64_t n, float p) { return seg_max_f32(z, n, p); }
+static inline void seg_sums(const float* z, int64_t n, float p, float m, float* out) { seg_sums_f32(z, n, p, m, out); }
+static inline void seg_prob(const float* z, float* out, int64_t n, float p, float shift, float w) {
+  seg_prob_f32(z, out, n, p, shift, w);
 }
 
 // Column-wise loops of the symmetric kernels: vectorised across the columns j of one row
-// of a tile, with a per-column positive p_j (d_j = z_j·s − p_j), so the column statistics
+// of a tile, with a per-column positive p_j (d_j = z_j − p_j), so the column statistics
 // (the t2i rows of Zᵀ) come from the same row-major tile as the row statistics.
 // mx_j ← max(mx_j, d_j)
-HNCLIP_CLONES static void col_max_f32(const float* z, const float* p, int64_t n, float s, float* mx) {
+HNCLIP_CLONES static void col_max_f32(const float* z, const float* p, int64_t n, float* mx) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
-    const float d = z[j] * s - p[j];
+    const float d = z[j] - p[j];
     mx[j] = d > mx[j] ? d : mx[j];
   }
 }
 
 // se_j += e, sw_j += e·d, sd_j += d with e = exp(d − m_j)
-HNCLIP_CLONES static void col_sums_f32(const float* z, const float* p, const float* m, int64_t n, float s, float* se,
-                                       float* sw, float* sd) {
+HNCLIP_CLONES static void col_sums_f32(const float* z, const float* p, const float* m, int64_t n, float* se, float* sw,
+                                       float* sd) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
-    const float d = z[j] * s - p[j];
+    const float d = z[j] - p[j];
     const float e = exp_f32(d - m[j]);
     se[j] += e;
     sw[j] += e * d;
@@ -184,50 +196,48 @@ HNCLIP_CLONES static void col_sums_f32(const float* z, const float* p, const flo
   }
 }
 
-// z_j ← w·exp((z_j·s − p) − shift) + wc_j·exp((z_j·s − pc_j) − shc_j): row i's softmax over
-// its negatives plus column j's (the transposed direction's) at the same logit
-HNCLIP_CLONES static void sym_prob_f32(float* z, int64_t n, float s, float p, float shift, float w, const float* pc,
-                                       const float* shc, const float* wc) {
+// out_j ← w·exp((z_j − p) − shift) + wc_j·exp((z_j − pc_j) − shc_j): row i's softmax over its
+// negatives plus column j's (the transposed direction's) at the same logit (out may be z)
+HNCLIP_CLONES static void sym_prob_f32(const float* z, float* out, int64_t n, float p, float shift, float w,
+                                       const float* pc, const float* shc, const float* wc) {
 #pragma omp simd
   for (int64_t j = 0; j < n; ++j) {
-    const float zs = z[j] * s;
-    z[j] = w * exp_f32((zs - p) - shift) + wc[j] * exp_f32((zs - pc[j]) - shc[j]);
+    const float zj = z[j];
+    out[j] = w * exp_f32((zj - p) - shift) + wc[j] * exp_f32((zj - pc[j]) - shc[j]);
   }
 }
 
-static void col_max(const double* z, const double* p, int64_t n, double s, double* mx) {
+static void col_max(const double* z, const double* p, int64_t n, double* mx) {
   for (int64_t j = 0; j < n; ++j) {
-    const double d = z[j] * s - p[j];
+    const double d = z[j] - p[j];
     mx[j] = d > mx[j] ? d : mx[j];
   }
 }
-static void col_sums(const double* z, const double* p, const double* m, int64_t n, double s, double* se, double* sw,
+static void col_sums(const double* z, const double* p, const double* m, int64_t n, double* se, double* sw,
                      double* sd) {
   for (int64_t j = 0; j < n; ++j) {
-    const double d = z[j] * s - p[j];
+    const double d = z[j] - p[j];
     const double e = std::exp(d - m[j]);
     se[j] += e;
     sw[j] += e * d;
     sd[j] += d;
   }
 }
-static void sym_prob(double* z, int64_t n, double s, double p, double shift, double w, const double* pc,
+static void sym_prob(const double* z, double* out, int64_t n, double p, double shift, double w, const double* pc,
                      const double* shc, const double* wc) {
   for (int64_t j = 0; j < n; ++j) {
-    const double zs = z[j] * s;
-    z[j] = w * std::exp((zs - p) - shift) + wc[j] * std::exp((zs - pc[j]) - shc[j]);
+    const double zj = z[j];
+    out[j] = w * std::exp((zj - p) - shift) + wc[j] * std::exp((zj - pc[j]) - shc[j]);
   }
 }
-static inline void col_max(const float* z, const float* p, int64_t n, float s, float* mx) {
-  col_max_f32(z, p, n, s, mx);
-}
-static inline void col_sums(const float* z, const float* p, const float* m, int64_t n, float s, float* se, float* sw,
+static inline void col_max(const float* z, const float* p, int64_t n, float* mx) { col_max_f32(z, p, n, mx); }
+static inline void col_sums(const float* z, const float* p, const float* m, int64_t n, float* se, float* sw,
                             float* sd) {
-  col_sums_f32(z, p, m, n, s, se, sw, sd);
+  col_sums_f32(z, p, m, n, se, sw, sd);
 }
-static inline void sym_prob(float* z, int64_t n, float s, float p, float shift, float w, const float* pc,
+static inline void sym_prob(const float* z, float* out, int64_t n, float p, float shift, float w, const float* pc,
                             const float* shc, const float* wc) {
-  sym_prob_f32(z, n, s, p, shift, w, pc, shc, wc);
+  sym_prob_f32(z, out, n, p, shift, w, pc, shc, wc);
 }
 
 template <typename T>
@@ -244,13 +254,13 @@ struct RowState {
 
 // Fold the n columns z[0..n) of one row into st, skipping column `excl` (the positive).
 template <typename T>
-static void update_row(const T* z, int64_t n, int64_t excl, T s, T p, RowState<T>& st) {
+static void update_row(const T* z, int64_t n, int64_t excl, T p, RowState<T>& st) {
   const int64_t n1 = (excl >= 0 && excl < n) ? excl : n;  // [0, n1) and [n1 + 1, n)
   const int64_t n2 = n1 < n ? n - n1 - 1 : 0;
   if (n1 + n2 == 0) return;
   T tmax = -std::numeric_limits<T>::infinity();
-  if (n1 > 0) tmax = std::max(tmax, seg_max(z, n1, s, p));
-  if (n2 > 0) tmax = std::max(tmax, seg_max(z + n1 + 1, n2, s, p));
+  if (n1 > 0) tmax = std::max(tmax, seg_max(z, n1, p));
+  if (n2 > 0) tmax = std::max(tmax, seg_max(z + n1 + 1, n2, p));
   const T new_m = std::max(st.m, tmax);
   const T safe = (new_m == -std::numeric_limits<T>::infinity()) ? T(0) : new_m;  // no −inf − −inf
   if (st.m != new_m) {
@@ -258,8 +268,8 @@ static void update_row(const T* z, int64_t n, int64_t excl, T s, T p, RowState<T
     st.acc[0] *= rescale;
     st.acc[1] *= rescale;
   }
-  if (n1 > 0) seg_sums(z, n1, s, p, safe, st.acc);
-  if (n2 > 0) seg_sums(z + n1 + 1, n2, s, p, safe, st.acc);
+  if (n1 > 0) seg_sums(z, n1, p, safe, st.acc);
+  if (n2 > 0) seg_sums(z + n1 + 1, n2, p, safe, st.acc);
   st.m = new_m;
 }
 
@@ -279,54 +289,86 @@ static void finish_row(const RowState<T>& st, T* delta, T* mean_neg, T* dsum) {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Tile sizes (float32: 4 bytes; a BM×BN tile of 256×512 is 512 KiB, half an L2).
-constexpr int64_t kBlockN = 512;        // columns per GEMM tile in the row sweep
-constexpr int64_t kStripRows = 256;     // rows per block when the strip is kept (grad)
-constexpr int64_t kTileRows = 128;      // rows per block in the stats-only sweep
-constexpr int64_t kMinRows = 16;        // smallest block worth a task
-constexpr int64_t kColBlock = 256;      // key rows owned by one task in the column sweep
-constexpr int64_t kColRowTile = 256;    // query rows per tile in the column sweep
+// ---------------------------------------------------------------------------------------
+// The logit tile grid. Every pass over one (L, R) pair, forward or backward, row or column
+// statistics, forms its logits tile by tile on the same grid and with the same call:
+//   tile (t, c) = query rows [t·tr, t·tr + tr) × key columns [c·bn, c·bn + bn) (clipped),
+//   computed by form_tile, one GEMM into a (tr × bn) scratch (leading dimension bn).
+// The grid depends on M, N and the machine's core count only, never on at::get_num_threads()
+// (which may change between a forward and its backward) or on how a pass groups its rows:
+// a BLAS product is not shape-independent (MKL rounds an element of a 1×512, 8×8 or
+// strided-output product differently from the same element of a 128×512 one; for small D
+// even between ordinary tile shapes), and at |Z| ≈ 1e8 one ulp of a logit (8) is a factor e^8
+// on P = exp(Z − LSE). Forming the same tile with the same call makes the backward's logits
+// bit-identical to those the forward's statistics came from.
+// ---------------------------------------------------------------------------------------
+constexpr int64_t kBlockN = 512;     // key columns per tile (float32 128×512: 256 KiB)
+constexpr int64_t kTileRows = 128;   // most query rows per tile
+constexpr int64_t kMinRows = 16;     // fewest query rows per tile
+constexpr int64_t kStripRows = 256;  // rows per strip (several tile-rows) when P is kept (grad)
 constexpr int64_t kPartialBudget = int64_t(256) << 20;  // bytes of per-group key accumulators
 
-struct Blocks {
-  int64_t size, count;
-};
-
-// Split `total` into blocks of at most `max_size`, enough of them to feed `tasks` threads
-// (blocks of at least kMinRows) and, when `multiple` > 1, a multiple of it.
-Blocks split(int64_t total, int64_t max_size, int64_t tasks, int64_t multiple = 1) {
-  if (total <= 0) return {1, 0};
-  int64_t count = ceil_div(total, max_size);
-  if (count < tasks) count = std::max<int64_t>(count, std::min<int64_t>(tasks, ceil_div(total, kMinRows)));
-  if (multiple > 1) count = ceil_div(count, multiple) * multiple;
-  count = std::min(count, total);
-  const int64_t size = ceil_div(total, count);
-  return {size, ceil_div(total, size)};
+// Tile-rows a batch is cut into when the rows allow: enough to feed every core (at least 4),
+// a constant of the process
+inline int64_t grid_tasks() {
+  static const int64_t tasks = std::max<int64_t>(4, static_cast<int64_t>(std::thread::hardware_concurrency()));
+  return tasks;
 }
 
-// Runs body(i0, rows, buf, acc_g, first_in_group) over the row blocks of `total` rows, split
-// into groups; each group adds into its own (N, D) key accumulator (the first group into
-// `acc`), and the groups are summed in order at the end, so the result does not depend on
-// how threads were scheduled (bit-identical for a fixed thread count). buf is (block, N).
+struct TileGrid {
+  int64_t M, N, tr, bn, tiles;  // tiles: tile-rows
+  TileGrid(int64_t m, int64_t n)
+      : M(m),
+        N(n),
+        // M / grid_tasks() rows rounded up to a multiple of 16, between 16 and 128
+        tr(std::min(kTileRows, std::max(kMinRows, ceil_div(ceil_div(m, grid_tasks()), kMinRows) * kMinRows))),
+        bn(std::min(kBlockN, std::max<int64_t>(n, 1))),
+        tiles(ceil_div(m, tr)) {}
+  int64_t rows_of(int64_t t) const { return std::min(tr, M - t * tr); }
+  Tensor scratch(const at::TensorOptions& opts) const { return at::empty({tr, bn}, opts); }
+};
+
+// Z of tile rows [i0, i0 + rows) × columns [n0, n0 + nb) into scratch[:rows, :nb]. Callers pass
+// tile-aligned i0 / n0 and the tile's full extent: the one place a logit is made.
+inline void form_tile(const Tensor& L, const Tensor& R, int64_t i0, int64_t rows, int64_t n0, int64_t nb,
+                      Tensor& scratch) {
+  Tensor tile = scratch.narrow(0, 0, rows).narrow(1, 0, nb);
+  at::mm_out(tile, L.narrow(0, i0, rows), R.narrow(0, n0, nb).t());
+}
+
+// Runs body(i0, rows, strip, scratch, part, first_in_group) over strips of whole tile-rows
+// (about kStripRows rows each, at least one per group when there are enough tile-rows), split
+// into contiguous groups. strip is (>= rows, N), scratch a tile. With `acc`, each group adds
+// into its own (N, D) key accumulator (the first group into acc itself) and the groups are
+// summed in order at the end, so the result does not depend on how threads were scheduled
+// (bit-identical for a fixed thread count); part is null without acc.
 template <typename T, typename F>
-void grouped_row_blocks(int64_t total, int64_t N, int64_t D, Tensor& acc, F&& body) {
+void grouped_strips(const TileGrid& grid, int64_t D, Tensor* acc, const at::TensorOptions& opts, F&& body) {
   const int64_t threads = std::max(1, at::get_num_threads());
-  const int64_t per_partial = std::max<int64_t>(N * D * static_cast<int64_t>(sizeof(T)), 1);
-  const int64_t groups_wanted = std::min(threads, 1 + kPartialBudget / per_partial);
-  const Blocks bl = split(total, kStripRows, groups_wanted, groups_wanted);
-  const int64_t groups = std::min(groups_wanted, bl.count);
-  std::vector<Tensor> partial(groups);
-  partial[0] = acc;
-  for (int64_t g = 1; g < groups; ++g) partial[g] = at::empty({N, D}, acc.options());
+  const int64_t per_partial = std::max<int64_t>(grid.N * D * static_cast<int64_t>(sizeof(T)), 1);
+  const int64_t groups_wanted = acc != nullptr ? std::min(threads, 1 + kPartialBudget / per_partial) : threads;
+  const int64_t per_strip =
+      std::max<int64_t>(1, std::min(kStripRows / grid.tr, grid.tiles / groups_wanted));  // tile-rows
+  const int64_t count = ceil_div(grid.tiles, per_strip);
+  const int64_t groups = std::min(groups_wanted, count);
+  std::vector<Tensor> partial(acc != nullptr ? groups : 0);
+  if (acc != nullptr) {
+    partial[0] = *acc;
+    for (int64_t g = 1; g < groups; ++g) partial[g] = at::empty({grid.N, D}, opts);
+  }
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    Tensor buf = at::empty({bl.size, std::max<int64_t>(N, 1)}, acc.options());
+    Tensor strip = at::empty({per_strip * grid.tr, std::max<int64_t>(grid.N, 1)}, opts);
+    Tensor scratch = grid.scratch(opts);
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t first = g * bl.count / groups, last = (g + 1) * bl.count / groups;
-      for (int64_t blk = first; blk < last; ++blk)
-        body(blk * bl.size, std::min(bl.size, total - blk * bl.size), buf, partial[g], blk == first);
+      const int64_t first = g * count / groups, last = (g + 1) * count / groups;
+      for (int64_t s = first; s < last; ++s) {
+        const int64_t i0 = s * per_strip * grid.tr;
+        body(i0, std::min(per_strip * grid.tr, grid.M - i0), strip, scratch,
+             acc != nullptr ? &partial[g] : nullptr, s == first);
+      }
     }
   });
-  for (int64_t g = 1; g < groups; ++g) acc.add_(partial[g]);
+  for (int64_t g = 1; g < static_cast<int64_t>(partial.size()); ++g) acc->add_(partial[g]);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -334,10 +376,9 @@ void grouped_row_blocks(int64_t total, int64_t N, int64_t D, Tensor& acc, F&& bo
 // ---------------------------------------------------------------------------------------
 template <typename T>
 struct RowSweep {
-  Tensor L, R;        // (M, Dl), (N, Dl): Z·τ = L Rᵀ
+  Tensor L, R;        // (M, Dl), (N, Dl): Z = L Rᵀ (1/τ folded into L)
   Tensor qh, kh;      // (M, D), (N, D)
   const T* pos;       // (M,) Z_i,pos
-  T inv_tau;
   int64_t offset;
   // stats outputs (forward) or saved nll (backward recompute)
   T* delta = nullptr;
@@ -353,133 +394,87 @@ struct RowSweep {
       if (col_acc.defined()) col_acc.zero_();
       return;
     }
-    const bool want_row = row_acc.defined(), want_col = col_acc.defined();
-    const bool strip = want_row || want_col;
-    const int64_t threads = std::max(1, at::get_num_threads());
+    const TileGrid grid(M, N);
     const auto opts = L.options();
-    if (!want_col) {
-      const Blocks bl = split(M, strip ? kStripRows : kTileRows, threads);
-      const int64_t width = strip ? N : std::min(kBlockN, N);
-      at::parallel_for(0, bl.count, 1, [&](int64_t b0, int64_t b1) {
-        Tensor buf = at::empty({bl.size, std::max<int64_t>(width, 1)}, opts);
-        for (int64_t blk = b0; blk < b1; ++blk) block(blk * bl.size, std::min(bl.size, M - blk * bl.size), buf, nullptr, true);
+    if (!row_acc.defined() && !col_acc.defined()) {  // statistics only: one tile-row per task, no strip
+      at::parallel_for(0, grid.tiles, 1, [&](int64_t t0, int64_t t1) {
+        Tensor scratch = grid.scratch(opts);
+        for (int64_t t = t0; t < t1; ++t) block(grid, t * grid.tr, grid.rows_of(t), nullptr, scratch, nullptr, true);
       });
       return;
     }
-    grouped_row_blocks<T>(M, N, D, col_acc, [&](int64_t i0, int64_t rows, Tensor& buf, Tensor& part, bool first) {
-      block(i0, rows, buf, &part, first);
-    });
+    grouped_strips<T>(grid, D, col_acc.defined() ? &col_acc : nullptr, opts,
+                      [&](int64_t i0, int64_t rows, Tensor& strip, Tensor& scratch, Tensor* part, bool first) {
+                        block(grid, i0, rows, &strip, scratch, part, first);
+                      });
   }
 
-  // rows [i0, i0 + rows) of the queries; buf is (>= rows, N) in strip mode, (>= rows, BN) otherwise
-  void block(int64_t i0, int64_t rows, Tensor& buf, Tensor* part, bool first_in_group) {
-    const int64_t N = R.size(0);
-    const bool strip = row_acc.defined() || col_acc.defined();
-    const int64_t ld = buf.size(1);
-    T* bp = buf.data_ptr<T>();
-    const Tensor Li = L.narrow(0, i0, rows);
-    Tensor rows_view = buf.narrow(0, 0, rows);
-    std::vector<T> shift(rows);
-    if (delta != nullptr) {
-      std::vector<RowState<T>> st(rows);
-      for (int64_t n0 = 0; n0 < N; n0 += kBlockN) {
-        const int64_t nb = std::min(kBlockN, N - n0);
-        const int64_t c0 = strip ? n0 : 0;
-        Tensor tile = rows_view.narrow(1, c0, nb);
-        at::mm_out(tile, Li, R.narrow(0, n0, nb).t());
-        for (int64_t r = 0; r < rows; ++r)
-          update_row<T>(bp + r * ld + c0, nb, offset + i0 + r - n0, inv_tau, pos[i0 + r], st[r]);
+  // rows [i0, i0 + rows) of the queries, whole tile-rows; strip (>= rows, N) or null (statistics only)
+  void block(const TileGrid& grid, int64_t i0, int64_t rows, Tensor* strip, Tensor& scratch, Tensor* part,
+             bool first_in_group) {
+    const int64_t N = grid.N, bn = grid.bn;
+    const T* sp = scratch.data_ptr<T>();
+    T* bp = strip != nullptr ? strip->data_ptr<T>() : nullptr;  // leading dimension N
+    std::vector<RowState<T>> st(delta != nullptr ? rows : 0);
+    for (int64_t r0 = 0; r0 < rows; r0 += grid.tr) {
+      const int64_t tr = std::min(grid.tr, rows - r0);
+      for (int64_t n0 = 0; n0 < N; n0 += bn) {
+        const int64_t nb = std::min(bn, N - n0);
+        form_tile(L, R, i0 + r0, tr, n0, nb, scratch);
+        for (int64_t r = r0; r < r0 + tr; ++r) {
+          const int64_t i = i0 + r;
+          const T* z = sp + (r - r0) * bn;
+          if (delta != nullptr) {  // forward: statistics, and the logits kept for P below
+            update_row<T>(z, nb, offset + i - n0, pos[i], st[r]);
+            if (bp != nullptr) std::memcpy(bp + r * N + n0, z, static_cast<size_t>(nb) * sizeof(T));
+          } else {  // backward: P_ik = w_i exp(d_ik − nll_i) straight from the tile
+            seg_prob(z, bp + r * N + n0, nb, pos[i], nll_in[i], weight != nullptr ? weight[i] : T(1));
+          }
+        }
       }
+    }
+    if (delta != nullptr) {
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
         finish_row<T>(st[r], delta + i, mean_neg + i, dsum + i);
-        shift[r] = softplus<T>(delta[i]);
+        if (bp != nullptr) {  // P_ik = w_i exp(d_ik − softplus(delta_i))
+          T* zr = bp + r * N;
+          seg_prob(zr, zr, N, pos[i], softplus<T>(delta[i]), weight != nullptr ? weight[i] : T(1));
+        }
       }
-    } else {
-      if (N > 0) at::mm_out(rows_view, Li, R.t());
-      for (int64_t r = 0; r < rows; ++r) shift[r] = nll_in[i0 + r];
     }
-    if (!strip) return;
-    // P_ik = w_i exp(d_ik − nll_i), 0 at the positive
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = i0 + r;
-      T* zr = bp + r * ld;
-      seg_prob(zr, N, inv_tau, pos[i], shift[r], weight != nullptr ? weight[i] : T(1));
-      const int64_t pc = offset + i;
-      if (pc >= 0 && pc < N) zr[pc] = T(0);
+    if (bp == nullptr) return;
+    for (int64_t r = 0; r < rows; ++r) {  // 0 at the positive
+      const int64_t pc = offset + i0 + r;
+      if (pc >= 0 && pc < N) bp[r * N + pc] = T(0);
     }
+    const Tensor probs = strip->narrow(0, 0, rows);
     if (row_acc.defined()) {
       Tensor out = row_acc.narrow(0, i0, rows);
-      at::mm_out(out, rows_view, kh);
+      at::mm_out(out, probs, kh);
     }
     if (part != nullptr) {
       const Tensor qi = qh.narrow(0, i0, rows);
       if (first_in_group) {
-        at::mm_out(*part, rows_view.t(), qi);
+        at::mm_out(*part, probs.t(), qi);
       } else {
-        part->addmm_(rows_view.t(), qi);
+        part->addmm_(probs.t(), qi);
       }
     }
   }
 };
 
 // ---------------------------------------------------------------------------------------
-// Column sweep: out_k = Σ_{i: offset+i ≠ k} w_i P_ik q̂_i, each key row owned by one task.
-// ---------------------------------------------------------------------------------------
-template <typename T>
-void col_sweep(const Tensor& L, const Tensor& R, const Tensor& qh, const T* pos, T inv_tau, int64_t offset,
-               const T* nll, const T* weight, Tensor& out) {
-  const int64_t M = L.size(0), N = R.size(0);
-  if (M == 0 || N == 0) {
-    out.zero_();
-    return;
-  }
-  const int64_t threads = std::max(1, at::get_num_threads());
-  const Blocks bc = split(N, kColBlock, threads);
-  const int64_t bm = std::min(kColRowTile, M);
-  const auto opts = L.options();
-  at::parallel_for(0, bc.count, 1, [&](int64_t c0, int64_t c1) {
-    Tensor buf = at::empty({bm, bc.size}, opts);
-    T* bp = buf.data_ptr<T>();
-    const int64_t ld = bc.size;
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t n0 = c * bc.size, cols = std::min(bc.size, N - n0);
-      const Tensor Rk = R.narrow(0, n0, cols);
-      Tensor acc = out.narrow(0, n0, cols);
-      for (int64_t i0 = 0; i0 < M; i0 += bm) {
-        const int64_t rows = std::min(bm, M - i0);
-        Tensor tile = buf.narrow(0, 0, rows).narrow(1, 0, cols);
-        at::mm_out(tile, L.narrow(0, i0, rows), Rk.t());
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t i = i0 + r;
-          T* zr = bp + r * ld;
-          seg_prob(zr, cols, inv_tau, pos[i], nll[i], weight[i]);
-          const int64_t pc = offset + i - n0;
-          if (pc >= 0 && pc < cols) zr[pc] = T(0);
-        }
-        const Tensor qi = qh.narrow(0, i0, rows);
-        if (i0 == 0) {
-          at::mm_out(acc, tile.t(), qi);
-        } else {
-          acc.addmm_(tile.t(), qi);
-        }
-      }
-    }
-  });
-}
-
-// ---------------------------------------------------------------------------------------
 // Symmetric single-process kernels: N images against N texts, positives on the diagonal.
-// Z = L R̂ᵀ / τ with L = v̂ + γ t̂, R = t̂ serves both directions: i2t rows are the rows of Z,
-// t2i rows are its columns (Z'_ji = t̂_j·v̂_i + γ t̂_j·t̂_i = Z_ij), so each tile is computed
+// Z = L R̂ᵀ with L = (v̂ + γ t̂)/τ, R = t̂ serves both directions: i2t rows are the rows of Z,
+// t2i rows are its columns (Z'_ji = (t̂_j·v̂_i + γ t̂_j·t̂_i)/τ = Z_ij), so each tile is computed
 // once for both.
-//   forward  (stats only, one product): rows of a block are owned by one task (online LSE
-//     along the row, as in the row sweep); columns get an online LSE state per *group* of
-//     row blocks (the same contiguous split of the rows as the row sweep's key
-//     accumulators), folded tile by tile in row-block order, and the groups' states are
-//     merged in group order: bit-identical reruns for a given thread count, extra memory
-//     4·N numbers per group.
-//   backward (three products): a block's strip Z_I,: is recomputed, turned into
+//   forward  (stats only, one product): tile-rows are owned by one task (online LSE along the
+//     row, as in the row sweep); columns get an online LSE state per *group* of tile-rows (a
+//     contiguous split of the tile-rows), folded tile by tile in tile-row order, and the groups'
+//     states are merged in group order: bit-identical reruns for a given thread count, extra
+//     memory 4·N numbers per group.
+//   backward (three products): a strip's tiles are recomputed on the same grid, turned into
 //       ds_ij = g_i P_ij + g_j P'_ji   (0 on the diagonal: the positives are in the epilogue)
 //     and dv̂_I = ds_I t̂, dt̂ += ds_Iᵀ v̂_I (per-group accumulators summed in group order).
 // Against two directional calls (three products each) this is four products instead of six.
@@ -494,7 +489,7 @@ struct ColStats {  // online LSE state of every column: max, Σe, Σe·d (relati
 // Fold a (rows × nb) tile (leading dimension ld), columns [n0, n0 + nb), into the column
 // states; row r's excluded entry (the positive) is at tile column diag + r. scratch: 5·nb.
 template <typename T>
-void col_update(const T* z, int64_t ld, int64_t rows, int64_t nb, int64_t diag, T s, const T* pc, ColStats<T>& cs,
+void col_update(const T* z, int64_t ld, int64_t rows, int64_t nb, int64_t diag, const T* pc, ColStats<T>& cs,
                 int64_t n0, T* scratch) {
   T* tmax = scratch;
   T* safe = scratch + nb;
@@ -511,8 +506,8 @@ void col_update(const T* z, int64_t ld, int64_t rows, int64_t nb, int64_t diag, 
     int64_t n1, n2;
     segments(r, n1, n2);
     const T* zr = z + r * ld;
-    if (n1 > 0) col_max(zr, pc, n1, s, tmax);
-    if (n2 > 0) col_max(zr + n1 + 1, pc + n1 + 1, n2, s, tmax + n1 + 1);
+    if (n1 > 0) col_max(zr, pc, n1, tmax);
+    if (n2 > 0) col_max(zr + n1 + 1, pc + n1 + 1, n2, tmax + n1 + 1);
   }
   T* m = cs.m.data() + n0;
   T* se = cs.se.data() + n0;
@@ -534,8 +529,8 @@ void col_update(const T* z, int64_t ld, int64_t rows, int64_t nb, int64_t diag, 
     int64_t n1, n2;
     segments(r, n1, n2);
     const T* zr = z + r * ld;
-    if (n1 > 0) col_sums(zr, pc, safe, n1, s, ts, tw, td);
-    if (n2 > 0) col_sums(zr + n1 + 1, pc + n1 + 1, safe + n1 + 1, n2, s, ts + n1 + 1, tw + n1 + 1, td + n1 + 1);
+    if (n1 > 0) col_sums(zr, pc, safe, n1, ts, tw, td);
+    if (n2 > 0) col_sums(zr + n1 + 1, pc + n1 + 1, safe + n1 + 1, n2, ts + n1 + 1, tw + n1 + 1, td + n1 + 1);
   }
   for (int64_t j = 0; j < nb; ++j) {
     se[j] += ts[j];
@@ -545,34 +540,32 @@ void col_update(const T* z, int64_t ld, int64_t rows, int64_t nb, int64_t diag, 
 }
 
 template <typename T>
-void symmetric_stats(const Tensor& L, const Tensor& R, const T* pos, T inv_tau, T* delta_r, T* mean_r, T* dsum_r,
-                     T* delta_c, T* mean_c, T* dsum_c) {
+void symmetric_stats(const Tensor& L, const Tensor& R, const T* pos, T* delta_r, T* mean_r, T* dsum_r, T* delta_c,
+                     T* mean_c, T* dsum_c) {
   const int64_t N = R.size(0);
   if (N == 0) return;
+  const TileGrid grid(N, N);
   const int64_t threads = std::max(1, at::get_num_threads());
-  const Blocks bl = split(N, kTileRows, threads, threads);
-  const int64_t groups = std::min(threads, bl.count);
-  const int64_t bn = std::min(kBlockN, N);
+  const int64_t groups = std::min(threads, grid.tiles);
+  const int64_t bn = grid.bn;
   std::vector<ColStats<T>> cols;
   cols.reserve(groups);
   for (int64_t g = 0; g < groups; ++g) cols.emplace_back(N);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    Tensor buf = at::empty({bl.size, bn}, L.options());
-    T* bp = buf.data_ptr<T>();
-    std::vector<T> scratch(5 * bn);
-    std::vector<RowState<T>> st(bl.size);
+    Tensor scratch = grid.scratch(L.options());
+    const T* sp = scratch.data_ptr<T>();
+    std::vector<T> col_scratch(5 * bn);
+    std::vector<RowState<T>> st(grid.tr);
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t first = g * bl.count / groups, last = (g + 1) * bl.count / groups;
-      for (int64_t blk = first; blk < last; ++blk) {
-        const int64_t i0 = blk * bl.size, rows = std::min(bl.size, N - i0);
-        const Tensor Li = L.narrow(0, i0, rows);
+      const int64_t first = g * grid.tiles / groups, last = (g + 1) * grid.tiles / groups;
+      for (int64_t t = first; t < last; ++t) {
+        const int64_t i0 = t * grid.tr, rows = grid.rows_of(t);
         std::fill(st.begin(), st.end(), RowState<T>());
         for (int64_t n0 = 0; n0 < N; n0 += bn) {
           const int64_t nb = std::min(bn, N - n0);
-          Tensor tile = buf.narrow(0, 0, rows).narrow(1, 0, nb);
-          at::mm_out(tile, Li, R.narrow(0, n0, nb).t());
-          for (int64_t r = 0; r < rows; ++r) update_row<T>(bp + r * bn, nb, i0 + r - n0, inv_tau, pos[i0 + r], st[r]);
-          col_update<T>(bp, bn, rows, nb, i0 - n0, inv_tau, pos + n0, cols[g], n0, scratch.data());
+          form_tile(L, R, i0, rows, n0, nb, scratch);
+          for (int64_t r = 0; r < rows; ++r) update_row<T>(sp + r * bn, nb, i0 + r - n0, pos[i0 + r], st[r]);
+          col_update<T>(sp, bn, rows, nb, i0 - n0, pos + n0, cols[g], n0, col_scratch.data());
         }
         for (int64_t r = 0; r < rows; ++r) finish_row<T>(st[r], delta_r + i0 + r, mean_r + i0 + r, dsum_r + i0 + r);
       }
@@ -607,26 +600,35 @@ void symmetric_stats(const Tensor& L, const Tensor& R, const T* pos, T inv_tau, 
 // upstream gradient of pair k is g_k); nll_r / nll_c = softplus(delta) of i2t / t2i.
 template <typename T>
 void symmetric_grads(const Tensor& L, const Tensor& R, const Tensor& vh, const T* pos, const T* nll_r, const T* nll_c,
-                     const T* g, T inv_tau, Tensor& d_v, Tensor& d_t) {
+                     const T* g, Tensor& d_v, Tensor& d_t) {
   const int64_t N = R.size(0), D = R.size(1);
   if (N == 0) return;
-  grouped_row_blocks<T>(N, N, D, d_t, [&](int64_t i0, int64_t rows, Tensor& buf, Tensor& part, bool first) {
-    T* bp = buf.data_ptr<T>();
-    Tensor strip = buf.narrow(0, 0, rows);
-    at::mm_out(strip, L.narrow(0, i0, rows), R.t());
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = i0 + r;
-      T* zr = bp + r * N;
-      sym_prob(zr, N, inv_tau, pos[i], nll_r[i], g[i], pos, nll_c, g);
-      zr[i] = T(0);
+  const TileGrid grid(N, N);
+  const int64_t bn = grid.bn;
+  grouped_strips<T>(grid, D, &d_t, L.options(),
+                    [&](int64_t i0, int64_t rows, Tensor& strip, Tensor& scratch, Tensor* part, bool first) {
+    const T* sp = scratch.data_ptr<T>();
+    T* bp = strip.data_ptr<T>();
+    for (int64_t r0 = 0; r0 < rows; r0 += grid.tr) {
+      const int64_t tr = std::min(grid.tr, rows - r0);
+      for (int64_t n0 = 0; n0 < N; n0 += bn) {
+        const int64_t nb = std::min(bn, N - n0);
+        form_tile(L, R, i0 + r0, tr, n0, nb, scratch);
+        for (int64_t r = r0; r < r0 + tr; ++r) {
+          const int64_t i = i0 + r;
+          sym_prob(sp + (r - r0) * bn, bp + r * N + n0, nb, pos[i], nll_r[i], g[i], pos + n0, nll_c + n0, g + n0);
+        }
+      }
     }
+    for (int64_t r = 0; r < rows; ++r) bp[r * N + i0 + r] = T(0);
+    const Tensor ds = strip.narrow(0, 0, rows);
     Tensor dv = d_v.narrow(0, i0, rows);
-    at::mm_out(dv, strip, R);
+    at::mm_out(dv, ds, R);
     const Tensor vi = vh.narrow(0, i0, rows);
     if (first) {
-      at::mm_out(part, strip.t(), vi);
+      at::mm_out(*part, ds.t(), vi);
     } else {
-      part.addmm_(strip.t(), vi);
+      part->addmm_(ds.t(), vi);
     }
   });
 }
@@ -675,9 +677,9 @@ bool scaled_equals(const Tensor& x, const Tensor& inv, const Tensor& ref) {
   return equal.load();
 }
 
-// base + γ · (x · inv) as a new contiguous (rows, D) tensor (one pass, no temporaries)
+// (base + γ · (x · inv)) · scale as a new contiguous (rows, D) tensor (one pass, no temporaries)
 template <typename T>
-Tensor add_scaled(const Tensor& base, const Tensor& x, const Tensor& inv, double gamma) {
+Tensor add_scaled(const Tensor& base, const Tensor& x, const Tensor& inv, double gamma, T scale) {
   Tensor out = at::empty_like(base, at::MemoryFormat::Contiguous);
   const Tensor ic = inv.to(base.scalar_type()).contiguous();
   const T* ip = ic.const_data_ptr<T>();
@@ -687,40 +689,56 @@ Tensor add_scaled(const Tensor& base, const Tensor& x, const Tensor& inv, double
   const T g = static_cast<T>(gamma);
   at::parallel_for(0, base.size(0), kRowsGrain, [&](int64_t r0, int64_t r1) {
     for_each_as<T>(x, r0, r1, [&](int64_t i, int64_t d, T v) {
-      op[i * D + d] = bp[i * D + d] + g * (v * ip[i]);
+      op[i * D + d] = (bp[i * D + d] + g * (v * ip[i])) * scale;
       return true;
     });
   });
   return out;
 }
 
-// [base, γ · (x · inv)] as a new contiguous (rows, 2D) tensor
+// [base, γ · (x · inv)] · scale as a new contiguous (rows, 2D) tensor
 template <typename T>
-Tensor cat_scaled(const Tensor& base, const Tensor& x, const Tensor& inv, double gamma) {
+Tensor cat_scaled(const Tensor& base, const Tensor& x, const Tensor& inv, double gamma, T scale) {
   const int64_t rows = base.size(0), D = base.size(1);
   Tensor out = at::empty({rows, 2 * D}, base.options());
-  out.narrow(1, 0, D).copy_(base);
   const Tensor ic = inv.to(base.scalar_type()).contiguous();
   const T* ip = ic.const_data_ptr<T>();
+  const T* bp = base.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
   const T g = static_cast<T>(gamma);
   at::parallel_for(0, rows, kRowsGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i)
+      for (int64_t d = 0; d < D; ++d) op[i * 2 * D + d] = bp[i * D + d] * scale;
     for_each_as<T>(x, r0, r1, [&](int64_t i, int64_t d, T v) {
-      op[i * 2 * D + D + d] = g * (v * ip[i]);
+      op[i * 2 * D + D + d] = (g * (v * ip[i])) * scale;
       return true;
     });
   });
   return out;
 }
 
-// qh, kh contiguous in the compute dtype T
+// x · scale as a new contiguous tensor (x contiguous in T)
+template <typename T>
+Tensor times(const Tensor& x, T scale) {
+  Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const T* xp = x.const_data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, x.numel(), 1 << 16, [&](int64_t e0, int64_t e1) {
+    for (int64_t e = e0; e < e1; ++e) op[e] = xp[e] * scale;
+  });
+  return out;
+}
+
+// The two factors of the logits, Z = L Rᵀ, with 1/τ folded into L (so a tile holds Z itself and
+// a gap is one subtraction, see the inner loops). qh, kh contiguous in the compute dtype T. The
+// forward and the backward build them with the same code from the same inputs: same bits.
 template <typename T>
 Factors make_factors(const Tensor& qh, const Tensor& kh, const Tensor& a, const Tensor& b, const Tensor& ra,
-                     const Tensor& rb, double gamma) {
-  if (gamma == 0.0) return {qh, kh};
-  if (scaled_equals<T>(b, rb, kh)) return {add_scaled<T>(qh, a, ra, gamma), kh};  // i2t: b̂ = k̂
-  if (scaled_equals<T>(a, ra, qh)) return {qh, add_scaled<T>(kh, b, rb, gamma)};  // t2i: â = q̂
-  return {cat_scaled<T>(qh, a, ra, gamma), cat_scaled<T>(kh, b, rb, 1.0)};
+                     const Tensor& rb, double gamma, T inv_tau) {
+  if (gamma == 0.0) return {times<T>(qh, inv_tau), kh};
+  if (scaled_equals<T>(b, rb, kh)) return {add_scaled<T>(qh, a, ra, gamma, inv_tau), kh};  // i2t: b̂ = k̂
+  if (scaled_equals<T>(a, ra, qh)) return {times<T>(qh, inv_tau), add_scaled<T>(kh, b, rb, gamma, T(1))};  // t2i
+  return {cat_scaled<T>(qh, a, ra, gamma, inv_tau), cat_scaled<T>(kh, b, rb, 1.0, T(1))};
 }
 
 void check_inputs(const Tensor& qh, const Tensor& kh, const Tensor& a, const Tensor& b, const Tensor& ra,
@@ -754,14 +772,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd(
   Tensor row_acc = at::empty({need_grad ? M : 0, D}, opts);
   Tensor col_acc = at::empty({need_grad ? N : 0, D}, opts);
   AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_directional_fwd", [&] {
-    const Factors f = make_factors<scalar_t>(qh, kh, a, b, ra, rb, gamma);
+    const Factors f = make_factors<scalar_t>(qh, kh, a, b, ra, rb, gamma, inv_tau.to(dt).item<scalar_t>());
     RowSweep<scalar_t> sw;
     sw.L = f.L;
     sw.R = f.R;
     sw.qh = qh;
     sw.kh = kh;
     sw.pos = pos_c.data_ptr<scalar_t>();
-    sw.inv_tau = inv_tau.to(dt).item<scalar_t>();
     sw.offset = offset;
     sw.delta = delta.data_ptr<scalar_t>();
     sw.mean_neg = mean_neg.data_ptr<scalar_t>();
@@ -808,25 +825,26 @@ std::tuple<Tensor, Tensor> directional_bwd(const Tensor& q_hat, const Tensor& k_
       scalar_t* np = nll.data_ptr<scalar_t>();
       for (int64_t i = 0; i < M; ++i) np[i] = softplus<scalar_t>(dp[i]);
     }
-    const Factors f = make_factors<scalar_t>(qh, kh, a, b, ra, rb, gamma);
-    const scalar_t it = inv_tau.to(dt).item<scalar_t>();
+    // one row sweep over the forward's tile grid: the same logits, bit for bit, as the forward's
+    // statistics came from; strips of w_i P_ik into the key gradient (per-group accumulators) and,
+    // when the forward kept no shares, into the query gradient too
+    const Factors f = make_factors<scalar_t>(qh, kh, a, b, ra, rb, gamma, inv_tau.to(dt).item<scalar_t>());
+    RowSweep<scalar_t> sw;
+    sw.L = f.L;
+    sw.R = f.R;
+    sw.qh = qh;
+    sw.kh = kh;
+    sw.pos = pos_c.data_ptr<scalar_t>();
+    sw.offset = offset;
+    sw.nll_in = nll.data_ptr<scalar_t>();
+    sw.weight = gp;
     if (!d_q.defined()) {
       d_q = at::empty({M, D}, opts);
-      RowSweep<scalar_t> sw;
-      sw.L = f.L;
-      sw.R = f.R;
-      sw.qh = qh;
-      sw.kh = kh;
-      sw.pos = pos_c.data_ptr<scalar_t>();
-      sw.inv_tau = it;
-      sw.offset = offset;
-      sw.nll_in = nll.data_ptr<scalar_t>();
-      sw.weight = gp;
       sw.row_acc = d_q;
-      sw.run();
     }
     d_k = at::empty({N, D}, opts);
-    col_sweep<scalar_t>(f.L, f.R, qh, pos_c.data_ptr<scalar_t>(), it, offset, nll.data_ptr<scalar_t>(), gp, d_k);
+    sw.col_acc = d_k;
+    sw.run();
   });
   return {d_q, d_k};
 }
@@ -841,17 +859,21 @@ void check_symmetric(const Tensor& vh, const Tensor& th, const Tensor& pos) {
   TORCH_CHECK(pos.numel() == vh.size(0), "hnclip: pos needs N entries");
 }
 
-// L = v̂ + γ t̂ (v̂ itself when γ = 0): the i2t logits' left factor, margin included
+// L = (v̂ + γ t̂) / τ: the i2t logits' left factor, margin and temperature included (Z = L t̂ᵀ);
+// the forward and the backward build it with this one function from the same inputs: same bits
 template <typename T>
-Tensor margin_left(const Tensor& vh, const Tensor& th, double gamma) {
-  if (gamma == 0.0) return vh;
+Tensor margin_left(const Tensor& vh, const Tensor& th, double gamma, T inv_tau) {
   Tensor out = at::empty_like(vh, at::MemoryFormat::Contiguous);
   const T* vp = vh.const_data_ptr<T>();
   const T* tp = th.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
   const T g = static_cast<T>(gamma);
   at::parallel_for(0, vh.numel(), 1 << 16, [&](int64_t e0, int64_t e1) {
-    for (int64_t e = e0; e < e1; ++e) op[e] = vp[e] + g * tp[e];
+    if (gamma == 0.0) {
+      for (int64_t e = e0; e < e1; ++e) op[e] = vp[e] * inv_tau;
+    } else {
+      for (int64_t e = e0; e < e1; ++e) op[e] = (vp[e] + g * tp[e]) * inv_tau;
+    }
   });
   return out;
 }
@@ -879,10 +901,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symmetric_fwd(const T
   Tensor dr = at::empty({N}, opts), mr = at::empty({N}, opts), sr = at::empty({N}, opts);
   Tensor dc = at::empty({N}, opts), mc = at::empty({N}, opts), sc = at::empty({N}, opts);
   AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_symmetric_fwd", [&] {
-    const Tensor L = margin_left<scalar_t>(vh, th, gamma);
-    symmetric_stats<scalar_t>(L, th, pos_c.data_ptr<scalar_t>(), inv_tau.to(dt).item<scalar_t>(),
-                              dr.data_ptr<scalar_t>(), mr.data_ptr<scalar_t>(), sr.data_ptr<scalar_t>(),
-                              dc.data_ptr<scalar_t>(), mc.data_ptr<scalar_t>(), sc.data_ptr<scalar_t>());
+    const Tensor L = margin_left<scalar_t>(vh, th, gamma, inv_tau.to(dt).item<scalar_t>());
+    symmetric_stats<scalar_t>(L, th, pos_c.data_ptr<scalar_t>(), dr.data_ptr<scalar_t>(), mr.data_ptr<scalar_t>(),
+                              sr.data_ptr<scalar_t>(), dc.data_ptr<scalar_t>(), mc.data_ptr<scalar_t>(),
+                              sc.data_ptr<scalar_t>());
   });
   return {dr, mr, sr, dc, mc, sc};
 }
@@ -903,10 +925,9 @@ std::tuple<Tensor, Tensor> symmetric_bwd(const Tensor& v_hat, const Tensor& t_ha
   const Tensor nll_r = softplus_of(delta_r, dt), nll_c = softplus_of(delta_c, dt);
   Tensor d_v = at::empty({N, D}, opts), d_t = at::empty({N, D}, opts);
   AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_symmetric_bwd", [&] {
-    const Tensor L = margin_left<scalar_t>(vh, th, gamma);
+    const Tensor L = margin_left<scalar_t>(vh, th, gamma, inv_tau.to(dt).item<scalar_t>());
     symmetric_grads<scalar_t>(L, th, vh, pos_c.data_ptr<scalar_t>(), nll_r.data_ptr<scalar_t>(),
-                              nll_c.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), inv_tau.to(dt).item<scalar_t>(),
-                              d_v, d_t);
+                              nll_c.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), d_v, d_t);
   });
   return {d_v, d_t};
 }

@@ -437,3 +437,81 @@ def test_opcheck_symmetric_operators():
     grad = torch.linspace(0.5, 1.0, 9)
     torch.library.opcheck(torch.ops.hnclip.symmetric_nll_backward.default,
                           (grad, img.detach(), txt, tau.detach(), *saved, 0.5, 0.1, True, True), test_utils=checks)
+
+
+# ------------------------------------------------------------------ huge logits: recomputed tiles
+# γ/τ = 1e8 puts |Z| near 1e8, where an ulp of a float32 logit is 8: a backward whose logit rounds
+# even one ulp away from the one the forward's LSE came from turns P = exp(Z − LSE) into e^8·P.
+# These run past the N = 16 / 64 of test_api.py's test_huge_logits: several tile-rows (the last one
+# short), a column tile of 1 key (N = 513: a matrix-vector product inside BLAS, rounded otherwise
+# than a wide tile), several threads, and the directional backward's recompute.
+HUGE_GAMMA, HUGE_TAU = 1e4, 1e-4
+
+
+def _with_threads(threads, fn):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("n,d", [(513, 16), (600, 64)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_backward_probabilities_use_the_forward_logits(n, d, threads):
+    # The root cause, checked directly: with a one-hot upstream g = e_i the symmetric backward's shares
+    # separate, dt̂_j = P_ij v̂_i and dv̂_j = P'_ji t̂_i for j ≠ i, so its probabilities of row i must sum
+    # to sigmoid(delta_r_i) (i2t) and sigmoid(delta_c_i) (t2i), the forward's statistics.
+    import hnclip_kernels.ops.hn_clip_cpp as cpp
+    img, txt = make_pair(n, d, seed=n)
+    rv, rt = cpp._inv_norms(img, True, torch.float32), cpp._inv_norms(txt, True, torch.float32)
+    v_hat, t_hat = cpp._scaled(img, rv, torch.float32), cpp._scaled(txt, rt, torch.float32)
+    inv_tau = 1.0 / torch.tensor(HUGE_TAU)
+    pos = cpp.epilogue.positive_logits(v_hat, t_hat, 0, inv_tau)
+
+    probed = sorted({*range(0, n, 7), *range(n - 9, n)})  # every tile-row, and all of the short last one
+
+    def run():
+        delta_r, _, _, delta_c, _, _ = torch.ops.hnclip.symmetric_fwd(v_hat, t_hat, pos, inv_tau, HUGE_GAMMA)
+        sums = torch.empty(len(probed), 2, dtype=torch.float64)
+        for row, i in enumerate(probed):
+            g = torch.zeros(n)
+            g[i] = 1.0
+            d_v, d_t = torch.ops.hnclip.symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, HUGE_GAMMA)
+            p_row = d_t.double() @ v_hat[i].double() / v_hat[i].double().square().sum()
+            p_col = d_v.double() @ t_hat[i].double() / t_hat[i].double().square().sum()
+            p_row[i] = p_col[i] = 0.0
+            sums[row] = torch.stack((p_row.sum(), p_col.sum()))
+        return sums, torch.stack((delta_r, delta_c), dim=1)[probed].double().sigmoid()
+
+    sums, expected = _with_threads(threads, run)
+    worst = int((sums - expected).abs().amax(dim=1).argmax())
+    assert torch.allclose(sums, expected, rtol=1e-4, atol=0), (
+        f"row {probed[worst]}: the backward's probabilities (i2t, t2i) sum to {sums[worst].tolist()}, the "
+        f"forward's statistics say {expected[worst].tolist()}")
+
+
+@pytest.mark.parametrize("n,d", [(513, 16), (600, 64)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_huge_logits_several_tiles_and_threads(n, d, threads):
+    upstream = torch.rand(n, generator=torch.Generator().manual_seed(n)) + 0.5
+    _with_threads(threads, lambda: check_against_truth("cpp", n, d, torch.float32, HUGE_GAMMA, HUGE_TAU, 0.0, "none",
+                                                       upstream=upstream, seed=n))
+
+
+@pytest.mark.parametrize("kind", ["i2t", "t2i", "general"])
+def test_huge_logits_directional_recompute(kind):
+    # a different upstream gradient per row: the key gradient comes from a backward recompute of the tiles
+    m, n, offset = 300, 1025, 700  # several tile-rows, key tiles of 512, 512 and 1
+    q, k, a, b = _directional_case(kind, m=m, n=n, d=16, offset=offset, seed=6)
+    weights = torch.rand(m, generator=torch.Generator().manual_seed(6)) + 0.5
+    outs = []
+    for fn, dt in ((directional_nll_cpp, torch.float32), (directional_nll_torch, torch.float64)):
+        qq, kk = (x.detach().to(dt).clone().requires_grad_(True) for x in (q, k))
+        tau = torch.tensor(HUGE_TAU, dtype=dt, requires_grad=True)
+        rows = fn(qq, kk, a.to(dt), b.to(dt), tau, offset, HUGE_GAMMA, 0.0, True)
+        (rows * weights.to(dt)).sum().backward()
+        outs.append((rows, qq.grad, kk.grad, tau.grad))
+    for name, x, y in zip(("rows", "d q", "d k", "d tau"), *outs):
+        assert_close_rel(x, y, TOL_F32_LOSS if name == "rows" else TOL_F32_GRAD, name)
