@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -53,9 +53,13 @@ def _real(name: str, x) -> float:
 
 
 def check_tau(tau: Union[float, torch.Tensor], device: torch.device, dtype: torch.dtype = torch.float32,
-              gamma: float = 0.0) -> None:
+              gamma: float = 0.0) -> Optional[float]:
     """τ must be a positive finite number or a one-element floating tensor, large enough that
-    the logits (1 + γ)/τ stay finite in the compute ``dtype`` (float32 for all but float64)."""
+    the logits (1 + γ)/τ stay finite in the compute ``dtype`` (float32 for all but float64):
+    pass the margin scale ``gamma`` (already checked: a finite float ≥ 0) so the bound holds.
+
+    Returns τ's value, or None where it is not read: under ``torch.compile`` (a value check
+    would break the graph) and for a meta-device τ (it has no value)."""
     if isinstance(tau, torch.Tensor):
         if tau.numel() != 1:
             raise ValueError(f"tau must be a scalar (0-dim) tensor, got shape {tuple(tau.shape)}")
@@ -63,19 +67,20 @@ def check_tau(tau: Union[float, torch.Tensor], device: torch.device, dtype: torc
             raise TypeError(f"tau tensor must be floating point, got {tau.dtype}; pass e.g. 1 / logit_scale.exp()")
         if tau.device != device and tau.device.type != "cpu":
             raise ValueError(f"tau is on {tau.device} but the features are on {device}; move tau to {device}")
-        if torch.compiler.is_compiling():
-            return  # a value check would break the graph; eager calls check it
+        if torch.compiler.is_compiling() or tau.device.type == "meta":
+            return None  # a value check would break the graph (eager calls check it); meta has no value
         value = float(tau.detach())  # one host sync: the price of a clear error instead of a NaN loss
     else:
         value = _real("tau", tau)
         if torch.compiler.is_compiling():
-            return  # may be a symbolic float under torch.compile
+            return None  # may be a symbolic float under torch.compile
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"tau (temperature) must be finite and > 0, got {value}; open_clip users pass 1 / logit_scale")
     largest = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
     if (1.0 + gamma) / value >= largest:
-        raise ValueError(f"tau = {value} makes the logits (1 + gamma) / tau overflow {dtype} arithmetic; "
-                         f"use tau > {(1.0 + gamma) / largest:.1e}")
+        raise ValueError(f"tau = {value} makes the logits (1 + gamma) / tau overflow {dtype} arithmetic "
+                         f"(gamma = {gamma}); use tau > {(1.0 + gamma) / largest:.1e}")
+    return value
 
 
 def check_precision(precision) -> None:

@@ -73,6 +73,9 @@ class HNClipLoss(nn.Module):
             (see :func:`hnclip_kernels.hn_clip_loss`); None is its default, "tf32x3".
         group: process group to gather over (default: the global group).
 
+    ``gamma``, ``label_smoothing``, ``backend``, ``normalize`` and ``precision`` are checked at
+    construction: a bad value raises ``TypeError``/``ValueError`` there, not at the first forward.
+
     Unequal local batch sizes (e.g. the last batch of an epoch) are exact: sizes are
     all-gathered, features padded to the largest, gathered and stripped. Invalid or
     inconsistent inputs raise on every rank, never hang (see ``hnclip_kernels.distributed``).
@@ -103,6 +106,8 @@ class HNClipLoss(nn.Module):
         if int(world_size) < 1 or not 0 <= int(rank) < int(world_size):
             raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got rank={rank}, "
                              f"world_size={world_size}")
+        # bad options fail here, where they are written, not at the first forward
+        _validation.check_options(gamma, label_smoothing, "mean", backend, normalize)
         self.local_loss = local_loss
         self.gather_with_grad = gather_with_grad
         self.cache_labels = cache_labels
@@ -177,8 +182,8 @@ def _logit_scale_problem(logit_scale):
         if logit_scale.numel() != 1 or not logit_scale.is_floating_point():
             return ValueError(f"logit_scale must be a floating 0-dim tensor (model(...)'s third output), "
                               f"got {logit_scale.dtype} of shape {tuple(logit_scale.shape)}")
-        if torch.compiler.is_compiling():
-            return None
+        if torch.compiler.is_compiling() or logit_scale.device.type == "meta":
+            return None  # no value to read: a graph break under compile; meta tensors have none
         value = float(logit_scale.detach())
     elif isinstance(logit_scale, bool) or not isinstance(logit_scale, numbers.Real):
         return TypeError(f"logit_scale must be a tensor or a float, got {type(logit_scale).__name__}")

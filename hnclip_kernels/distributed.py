@@ -35,7 +35,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _validation
-from .loss import as_tau_tensor, directional_fn, resolve_backend
+from .loss import as_tau_tensor, autocast_disabled, directional_fn, resolve_backend
 
 try:
     import torch.distributed as dist
@@ -247,18 +247,21 @@ def rank_hn_clip_loss(
 
 
 def _local_checks(image_features, text_features, tau, gamma, label_smoothing, backend, precision,
-                  rank, world_size, group):
+                  rank, world_size, group, normalize=True):
     """Run every local check without raising: (status, exception or None, fn or None)."""
     try:
         _validation.check_features(image_features, text_features, "image_features", "text_features")
     except (TypeError, ValueError) as exc:
         return 1, exc, None
+    try:  # before τ: its overflow bound (1 + γ)/τ needs a valid γ
+        _validation.check_options(gamma, label_smoothing, "mean", backend, normalize)
+    except (TypeError, ValueError) as exc:
+        return 3, exc, None
     try:
-        _validation.check_tau(tau, image_features.device)
+        _validation.check_tau(tau, image_features.device, image_features.dtype, float(gamma))
     except (TypeError, ValueError) as exc:
         return 2, exc, None
     try:
-        _validation.check_options(gamma, label_smoothing, "mean", backend)
         _validation.check_precision(precision)
         fn = directional_fn(resolve_backend(backend, image_features), precision)
     except (TypeError, ValueError) as exc:
@@ -293,10 +296,10 @@ def _meta_row(status, image_features, text_features, flags, gamma, label_smoothi
 
 
 def _collective_check(image_features, text_features, tau, gamma, label_smoothing, backend, precision,
-                      flags, rank, world_size, group) -> Tuple[List[int], Callable]:
+                      flags, rank, world_size, group, normalize=True) -> Tuple[List[int], Callable]:
     """Check inputs on every rank at once; return (sizes, fn) or raise on every rank."""
     status, exc, fn = _local_checks(image_features, text_features, tau, gamma, label_smoothing,
-                                    backend, precision, rank, world_size, group)
+                                    backend, precision, rank, world_size, group, normalize)
     like = image_features if isinstance(image_features, torch.Tensor) else None
     row = _meta_row(status, image_features, text_features, flags, gamma, label_smoothing, world_size)
     mine = torch.tensor(row, dtype=torch.int64, device=_meta_device(group, like))
@@ -362,17 +365,17 @@ def distributed_hn_clip_loss(
     if world_size > 1:
         _require_distributed()
         sizes, fn = _collective_check(image_features, text_features, tau, gamma, label_smoothing,
-                                      backend, precision, flags, rank, world_size, group)
+                                      backend, precision, flags, rank, world_size, group, normalize)
     else:
         status, exc, fn = _local_checks(image_features, text_features, tau, gamma, label_smoothing,
-                                        backend, precision, rank, world_size, group)
+                                        backend, precision, rank, world_size, group, normalize)
         if exc is not None:
             raise exc
         sizes = [image_features.shape[0]]
     all_img, all_txt = gather_features(image_features, text_features, local_loss, gather_with_grad,
                                        rank, world_size, sizes=sizes, group=group)
     offset = sum(sizes[:rank])
-    with torch.autocast(device_type=image_features.device.type, enabled=False):
+    with autocast_disabled(image_features.device):
         return rank_hn_clip_loss(image_features, text_features, all_img, all_txt, tau, offset,
                                  local_loss=local_loss, world_size=world_size, gamma=gamma,
                                  label_smoothing=label_smoothing, normalize=normalize, fn=fn)

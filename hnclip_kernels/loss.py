@@ -1,6 +1,7 @@
 """``hn_clip_loss``: the public entry point, argument checks and backend dispatch."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -8,16 +9,16 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from . import _validation
+from . import _first_order, _validation
 from .reference import compute_dtype, directional_nll_torch
 
 _warned = set()
 
 
-def _warn_once(key: str, message: str) -> None:
+def _warn_once(key: str, message: str, stacklevel: int = 3) -> None:
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
 def triton_directional() -> Callable:
@@ -59,6 +60,9 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
             _warn_once("auto-cpu", "hnclip_kernels: the C++ extension is not built; backend='auto' uses "
                                    "the pure-PyTorch backend (materialises N×N logits) on CPU")
         return "torch"
+    if backend in ("cpp", "triton") and x.device.type == "meta":
+        raise ValueError(f"backend={backend!r} cannot run on meta tensors; backend='torch' (or 'auto') "
+                         "gives a meta result of the right shape")
     if backend == "triton":
         if x.dtype == torch.float64:
             raise TypeError("backend='triton' supports float16, bfloat16 and float32 inputs; "
@@ -78,11 +82,19 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
     return backend
 
 
+def _first_order_triton_directional(q, k, a, b, tau, offset, gamma, label_smoothing, normalize, precision=None):
+    # a second derivative through the Triton backward raises the clear error (``_first_order``)
+    # instead of coming back without the kernel's part
+    q, k, tau = _first_order.guard_inputs("triton", q, k, tau)
+    return triton_directional()(q, k, a, b, tau, offset, gamma, label_smoothing, normalize, precision=precision)
+
+
 def directional_fn(backend: str, precision: Optional[str] = None) -> Callable:
     """The directional op of a resolved backend; ``precision`` reaches the Triton one only
     (the other backends compute float32 products in IEEE float32)."""
     if backend == "triton":
-        fn = triton_directional()
+        triton_directional()  # raises the install hint now rather than at the first call
+        fn = _first_order_triton_directional
         return functools.partial(fn, precision=precision) if precision is not None else fn
     if backend == "cpp":
         return cpp_directional()
@@ -93,6 +105,24 @@ def as_tau_tensor(tau: Union[float, torch.Tensor], like: torch.Tensor) -> torch.
     if isinstance(tau, torch.Tensor):
         return tau.to(device=like.device).reshape(())
     return torch.tensor(float(tau), device=like.device, dtype=compute_dtype(like.dtype))
+
+
+def autocast_disabled(device: torch.device):
+    """A context with autocast off on ``device``'s type (a no-op on devices without autocast,
+    such as "meta", where ``torch.autocast`` itself raises)."""
+    if torch.compiler.is_compiling() or torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _warn_if_tau_looks_like_logit_scale(tau_value: Optional[float]) -> None:
+    if tau_value is None or tau_value <= 1.0:
+        return
+    # stacklevel 4: _warn_once, this function, hn_clip_loss, then the line that called it
+    _warn_once("tau>1", f"hn_clip_loss got tau = {tau_value:g} > 1: tau is the temperature, and a value above 1 "
+                        f"is almost always open_clip's logit_scale passed by mistake (1/tau = {1.0 / tau_value:g} "
+                        "would then be the temperature). Pass tau = 1 / logit_scale.exp() (or 1 / logit_scale "
+                        "if it is already exponentiated). This warning is shown once.", stacklevel=4)
 
 
 def reduce_rows(rows: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -149,6 +179,14 @@ def hn_clip_loss(
     Returns:
         float32 loss (float64 for float64 inputs): a scalar, or shape (N,) for "none".
         Gradients reach ``img``/``txt`` in their own dtype and ``tau`` in its dtype.
+        Second derivatives (a backward through a gradient taken with ``create_graph=True``)
+        are exact on backend="torch"; the fused backends ("cpp", "triton") raise a
+        ``RuntimeError`` naming backend="torch" instead. Meta-device features give a
+        meta-device result of the right shape (backend "torch"/"auto"), with no value checks.
+
+    Warns:
+        RuntimeWarning (once per process): τ > 1, almost always open_clip's ``logit_scale``
+        passed in place of τ = 1 / logit_scale. Not under ``torch.compile``.
 
     Raises:
         TypeError: non-tensor or integer features, dtype mismatch, non-real ``tau``/``gamma``/
@@ -162,9 +200,11 @@ def hn_clip_loss(
     _validation.check_features(img, txt)
     _validation.check_options(gamma, label_smoothing, reduction, backend, normalize)
     _validation.check_precision(precision)
-    _validation.check_tau(tau, img.device, img.dtype, float(gamma))
+    tau_value = _validation.check_tau(tau, img.device, img.dtype, float(gamma))
+    if not torch.compiler.is_compiling():
+        _warn_if_tau_looks_like_logit_scale(tau_value)
     # autocast would run the reference's matmuls in bf16: accumulation here is float32 by design
-    with torch.autocast(img.device.type, enabled=False):
+    with autocast_disabled(img.device):
         rows = pair_losses(resolve_backend(backend, img), img, txt, as_tau_tensor(tau, img), float(gamma),
                            float(label_smoothing), normalize, precision)
     return reduce_rows(rows, reduction)
@@ -176,6 +216,8 @@ def pair_losses(backend: str, img, txt, tau: torch.Tensor, gamma: float, label_s
     if backend == "triton":
         from .ops.hn_clip_triton import hn_clip_pairs_triton  # one fused Function for both directions
 
+        # a second derivative raises the clear error instead of coming back without the kernel's part
+        img, txt, tau = _first_order.guard_inputs("triton", img, txt, tau)
         return hn_clip_pairs_triton(img, txt, tau, gamma, label_smoothing, normalize, precision)
     if img.dtype in (torch.float16, torch.bfloat16):
         # each tensor feeds both directions: upcast once, so its two gradient halves are summed

@@ -329,7 +329,25 @@ def _error_checks(rank, world, failures):
     _expect_error_everywhere(rank, failures, "empty local batch", lambda: loss(empty, empty))
     nan_scale = torch.tensor(float("nan")) if rank == 1 else s
     _expect_error_everywhere(rank, failures, "nan logit_scale", lambda: loss(base, base, nan_scale))
-    _expect_error_everywhere(rank, failures, "gamma differs", lambda: loss(base, base, gamma=0.3 if rank == 0 else 0.5))
+    # every loss option that differs on one rank raises the same error on every rank
+    differing = {
+        "gamma differs": lambda: loss(base, base, gamma=0.3 if rank == 0 else 0.5),
+        "label_smoothing differs": lambda: loss(base, base, label_smoothing=0.1 if rank == 1 else 0.0),
+        "normalize differs": lambda: loss(base, base, normalize=rank == world - 1),
+        "local_loss differs": lambda: HNClipLoss(local_loss=rank != 0, gather_with_grad=True, rank=rank,
+                                                 world_size=world, backend="torch")(base, base, s),
+    }
+    for name, call in differing.items():
+        msg = _expect_error_everywhere(rank, failures, name, call)
+        if msg is not None and "differ across ranks" not in msg:
+            failures.append(f"{name}: unclear message {msg!r}")
+    # the τ overflow bound counts γ: (1 + γ)/τ = 1e40 overflows float32 where 1/τ = 1e37 does not
+    huge_scale = torch.tensor(1e37) if rank == 1 else s
+    msg = _expect_error_everywhere(rank, failures, "(1 + gamma) / tau overflows",
+                                   lambda: loss(base, base, huge_scale, gamma=1e3))
+    want = "overflow" if rank == 1 else "invalid input on another rank"
+    if msg is not None and want not in msg:
+        failures.append(f"(1 + gamma) / tau overflows: rank {rank} expected {want!r} in {msg!r}")
     dt_bad = base.double() if rank == 1 else base
     _expect_error_everywhere(rank, failures, "dtype differs", lambda: loss(dt_bad, dt_bad))
     _expect_error_everywhere(rank, failures, "wrong rank argument", lambda: HNClipLoss(

@@ -26,6 +26,8 @@ loss runs per rank) and ``hnclip::symmetric_nll`` (what ``hn_clip_loss(backend="
 runs), each with a ``*_backward`` operator, and registers the autograd formulas and the
 fake (meta) kernels once, at import. Being registered operators they compose with
 ``torch.compile(fullgraph=True)`` (no graph break) and ``torch.autograd.gradcheck``.
+The ``*_backward`` operators' own autograd formula raises: a second derivative through
+this backend is one clear error naming backend="torch" (:mod:`hnclip_kernels._first_order`).
 
 Importing this module raises ImportError when the extension was not built;
 ``hnclip_kernels.loss`` treats that as "C++ backend unavailable".
@@ -37,6 +39,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from .._first_order import raising_backward
 from ..reference import NORM_EPS, compute_dtype
 from . import epilogue
 
@@ -151,6 +154,8 @@ def _backward(ctx, grad_loss, *_unused):
 
 
 torch.library.register_autograd("hnclip::directional_nll", _backward, setup_context=_setup_context)
+# the backward is not differentiable again: a second derivative raises one clear error naming backend="torch"
+torch.library.register_autograd("hnclip::directional_nll_backward", raising_backward("cpp"))
 
 
 # ---- fake kernels of the raw C++ operators (so they can be traced on their own too) ----
@@ -249,6 +254,7 @@ def _sym_backward(ctx, grad_pairs, *_unused):
 
 
 torch.library.register_autograd("hnclip::symmetric_nll", _sym_backward, setup_context=_sym_setup_context)
+torch.library.register_autograd("hnclip::symmetric_nll_backward", raising_backward("cpp"))
 
 
 @torch.library.register_fake("hnclip::symmetric_fwd")
