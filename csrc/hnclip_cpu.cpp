@@ -741,6 +741,22 @@ Factors make_factors(const Tensor& qh, const Tensor& kh, const Tensor& a, const 
   return {cat_scaled<T>(qh, a, ra, gamma, inv_tau), cat_scaled<T>(kh, b, rb, 1.0, T(1))};
 }
 
+// A row sweep over the directional logits Z = L Rᵀ of (qh, kh, a, b): the forward and the backward
+// recompute build it here, from the same factors, so their tiles agree to the bit.
+template <typename T>
+RowSweep<T> row_sweep(const Tensor& qh, const Tensor& kh, const Tensor& a, const Tensor& b, const Tensor& ra,
+                      const Tensor& rb, const Tensor& pos_c, const Tensor& inv_tau, int64_t offset, double gamma) {
+  const Factors f = make_factors<T>(qh, kh, a, b, ra, rb, gamma, inv_tau.to(qh.scalar_type()).item<T>());
+  RowSweep<T> sw;
+  sw.L = f.L;
+  sw.R = f.R;
+  sw.qh = qh;
+  sw.kh = kh;
+  sw.pos = pos_c.data_ptr<T>();
+  sw.offset = offset;
+  return sw;
+}
+
 void check_inputs(const Tensor& qh, const Tensor& kh, const Tensor& a, const Tensor& b, const Tensor& ra,
                   const Tensor& rb, const Tensor& pos, int64_t offset) {
   TORCH_CHECK(qh.dim() == 2 && kh.dim() == 2 && a.dim() == 2 && b.dim() == 2,
@@ -772,14 +788,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd(
   Tensor row_acc = at::empty({need_grad ? M : 0, D}, opts);
   Tensor col_acc = at::empty({need_grad ? N : 0, D}, opts);
   AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_directional_fwd", [&] {
-    const Factors f = make_factors<scalar_t>(qh, kh, a, b, ra, rb, gamma, inv_tau.to(dt).item<scalar_t>());
-    RowSweep<scalar_t> sw;
-    sw.L = f.L;
-    sw.R = f.R;
-    sw.qh = qh;
-    sw.kh = kh;
-    sw.pos = pos_c.data_ptr<scalar_t>();
-    sw.offset = offset;
+    RowSweep<scalar_t> sw = row_sweep<scalar_t>(qh, kh, a, b, ra, rb, pos_c, inv_tau, offset, gamma);
     sw.delta = delta.data_ptr<scalar_t>();
     sw.mean_neg = mean_neg.data_ptr<scalar_t>();
     sw.dsum = dsum.data_ptr<scalar_t>();
@@ -828,14 +837,7 @@ std::tuple<Tensor, Tensor> directional_bwd(const Tensor& q_hat, const Tensor& k_
     // one row sweep over the forward's tile grid: the same logits, bit for bit, as the forward's
     // statistics came from; strips of w_i P_ik into the key gradient (per-group accumulators) and,
     // when the forward kept no shares, into the query gradient too
-    const Factors f = make_factors<scalar_t>(qh, kh, a, b, ra, rb, gamma, inv_tau.to(dt).item<scalar_t>());
-    RowSweep<scalar_t> sw;
-    sw.L = f.L;
-    sw.R = f.R;
-    sw.qh = qh;
-    sw.kh = kh;
-    sw.pos = pos_c.data_ptr<scalar_t>();
-    sw.offset = offset;
+    RowSweep<scalar_t> sw = row_sweep<scalar_t>(qh, kh, a, b, ra, rb, pos_c, inv_tau, offset, gamma);
     sw.nll_in = nll.data_ptr<scalar_t>();
     sw.weight = gp;
     if (!d_q.defined()) {
