@@ -45,10 +45,14 @@ setup(
             "triton>=3.0",
             "pytest>=8",
             "hypothesis>=6",
-            "open_clip_torch>=2.24",
+            "open_clip_torch[training]>=3.0,<4",  # tests/test_train.py runs open_clip_train
             "matplotlib>=3.7",
             "tqdm>=4.60",
         ],
+        # python -m hnclip_kernels.train: open_clip_train (shipped in open_clip_torch) and its
+        # training dependencies (webdataset, pandas, transformers, ...). Tested with 3.3.0; open_clip
+        # 4 restructures open_clip_train, hence < 4.
+        "train": ["open_clip_torch[training]>=3.0,<4"],
         # python -m benchmarks.run with the peer providers. inf-cl 1.2.1 needs only numpy and
         # triton (a pure-Python wheel of Triton kernels: Linux/CUDA); open_clip_torch brings
         # torchvision (tied to the installed torch version), timm, huggingface_hub, ftfy, regex.

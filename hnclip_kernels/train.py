@@ -1,0 +1,140 @@
+"""``python -m hnclip_kernels.train``: open_clip's trainer (``open_clip_train.main``) with HN-CLIP.
+
+Usage (every argument but the ``--hn-*`` flags goes to ``open_clip_train.main`` unchanged)::
+
+    python -m hnclip_kernels.train [open_clip_train arguments] \\
+        [--hn-gamma 0.5] [--hn-label-smoothing 0.0] [--hn-backend auto]
+    torchrun --nproc_per_node 8 -m hnclip_kernels.train -- --local-loss --gather-with-grad ...
+
+Flags:
+    --hn-gamma G            margin scale γ ≥ 0 (default 0.5; 0 reproduces open_clip's ClipLoss)
+    --hn-label-smoothing E  ε in [0, 1) (default 0.0)
+    --hn-backend B          "auto", "torch", "triton" or "cpp" (default "auto")
+
+Where open_clip 3.x builds a plain ``ClipLoss`` (``open_clip.create_loss``, from
+``open_clip/factory.py``, imported by name into ``open_clip_train.main``; patched there for the
+run), this builds :class:`hnclip_kernels.HNClipLoss` from open_clip's own ``--local-loss``,
+``--gather-with-grad``, rank and world size (set by its ``init_distributed_device``, so torchrun
+works). The model's logit scale reaches the loss already exponentiated and its features
+L2-normalised, as HNClipLoss expects. One more fix, for multi-process CPU runs only:
+open_clip_train passes ``device_ids=[cpu]`` to ``DistributedDataParallel``, which torch
+rejects, so CPU ``device_ids`` are dropped (GPU runs are untouched). Under torchrun put ``--``
+after the module name when passing ``--logs`` (torchrun's parser takes it for ``--logs-specs``).
+
+Errors:
+    SystemExit(2) with an argparse message, before anything is built: a bad ``--hn-*`` value,
+        or a run whose loss is not ClipLoss (``--siglip``, ``--distill-model``, CoCa models,
+        ``--horovod``); use ``python -m open_clip_train.main`` for those.
+    MissingTrainExtra (an ImportError) naming ``pip install "open_clip_torch[training]"`` when
+        open_clip_train or its dependencies (webdataset, pandas, ...) cannot be imported; run
+        with ``-m`` it exits 1 with that message.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import torch
+
+from .clip_loss import HNClipLoss
+
+_PROG = "python -m hnclip_kernels.train"
+_INSTALL = 'pip install "open_clip_torch[training]"'
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=_PROG, add_help=False, allow_abbrev=False,
+                                description="HN-CLIP flags; all other arguments go to open_clip_train.main.")
+    p.add_argument("--hn-gamma", type=float, default=0.5, metavar="G",
+                   help="margin scale γ >= 0 (default 0.5; 0 reproduces ClipLoss)")
+    p.add_argument("--hn-label-smoothing", type=float, default=0.0, metavar="E",
+                   help="label smoothing ε in [0, 1) (default 0)")
+    p.add_argument("--hn-backend", default="auto", metavar="B",
+                   help='"auto" (default), "torch", "triton" or "cpp"')
+    return p
+
+
+class MissingTrainExtra(ImportError):
+    """open_clip_train or its training dependencies are not installed."""
+
+
+def _import_open_clip_train():
+    try:
+        import open_clip_train.main as oc_main
+        from open_clip.loss import ClipLoss
+        from open_clip_train.params import parse_args
+    except ImportError as exc:
+        raise MissingTrainExtra(f"{_PROG} runs open_clip_train, which could not be imported ({exc}); "
+                                f"install it with: {_INSTALL}  (or the hnclip-kernels[train] extra)") from exc
+    return oc_main, ClipLoss, parse_args
+
+
+def _not_clip_loss(args) -> str | None:
+    """Why open_clip would build a loss other than a plain ClipLoss for ``args``, or None."""
+    if args.horovod:
+        return "--horovod (HNClipLoss runs on torch.distributed: launch with torchrun)"
+    if args.siglip:
+        return "--siglip (open_clip builds SigLipLoss)"
+    if args.distill_model is not None and args.distill_pretrained is not None:
+        return "--distill-model (open_clip builds DistillClipLoss)"
+    if "coca" in args.model.lower():
+        return f"model {args.model!r} (open_clip builds CoCaLoss for CoCa models)"
+    return None
+
+
+def main(argv=None):
+    """Run ``open_clip_train.main.main`` with HNClipLoss; returns what it returns."""
+    parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--"]:  # torchrun ... -m hnclip_kernels.train -- ARGS, where torchrun keeps it
+        argv = argv[1:]
+    hn, rest = parser.parse_known_args(argv)
+    kwargs = dict(gamma=hn.hn_gamma, label_smoothing=hn.hn_label_smoothing, backend=hn.hn_backend)
+    for name, value in kwargs.items():  # each flag is checked before anything is built
+        try:
+            HNClipLoss(**{name: value})
+        except (TypeError, ValueError) as exc:
+            parser.error(f"argument --hn-{name.replace('_', '-')}: {exc}")
+    if "-h" in rest or "--help" in rest:
+        parser.print_help()
+        print()  # open_clip's own help follows
+    oc_main, ClipLoss, parse_args = _import_open_clip_train()
+    why = _not_clip_loss(parse_args(rest))
+    if why is not None:
+        parser.error(f"HN-CLIP replaces only open_clip's ClipLoss, not the loss of {why}; "
+                     "run python -m open_clip_train.main for that")
+
+    original = oc_main.create_loss
+
+    def create_loss(args):
+        loss = original(args)
+        if type(loss) is not ClipLoss:  # not reached for the runs checked above; guards new losses
+            raise ValueError(f"HN-CLIP replaces only open_clip's ClipLoss, got {type(loss).__name__}")
+        loss = HNClipLoss(local_loss=args.local_loss, gather_with_grad=args.gather_with_grad,
+                          cache_labels=True, rank=args.rank, world_size=args.world_size, **kwargs)
+        logging.info(f"Contrastive loss: {loss}")
+        return loss
+
+    ddp = torch.nn.parallel.DistributedDataParallel
+
+    class CpuDeviceIdsDDP(ddp):
+        """open_clip_train passes ``device_ids=[device]`` also on CPU, which DDP rejects: drop them."""
+
+        def __init__(self, module, device_ids=None, *args, **kw):
+            if device_ids and all(torch.device(d).type == "cpu" for d in device_ids):
+                device_ids = None
+            super().__init__(module, device_ids, *args, **kw)
+
+    oc_main.create_loss, torch.nn.parallel.DistributedDataParallel = create_loss, CpuDeviceIdsDDP
+    try:
+        return oc_main.main(rest)
+    finally:
+        oc_main.create_loss, torch.nn.parallel.DistributedDataParallel = original, ddp
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except MissingTrainExtra as exc:
+        sys.exit(f"error: {exc}")

@@ -1,0 +1,215 @@
+"""``python -m hnclip_kernels.train``: open_clip_train's own loop with HNClipLoss, end to end on CPU.
+
+A tiny ViT (open_clip's ``local-dir:`` schema) trains 4 steps on 16 generated PNGs from a CSV.
+The per-step contrastive losses are recorded by wrapping the loss object open_clip_train hands
+to ``train_one_epoch``, so they are compared at full precision (its log prints 5 digits).
+"""
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("open_clip")
+oc_main = pytest.importorskip("open_clip_train.main", reason='needs pip install "open_clip_torch[training]"')
+
+from hnclip_kernels import HNClipLoss  # noqa: E402
+from hnclip_kernels import train as hn_train  # noqa: E402
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("oc_train")
+    (root / "model").mkdir()
+    (root / "img").mkdir()
+    model_cfg = {"embed_dim": 32,
+                 "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 64, "head_width": 32, "layers": 1},
+                 "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+    (root / "model" / "open_clip_config.json").write_text(json.dumps({"model_cfg": model_cfg}))
+    rng = np.random.default_rng(0)
+    colors, shapes = ["red", "green", "blue", "yellow"], ["square", "circle", "stripe", "dot"]
+    rows = ["filepath,title"]
+    for i in range(4 * STEPS):
+        path = root / "img" / f"{i}.png"
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(path)
+        rows.append(f"{path},a {colors[i % 4]} {shapes[i // 4]} on a plain background")
+    (root / "train.csv").write_text("\n".join(rows) + "\n")
+    return root
+
+
+def _argv(data, logs, name):
+    return ["--model", f"local-dir:{data / 'model'}", "--train-data", str(data / "train.csv"),
+            "--dataset-type", "csv", "--csv-img-key", "filepath", "--csv-caption-key", "title",
+            "--csv-separator", ",", "--device", "cpu", "--precision", "fp32", "--workers", "0",
+            "--batch-size", "4", "--epochs", "1", "--lr", "1e-3", "--warmup", "0", "--seed", "0",
+            "--log-every-n-steps", "1", "--report-to", "", "--logs", str(logs), "--name", name]
+
+
+def _run(entry, argv):
+    """Run ``entry(argv)`` in-process; return (the loss object open_clip used, per-step losses)."""
+    seen = {}
+    original = oc_main.train_one_epoch
+
+    def train_one_epoch(model, data, loss, *args, **kwargs):
+        seen["loss"] = loss
+
+        def recording(**inputs):
+            out = loss(**inputs)
+            seen.setdefault("values", []).append(float(out["contrastive_loss"].detach()))
+            return out
+
+        return original(model, data, recording, *args, **kwargs)
+
+    # open_clip_train's setup_logging adds root handlers and sets every logger to INFO: undo that
+    handlers = list(logging.root.handlers)
+    levels = {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
+              if isinstance(logger, logging.Logger)}
+    levels[None] = logging.root.level
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(oc_main, "train_one_epoch", train_one_epoch)
+            assert entry(argv) is None
+    finally:
+        for h in logging.root.handlers[len(handlers):]:
+            h.close()
+        logging.root.handlers[:] = handlers
+        for name in [None, *logging.root.manager.loggerDict]:  # new ones (placeholders before) too
+            logger = logging.getLogger(name)
+            logger.setLevel(levels.get(name, logging.NOTSET))
+    return seen["loss"], seen["values"]
+
+
+@pytest.fixture(scope="module")
+def runs(data, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    return {
+        "stock": _run(oc_main.main, _argv(data, logs, "stock")),
+        "gamma0": _run(hn_train.main, _argv(data, logs, "gamma0") + ["--hn-gamma", "0"]),
+        "gamma05": _run(hn_train.main, _argv(data, logs, "gamma05") + ["--hn-gamma", "0.5"]),
+    }, logs
+
+
+def test_gamma0_equals_stock_clip_loss_at_every_step(runs):
+    (stock_loss, stock), (hn_loss, hn) = runs[0]["stock"], runs[0]["gamma0"]
+    assert type(stock_loss).__name__ == "ClipLoss"
+    assert isinstance(hn_loss, HNClipLoss) and hn_loss.gamma == 0.0
+    assert (hn_loss.local_loss, hn_loss.gather_with_grad, hn_loss.rank, hn_loss.world_size) == (False, False, 0, 1)
+    assert len(stock) == len(hn) == STEPS
+    # the C++ kernel vs ClipLoss's cross_entropy: float32 rounding, compounded through 4 AdamW steps
+    np.testing.assert_allclose(hn, stock, rtol=1e-5, atol=0)
+    assert stock[0] != stock[-1]  # the model trains (the comparison is not of 4 identical steps)
+
+
+def test_gamma_half_trains(runs):
+    (_, hn0), (loss, hn) = runs[0]["gamma0"], runs[0]["gamma05"]
+    assert isinstance(loss, HNClipLoss) and loss.gamma == 0.5 and loss.label_smoothing == 0.0
+    assert len(hn) == STEPS and all(math.isfinite(v) for v in hn)
+    # random-weight captions look alike, so γ = 0.5's margins put its loss far above InfoNCE's
+    assert all(a > b + 1.0 for a, b in zip(hn, hn0))
+    log = (runs[1] / "gamma05" / "out.log").read_text()
+    assert "Contrastive loss: HNClipLoss(" in log and "gamma=0.5" in log
+    assert log.count("Contrastive_loss:") == STEPS
+    assert (runs[1] / "gamma05" / "checkpoints" / "epoch_1.pt").is_file()
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--hn-gamma", "-1", "gamma (margin scale) must be >= 0"),
+    ("--hn-gamma", "nan", "gamma must be finite"),
+    ("--hn-label-smoothing", "1", "label_smoothing must be in [0, 1)"),
+    ("--hn-backend", "cuda", "backend must be one of"),
+])
+def test_bad_hn_flags_fail_before_training(monkeypatch, capsys, flag, value, words):
+    monkeypatch.setattr(oc_main, "main", lambda argv: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as exc:
+        hn_train.main(["--model", "ViT-B-32", flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and words in err
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--siglip"], "--siglip (open_clip builds SigLipLoss)"),
+    (["--model", "coca_ViT-B-32"], "CoCaLoss"),
+    (["--distill-model", "ViT-B-32", "--distill-pretrained", "x"], "DistillClipLoss"),
+    (["--horovod"], "--horovod"),
+])
+def test_losses_other_than_clip_loss_are_rejected(monkeypatch, capsys, extra, words):
+    monkeypatch.setattr(oc_main, "main", lambda argv: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as exc:
+        hn_train.main(["--model", "ViT-B-32", *extra])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "HN-CLIP replaces only open_clip's ClipLoss" in err and words in err
+
+
+def test_passes_other_arguments_through_and_restores_patches(monkeypatch):
+    import torch
+
+    got = {}
+    ddp, create_loss = torch.nn.parallel.DistributedDataParallel, oc_main.create_loss
+
+    def fake_main(argv):
+        got["argv"] = argv
+        got["ddp"] = torch.nn.parallel.DistributedDataParallel
+        got["create_loss"] = oc_main.create_loss
+        return -1  # open_clip's "experiment already exists" return value comes back
+
+    monkeypatch.setattr(oc_main, "main", fake_main)
+    argv = ["--model", "ViT-B-32", "--local-loss", "--hn-gamma=0.25", "--gather-with-grad",
+            "--hn-label-smoothing", "0.1", "--hn-backend", "torch", "--logs", "x", "--lr", "1e-4"]
+    assert hn_train.main(argv) == -1
+    assert got["argv"] == ["--model", "ViT-B-32", "--local-loss", "--gather-with-grad",
+                           "--logs", "x", "--lr", "1e-4"]
+    assert hn_train.main(["--", *argv]) == -1  # a "--" that a launcher passed on is dropped
+    assert got["argv"][:2] == ["--model", "ViT-B-32"]
+    assert issubclass(got["ddp"], ddp) and got["create_loss"] is not create_loss
+    assert torch.nn.parallel.DistributedDataParallel is ddp and oc_main.create_loss is create_loss
+    args = oc_main.parse_args(got["argv"])
+    args.rank, args.world_size, args.distill = 0, 1, False  # as open_clip_train.main sets them
+    loss = got["create_loss"](args)
+    assert isinstance(loss, HNClipLoss)
+    assert (loss.gamma, loss.label_smoothing, loss.backend) == (0.25, 0.1, "torch")
+    assert (loss.local_loss, loss.gather_with_grad) == (True, True)
+
+
+def test_missing_training_extra_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "open_clip_train.main", None)  # import of it now fails
+    with pytest.raises(ImportError, match=r'pip install "open_clip_torch\[training\]"'):
+        hn_train.main(["--model", "ViT-B-32"])
+
+
+def test_cli_without_training_extra_exits_with_the_install_command(tmp_path):
+    """``python -m hnclip_kernels.train`` where ``open_clip_train`` cannot import braceexpand."""
+    fake = tmp_path / "open_clip_train"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'braceexpand'\")\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "hnclip_kernels.train", "--model", "ViT-B-32"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    assert "braceexpand" in proc.stderr and 'pip install "open_clip_torch[training]"' in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(os.environ.get("HNCLIP_TRAIN_DDP") != "1",
+                    reason="2-process torchrun run, ~50 s on 2 cores: set HNCLIP_TRAIN_DDP=1")
+def test_torchrun_two_cpu_processes(data, tmp_path):
+    argv = _argv(data, tmp_path, "ddp")
+    argv[argv.index("--batch-size") + 1] = "2"  # 2 per rank: 4 steps of the 16 pairs
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "hnclip_kernels.train", "--", *argv, "--local-loss", "--gather-with-grad"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = (tmp_path / "ddp" / "out.log").read_text()
+    assert "local_loss=True, gather_with_grad=True, rank=0, world_size=2, gamma=0.5" in log
+    losses = [float(line.split("Contrastive_loss: ")[1].split()[0])
+              for line in log.splitlines() if "Contrastive_loss: " in line]
+    assert len(losses) == STEPS and all(math.isfinite(v) for v in losses)
