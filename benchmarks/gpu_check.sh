@@ -21,9 +21,14 @@
 #   info     nvidia-smi and versions (python, torch, triton, open_clip, inf_cl, ...) -> versions.txt
 #   imports  every module of hnclip_kernels (ops/ included) from source without the built _C,
 #            and which benchmark providers can run
-#   tests    GPU_TEST_LEVEL=quick python -m pytest tests/test_gpu.py -q -x, with HNCLIP_AUTOTUNE=0
-#            (one launch configuration per shape instead of autotuning each) and pytest-xdist
-#            (-n 4) when installed; expected 1.5 to 4 minutes on an H200, mostly Triton compiles
+#   tests    GPU_TEST_LEVEL=quick python -m pytest tests/test_gpu.py -q -x -k "not test_library_", with
+#            HNCLIP_AUTOTUNE=0 (one launch configuration per shape instead of autotuning each) and
+#            pytest-xdist (-n 4) when installed; expected 1.5 to 4 minutes on an H200, mostly Triton compiles
+#   compile  the same for tests/test_gpu.py -k test_library_: the hnclip::triton_* operators under
+#            torch.compile with Inductor (fullgraph, a 12-step τ/γ schedule: at most 2 compiles,
+#            values and gradients as eager; the kernels used to fail there on fp64 scalars),
+#            "aot_eager" with autotuning and a chunked backward, opcheck, torch.func, torch.export
+#            on CUDA (full level: dynamic shapes, the directional operator); 1 to 3 minutes
 #   bench    python -m benchmarks.run --device cuda --out OUTDIR/bench --budget-s B, B = 210 s
 #            (the default sweep's budget) or less when earlier steps ran long
 #   work     python -m benchmarks.work: the MMA-work counter; last, with what is left, because it
@@ -40,7 +45,7 @@
 #   GPU_TEST_PYTEST_ARGS="-x"      extra pytest arguments (default -x: stop at the first failure)
 #   HNCLIP_AUTOTUNE                passed through to the tests when set (default there: 0)
 #   GPU_CHECK_BUDGET_S=570         wall-clock budget of the whole script, in seconds
-#   GPU_CHECK_SKIP=a,b             steps to skip (wheels,info,imports,tests,bench,work)
+#   GPU_CHECK_SKIP=a,b             steps to skip (wheels,info,imports,tests,compile,bench,work)
 #   GPU_CHECK_BENCH_ARGS, GPU_CHECK_WORK_ARGS   extra arguments of those commands
 #   GPU_CHECK_SITE=/tmp/site       where the wheels are installed
 #   PYTHON=python3                 the interpreter (the machine's python3 holds torch)
@@ -72,12 +77,12 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export HNCLIP_NO_CPP=1
 export REPO PY OUTDIR LOGDIR SITE
 
-STEPS=(wheels info imports tests bench work)
+STEPS=(wheels info imports tests compile bench work)
 # seconds: the most a step may take, and the least worth starting it with (also what the
 # steps before it leave over for it)
-declare -A MAX=([wheels]=90 [info]=60 [imports]=60 [tests]=300 [bench]=300 [work]=120)
-declare -A MIN=([wheels]=15 [info]=15 [imports]=15 [tests]=60 [bench]=90 [work]=30)
-[ "$GPU_TEST_LEVEL" = full ] && MAX[tests]=$BUDGET
+declare -A MAX=([wheels]=90 [info]=60 [imports]=60 [tests]=300 [compile]=240 [bench]=300 [work]=120)
+declare -A MIN=([wheels]=15 [info]=15 [imports]=15 [tests]=60 [compile]=60 [bench]=90 [work]=30)
+[ "$GPU_TEST_LEVEL" = full ] && MAX[tests]=$BUDGET && MAX[compile]=$BUDGET
 PACK_S=15  # kept for packing the outputs at the end
 BENCH_BUDGET_MAX=210  # benchmarks/run.py's default GPU budget
 BENCH_OVERHEAD_S=60   # imports, the matmul calibration, the cell running at the deadline, plots
@@ -297,25 +302,39 @@ if plan imports; then
     record imports "$(verdict)" "$DUR" "broken modules: $broken; peers: ${peers:-?}"
 fi
 
-# ------------------------------------------------------------------ tests
-if plan tests; then
-    workers=${GPU_TEST_WORKERS:-}
-    if [ -z "$workers" ]; then
-        workers=0
-        "$PY" -c 'import xdist' 2> /dev/null && ((HAVE_CUDA)) && workers=4
-    fi
-    xdist=()
-    ((workers > 0)) && xdist=(-n "$workers")
+# ------------------------------------------------------------------ tests, compile
+workers=${GPU_TEST_WORKERS:-}
+if [ -z "$workers" ]; then
+    workers=0
+    "$PY" -c 'import xdist' 2> /dev/null && ((HAVE_CUDA)) && workers=4
+fi
+xdist=()
+((workers > 0)) && xdist=(-n "$workers")
+
+# gpu_pytest NAME SELECTION: tests/test_gpu.py -k SELECTION as step NAME (its JUnit XML in logs/)
+gpu_pytest() {
+    local name=$1 selection=$2 result detail
     # shellcheck disable=SC2086  # GPU_TEST_PYTEST_ARGS is a list of words
-    run tests env HNCLIP_AUTOTUNE="${HNCLIP_AUTOTUNE:-0}" "$PY" -m pytest tests/test_gpu.py -q -p no:cacheprovider \
-        --durations=15 --junitxml="$LOGDIR/tests-junit.xml" "${xdist[@]}" ${GPU_TEST_PYTEST_ARGS--x}
+    run "$name" env HNCLIP_AUTOTUNE="${HNCLIP_AUTOTUNE:-0}" "$PY" -m pytest tests/test_gpu.py -q -p no:cacheprovider \
+        -k "$selection" --durations=15 --junitxml="$LOGDIR/$name-junit.xml" "${xdist[@]}" ${GPU_TEST_PYTEST_ARGS--x}
     result=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error|deselected)|no tests ran' "$LOG" | tail -n 1 | tr -d '=')
     detail="level $GPU_TEST_LEVEL, workers $workers: ${result:-no pytest summary line}"
     if ((RC == 0 && !HAVE_CUDA)); then
-        record tests SKIP "$DUR" "no CUDA device ($detail)"
+        record "$name" SKIP "$DUR" "no CUDA device ($detail)"
     else
-        record tests "$(verdict)" "$DUR" "$detail"
+        record "$name" "$(verdict)" "$DUR" "$detail"
     fi
+}
+
+if plan tests; then
+    gpu_pytest tests "not test_library_"
+fi
+
+if ((!HAVE_CUDA)); then
+    STEP_NO=$((STEP_NO + 1))
+    record compile SKIP 0 "no CUDA device"
+elif plan compile; then
+    gpu_pytest compile "test_library_"
 fi
 
 # ------------------------------------------------------------------ bench

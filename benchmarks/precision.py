@@ -3,8 +3,8 @@
     python -m benchmarks.precision [--n 130] [--d 128] [--seeds 4] [--csv PATH]
 
 What runs: one forward+backward of the single-process Triton loss,
-``hn_clip_pairs_triton(img, txt, tau, gamma, 0.0, True, precision=mode).mean()`` with τ a
-float32 tensor that requires grad, for each mode in :data:`MODES` (float32 features use the
+``hn_clip_pairs_triton(img, txt, tau=tau, gamma=gamma, label_smoothing=0.0, normalize=True,
+precision=mode).mean()`` with τ a float32 tensor that requires grad, for each mode in :data:`MODES` (float32 features use the
 mode for the score products and for the backward GEMMs alike) and each regime:
 
   * ``random``: ``make_pair`` float32 features (tests/cases.py), τ = 0.07, γ = 0.5;
@@ -130,7 +130,8 @@ def errors(mode: str, img, txt, tau32, gamma, ref) -> dict:
     """Relative errors of one Triton forward+backward in ``mode`` against ``ref`` (from :func:`truth`)."""
     leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt)]
     tau = tau32.detach().clone().requires_grad_(True)
-    loss = ht.hn_clip_pairs_triton(leaves[0], leaves[1], tau, gamma, 0.0, True, precision=mode).mean()
+    loss = ht.hn_clip_pairs_triton(leaves[0], leaves[1], tau=tau, gamma=gamma, label_smoothing=0.0, normalize=True,
+                                   precision=mode).mean()
     loss.backward()
     ref_loss, ref_grads = ref
     out = {"loss_err": rel_err(loss, ref_loss)}

@@ -2,7 +2,7 @@
 
     python -m benchmarks.sm90 [--quick] [--dtypes bf16,fp16,fp32] [--d 64,768] [--gammas 0,0.5]
                               [--smoothings 0,0.1] [--n 4096] [--local-m 512] [--jobs J]
-                              [--json out.json] [--cache-dir DIR]
+                              [--wide-scalars] [--i64-ints] [--json out.json] [--cache-dir DIR]
 
 Run it with TRITON_INTERPRET unset. What it does:
 
@@ -22,7 +22,13 @@ Run it with TRITON_INTERPRET unset. What it does:
 3. Binds every launch with Triton's own binder (the specialisation a GPU launch would get:
    integer ==1 / divisibility by 16, pointer alignment) and compiles each distinct
    (kernel, specialisation, constexprs, num_warps, num_stages) once with
-   ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``, i.e. sm_90a. Cold compiles run
+   ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``, i.e. sm_90a. ``--wide-scalars``
+   types the scalar arguments as Inductor types those of a user kernel it compiles under
+   ``torch.compile``: float scalars ``fp64`` (Python floats are fp64 to Inductor; integers
+   stay i32 where they fit, as there); a kernel that mixes such a float into float32
+   loop-carried state fails to compile ("Loop-carried variable ... has initial type fp32 but
+   is re-assigned to fp64") or spills. ``--i64-ints`` also types every integer scalar ``i64``
+   (an unbacked SymInt, or a size Inductor cannot bound by 2^31). Cold compiles run
    in ``--jobs`` processes (default: one per CPU, ~2x faster on 2 cores); results are cached
    next to Triton's own cache entry in a persistent TRITON_CACHE_DIR (``--cache-dir``,
    default ``<tempdir>/hnclip-sm90-cache``), so an unchanged kernel is not compiled again.
@@ -106,7 +112,8 @@ def drive_directional(m, n, d, dtype, gamma, eps, offset):
     img = all_img[offset:offset + m].clone().requires_grad_()
     txt = all_txt[offset:offset + m].clone()
     tau = torch.tensor(0.07, requires_grad=True)
-    rows = op(img, all_txt.requires_grad_(), txt, all_txt, tau, offset, gamma, eps, True)
+    rows = op(img, all_txt.requires_grad_(), query_txt=txt, key_txt=all_txt, tau=tau, offset=offset, gamma=gamma,
+              label_smoothing=eps, normalize=True)
     rows.sum().backward()
 
 
@@ -176,6 +183,7 @@ class Job:
     options: dict
     named: dict       # tl.constexpr parameter name -> value (for the table and the precision rule)
     ones: list        # other parameters specialised as the constant 1 (e.g. a unit stride)
+    scalars: dict     # scalar (non-pointer, non-constexpr) parameter name -> its type in the signature
 
     def payload(self):  # what a worker process needs (the kernel by its registry name)
         return kernel_id(self.fn), self.signature, self.constexprs, self.attrs, self.options
@@ -184,8 +192,15 @@ class Job:
 _BINDERS = {}
 
 
-def bind(launch: Launch, backend) -> Job:
-    """Triton's runtime binding (JITFunction.run → binder → _pack_args), without a driver."""
+# scalar types as Inductor passes them to a user-defined kernel (--wide-scalars, --i64-ints)
+WIDE_FLOATS = {"fp16": "fp64", "bf16": "fp64", "fp32": "fp64"}
+WIDE_INTS = {"i8": "i64", "i16": "i64", "i32": "i64", "u32": "u64"}
+
+
+def bind(launch: Launch, backend, wide_scalars: bool = False, i64_ints: bool = False) -> Job:
+    """Triton's runtime binding (JITFunction.run → binder → _pack_args), without a driver.
+    ``wide_scalars``: float scalars typed fp64 (``WIDE_FLOATS``), as Inductor does; ``i64_ints``:
+    integer scalars i64 (``WIDE_INTS``)."""
     fn, kwargs = launch.fn, dict(launch.kwargs)
     kwargs["debug"] = kwargs.get("debug", fn.debug) or triton.knobs.runtime.debug
     kwargs["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
@@ -193,10 +208,16 @@ def bind(launch: Launch, backend) -> Job:
         _BINDERS[fn] = create_function_from_signature(fn.signature, fn.params, backend)
     bound, spec, opts = _BINDERS[fn](*launch.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
-    key = hashlib.sha1(f"{kernel_id(fn)}|{spec}|{sorted(opts.items())}".encode()).hexdigest()[:12]
+    wider = {**(WIDE_FLOATS if wide_scalars else {}), **(WIDE_INTS if i64_ints else {})}
+    signature = {name: wider.get(ty, ty) for name, ty in signature.items()}  # pointers ("*fp32") stay
+    wide = ("|wide" if wide_scalars else "") + ("|i64" if i64_ints else "")
+    key = hashlib.sha1(f"{kernel_id(fn)}|{spec}|{sorted(opts.items())}{wide}".encode()).hexdigest()[:12]
     named = {p.name: bound[p.name] for p in fn.params if p.is_constexpr}
     ones = [p.name for p in fn.params if not p.is_constexpr and signature.get(p.name) == "constexpr"]
-    return Job(key, fn, signature, constexprs, attrs, dict(options.__dict__), named, ones)
+    scalars = {p.name: signature[p.name] for p in fn.params
+               if not p.is_constexpr and signature.get(p.name, "constexpr") != "constexpr"
+               and not signature[p.name].startswith("*")}
+    return Job(key, fn, signature, constexprs, attrs, dict(options.__dict__), named, ones, scalars)
 
 
 def _triton_hash(fn, signature, constexprs, attrs, options):
@@ -352,7 +373,7 @@ def _table(rows):
     return "\n".join([fmt(cols), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines])
 
 
-def capture_all(dtypes, ds, gammas, smoothings, n, local_m):
+def capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars=False, i64_ints=False):
     """Drive every combination; returns ({key: Job}, {key: where it was launched from}, problems, launches)."""
     backend = make_backend(TARGET)
     jobs, where, problems, n_launch = {}, {}, [], 0
@@ -370,7 +391,7 @@ def capture_all(dtypes, ds, gammas, smoothings, n, local_m):
                 problems.append(f"{case}: no Triton kernel was launched")
             for launch in launches:
                 n_launch += 1
-                job = bind(launch, backend)
+                job = bind(launch, backend, wide_scalars, i64_ints)
                 jobs.setdefault(job.key, job)
                 w = where.setdefault(job.key, dict(cfg=launch.config, dtype=dt, src=set(), D=set(), gamma=set(), eps=set()))
                 for k, v in (("src", src), ("D", d), ("gamma", gm), ("eps", eps)):
@@ -379,7 +400,7 @@ def capture_all(dtypes, ds, gammas, smoothings, n, local_m):
 
 
 def run_check(dtypes, ds, gammas, smoothings, n=4096, local_m=512, jobs=None, cache_dir=DEFAULT_CACHE,
-              log=lambda msg: print(msg, flush=True)):
+              wide_scalars=False, i64_ints=False, log=lambda msg: print(msg, flush=True)):
     """Capture, compile and analyse. Returns a dict: "rows" (one per distinct compiled kernel,
     with its "problems"), "problems" (all, as strings) and run statistics."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -388,7 +409,8 @@ def run_check(dtypes, ds, gammas, smoothings, n=4096, local_m=512, jobs=None, ca
     t0, threads = time.perf_counter(), torch.get_num_threads()
     torch.set_num_threads(1)  # the launchers' torch code on CPU: small ops, faster without a thread pool
     try:
-        by_key, where, problems, n_launch = capture_all(dtypes, ds, gammas, smoothings, n, local_m)
+        by_key, where, problems, n_launch = capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars,
+                                                        i64_ints)
     finally:
         torch.set_num_threads(threads)
     t_capture = time.perf_counter() - t0
@@ -403,7 +425,8 @@ def run_check(dtypes, ds, gammas, smoothings, n=4096, local_m=512, jobs=None, ca
         row = dict(key=key, kernel=job.fn.__name__, cfg=w["cfg"], flags=sorted(k for k, v in job.named.items() if v is True),
                    ones=job.ones, dtype=w["dtype"], D=sorted(w["D"]), gamma=sorted(w["gamma"]), eps=sorted(w["eps"]),
                    blocks=" ".join(f"{k[len('BLOCK_'):]}{v}" for k, v in job.named.items() if k.startswith("BLOCK_")) or "-",
-                   prec=sorted(precisions(job.named)), constexprs=job.named, **{"from": sorted(w["src"])}, **results[key])
+                   prec=sorted(precisions(job.named)), constexprs=job.named, scalars=job.scalars,
+                   **{"from": sorted(w["src"])}, **results[key])
         row["problems"] = problems_of(row)
         rows.append(row)
         problems += [f"{row['kernel']} {row['cfg']} [{','.join(row['flags'])}] {row['dtype']} (from "
@@ -414,7 +437,21 @@ def run_check(dtypes, ds, gammas, smoothings, n=4096, local_m=512, jobs=None, ca
     return dict(rows=rows, problems=problems, launches=n_launch, compiled=n_compiled, capture_s=round(t_capture, 1),
                 compile_s=round(time.perf_counter() - t0 - t_capture, 1), target=f"sm_{TARGET.arch}a",
                 triton=triton.__version__, package=hnclip_kernels.__file__,
-                config=dict(dtypes=dtypes, D=ds, gammas=gammas, smoothings=smoothings, n=n, local_m=local_m))
+                config=dict(dtypes=dtypes, D=ds, gammas=gammas, smoothings=smoothings, n=n, local_m=local_m,
+                            wide_scalars=wide_scalars, i64_ints=i64_ints))
+
+
+def scalar_summary(rows, wide_scalars: bool, i64_ints: bool = False) -> str:
+    """One line: the scalar arguments of the compiled kernels, by type, across all rows."""
+    by_type = {}
+    for r in rows:
+        for name, ty in (r.get("scalars") or {}).items():
+            by_type.setdefault(ty, set()).add(f"{r['kernel']}.{name}")
+    kinds = "; ".join(f"{ty}: {len(names)} ({', '.join(sorted(names)[:6])}{', ...' if len(names) > 6 else ''})"
+                      for ty, names in sorted(by_type.items())) or "none"
+    how = " + ".join(flag for flag, on in (("--wide-scalars", wide_scalars), ("--i64-ints", i64_ints)) if on)
+    how = f"Inductor's typing ({how})" if how else "Triton's own typing"
+    return f"scalar arguments under {how}: {kinds}"
 
 
 def main(argv=None):
@@ -431,19 +468,24 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=None, help="compile processes (default: CPUs available)")
     ap.add_argument("--json", default=None, help="write the full report here")
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE, help="persistent TRITON_CACHE_DIR")
+    ap.add_argument("--wide-scalars", action="store_true",
+                    help="type float scalars fp64, as Inductor does for user kernels under torch.compile")
+    ap.add_argument("--i64-ints", action="store_true", help="type integer scalars i64 (unbounded SymInts)")
     a = ap.parse_args(argv)
     ds = a.d or ([64, 768] if a.quick else [64, 512, 768, 1024])
     smoothings = a.smoothings or ([0.0] if a.quick else [0.0, 0.1])
     if unknown := [d for d in a.dtypes if d not in DTYPES]:
         ap.error(f"unknown dtype(s) {unknown}; choose from {list(DTYPES)}")
     try:
-        report = run_check(a.dtypes, ds, a.gammas, smoothings, a.n, a.local_m, a.jobs, a.cache_dir)
+        report = run_check(a.dtypes, ds, a.gammas, smoothings, a.n, a.local_m, a.jobs, a.cache_dir, a.wide_scalars,
+                           a.i64_ints)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(_table(report["rows"]))
     print(f"\n{report['launches']} launches, {len(report['rows'])} distinct kernels, {report['compiled']} compiled "
           f"(rest cached); capture {report['capture_s']} s, compile {report['compile_s']} s")
+    print(scalar_summary(report["rows"], a.wide_scalars, a.i64_ints))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1, default=str)

@@ -5,8 +5,8 @@
 
 What runs: one forward+backward of ``hn_clip_loss(img, txt, tau, gamma=g, backend="triton")``
 (kind "loss", N×N) and of the directional op of the distributed path,
-``triton_directional()(q, k, a, b, tau, offset, g, 0.0, True)`` with M local rows against
-N columns (kind "directional"), τ a tensor that requires grad, as in training.
+``triton_directional()(q, k, query_txt=a, key_txt=b, tau=tau, offset=offset, gamma=g,
+label_smoothing=0.0, normalize=True)`` with M local rows against N columns (kind "directional"), τ a tensor that requires grad, as in training.
 
 How: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1), under the GPU launch
 configuration: HNCLIP_TRITON_LAUNCH=gpu is set while a case runs, and the launcher then
@@ -131,7 +131,8 @@ def count_products(n: int = 256, d: int = 512, dtype: str = "bfloat16", gamma: f
         if kind == "loss":
             loss = hnclip_kernels.hn_clip_loss(img, txt, tau, gamma=gamma, backend="triton")
         else:
-            loss = fn(q, k, a, b, tau, offset, gamma, 0.0, True).sum()
+            loss = fn(q, k, query_txt=a, key_txt=b, tau=tau, offset=offset, gamma=gamma, label_smoothing=0.0,
+                          normalize=True).sum()
         loss.backward()
     if count.dot_flops == 0:
         raise RuntimeError("no tl.dot ran in Triton's interpreter: are the kernels interpreted (TRITON_INTERPRET=1 "

@@ -9,19 +9,14 @@ differentiable. The error is raised when the second derivative is taken, not whe
 ``create_graph=True`` is passed: a first derivative taken with ``create_graph=True`` works.
 
 * :func:`raising_backward`: the autograd formula of a backward operator registered with
-  ``torch.library`` (the C++ backend's ``*_backward`` ops): it raises when reached.
-* :func:`mark_first_order`: applied to the gradients a backward returns while it runs
-  under ``create_graph=True``; each gets a node that raises when differentiated, so no
-  second derivative comes back silently without the fused backward's part.
-* :func:`first_order_backward`: a decorator that does this for an ``autograd.Function``'s
-  backward.
-* :func:`guard_inputs`: identity on the inputs of a fused op whose backward does not
-  do the above itself: its backward marks the gradients that reach the inputs.
+  ``torch.library`` (the ``*_backward`` ops of both fused backends): it raises when reached.
+* :func:`first_order_call`: how a fused op's autograd formula calls its ``*_backward``
+  operator, so that a second derivative through ``torch.func`` (``grad`` of ``grad``,
+  ``jacrev`` of ``jacrev``) raises the clear error too.
+* :func:`forward_mode_error`: the error of forward-mode transforms (``jvp``, ``jacfwd``,
+  ``hessian``) on the fused backends, which compute reverse-mode gradients only.
 """
 from __future__ import annotations
-
-import functools
-from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,6 +32,50 @@ def second_derivative_error(backend: str) -> RuntimeError:
     return RuntimeError(SECOND_DERIVATIVE_MESSAGE.format(backend=backend))
 
 
+FORWARD_MODE_MESSAGE = (
+    'hnclip_kernels: forward-mode differentiation (torch.func.jvp, jacfwd, hessian, torch.autograd.forward_ad) '
+    'is not supported by backend="{backend}": its kernels compute reverse-mode gradients only. Use reverse mode '
+    '(backward, torch.func.grad / vjp / jacrev) or backend="torch", which supports both and second derivatives.'
+)
+
+
+def forward_mode_error(backend: str) -> RuntimeError:
+    return RuntimeError(FORWARD_MODE_MESSAGE.format(backend=backend))
+
+
+class _FirstOrderOp(torch.autograd.Function):
+    """``op(*args)`` for a ``*_backward`` operator called while a graph is being recorded (a
+    ``create_graph=True`` backward, the backward of a ``torch.func`` transform): differentiating
+    its result (a second derivative, ``torch.func.grad`` of ``grad``, ``hessian``) raises the
+    clear error naming backend="torch"."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(backend, op, *args):
+        return op(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.backend = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise second_derivative_error(ctx.backend)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise second_derivative_error(ctx.backend)
+
+
+def first_order_call(backend: str, op, *args):
+    """``op(*args)``; while a graph is recorded (and not under ``torch.compile``), behind a node
+    whose backward and jvp raise :func:`second_derivative_error`."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        return _FirstOrderOp.apply(backend, op, *args)
+    return op(*args)
+
+
 def raising_backward(backend: str):
     """An autograd formula for ``torch.library.register_autograd`` that raises the clear error."""
 
@@ -44,109 +83,3 @@ def raising_backward(backend: str):
         raise second_derivative_error(backend)
 
     return backward
-
-
-class _RaiseWhenDifferentiated(torch.autograd.Function):
-    """Identity on ``grad`` whose backward raises. The op's inputs are inputs of this node too,
-    so every path from a second derivative to them runs through it: ``autograd.grad(penalty,
-    img)`` raises the clear error rather than "appears to not have been used in the graph"."""
-
-    generate_vmap_rule = True  # setup_context style and a vmap rule: usable under torch.func
-
-    @staticmethod
-    def forward(backend, grad, *inputs):
-        return grad.view_as(grad)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.backend = inputs[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise second_derivative_error(ctx.backend)
-
-    @staticmethod
-    def jvp(ctx, *tangents):  # forward mode over the gradient (torch.func.hessian) is a second derivative too
-        raise second_derivative_error(ctx.backend)
-
-
-def mark_first_order(grads: Sequence[Optional[torch.Tensor]], backend: str,
-                     inputs: Sequence[torch.Tensor] = ()) -> Tuple[Optional[torch.Tensor], ...]:
-    """``grads`` unchanged, or, inside a backward run with ``create_graph=True``, each tensor
-    behind a node that raises :func:`second_derivative_error` when differentiated.
-
-    ``inputs``: the op's differentiable inputs (as the backward saved them); the node links
-    to those that require grad, so that a second derivative with respect to them reaches it.
-    """
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return tuple(grads)
-    linked = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-    out = []
-    for g in grads:
-        if not isinstance(g, torch.Tensor) or not g.is_floating_point():
-            out.append(g)
-            continue
-        # with no input that requires grad, a fresh leaf still gives the node an edge, so it is recorded
-        links = linked or [g.detach().requires_grad_()]
-        out.append(_RaiseWhenDifferentiated.apply(backend, g.detach(), *links))
-    return tuple(out)
-
-
-def first_order_backward(backend: str) -> Callable:
-    """Decorator for the ``backward`` of an ``autograd.Function`` whose kernels are not
-    differentiable, in place of ``once_differentiable`` (whose error is generic and which lets
-    a graphless gradient through when the upstream gradient needs none): the body runs without
-    recording a graph, and its gradients are marked (:func:`mark_first_order`), linked to the
-    saved tensors that require grad."""
-
-    def wrap(fn):
-        @functools.wraps(fn)
-        def backward(ctx, *grads):
-            with torch.no_grad():
-                out = fn(ctx, *grads)
-            out = out if isinstance(out, tuple) else (out,)
-            if not torch.is_grad_enabled():
-                return out
-            return mark_first_order(out, backend, ctx.saved_tensors)
-
-        return backward
-
-    return wrap
-
-
-class _GuardInputs(torch.autograd.Function):
-    """Identity on tensors; in a ``create_graph=True`` backward, the gradients are marked."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(backend, *xs):
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.backend = inputs[0]
-        ctx.save_for_backward(*inputs[1:])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, *mark_first_order(grads, ctx.backend, ctx.saved_tensors))
-
-    @staticmethod
-    def jvp(ctx, _backend_tangent, *tangents):  # identity
-        return tuple(tangents)
-
-
-def guard_inputs(backend: str, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-    """``xs`` themselves when no second derivative could reach them (no grad needed, grad
-    mode off, under ``torch.compile``), else identity views whose backward marks the
-    gradients of the fused op behind them as first-order only (see :func:`mark_first_order`)."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-        return xs
-    which = [i for i, x in enumerate(xs) if x.requires_grad]
-    if not which:
-        return xs
-    out = list(xs)  # only the tensors that need a gradient: the others keep requires_grad=False
-    for i, guarded in zip(which, _GuardInputs.apply(backend, *(xs[i] for i in which))):
-        out[i] = guarded
-    return tuple(out)

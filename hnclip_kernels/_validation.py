@@ -52,14 +52,37 @@ def _real(name: str, x) -> float:
         raise ValueError(f"{name} = {x} does not fit in a float") from None
 
 
+def largest_intermediate(tau: float, gamma: float, label_smoothing: float = 0.0, n_keys: int = 1,
+                         img_norm: float = 1.0, txt_norm: float = 1.0) -> float:
+    """The largest magnitude any backend forms from the logits, in units of the logits.
+
+    With ‖v_i‖ ≤ img_norm and ‖t_j‖ ≤ txt_norm (1 for normalised features), every logit is
+    at most (img_norm·txt_norm + γ·txt_norm²)/τ in magnitude, and the gaps Z_ij − Z_ii that
+    the kernels work with reach twice the image-text part plus the margin:
+    (2·img_norm·txt_norm + γ·txt_norm²)/τ, that is (2 + γ)/τ when normalised. Label
+    smoothing sums N gaps per row (``dsum``), so it multiplies the bound by N.
+    """
+    gap = (2.0 * img_norm * txt_norm + gamma * txt_norm * txt_norm) / tau
+    return gap * (n_keys if label_smoothing != 0.0 else 1)
+
+
+def _finite_limit(dtype: torch.dtype) -> float:
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
+
+
 def check_tau(tau: Union[float, torch.Tensor], device: torch.device, dtype: torch.dtype = torch.float32,
-              gamma: float = 0.0) -> Optional[float]:
+              gamma: float = 0.0, *, label_smoothing: float = 0.0, n_keys: int = 1) -> Optional[float]:
     """τ must be a positive finite number or a one-element floating tensor, large enough that
-    the logits (1 + γ)/τ stay finite in the compute ``dtype`` (float32 for all but float64):
-    pass the margin scale ``gamma`` (already checked: a finite float ≥ 0) so the bound holds.
+    every intermediate of normalised features (:func:`largest_intermediate`: the gaps reach
+    (2 + γ)/τ) stays finite in the compute ``dtype`` (float32 for all but float64). Pass the
+    margin scale ``gamma`` (already checked: a finite float ≥ 0), and with label smoothing
+    ``label_smoothing`` and the number of key columns ``n_keys``, so the bound holds.
 
     Returns τ's value, or None where it is not read: under ``torch.compile`` (a value check
-    would break the graph) and for a meta-device τ (it has no value)."""
+    would break the graph, and reading a Python float would specialise the graph on it) and
+    for a meta-device τ (it has no value)."""
+    if torch.compiler.is_compiling():
+        return None  # τ may be a symbolic float or a traced tensor: eager calls check it
     if isinstance(tau, torch.Tensor):
         if tau.numel() != 1:
             raise ValueError(f"tau must be a scalar (0-dim) tensor, got shape {tuple(tau.shape)}")
@@ -67,20 +90,58 @@ def check_tau(tau: Union[float, torch.Tensor], device: torch.device, dtype: torc
             raise TypeError(f"tau tensor must be floating point, got {tau.dtype}; pass e.g. 1 / logit_scale.exp()")
         if tau.device != device and tau.device.type != "cpu":
             raise ValueError(f"tau is on {tau.device} but the features are on {device}; move tau to {device}")
-        if torch.compiler.is_compiling() or tau.device.type == "meta":
-            return None  # a value check would break the graph (eager calls check it); meta has no value
+        if tau.device.type == "meta":
+            return None  # meta tensors have no value
+        values = _functorch_values(tau.detach())
+        if values is not None:  # under torch.func.vmap: check every batch entry's τ
+            for value in values:
+                check_tau(value, device, dtype, gamma, label_smoothing=label_smoothing, n_keys=n_keys)
+            return None
         value = float(tau.detach())  # one host sync: the price of a clear error instead of a NaN loss
     else:
         value = _real("tau", tau)
-        if torch.compiler.is_compiling():
-            return None  # may be a symbolic float under torch.compile
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"tau (temperature) must be finite and > 0, got {value}; open_clip users pass 1 / logit_scale")
-    largest = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
-    if (1.0 + gamma) / value >= largest:
-        raise ValueError(f"tau = {value} makes the logits (1 + gamma) / tau overflow {dtype} arithmetic "
-                         f"(gamma = {gamma}); use tau > {(1.0 + gamma) / largest:.1e}")
+    limit = _finite_limit(dtype)
+    if largest_intermediate(value, gamma, label_smoothing, n_keys) >= limit:
+        smallest = largest_intermediate(1.0, gamma, label_smoothing, n_keys) / limit
+        raise ValueError(f"tau = {value} makes the logit gaps (2 + gamma) / tau"
+                         + (f" summed over N = {n_keys} columns (label smoothing)" if label_smoothing else "")
+                         + f" overflow {dtype} arithmetic (gamma = {gamma}); use tau > {smallest:.2e}")
     return value
+
+
+def _functorch_values(tau: torch.Tensor):
+    """Every value behind a τ wrapped by ``torch.func`` transforms (vmap cannot read one ``.item()``),
+    or None for a plain tensor."""
+    functorch = getattr(torch._C, "_functorch", None)
+    if functorch is None or not functorch.is_functorch_wrapped_tensor(tau):
+        return None
+    while functorch.is_functorch_wrapped_tensor(tau):
+        tau = functorch.get_unwrapped(tau)
+    return tau.reshape(-1).tolist()
+
+
+def check_feature_range(img: torch.Tensor, txt: torch.Tensor, tau_value: Optional[float], gamma: float,
+                        label_smoothing: float = 0.0, img_name: str = "img", txt_name: str = "txt") -> None:
+    """With ``normalize=False`` the logits grow with the feature norms: raise ``ValueError`` if
+    they would overflow the compute dtype (one host sync for the two largest row norms), so
+    that no backend returns a silently non-finite loss for finite features. Skipped under
+    ``torch.compile``, for meta tensors and where τ was not read (``tau_value`` None)."""
+    if tau_value is None or torch.compiler.is_compiling() or img.device.type == "meta":
+        return
+    dt = torch.float64
+    norms = torch.stack([torch.linalg.vector_norm(x, dim=1, dtype=dt).max() for x in (img, txt)])
+    img_norm, txt_norm = norms.tolist()
+    if not (math.isfinite(img_norm) and math.isfinite(txt_norm)):
+        return  # non-finite features: the loss is non-finite too, as in torch.nn.functional
+    limit = _finite_limit(img.dtype)
+    largest = largest_intermediate(tau_value, gamma, label_smoothing, img.shape[0], img_norm, txt_norm)
+    if largest >= limit:
+        raise ValueError(f"with normalize=False, {img_name} (row norms up to {img_norm:.3g}) and {txt_name} "
+                         f"(up to {txt_norm:.3g}) at tau = {tau_value:g} give logit gaps up to {largest:.3g}, beyond "
+                         f"{'float64' if img.dtype == torch.float64 else 'float32'} range; pass normalize=True or "
+                         "scale the features down")
 
 
 def check_precision(precision) -> None:

@@ -16,7 +16,9 @@ from .distributed import distributed_hn_clip_loss
 class HNClipLoss(nn.Module):
     """HN-CLIP contrastive loss (arXiv 2608.18521) with open_clip's ``ClipLoss`` interface.
 
-    Swap it in where open_clip builds ``ClipLoss`` (``open_clip_train.train.create_loss``)::
+    ``python -m hnclip_kernels.train`` runs open_clip's trainer with it (see
+    :mod:`hnclip_kernels.train`). In your own loop, swap it in where ``ClipLoss`` is built
+    (in open_clip 3.x that is ``open_clip.create_loss``, defined in ``open_clip/factory.py``)::
 
         loss = HNClipLoss(local_loss=args.local_loss, gather_with_grad=args.gather_with_grad,
                           cache_labels=True, rank=args.rank, world_size=args.world_size,
@@ -72,6 +74,16 @@ class HNClipLoss(nn.Module):
         precision: the Triton backend's tensor-core input precision for float32 features
             (see :func:`hnclip_kernels.hn_clip_loss`); None is its default, "tf32x3".
         group: process group to gather over (default: the global group).
+        return_stats: after every ``forward``, put a
+            :class:`hnclip_kernels.diagnostics.SaturationReport` of this rank's rows in
+            ``self.last_stats``, computed from the row statistics the loss kernels already
+            save (no second forward): ``loss``, ``saturated_rows`` and
+            ``effective_negatives`` are filled, the fields that need the logits again
+            (naive float32/bf16 losses, lost positives, hardest margins) are None; use
+            :func:`hnclip_kernels.diagnostics.saturation_report` for those. It costs a few
+            O(N) reductions and one host sync per step. The report is kept on the module,
+            not put in ``output_dict``, because open_clip's training loop sums every value
+            of that dict into the total loss.
 
     ``gamma``, ``label_smoothing``, ``backend``, ``normalize`` and ``precision`` are checked at
     construction: a bad value raises ``TypeError``/``ValueError`` there, not at the first forward.
@@ -98,6 +110,7 @@ class HNClipLoss(nn.Module):
         normalize: bool = False,
         group=None,
         precision=None,
+        return_stats: bool = False,
     ):
         super().__init__()
         if use_horovod:
@@ -121,12 +134,16 @@ class HNClipLoss(nn.Module):
         self.group = group
         _validation.check_precision(precision)
         self.precision = precision
+        if not isinstance(return_stats, bool):
+            raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
+        self.return_stats = return_stats
+        self.last_stats = None
 
     def extra_repr(self) -> str:
         return (f"local_loss={self.local_loss}, gather_with_grad={self.gather_with_grad}, "
                 f"rank={self.rank}, world_size={self.world_size}, gamma={self.gamma}, "
                 f"label_smoothing={self.label_smoothing}, backend={self.backend!r}, "
-                f"normalize={self.normalize}")
+                f"normalize={self.normalize}, precision={self.precision!r}, return_stats={self.return_stats}")
 
     def forward(
         self,
@@ -168,11 +185,17 @@ class HNClipLoss(nn.Module):
                 rank=self.rank, world_size=self.world_size, group=self.group,
                 gamma=self.gamma, label_smoothing=self.label_smoothing,
                 backend=self.backend, normalize=self.normalize, precision=self.precision,
+                return_stats=self.return_stats,
             )
         except (TypeError, ValueError) as exc:
             if problem is not None:
                 raise problem from exc
             raise
+        if self.return_stats:
+            from .diagnostics import report_from_row_stats
+
+            loss, (i2t, t2i, n_keys) = loss
+            self.last_stats = report_from_row_stats(i2t, t2i, label_smoothing=self.label_smoothing, n_keys=n_keys)
         return {"contrastive_loss": loss} if output_dict else loss
 
 

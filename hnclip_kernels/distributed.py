@@ -3,9 +3,11 @@
 Layout: rank r holds n_r image-text pairs; the global batch is the concatenation over
 ranks in rank order, N = Σ n_r, and rank r's rows start at the global row
 ``offset_r = Σ_{r' < r} n_r'``. Every backend's *directional* function
-``fn(q, k, a, b, tau, offset, gamma, label_smoothing, normalize)`` takes M local query
-rows, N global key columns and that offset, so the fused kernels (Triton, C++) never hold
-an n×N or N×N matrix.
+``fn(queries, keys, *, query_txt, key_txt, tau, offset, gamma, label_smoothing, normalize)``
+(``loss.directional_fn``) takes M local query rows, N global key columns and that offset,
+so the fused kernels (Triton, C++) never hold an n×N or N×N matrix. Where a rank computes
+the whole global batch (``local_loss=False``, or one process) it runs the single-process
+fused op instead (``loss.pair_losses``).
 
 Unequal local batch sizes are exact: every call all-gathers each rank's metadata (sizes,
 feature dim, dtype, options) in one small collective, pads each rank's features to the
@@ -30,12 +32,12 @@ older torch; see ``AUTOGRAD_GATHER``), ``torch.distributed.all_gather`` otherwis
 from __future__ import annotations
 
 import struct
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import _validation
-from .loss import as_tau_tensor, autocast_disabled, directional_fn, resolve_backend
+from .loss import as_tau_tensor, autocast_disabled, directional_fn, pair_losses, resolve_backend
 
 try:
     import torch.distributed as dist
@@ -64,8 +66,8 @@ __all__ = [
 ]
 
 # metadata vector layout, one int64 row per rank
-_STATUS, _N_IMG, _N_TXT, _DIM, _DTYPE, _FLAGS, _GAMMA, _EPS, _WORLD = range(9)
-_META_LEN = 9
+_STATUS, _N_IMG, _N_TXT, _DIM, _DTYPE, _FLAGS, _GAMMA, _EPS, _WORLD, _PREC, _TAU, _IMG_NORM, _TXT_NORM = range(13)
+_META_LEN = 13
 _STATUS_TEXT = {
     0: "ok",
     1: "invalid features",
@@ -208,62 +210,77 @@ def rank_hn_clip_loss(
     label_smoothing: float = 0.0,
     backend: str = "auto",
     normalize: bool = True,
-    fn: Optional[Callable] = None,
-) -> torch.Tensor:
+    precision: Optional[str] = None,
+    return_stats: bool = False,
+):
     """This rank's HN-CLIP loss from its local features and the gathered global ones.
 
-    ``local_loss=True``: rank rows only. i2t rows are the local images against all N texts,
-    t2i rows the local texts against all N images, positive of local row i at global column
-    ``offset + i`` (``offset`` = this rank's first global row), margins from the local texts
-    against all texts (global margins). Returns ``(W / N) · Σ_i ½(i2t_i + t2i_i)``: the mean
-    over ranks of this value is the global mean loss (equal sizes: the mean of local rows).
+    ``local_loss=True`` (and ``world_size > 1``): rank rows only. i2t rows are the local
+    images against all N texts, t2i rows the local texts against all N images, positive of
+    local row i at global column ``offset + i`` (``offset`` = this rank's first global row),
+    margins from the local texts against all texts (global margins); two calls of the
+    backend's directional op. Returns ``(W / N) · Σ_i ½(i2t_i + t2i_i)``: the mean over ranks
+    of this value is the global mean loss (equal sizes: the mean of local rows).
 
-    ``local_loss=False``: the full global batch on this rank (open_clip's non-local mode):
-    all N image rows against all N texts and vice versa, offset 0; ``offset``, ``world_size``
-    and the local tensors are not used. Returns the global mean loss.
+    ``local_loss=False`` or ``world_size == 1``: the full global batch on this rank, all N
+    images against all N texts, offset 0: exactly the single-process loss, computed by the
+    same fused symmetric op as :func:`hnclip_kernels.hn_clip_loss` (one logit tile serves
+    both directions; 16-bit features upcast once). ``offset`` and the local tensors are not
+    used. Returns the global mean loss.
 
-    No input checks (``distributed_hn_clip_loss`` does them collectively). ``fn`` overrides
-    the backend's directional function.
+    ``return_stats``: also ``(i2t, t2i, n_keys)``: the detached ``ops.epilogue.RowStats`` of
+    this rank's rows in both directions and the number of key columns N (what
+    :func:`hnclip_kernels.diagnostics.report_from_row_stats` reads).
+    No input checks (``distributed_hn_clip_loss`` does them collectively).
     """
-    if fn is None:
-        fn = directional_fn(resolve_backend(backend, all_image_features))
+    resolved = resolve_backend(backend, all_image_features)
     tau_t = as_tau_tensor(tau, all_image_features)
     gamma, eps = float(gamma), float(label_smoothing)
-    if local_loss:
-        n_total = all_image_features.shape[0]
-        i2t = fn(image_features, all_text_features, text_features, all_text_features,
-                 tau_t, int(offset), gamma, eps, normalize)
-        t2i = fn(text_features, all_image_features, text_features, all_text_features,
-                 tau_t, int(offset), gamma, eps, normalize)
-        rows = 0.5 * (i2t + t2i)
-        if n_total == world_size * image_features.shape[0]:
-            return rows.mean()  # equal sizes: exactly ClipLoss's mean of the local rows
-        return rows.sum() / (n_total / world_size)
-    i2t = fn(all_image_features, all_text_features, all_text_features, all_text_features,
-             tau_t, 0, gamma, eps, normalize)
-    t2i = fn(all_text_features, all_image_features, all_text_features, all_text_features,
-             tau_t, 0, gamma, eps, normalize)
-    return (0.5 * (i2t + t2i)).mean()
+    if not local_loss or world_size == 1:
+        out = pair_losses(resolved, all_image_features, all_text_features, tau_t, gamma, eps, normalize, precision,
+                          return_stats)
+        rows, stats = out if return_stats else (out, None)
+        loss = rows.mean()
+        return (loss, (*stats, all_image_features.shape[0])) if return_stats else loss
+    fn = directional_fn(resolved, precision)
+    options = dict(tau=tau_t, gamma=gamma, label_smoothing=eps, normalize=normalize, offset=int(offset),
+                   return_stats=return_stats)
+    i2t = fn(image_features, all_text_features, query_txt=text_features, key_txt=all_text_features, **options)
+    t2i = fn(text_features, all_image_features, query_txt=text_features, key_txt=all_text_features, **options)
+    (i2t, i2t_stats), (t2i, t2i_stats) = (i2t, t2i) if return_stats else ((i2t, None), (t2i, None))
+    rows = 0.5 * (i2t + t2i)
+    n_total = all_image_features.shape[0]
+    if n_total == world_size * image_features.shape[0]:
+        loss = rows.mean()  # equal sizes: exactly ClipLoss's mean of the local rows
+    else:
+        loss = rows.sum() / (n_total / world_size)
+    return (loss, (i2t_stats, t2i_stats, n_total)) if return_stats else loss
 
 
 def _local_checks(image_features, text_features, tau, gamma, label_smoothing, backend, precision,
                   rank, world_size, group, normalize=True):
-    """Run every local check without raising: (status, exception or None, fn or None)."""
+    """Run every local check without raising: (status, exception or None, resolved backend or None)."""
     try:
         _validation.check_features(image_features, text_features, "image_features", "text_features")
     except (TypeError, ValueError) as exc:
         return 1, exc, None
-    try:  # before τ: its overflow bound (1 + γ)/τ needs a valid γ
+    try:  # before τ: its overflow bound (2 + γ)/τ needs a valid γ
         _validation.check_options(gamma, label_smoothing, "mean", backend, normalize)
     except (TypeError, ValueError) as exc:
         return 3, exc, None
-    try:
-        _validation.check_tau(tau, image_features.device, image_features.dtype, float(gamma))
+    try:  # the global N is known after the collective, which checks the bound again with it
+        tau_value = _validation.check_tau(tau, image_features.device, image_features.dtype, gamma,
+                                          label_smoothing=label_smoothing, n_keys=image_features.shape[0])
+        if world_size == 1 and not normalize:
+            _validation.check_feature_range(image_features, text_features, tau_value, gamma, label_smoothing,
+                                            "image_features", "text_features")
     except (TypeError, ValueError) as exc:
         return 2, exc, None
     try:
         _validation.check_precision(precision)
-        fn = directional_fn(resolve_backend(backend, image_features), precision)
+        resolved = resolve_backend(backend, image_features)
+        if resolved == "triton":
+            directional_fn(resolved)  # the install hint now, on every rank, not inside the loss
     except (TypeError, ValueError) as exc:
         return 3, exc, None
     if world_size > 1:
@@ -273,10 +290,11 @@ def _local_checks(image_features, text_features, tau, gamma, label_smoothing, ba
                 f"rank={rank}, world_size={world_size} were passed but the process group says "
                 f"rank {g_rank} of {g_world}; pass torch.distributed.get_rank() / get_world_size()"
             ), None
-    return 0, None, fn
+    return 0, None, resolved
 
 
-def _meta_row(status, image_features, text_features, flags, gamma, label_smoothing, world_size) -> List[int]:
+def _meta_row(status, image_features, text_features, flags, gamma, label_smoothing, world_size,
+              precision=None) -> List[int]:
     row = [0] * _META_LEN
     row[_STATUS] = status
     ok_tensors = isinstance(image_features, torch.Tensor) and isinstance(text_features, torch.Tensor)
@@ -292,16 +310,55 @@ def _meta_row(status, image_features, text_features, flags, gamma, label_smoothi
     except (TypeError, ValueError):
         row[_GAMMA] = row[_EPS] = -1
     row[_WORLD] = int(world_size)
+    modes = (None,) + _validation.FP32_PRECISIONS
+    row[_PREC] = modes.index(precision) if precision in modes else -1
     return row
 
 
+def _range_fields(row, tau, image_features, text_features, normalize) -> None:
+    """τ and, without normalisation, the largest row norms, for the global overflow check
+    (only called on a rank whose inputs passed the local checks)."""
+    if torch.compiler.is_compiling() or image_features.device.type == "meta":
+        return
+    tau_value = float(tau.detach()) if isinstance(tau, torch.Tensor) else float(tau)
+    norms = [1.0, 1.0]
+    if not normalize:
+        norms = torch.stack([torch.linalg.vector_norm(x, dim=1, dtype=torch.float64).max()
+                             for x in (image_features, text_features)]).tolist()
+    row[_TAU], row[_IMG_NORM], row[_TXT_NORM] = (_float_bits(v) for v in (tau_value, *norms))
+
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
+
+
+def _global_range_problem(meta, gamma, label_smoothing, dtype_index) -> Optional[str]:
+    """The overflow check of the whole global batch (every rank runs it on the same metadata)."""
+    if any(m[_TAU] == 0 for m in meta):
+        return None  # not read (compile / meta)
+    tau_value = min(_bits_float(m[_TAU]) for m in meta)
+    img_norm = max(_bits_float(m[_IMG_NORM]) for m in meta)
+    txt_norm = max(_bits_float(m[_TXT_NORM]) for m in meta)
+    n_total = sum(m[_N_IMG] for m in meta)
+    largest = _validation.largest_intermediate(tau_value, float(gamma), float(label_smoothing), n_total,
+                                               img_norm, txt_norm)
+    dtype = _validation.FLOAT_DTYPES[dtype_index]
+    if largest < _validation._finite_limit(dtype):
+        return None
+    return (f"the global batch (N = {n_total}, smallest tau = {tau_value:g}, largest row norms {img_norm:.3g} / "
+            f"{txt_norm:.3g}) gives logit gaps up to {largest:.3g}, beyond the range of {dtype}; raise tau, pass "
+            "normalize=True or scale the features down")
+
+
 def _collective_check(image_features, text_features, tau, gamma, label_smoothing, backend, precision,
-                      flags, rank, world_size, group, normalize=True) -> Tuple[List[int], Callable]:
-    """Check inputs on every rank at once; return (sizes, fn) or raise on every rank."""
-    status, exc, fn = _local_checks(image_features, text_features, tau, gamma, label_smoothing,
-                                    backend, precision, rank, world_size, group, normalize)
+                      flags, rank, world_size, group, normalize=True) -> Tuple[List[int], str]:
+    """Check inputs on every rank at once; return (sizes, resolved backend) or raise on every rank."""
+    status, exc, resolved = _local_checks(image_features, text_features, tau, gamma, label_smoothing,
+                                          backend, precision, rank, world_size, group, normalize)
     like = image_features if isinstance(image_features, torch.Tensor) else None
-    row = _meta_row(status, image_features, text_features, flags, gamma, label_smoothing, world_size)
+    row = _meta_row(status, image_features, text_features, flags, gamma, label_smoothing, world_size, precision)
+    if status == 0:
+        _range_fields(row, tau, image_features, text_features, normalize)
     mine = torch.tensor(row, dtype=torch.int64, device=_meta_device(group, like))
     rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group=group))]
     dist.all_gather(rows, mine, group=group)
@@ -319,13 +376,16 @@ def _collective_check(image_features, text_features, tau, gamma, label_smoothing
     if len({m[_DTYPE] for m in meta}) > 1:
         names = [str(_validation.FLOAT_DTYPES[m[_DTYPE]]) for m in meta]
         problems.append(f"feature dtypes differ across ranks: {names}")
-    if len({(m[_FLAGS], m[_GAMMA], m[_EPS], m[_WORLD]) for m in meta}) > 1:
+    if len({(m[_FLAGS], m[_GAMMA], m[_EPS], m[_WORLD], m[_PREC]) for m in meta}) > 1:
         problems.append("loss options (local_loss, gather_with_grad, normalize, gamma, "
-                        "label_smoothing, world_size) differ across ranks")
+                        "label_smoothing, world_size, precision) differ across ranks")
     if problems:
         raise ValueError("HN-CLIP distributed loss: inconsistent inputs across ranks: "
                          + "; ".join(problems) + ". Every rank raised this error.")
-    return [m[_N_IMG] for m in meta], fn
+    problem = _global_range_problem(meta, gamma, label_smoothing, meta[0][_DTYPE])
+    if problem is not None:
+        raise ValueError(f"HN-CLIP distributed loss: {problem}. Every rank raised this error.")
+    return [m[_N_IMG] for m in meta], resolved
 
 
 def distributed_hn_clip_loss(
@@ -343,6 +403,7 @@ def distributed_hn_clip_loss(
     backend: str = "auto",
     normalize: bool = True,
     precision: Optional[str] = None,
+    return_stats: bool = False,
 ) -> torch.Tensor:
     """HN-CLIP loss of this rank's share of the global batch (a collective: call on every rank).
 
@@ -356,6 +417,8 @@ def distributed_hn_clip_loss(
     ``rank``/``world_size`` default to the process group's; ``world_size == 1`` (or
     torch.distributed not initialised and no ``world_size`` given) is the single-process loss.
     Autocast is disabled inside: the loss accumulates in float32 whatever the feature dtype.
+    ``return_stats``: return ``(loss, (i2t, t2i, n_keys))`` with this rank's detached row
+    statistics (see :func:`rank_hn_clip_loss`).
     """
     if world_size is None:
         world_size = dist.get_world_size(group=group) if HAS_DISTRIBUTED and dist.is_initialized() else 1
@@ -364,10 +427,10 @@ def distributed_hn_clip_loss(
     flags = int(bool(local_loss)) | (int(bool(gather_with_grad)) << 1) | (int(bool(normalize)) << 2)
     if world_size > 1:
         _require_distributed()
-        sizes, fn = _collective_check(image_features, text_features, tau, gamma, label_smoothing,
-                                      backend, precision, flags, rank, world_size, group, normalize)
+        sizes, resolved = _collective_check(image_features, text_features, tau, gamma, label_smoothing,
+                                            backend, precision, flags, rank, world_size, group, normalize)
     else:
-        status, exc, fn = _local_checks(image_features, text_features, tau, gamma, label_smoothing,
+        status, exc, resolved = _local_checks(image_features, text_features, tau, gamma, label_smoothing,
                                         backend, precision, rank, world_size, group, normalize)
         if exc is not None:
             raise exc
@@ -378,4 +441,5 @@ def distributed_hn_clip_loss(
     with autocast_disabled(image_features.device):
         return rank_hn_clip_loss(image_features, text_features, all_img, all_txt, tau, offset,
                                  local_loss=local_loss, world_size=world_size, gamma=gamma,
-                                 label_smoothing=label_smoothing, normalize=normalize, fn=fn)
+                                 label_smoothing=label_smoothing, normalize=normalize, backend=resolved,
+                                 precision=precision, return_stats=return_stats)

@@ -9,7 +9,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from . import _first_order, _validation
+from . import _validation
 from .reference import compute_dtype, directional_nll_torch
 
 _warned = set()
@@ -82,19 +82,17 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
     return backend
 
 
-def _first_order_triton_directional(q, k, a, b, tau, offset, gamma, label_smoothing, normalize, precision=None):
-    # a second derivative through the Triton backward raises the clear error (``_first_order``)
-    # instead of coming back without the kernel's part
-    q, k, tau = _first_order.guard_inputs("triton", q, k, tau)
-    return triton_directional()(q, k, a, b, tau, offset, gamma, label_smoothing, normalize, precision=precision)
-
-
 def directional_fn(backend: str, precision: Optional[str] = None) -> Callable:
-    """The directional op of a resolved backend; ``precision`` reaches the Triton one only
-    (the other backends compute float32 products in IEEE float32)."""
+    """The directional op of a resolved backend. Every one follows the keyword-only protocol of
+    :func:`hnclip_kernels.reference.directional_nll_torch`::
+
+        fn(queries, keys, *, query_txt, key_txt, tau, offset, gamma, label_smoothing, normalize,
+           return_stats=False)
+
+    ``precision`` reaches the Triton op only (the other backends compute float32 products in
+    IEEE float32)."""
     if backend == "triton":
-        triton_directional()  # raises the install hint now rather than at the first call
-        fn = _first_order_triton_directional
+        fn = triton_directional()  # raises the install hint now rather than at the first call
         return functools.partial(fn, precision=precision) if precision is not None else fn
     if backend == "cpp":
         return cpp_directional()
@@ -104,7 +102,9 @@ def directional_fn(backend: str, precision: Optional[str] = None) -> Callable:
 def as_tau_tensor(tau: Union[float, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     if isinstance(tau, torch.Tensor):
         return tau.to(device=like.device).reshape(())
-    return torch.tensor(float(tau), device=like.device, dtype=compute_dtype(like.dtype))
+    # arithmetic, not torch.tensor(float(tau)): under torch.compile a changing τ stays a symbolic
+    # float instead of being specialised into a new graph at every value of a schedule
+    return torch.zeros((), device=like.device, dtype=compute_dtype(like.dtype)) + tau
 
 
 def autocast_disabled(device: torch.device):
@@ -200,25 +200,28 @@ def hn_clip_loss(
     _validation.check_features(img, txt)
     _validation.check_options(gamma, label_smoothing, reduction, backend, normalize)
     _validation.check_precision(precision)
-    tau_value = _validation.check_tau(tau, img.device, img.dtype, float(gamma))
-    if not torch.compiler.is_compiling():
-        _warn_if_tau_looks_like_logit_scale(tau_value)
+    tau_value = _validation.check_tau(tau, img.device, img.dtype, gamma, label_smoothing=label_smoothing,
+                                      n_keys=img.shape[0])
+    if not normalize:
+        _validation.check_feature_range(img, txt, tau_value, gamma, label_smoothing)
+    _warn_if_tau_looks_like_logit_scale(tau_value)
     # autocast would run the reference's matmuls in bf16: accumulation here is float32 by design
     with autocast_disabled(img.device):
-        rows = pair_losses(resolve_backend(backend, img), img, txt, as_tau_tensor(tau, img), float(gamma),
-                           float(label_smoothing), normalize, precision)
+        rows = pair_losses(resolve_backend(backend, img), img, txt, as_tau_tensor(tau, img), gamma,
+                           label_smoothing, normalize, precision)
     return reduce_rows(rows, reduction)
 
 
 def pair_losses(backend: str, img, txt, tau: torch.Tensor, gamma: float, label_smoothing: float,
-                normalize: bool, precision: Optional[str] = None) -> torch.Tensor:
-    """½(i2t_k + t2i_k) for every pair k, shape (N,), on a resolved backend."""
+                normalize: bool, precision: Optional[str] = None, return_stats: bool = False):
+    """½(i2t_k + t2i_k) for every pair k, shape (N,), on a resolved backend; with
+    ``return_stats`` also ``(i2t, t2i)``, both directions' detached ``RowStats``."""
+    options = dict(tau=tau, gamma=gamma, label_smoothing=label_smoothing, normalize=normalize,
+                   return_stats=return_stats)
     if backend == "triton":
-        from .ops.hn_clip_triton import hn_clip_pairs_triton  # one fused Function for both directions
+        from .ops.hn_clip_triton import hn_clip_pairs_triton  # one fused op for both directions
 
-        # a second derivative raises the clear error instead of coming back without the kernel's part
-        img, txt, tau = _first_order.guard_inputs("triton", img, txt, tau)
-        return hn_clip_pairs_triton(img, txt, tau, gamma, label_smoothing, normalize, precision)
+        return hn_clip_pairs_triton(img, txt, **options, precision=precision)
     if img.dtype in (torch.float16, torch.bfloat16):
         # each tensor feeds both directions: upcast once, so its two gradient halves are summed
         # in float32 and rounded to the input dtype once (two bf16 halves summed lose ~1e-3)
@@ -226,8 +229,9 @@ def pair_losses(backend: str, img, txt, tau: torch.Tensor, gamma: float, label_s
     if backend == "cpp":
         from .ops.hn_clip_cpp import hn_clip_pairs_cpp  # one operator: each logit tile serves i2t and t2i
 
-        return hn_clip_pairs_cpp(img, txt, tau, gamma, label_smoothing, normalize)
-    fn = directional_fn(backend)
-    i2t = fn(img, txt, txt, txt, tau, 0, gamma, label_smoothing, normalize)
-    t2i = fn(txt, img, txt, txt, tau, 0, gamma, label_smoothing, normalize)
-    return 0.5 * (i2t + t2i)
+        return hn_clip_pairs_cpp(img, txt, **options)
+    i2t = directional_nll_torch(img, txt, query_txt=txt, key_txt=txt, offset=0, **options)
+    t2i = directional_nll_torch(txt, img, query_txt=txt, key_txt=txt, offset=0, **options)
+    if not return_stats:
+        return 0.5 * (i2t + t2i)
+    return 0.5 * (i2t[0] + t2i[0]), (i2t[1], t2i[1])

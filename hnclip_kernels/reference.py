@@ -10,10 +10,70 @@ offset 0 and M = N; a rank of a distributed job uses its global offset.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 NORM_EPS = 1e-12  # same clamp as torch.nn.functional.normalize
+
+
+class _MatmulNTCompiled(torch.autograd.Function):
+    """a @ bᵀ with autocast off in the forward *and* the backward.
+
+    ``hn_clip_loss`` turns autocast off around the forward, but a ``backward()`` called inside
+    an autocast region would run the matmuls' backward in bf16/fp16 (3e-3 gradient error
+    for float32 inputs), eager or compiled. The backward is written with this same op, so
+    second derivatives (and their backward) keep float32 too. Setup_context style with a vmap
+    rule, so ``torch.func`` transforms go through it; this class (no jvp) is the one
+    ``torch.compile`` traces, :class:`_MatmulNT` adds the jvp for forward-mode transforms.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a, b):
+        with _autocast_off(a.device):
+            return a @ b.transpose(-1, -2)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        with _autocast_off(grad.device):
+            d_a = matmul_nt(grad, b.transpose(-1, -2)) if ctx.needs_input_grad[0] else None
+            d_b = matmul_nt(grad.transpose(-1, -2), a.transpose(-1, -2)) if ctx.needs_input_grad[1] else None
+        return d_a, d_b
+
+
+class _MatmulNT(_MatmulNTCompiled):
+    @staticmethod
+    def jvp(ctx, t_a, t_b):
+        a, b = ctx.saved_tensors
+        out = None
+        if t_a is not None:
+            out = matmul_nt(t_a, b)
+        if t_b is not None:
+            out = matmul_nt(a, t_b) if out is None else out + matmul_nt(a, t_b)
+        return out
+
+
+def _autocast_off(device: torch.device):
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ bᵀ`` whose forward and backward run with autocast off (see :class:`_MatmulNTCompiled`;
+    Dynamo cannot trace a Function with a custom jvp, hence the jvp-less twin under compile)."""
+    if torch.compiler.is_compiling():
+        return _MatmulNTCompiled.apply(a, b)
+    return _MatmulNT.apply(a, b)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -24,6 +84,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def directional_nll_torch(
     queries: torch.Tensor,
     keys: torch.Tensor,
+    *,
     query_txt: torch.Tensor,
     key_txt: torch.Tensor,
     tau: torch.Tensor,
@@ -31,19 +92,24 @@ def directional_nll_torch(
     gamma: float,
     label_smoothing: float,
     normalize: bool,
-) -> torch.Tensor:
+    return_stats: bool = False,
+):
     """Per-row cross-entropy of one direction of the HN-CLIP logits (arXiv 2608.18521, Eq. 2).
 
     Logits ``Z[i, k] = (q_i · k_k + γ · stopgrad(a_i · b_k) · [k != offset + i]) / τ`` where
     q = ``queries`` (M, D), k = ``keys`` (N, D), a = ``query_txt`` (M, D), b = ``key_txt``
-    (N, D), all L2-normalised when ``normalize``. For i2t pass (img, txt, txt, txt); for
-    t2i pass (txt, img, txt, txt).
+    (N, D), all L2-normalised when ``normalize``. For i2t pass ``(img, txt, query_txt=txt,
+    key_txt=txt)``; for t2i ``(txt, img, query_txt=txt, key_txt=txt)``. Every argument after
+    the features is keyword-only: this is the *directional protocol* that every backend's op
+    follows (``hnclip_kernels.loss.directional_fn``), so margins cannot be swapped by position.
 
     Each row's NLL is ``softplus(LSE_{k != pos} Z[i, k] - Z[i, pos])``, so a loss of 1e-30
     survives in float32 where ``LSE - Z_pos`` would round to 0. Label smoothing ε adds
     ``ε · mean_k (Z[i, pos] - Z[i, k])``, which equals PyTorch's ``cross_entropy`` semantics.
 
-    Returns a float32 (float64 for float64 inputs) tensor of shape (M,).
+    Returns a float32 (float64 for float64 inputs) tensor of shape (M,); with
+    ``return_stats``, also the detached row statistics ``ops.epilogue.RowStats`` (what the
+    fused kernels save for their backward; :mod:`hnclip_kernels.diagnostics` reads them).
     """
     dt = compute_dtype(queries.dtype)
     q, k = queries.to(dt), keys.to(dt)
@@ -56,12 +122,22 @@ def directional_nll_torch(
     pos_cols = rows + offset
     margin = a @ b.T
     margin[rows, pos_cols] = 0.0  # the positive carries no margin
-    logits = (q @ k.T + gamma * margin) / tau.to(dt)
+    logits = (matmul_nt(q, k) + gamma * margin) / tau.to(dt)
     pos = logits[rows, pos_cols]
     delta = logits - pos[:, None]  # Z_ik - Z_i,pos: exactly 0 at the positive
     is_pos = torch.zeros_like(delta, dtype=torch.bool)
     is_pos[rows, pos_cols] = True
-    nll = F.softplus(torch.logsumexp(delta.masked_fill(is_pos, float("-inf")), dim=1))
-    if label_smoothing == 0.0:
+    lse_neg = torch.logsumexp(delta.masked_fill(is_pos, float("-inf")), dim=1)
+    nll = F.softplus(lse_neg)
+    if label_smoothing != 0.0:
+        nll = nll - (label_smoothing / n) * delta.sum(dim=1)
+    if not return_stats:
         return nll
-    return nll - (label_smoothing / n) * delta.sum(dim=1)
+    return nll, _row_stats(pos, delta.detach(), is_pos, lse_neg.detach())
+
+
+def _row_stats(pos, delta, is_pos, lse_neg):
+    from .ops.epilogue import RowStats  # the fused kernels' statistics, in their layout
+
+    p_neg = torch.exp(delta - lse_neg[:, None]).masked_fill(is_pos, 0.0)
+    return RowStats(pos.detach(), lse_neg, (p_neg * delta).sum(dim=1), delta.sum(dim=1))

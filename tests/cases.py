@@ -107,9 +107,30 @@ def fused_backends():
     return ["triton"] + (["cpp"] if cpp_directional() is not None else [])
 
 
+# A new backend is added here (and in fused_backends() when it is fused): the shared checks of
+# test_api.py, test_properties.py and test_backends.py then run on it with no other change.
 ALL_BACKENDS = ["torch"] + fused_backends()
 
 
 def saturated_pair(seed: int, n: int = 40, d: int = 128):
     """Well-separated pairs for τ = 0.01: the true loss is < 1e-20 (asserted by the callers)."""
     return make_pair(n, d, torch.float32, seed=seed, aligned=0.95)
+
+
+def directional_case(kind, m=5, n=19, d=8, offset=7, dtype=torch.float32, seed=4):
+    """(queries, keys, query_txt, key_txt) of one direction as a rank of a distributed job sees it:
+    m local query rows against n global keys, the positive of row i at column ``offset + i``.
+    ``kind``: "i2t", "t2i" or "general" (margin factors unrelated to the features)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(m, d, generator=gen), torch.randn(n, d, generator=gen)
+    k[offset:offset + m] = q + 0.1 * k[offset:offset + m]
+    if kind == "i2t":  # q local images, k = b global texts, a the local slice of the texts
+        b = k
+        a = k[offset:offset + m]
+    elif kind == "t2i":  # q = a local texts, k global images, b global texts
+        b = torch.randn(n, d, generator=gen)
+        b[offset:offset + m] = q
+        a = q
+    else:  # unrelated margin factors
+        a, b = torch.randn(m, d, generator=gen), torch.randn(n, d, generator=gen)
+    return [x.to(dtype) for x in (q, k, a, b)]

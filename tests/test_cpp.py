@@ -1,6 +1,8 @@
 """The fused C++ CPU kernel (csrc/, torch.ops.hnclip.*) against the float64 formula.
 
-Skipped as a whole when the extension ``hnclip_kernels._C`` was not built.
+The checks every backend shares (float64 covering matrix, saturated regime, offset/rectangular and
+low-precision directional op, determinism) are in test_backends.py. Skipped as a whole when the
+extension ``hnclip_kernels._C`` was not built.
 """
 import itertools
 import warnings
@@ -8,9 +10,9 @@ import warnings
 import pytest
 import torch
 
-from cases import (GAMMAS, REDUCTIONS, SIZES_D, SIZES_N, SMOOTHINGS, TOL_F32_GRAD, TOL_F32_LOSS, TOL_F32_LOSS_SATURATED,
-                   TOL_LOWP_LOSS,
-                   case_id, check_against_truth, covering_cases, make_pair, naive_clip_loss)
+from cases import (GAMMAS, REDUCTIONS, SIZES_D, SIZES_N, SMOOTHINGS, TOL_F32_GRAD, TOL_F32_LOSS, check_against_truth,
+                   make_pair)
+from cases import directional_case as _directional_case
 from helpers import assert_close_rel, hn_clip_loss_f64
 
 try:
@@ -22,6 +24,11 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 import hnclip_kernels.loss as loss_mod
 from hnclip_kernels import hn_clip_loss
 from hnclip_kernels.reference import directional_nll_torch
+
+
+def _f64(x):
+    """γ or ε as the registered operators take them: a 0-dim float64 tensor."""
+    return torch.tensor(x, dtype=torch.float64)
 
 
 # ------------------------------------------------------------------ values and gradients
@@ -36,13 +43,6 @@ def test_float32_full_product(n, d, gamma, eps, reduction):
     check_against_truth("cpp", n, d, torch.float32, gamma, 0.07, eps, reduction)
 
 
-@pytest.mark.parametrize("case", covering_cases(), ids=case_id)
-def test_matrix_against_float64(case):
-    # the core's covering matrix: every (N, D) with dtypes (fp32/fp16/bf16), γ, τ, ε, reduction rotated
-    n, d, dtype, gamma, tau, eps, reduction = case
-    check_against_truth("cpp", n, d, dtype, gamma, tau, eps, reduction, tau_grad=(n + d) % 2 == 0)
-
-
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("normalize", [True, False])
 def test_every_reduction(reduction, normalize):
@@ -54,46 +54,6 @@ def test_every_reduction(reduction, normalize):
 def test_low_precision_inputs(dtype, gamma):
     # accumulated in float32: the loss is float32 and within 1e-3 of the float64 truth
     check_against_truth("cpp", 65, 64, dtype, gamma, 0.05, 0.1, "mean", seed=5)
-
-
-# Saturated regime: see TOL_F32_LOSS_SATURATED in cases.py for why the loss is held to 3e-5.
-TOL_SATURATED_LOSS = TOL_F32_LOSS_SATURATED
-
-
-def _check_saturated(img, txt, gamma, reduction, upstream=None):
-    leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
-    tau = torch.tensor(0.01, requires_grad=True)
-    loss = hn_clip_loss(*leaves, tau, gamma=gamma, reduction=reduction, backend="cpp")
-    ref_leaves = [x.double().requires_grad_(True) for x in (img, txt)]
-    ref_tau = torch.tensor(0.01, dtype=torch.float64, requires_grad=True)
-    ref = hn_clip_loss_f64(*ref_leaves, ref_tau, gamma, 0.0, reduction)
-    assert ref.mean().item() < 1e-20 and (loss > 0).all()  # tiny, and never rounded to 0
-    assert_close_rel(loss, ref, TOL_SATURATED_LOSS, "saturated loss")
-    if upstream is None:
-        upstream = torch.ones_like(ref) if reduction == "none" else torch.ones(())
-    loss.backward(upstream.float())
-    ref.backward(upstream.double())
-    for x, y, name in zip((*leaves, tau), (*ref_leaves, ref_tau), ("d img", "d txt", "d tau")):
-        assert_close_rel(x.grad, y.grad, TOL_F32_GRAD, name)
-
-
-@pytest.mark.parametrize("gamma", [0.0, 0.5])
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_saturated_regime(gamma, reduction):
-    # the core's case: naive float32 cross-entropy returns exactly 0 (and a zero gradient)
-    img, txt = make_pair(40, 64, torch.float32, seed=1, aligned=0.9)
-    assert naive_clip_loss(img, txt, 0.01, gamma).item() == 0.0
-    _check_saturated(img, txt, gamma, reduction)
-
-
-@pytest.mark.parametrize("gamma", [0.0, 0.5])
-def test_saturated_noise_pairs(gamma):
-    # txt = img + small noise, τ = 0.01; a different weight per row (the recomputing backward)
-    gen = torch.Generator().manual_seed(11)
-    img = torch.randn(48, 128, generator=gen)
-    txt = img + 0.02 * torch.randn(48, 128, generator=gen)
-    _check_saturated(img, txt, gamma, "none", upstream=torch.rand(48, generator=gen) + 0.5)
-    _check_saturated(img, txt, gamma, "sum")
 
 
 def test_non_contiguous_bfloat16_inputs():
@@ -145,63 +105,6 @@ def test_nan_propagates():
     assert torch.isnan(hn_clip_loss(img, txt, 0.07, backend="cpp"))
 
 
-# ------------------------------------------------------------------ offset / rectangular
-
-
-def _directional_case(kind, m=5, n=19, d=8, offset=7, dtype=torch.float32, seed=4):
-    gen = torch.Generator().manual_seed(seed)
-    q, k = torch.randn(m, d, generator=gen), torch.randn(n, d, generator=gen)
-    k[offset:offset + m] = q + 0.1 * k[offset:offset + m]
-    if kind == "i2t":  # q local images, k = b global texts, a the local slice of the texts
-        b = k
-        a = k[offset:offset + m]
-    elif kind == "t2i":  # q = a local texts, k global images, b global texts
-        b = torch.randn(n, d, generator=gen)
-        b[offset:offset + m] = q
-        a = q
-    else:  # unrelated margin factors
-        a, b = torch.randn(m, d, generator=gen), torch.randn(n, d, generator=gen)
-    return [x.to(dtype) for x in (q, k, a, b)]
-
-
-@pytest.mark.parametrize("kind", ["i2t", "t2i", "general"])
-@pytest.mark.parametrize("normalize", [True, False])
-def test_offset_and_rectangular_directional(kind, normalize):
-    q, k, a, b = _directional_case(kind)
-    weights = torch.arange(1.0, 6.0)
-    outs = []
-    for fn, dt in ((directional_nll_cpp, torch.float32), (directional_nll_torch, torch.float64)):
-        qq, kk = (x.detach().to(dt).clone().requires_grad_(True) for x in (q, k))
-        tau = torch.tensor(0.05, dtype=dt, requires_grad=True)
-        rows = fn(qq, kk, a.to(dt), b.to(dt), tau, 7, 0.5, 0.1, normalize)
-        (rows * weights.to(dt)).sum().backward()
-        outs.append((rows, qq.grad, kk.grad, tau.grad))
-    assert outs[0][0].dtype == torch.float32
-    for name, x, y in zip(("rows", "d q", "d k", "d tau"), *outs):
-        assert_close_rel(x, y, TOL_F32_LOSS if name == "rows" else TOL_F32_GRAD, name)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["i2t", "t2i", "general"])
-def test_low_precision_directional(dtype, kind):
-    # the op itself takes fp16/bf16 (hn_clip_loss upcasts first): accumulated in float32
-    q, k, a, b = _directional_case(kind, m=6, n=21, d=16, offset=9, dtype=dtype, seed=5)
-    qq, kk = (x.clone().requires_grad_(True) for x in (q, k))
-    tau = torch.tensor(0.07, requires_grad=True)
-    rows = directional_nll_cpp(qq, kk, a, b, tau, 9, 0.5, 0.1, True)
-    assert rows.dtype == torch.float32
-    rows.sum().backward()
-    assert qq.grad.dtype == dtype and kk.grad.dtype == dtype
-    rq, rk = (x.double().requires_grad_(True) for x in (q, k))
-    rtau = torch.tensor(0.07, dtype=torch.float64, requires_grad=True)
-    ref = directional_nll_torch(rq, rk, a.double(), b.double(), rtau, 9, 0.5, 0.1, True)
-    ref.sum().backward()
-    assert_close_rel(rows, ref, TOL_LOWP_LOSS, "rows")
-    for x, y, name in ((qq.grad, rq.grad, "d q"), (kk.grad, rk.grad, "d k")):
-        assert_close_rel(x, y, 1e-2, name)
-    assert_close_rel(tau.grad, rtau.grad, TOL_LOWP_LOSS, "d tau")
-
-
 # ------------------------------------------------------------------ operator properties
 
 
@@ -212,7 +115,8 @@ def test_gradcheck_float64_registered_op(kind):
     k.requires_grad_(True)
     tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
     for eps, normalize in ((0.0, True), (0.1, False)):
-        fn = lambda q_, k_, t_: directional_nll_cpp(q_, k_, a, b, t_, 3, 0.7, eps, normalize)  # noqa: E731
+        fn = lambda q_, k_, t_: directional_nll_cpp(q_, k_, query_txt=a, key_txt=b, tau=t_, offset=3, gamma=0.7,  # noqa: E731
+                                                    label_smoothing=eps, normalize=normalize)
         assert torch.autograd.gradcheck(fn, (q, k, tau))
 
 
@@ -252,21 +156,6 @@ def test_inputs_not_mutated():
             assert torch.equal(x.detach(), x0)
 
 
-def test_deterministic_bitwise():
-    img, txt = make_pair(600, 40, torch.float32, seed=7)
-    upstream = torch.rand(600, generator=torch.Generator().manual_seed(1))
-    for reduction in ("mean", "none"):
-        results = []
-        for _ in range(2):
-            leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
-            tau = torch.tensor(0.05, requires_grad=True)
-            loss = hn_clip_loss(*leaves, tau, gamma=0.5, label_smoothing=0.1, reduction=reduction, backend="cpp")
-            loss.backward(upstream if reduction == "none" else None)
-            results.append((loss, leaves[0].grad, leaves[1].grad, tau.grad))
-        for a, b in zip(*results):
-            assert torch.equal(a, b)
-
-
 def test_torch_compile_fullgraph_matches_eager():
     torch._dynamo.reset()
 
@@ -292,12 +181,12 @@ def test_opcheck_registered_operators():
     q.requires_grad_(True)
     tau = torch.tensor(0.1, requires_grad=True)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    args = (q, k, a, b, tau, 3, 0.5, 0.1, True, True)
+    args = (q, k, a, b, tau, 3, _f64(0.5), _f64(0.1), True, True)
     torch.library.opcheck(torch.ops.hnclip.directional_nll.default, args, test_utils=checks)
     saved = [x.detach() for x in torch.ops.hnclip.directional_nll(*args)[1:]]
     grad = torch.linspace(0.5, 1.0, 4)
     torch.library.opcheck(torch.ops.hnclip.directional_nll_backward.default,
-                          (grad, q.detach(), k, a, b, tau.detach(), *saved, 3, 0.5, 0.1, True, True),
+                          (grad, q.detach(), k, a, b, tau.detach(), *saved, 3, _f64(0.5), _f64(0.1), True, True),
                           test_utils=checks)
 
 
@@ -351,11 +240,11 @@ def _pairs_both_ways(img, txt, tau, gamma, eps, normalize, upstream, symmetric):
     leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt)]
     t = torch.tensor(tau, dtype=img.dtype, requires_grad=True)
     if symmetric:
-        rows = torch.ops.hnclip.symmetric_nll(*leaves, t, gamma, eps, normalize)[0]
+        rows = torch.ops.hnclip.symmetric_nll(*leaves, t, _f64(gamma), _f64(eps), normalize)[0]
     else:
         v, w = leaves
-        rows = 0.5 * (directional_nll_cpp(v, w, w, w, t, 0, gamma, eps, normalize)
-                      + directional_nll_cpp(w, v, w, w, t, 0, gamma, eps, normalize))
+        opts = dict(query_txt=w, key_txt=w, tau=t, offset=0, gamma=gamma, label_smoothing=eps, normalize=normalize)
+        rows = 0.5 * (directional_nll_cpp(v, w, **opts) + directional_nll_cpp(w, v, **opts))
     rows.backward(upstream.to(rows.dtype))
     return rows.detach(), leaves[0].grad, leaves[1].grad, t.grad
 
@@ -393,7 +282,7 @@ def test_symmetric_gradcheck_with_margin():
     img.requires_grad_(True)
     tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
     for eps, normalize in ((0.0, True), (0.1, False)):
-        fn = lambda i, s: torch.ops.hnclip.symmetric_nll(i, txt, s, 0.7, eps, normalize)[0]  # noqa: E731
+        fn = lambda i, s: torch.ops.hnclip.symmetric_nll(i, txt, s, _f64(0.7), _f64(eps), normalize)[0]  # noqa: E731
         assert torch.autograd.gradcheck(fn, (img, tau))
 
 
@@ -431,12 +320,13 @@ def test_opcheck_symmetric_operators():
     img.requires_grad_(True)
     tau = torch.tensor(0.1, requires_grad=True)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    args = (img, txt, tau, 0.5, 0.1, True)
+    args = (img, txt, tau, _f64(0.5), _f64(0.1), True)
     torch.library.opcheck(torch.ops.hnclip.symmetric_nll.default, args, test_utils=checks)
     saved = [x.detach() for x in torch.ops.hnclip.symmetric_nll(*args)[1:]]
     grad = torch.linspace(0.5, 1.0, 9)
     torch.library.opcheck(torch.ops.hnclip.symmetric_nll_backward.default,
-                          (grad, img.detach(), txt, tau.detach(), *saved, 0.5, 0.1, True, True), test_utils=checks)
+                          (grad, img.detach(), txt, tau.detach(), *saved, _f64(0.5), _f64(0.1), True, True),
+                          test_utils=checks)
 
 
 # ------------------------------------------------------------------ huge logits: recomputed tiles
@@ -463,12 +353,12 @@ def test_backward_probabilities_use_the_forward_logits(n, d, threads):
     # The root cause, checked directly: with a one-hot upstream g = e_i the symmetric backward's shares
     # separate, dt̂_j = P_ij v̂_i and dv̂_j = P'_ji t̂_i for j ≠ i, so its probabilities of row i must sum
     # to sigmoid(delta_r_i) (i2t) and sigmoid(delta_c_i) (t2i), the forward's statistics.
-    import hnclip_kernels.ops.hn_clip_cpp as cpp
+    from hnclip_kernels.ops import epilogue
     img, txt = make_pair(n, d, seed=n)
-    rv, rt = cpp._inv_norms(img, True, torch.float32), cpp._inv_norms(txt, True, torch.float32)
-    v_hat, t_hat = cpp._scaled(img, rv, torch.float32), cpp._scaled(txt, rt, torch.float32)
+    rv, rt = epilogue.inv_norms(img, True, torch.float32), epilogue.inv_norms(txt, True, torch.float32)
+    v_hat, t_hat = epilogue.scaled(img, rv, torch.float32), epilogue.scaled(txt, rt, torch.float32)
     inv_tau = 1.0 / torch.tensor(HUGE_TAU)
-    pos = cpp.epilogue.positive_logits(v_hat, t_hat, 0, inv_tau)
+    pos = epilogue.positive_logits(v_hat, t_hat, 0, inv_tau)
 
     probed = sorted({*range(0, n, 7), *range(n - 9, n)})  # every tile-row, and all of the short last one
 
@@ -510,7 +400,8 @@ def test_huge_logits_directional_recompute(kind):
     for fn, dt in ((directional_nll_cpp, torch.float32), (directional_nll_torch, torch.float64)):
         qq, kk = (x.detach().to(dt).clone().requires_grad_(True) for x in (q, k))
         tau = torch.tensor(HUGE_TAU, dtype=dt, requires_grad=True)
-        rows = fn(qq, kk, a.to(dt), b.to(dt), tau, offset, HUGE_GAMMA, 0.0, True)
+        rows = fn(qq, kk, query_txt=a.to(dt), key_txt=b.to(dt), tau=tau, offset=offset, gamma=HUGE_GAMMA,
+                  label_smoothing=0.0, normalize=True)
         (rows * weights.to(dt)).sum().backward()
         outs.append((rows, qq.grad, kk.grad, tau.grad))
     for name, x, y in zip(("rows", "d q", "d k", "d tau"), *outs):

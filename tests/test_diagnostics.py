@@ -310,3 +310,29 @@ def test_no_negatives_row_statistics():
     s = RowStats(torch.zeros(1), torch.full((1,), float("-inf")), torch.zeros(1), torch.zeros(1))
     rep = report_from_row_stats(s, s)
     assert rep.loss == 0.0 and rep.effective_negatives == 0.0 and rep.saturated_rows == 1.0
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_hn_clip_loss_module_return_stats(backend, eps):
+    # HNClipLoss(return_stats=True) fills last_stats from the statistics its own forward saved
+    from cases import ALL_BACKENDS, make_pair
+    from hnclip_kernels import HNClipLoss
+
+    if backend not in ALL_BACKENDS:
+        pytest.skip(f"{backend} not built")
+    img, txt = make_pair(14, 8, seed=3, aligned=0.9)
+    img, txt = F.normalize(img, dim=1), F.normalize(txt, dim=1)
+    module = HNClipLoss(gamma=GAMMA, label_smoothing=eps, backend=backend, return_stats=True)
+    assert module.last_stats is None
+    loss = module(img, txt, torch.tensor(1 / 0.03))
+    stats = module.last_stats
+    full = saturation_report(img, txt, 0.03, gamma=GAMMA, backend="torch")
+    assert isinstance(stats, SaturationReport) and stats.rows == 2 * 14
+    assert math.isclose(stats.loss, loss.item(), rel_tol=1e-6)
+    if eps == 0.0:
+        assert math.isclose(stats.loss, full.loss, rel_tol=1e-5)
+    assert stats.saturated_rows == full.saturated_rows
+    assert math.isclose(stats.effective_negatives, full.effective_negatives, rel_tol=1e-4)
+    assert stats.naive_fp32_loss is None and stats.hardest_margin_max is None
+    assert "contrastive_loss" in module(img, txt, torch.tensor(1 / 0.03), output_dict=True)  # the dict is unchanged

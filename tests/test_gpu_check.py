@@ -15,7 +15,7 @@ from cases import DTYPES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = [os.path.join(REPO, "benchmarks", name) for name in ("gpu_check.sh", "gpu_wheels.sh")]
-STEPS = ("wheels", "info", "imports", "tests", "bench", "work")
+STEPS = ("wheels", "info", "imports", "tests", "compile", "bench", "work")
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
@@ -40,8 +40,8 @@ def test_gpu_check_runs_without_gpu(tmp_path):
     summary = (out / "summary.txt").read_text()
     status = {line.split()[0]: line.split()[1] for line in summary.splitlines()
               if line.split() and line.split()[0] in STEPS}
-    assert status == {"wheels": "SKIP", "info": "SKIP", "imports": "PASS", "tests": "SKIP", "bench": "SKIP",
-                      "work": "SKIP"}, summary
+    assert status == {"wheels": "SKIP", "info": "SKIP", "imports": "PASS", "tests": "SKIP", "compile": "SKIP",
+                      "bench": "SKIP", "work": "SKIP"}, summary
     assert "no CUDA device" in summary and "failed or timed-out steps: 0" in summary
     # what the device tool brings back: at most 8 files, no folders left over
     top = sorted(p.name for p in out.iterdir())
@@ -80,3 +80,17 @@ def test_full_level_is_the_whole_matrix():
         (n, d, dt) for n in test_gpu.GPU_N["full"] for d in test_gpu.GPU_D["full"] for dt in DTYPES)
     assert sorted(test_gpu.option_cases("full"), key=str) == sorted(
         ((dt, *opt) for dt in DTYPES for opt in test_gpu.OPTIONS), key=str)
+
+
+def test_compile_step_selects_the_library_tests():
+    # gpu_check.sh runs tests/test_gpu.py twice: -k "not test_library_" (tests) and -k test_library_
+    # (compile, the torch.library / torch.compile checks): every test is in exactly one of them
+    names = [name for name in dir(test_gpu) if name.startswith("test_")]
+    library = [name for name in names if "test_library_" in name]
+    assert {"test_library_inductor_fullgraph_schedule", "test_library_aot_eager_chunked_backward_autotuned",
+            "test_library_opcheck_cuda", "test_library_func_grad_and_vmap_cuda",
+            "test_library_export_cuda"} <= set(library)
+    assert all(name.startswith("test_library_") for name in library)
+    with open(SCRIPTS[0]) as f:
+        script = f.read()
+    assert 'gpu_pytest tests "not test_library_"' in script and 'gpu_pytest compile "test_library_"' in script

@@ -1,12 +1,15 @@
-"""The float64 truth itself, the pure-PyTorch backend, gradcheck, open_clip parity."""
+"""The float64 truth itself, the pure-PyTorch backend in float64, gradcheck.
+
+The torch backend's float32/fp16/bf16 checks against the truth (shared with every backend) are in
+test_backends.py.
+"""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cases import (DTYPES, GAMMAS, REDUCTIONS, SMOOTHINGS, TAUS, TOL_F32_LOSS_SATURATED, check_against_truth,
-                   make_pair, naive_clip_loss, saturated_pair)
+from cases import GAMMAS, SMOOTHINGS, make_pair
 from hnclip_kernels import hn_clip_loss
-from helpers import assert_close_rel, hn_clip_loss_f64
+from helpers import hn_clip_loss_f64
 
 
 @pytest.mark.parametrize("eps", SMOOTHINGS)
@@ -22,20 +25,6 @@ def test_truth_matches_cross_entropy_in_float64(gamma, eps):
                       + F.cross_entropy(z.T, labels, label_smoothing=eps))
     got = hn_clip_loss_f64(img, txt, 0.3, gamma, eps)
     assert abs(got.item() - expected.item()) <= 1e-13 * abs(expected.item())
-
-
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("eps", SMOOTHINGS)
-@pytest.mark.parametrize("tau", TAUS)
-@pytest.mark.parametrize("gamma", GAMMAS)
-def test_torch_backend_float32(gamma, tau, eps, reduction):
-    check_against_truth("torch", 23, 11, torch.float32, gamma, tau, eps, reduction)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,d", [(1, 3), (2, 8), (17, 64), (130, 100)])
-def test_torch_backend_sizes_dtypes(n, d, dtype):
-    check_against_truth("torch", n, d, dtype, 0.5, 0.07, 0.1, "mean")
 
 
 def test_torch_backend_float64_returns_float64():
@@ -73,16 +62,6 @@ def test_gradcheck_directional_with_margin():
     k2 = torch.randn(6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     a, b = torch.randn(3, 4, generator=gen, dtype=torch.float64), torch.randn(6, 4, generator=gen, dtype=torch.float64)
     tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
-    fn = lambda q_, k_, t_: directional_nll_torch(q_, k_, a, b, t_, 2, 1.5, 0.1, True)
+    fn = lambda q_, k_, t_: directional_nll_torch(q_, k_, query_txt=a, key_txt=b, tau=t_, offset=2,  # noqa: E731
+                                                  gamma=1.5, label_smoothing=0.1, normalize=True)
     assert torch.autograd.gradcheck(fn, (q, k2, tau))
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_saturated_regime_torch_backend(seed):
-    # Well-separated pairs at τ = 0.01: a naive float32 cross-entropy returns exactly 0.
-    img, txt = saturated_pair(seed)
-    assert naive_clip_loss(img, txt, 0.01, gamma=0.5).item() == 0.0
-    truth = hn_clip_loss_f64(img.double(), txt.double(), 0.01)
-    assert 0 < truth.item() < 1e-20
-    check_against_truth("torch", 0, 0, torch.float32, 0.5, 0.01, 0.0, "mean", img=img, txt=txt,
-                        loss_tol=TOL_F32_LOSS_SATURATED)

@@ -8,7 +8,13 @@ fails on any problem the check reports: a compile failure, a register spill, sha
 above 227 KiB, a tf32 MMA on float32 inputs (other than a "tf32x3" split), a tl.dot on 16-bit
 operands without an MMA instruction.
 
-Cold, it compiles ~60 kernels (~2 minutes on 2 cores); unchanged kernels are cached under
+The second test compiles them with the scalar types Inductor gives a user kernel under
+``torch.compile`` (``--wide-scalars``: float scalars fp64): with γ a float argument the forward
+kernel failed to compile there ("Loop-carried variable run_max has initial type fp32 but is
+re-assigned to fp64") and the dS kernel spilled 1.3 KB. γ is now read from device memory: no
+kernel has a float scalar argument left, so this compiles what the first test compiled (cached).
+
+Cold, each compiles ~60 kernels (2 to 4 minutes on 2 cores); unchanged kernels are cached under
 ``<tempdir>/hnclip-sm90-cache``. Deselect with ``-m "not sm90"``.
 """
 import json
@@ -37,8 +43,8 @@ def _missing_toolchain():
     return None
 
 
-@pytest.mark.sm90
-def test_kernels_compile_for_sm90_without_spills(tmp_path):
+def _run_sm90(tmp_path, *args):
+    """``python -m benchmarks.sm90 --quick ARGS`` in a clean environment; its JSON report, checked clean."""
     reason = _missing_toolchain()
     if reason:
         pytest.skip(reason)
@@ -47,7 +53,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     for knob in ("HNCLIP_AUTOTUNE", "HNCLIP_TRITON_LAUNCH"):  # every autotune candidate, GPU launch config
         env.pop(knob, None)
     out = tmp_path / "sm90.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.sm90", "--quick", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.sm90", "--quick", *args, "--json", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert out.exists(), f"benchmarks.sm90 exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     report = json.loads(out.read_text())
@@ -55,6 +61,21 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     assert not report["problems"], (f"{len(report['problems'])} problem(s) at sm_90a:\n  "
                                     + "\n  ".join(report["problems"]) + "\n\n" + proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return report
+
+
+@pytest.mark.sm90
+def test_kernels_compile_for_sm90_without_spills(tmp_path):
+    _run_sm90(tmp_path)
+
+
+@pytest.mark.sm90
+def test_kernels_compile_for_sm90_with_inductor_scalar_types(tmp_path):
+    report = _run_sm90(tmp_path, "--wide-scalars")
+    assert report["config"]["wide_scalars"]
+    types = {ty for row in report["rows"] for ty in row["scalars"].values()}
+    # every scalar argument is an integer (γ and τ come through pointers)
+    assert types == {"i32"}, types
 
 
 # ------------------------------------------------------------------ the checker's own rules (fast)

@@ -107,7 +107,8 @@ def test_directional_offsets_against_torch(launch, monkeypatch, m, n, d, offset)
     for fn, dt in ((directional_nll_triton, torch.float32), (directional_nll_torch, torch.float64)):
         qq, kk = q.to(dt).clone().requires_grad_(True), k.to(dt).clone().requires_grad_(True)
         tau = torch.tensor(0.05, dtype=dt, requires_grad=True)
-        rows = fn(qq, kk, a.to(dt), b.to(dt), tau, offset, 0.5, 0.1, True)
+        rows = fn(qq, kk, query_txt=a.to(dt), key_txt=b.to(dt), tau=tau, offset=offset, gamma=0.5, label_smoothing=0.1,
+                  normalize=True)
         (rows * up.to(dt)).sum().backward()
         outs.append((rows, qq.grad, kk.grad, tau.grad))
     for name, x, y in zip(("rows", "d q", "d k", "d tau"), *outs):

@@ -19,12 +19,27 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..reference import NORM_EPS
+
 
 class RowStats(NamedTuple):
     pos: torch.Tensor  # (M,) Z_i,pos, float32
     delta: torch.Tensor  # (M,) LSE over negatives of Z - Z_pos
     mean_neg: torch.Tensor  # (M,) E_softmax_neg[Z - Z_pos]
     dsum: torch.Tensor  # (M,) Σ_neg (Z - Z_pos)
+
+
+def inv_norms(x: torch.Tensor, normalize: bool, dt: torch.dtype = torch.float32) -> torch.Tensor:
+    """1 / max(‖x_i‖, eps) per row in ``dt`` (ones when not normalising): ``F.normalize``'s clamp."""
+    if not normalize:
+        return torch.ones(x.shape[0], device=x.device, dtype=dt)
+    return 1.0 / torch.linalg.vector_norm(x, dim=1, dtype=dt).clamp_min(NORM_EPS)
+
+
+def scaled(x: torch.Tensor, inv_norm: torch.Tensor, dt: torch.dtype = torch.float32) -> torch.Tensor:
+    """x̂ = x · inv_norm in ``dt``. The C++ kernel builds b̂ / â with this same expression and
+    compares bits to spot i2t / t2i, so every wrapper must use it."""
+    return x.to(dt) * inv_norm[:, None]
 
 
 def positive_logits(q_hat: torch.Tensor, k_hat: torch.Tensor, offset: int, inv_tau: torch.Tensor) -> torch.Tensor:
@@ -38,6 +53,11 @@ def row_losses(stats: RowStats, n_keys: int, label_smoothing: float) -> torch.Te
     if label_smoothing == 0.0:
         return nll
     return nll - (label_smoothing / n_keys) * stats.dsum
+
+
+def pair_losses(i2t: RowStats, t2i: RowStats, n_keys: int, label_smoothing: float) -> torch.Tensor:
+    """½(i2t_k + t2i_k) per pair k: what the single-process loss returns with reduction="none"."""
+    return 0.5 * (row_losses(i2t, n_keys, label_smoothing) + row_losses(t2i, n_keys, label_smoothing))
 
 
 def row_nll(stats: RowStats) -> torch.Tensor:
@@ -65,27 +85,39 @@ def add_positive_and_smoothing(stats: RowStats, g, q_hat, k_hat, d_q, d_k, offse
     return (g * (q_prob * stats.mean_neg - (eps / n) * stats.dsum)).sum()
 
 
-def grads_outside_kernel(
-    stats: RowStats,
-    g: torch.Tensor,
-    q_hat: torch.Tensor,
-    k_hat: torch.Tensor,
-    d_q_neg: torch.Tensor,
-    d_k_neg: torch.Tensor,
-    offset: int,
-    inv_tau: torch.Tensor,
-    label_smoothing: float,
-):
-    """Complete the gradients w.r.t. the normalised q̂ (M, D), k̂ (N, D) and w.r.t. τ.
+def finish_directional(stats: RowStats, g, q, k, rq, rk, d_q_neg, d_k_neg, offset: int, inv_tau,
+                       label_smoothing: float, normalize: bool):
+    """(dL/dq, dL/dk in the inputs' dtypes, Σ_ik dZ_ik·Z_ik for :func:`tau_grad`) of one direction.
 
-    ``d_q_neg``/``d_k_neg`` are the kernels' float32 negatives-only sums (before 1/τ).
-    ``g`` (M,) is the upstream gradient of each row's loss. Modifies ``d_q_neg`` and
-    ``d_k_neg`` in place (they are kernel scratch) and returns (dq̂, dk̂, dτ_times_tau)
-    where the last must still be divided by τ (done by the caller to keep τ's dtype).
+    ``d_q_neg`` (M, D) / ``d_k_neg`` (N, D): a kernel's negatives-only shares (times τ) of dL/dq̂
+    and dL/dk̂, float32 (float64 for float64 inputs) scratch, modified in place. ``g`` (M,): the
+    upstream gradient of each row's loss. ``rq``/``rk``: the inverse row norms.
     """
-    dz_z = add_positive_and_smoothing(stats, g, q_hat, k_hat, d_q_neg, d_k_neg, offset, label_smoothing)
-    # dL/dτ = −(1/τ) Σ_ik dZ_ik Z_ik
-    return d_q_neg.mul_(inv_tau), d_k_neg.mul_(inv_tau), -dz_z
+    dt = rq.dtype
+    dz_z = add_positive_and_smoothing(stats, g, scaled(q, rq, dt), scaled(k, rk, dt), d_q_neg, d_k_neg, offset,
+                                      label_smoothing)
+    d_q = unnormalize_grad(q, rq, d_q_neg.mul_(inv_tau), normalize).to(q.dtype).contiguous()
+    d_k = unnormalize_grad(k, rk, d_k_neg.mul_(inv_tau), normalize).to(k.dtype).contiguous()
+    return d_q, d_k, dz_z
+
+
+def finish_symmetric(i2t: RowStats, t2i: RowStats, g, img, txt, rv, rt, d_v_neg, d_t_neg, inv_tau,
+                     label_smoothing: float, normalize: bool):
+    """The single-process version of :func:`finish_directional`: both directions' positive and
+    smoothing terms on top of a kernel's combined negatives' shares (``g`` already halved)."""
+    dt = rv.dtype
+    v_hat, t_hat = scaled(img, rv, dt), scaled(txt, rt, dt)
+    dz_z = add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v_neg, d_t_neg, 0, label_smoothing)
+    dz_z = dz_z + add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_t_neg, d_v_neg, 0, label_smoothing)
+    del v_hat, t_hat  # peak memory: free before the normalisation's temporaries
+    d_img = unnormalize_grad(img, rv, d_v_neg.mul_(inv_tau), normalize).to(img.dtype).contiguous()
+    d_txt = unnormalize_grad(txt, rt, d_t_neg.mul_(inv_tau), normalize).to(txt.dtype).contiguous()
+    return d_img, d_txt, dz_z
+
+
+def tau_grad(dz_z: torch.Tensor, inv_tau: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    """dL/dτ = −(Σ_ik dZ_ik·Z_ik) / τ, in τ's ``dtype`` and ``shape`` (``dz_z`` from the finishers)."""
+    return (-dz_z * inv_tau).to(dtype).reshape(shape).contiguous()
 
 
 def unnormalize_grad(x: torch.Tensor, inv_norm: torch.Tensor, d_hat: torch.Tensor, normalize: bool) -> torch.Tensor:
@@ -95,6 +127,6 @@ def unnormalize_grad(x: torch.Tensor, inv_norm: torch.Tensor, d_hat: torch.Tenso
         return d_hat
     x_hat = x.to(inv_norm.dtype) * inv_norm[:, None]
     radial = (x_hat * d_hat).sum(dim=1, keepdim=True)
-    clamped = inv_norm >= 1.0 / 1e-12  # ‖x‖ below eps: x̂ = x / eps is linear, no projection
+    clamped = inv_norm >= 1.0 / NORM_EPS  # ‖x‖ below eps: x̂ = x / eps is linear, no projection
     proj = torch.where(clamped[:, None], d_hat, d_hat - x_hat * radial)
     return proj * inv_norm[:, None]

@@ -26,8 +26,19 @@ loss runs per rank) and ``hnclip::symmetric_nll`` (what ``hn_clip_loss(backend="
 runs), each with a ``*_backward`` operator, and registers the autograd formulas and the
 fake (meta) kernels once, at import. Being registered operators they compose with
 ``torch.compile(fullgraph=True)`` (no graph break) and ``torch.autograd.gradcheck``.
+γ and ε reach the operators as 0-dim float64 tensors, not ``float`` arguments, so a γ
+schedule under ``torch.compile`` reuses one graph instead of recompiling per value.
 The ``*_backward`` operators' own autograd formula raises: a second derivative through
 this backend is one clear error naming backend="torch" (:mod:`hnclip_kernels._first_order`).
+
+``torch.func``: the wrappers :func:`directional_nll_cpp` and :func:`hn_clip_pairs_cpp` (and so
+``hn_clip_loss``) work under ``grad``, ``grad_and_value``, ``vjp``, ``jacrev`` and ``vmap``,
+nested too (``vmap(grad(...))``, per-example gradients), with the eager results; under
+``vmap`` the kernels run once per batch entry (a loop). The operators called directly
+(``torch.ops.hnclip.*``) support autograd and ``vmap`` but not ``torch.func.grad``: the
+autograd.Function that ``torch.library.register_autograd`` builds has no ``setup_context``,
+which functorch requires (pytorch/pytorch#168393). Forward mode (``jvp``, ``jacfwd``,
+``hessian``) raises a clear error.
 
 Importing this module raises ImportError when the extension was not built;
 ``hnclip_kernels.loss`` treats that as "C++ backend unavailable".
@@ -39,9 +50,9 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from .._first_order import raising_backward
-from ..reference import NORM_EPS, compute_dtype
-from . import epilogue
+from .._first_order import first_order_call, raising_backward
+from ..reference import compute_dtype
+from . import epilogue, registration
 
 try:
     from .. import _C  # noqa: F401  (loading the library runs its TORCH_LIBRARY registrations)
@@ -55,16 +66,24 @@ if not hasattr(torch.ops.hnclip, "directional_fwd"):  # pragma: no cover
     raise ImportError("hnclip_kernels._C loaded but did not register torch.ops.hnclip.directional_fwd")
 
 
-def _inv_norms(x: Tensor, normalize: bool, dt: torch.dtype) -> Tensor:
-    """1 / max(‖x_i‖, eps) per row in ``dt`` (ones when not normalising)."""
-    if not normalize:
-        return torch.ones(x.shape[0], device=x.device, dtype=dt)
-    return 1.0 / torch.linalg.vector_norm(x, dim=1, dtype=dt).clamp_min(NORM_EPS)
+def _scalar_arg(x) -> Tensor:
+    """γ or ε as the 0-dim float64 CPU tensor the operators take.
+
+    A ``float`` argument of a registered operator is a constant of a ``torch.compile``d graph:
+    every new value (a γ schedule) would recompile, and fail at the recompile limit under
+    ``fullgraph=True``. A tensor computed from the Python float is a graph input instead (once
+    Dynamo has seen a second value and made the float dynamic), so the graph is reused; the
+    eager implementations read the value back with ``.item()``, which Dynamo never traces.
+    ``zeros + x`` rather than ``torch.tensor(x)``: Inductor's pass that turns dynamic floats
+    into tensors handles arithmetic only, and specialises (recompiles) on anything else."""
+    if isinstance(x, Tensor):
+        return x.detach().to(device="cpu", dtype=torch.float64).reshape(())
+    return torch.zeros((), dtype=torch.float64) + float(x)
 
 
-def _scaled(x: Tensor, inv_norm: Tensor, dt: torch.dtype) -> Tensor:
-    # the C++ side builds b̂ / â with the same expression and compares bits to spot i2t / t2i
-    return x.to(dt) * inv_norm[:, None]
+def _value(x: Tensor) -> float:
+    """The Python float of a :func:`_scalar_arg` tensor (inside an operator's eager implementation)."""
+    return float(x.item())
 
 
 _FwdOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -73,14 +92,16 @@ _FwdOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, 
 @torch.library.custom_op("hnclip::directional_nll", mutates_args=(), device_types="cpu")
 def _directional_nll(
     q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor,
-    offset: int, gamma: float, label_smoothing: float, normalize: bool, need_grad: bool,
+    offset: int, gamma: Tensor, label_smoothing: Tensor, normalize: bool, need_grad: bool,
 ) -> _FwdOut:
     """Per-row losses (M,) and what the backward needs:
-    (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, row_acc, col_acc)."""
+    (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, row_acc, col_acc).
+    ``gamma``, ``label_smoothing``: 0-dim tensors (see :func:`_scalar_arg`)."""
+    gamma, label_smoothing = _value(gamma), _value(label_smoothing)
     dt = compute_dtype(q.dtype)
-    rq, rk, ra, rb = (_inv_norms(x, normalize, dt) for x in (q, k, a, b))
+    rq, rk, ra, rb = (epilogue.inv_norms(x, normalize, dt) for x in (q, k, a, b))
     inv_tau = 1.0 / tau.detach().to(dt)
-    q_hat, k_hat = _scaled(q, rq, dt), _scaled(k, rk, dt)
+    q_hat, k_hat = epilogue.scaled(q, rq, dt), epilogue.scaled(k, rk, dt)
     pos = epilogue.positive_logits(q_hat, k_hat, offset, inv_tau)
     delta, mean_neg, dsum, row_acc, col_acc = torch.ops.hnclip.directional_fwd(
         q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad)
@@ -105,26 +126,24 @@ def _directional_nll_backward(
     grad: Tensor, q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor,
     rq: Tensor, rk: Tensor, ra: Tensor, rb: Tensor, pos: Tensor, delta: Tensor, mean_neg: Tensor, dsum: Tensor,
     row_acc: Tensor, col_acc: Tensor,
-    offset: int, gamma: float, label_smoothing: float, normalize: bool, need_qk: bool,
+    offset: int, gamma: Tensor, label_smoothing: Tensor, normalize: bool, need_qk: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dL/dq in q's dtype, dL/dk in k's dtype, dL/dτ in τ's dtype and shape)."""
+    gamma, label_smoothing = _value(gamma), _value(label_smoothing)
     dt = compute_dtype(q.dtype)
     g = grad.to(dt).contiguous()
     inv_tau = 1.0 / tau.detach().to(dt)
-    q_hat, k_hat = _scaled(q, rq, dt), _scaled(k, rk, dt)
+    q_hat, k_hat = epilogue.scaled(q, rq, dt), epilogue.scaled(k, rk, dt)
     if need_qk:
         d_q_neg, d_k_neg = torch.ops.hnclip.directional_bwd(
             q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma)
     else:  # only τ wants a gradient: it needs the row statistics alone
         d_q_neg, d_k_neg = torch.zeros_like(q_hat), torch.zeros_like(k_hat)
+    del q_hat, k_hat  # peak memory: the finisher forms them again after the kernel's temporaries are gone
     stats = epilogue.RowStats(pos, delta, mean_neg, dsum)
-    d_q_hat, d_k_hat, d_tau_scaled = epilogue.grads_outside_kernel(
-        stats, g, q_hat, k_hat, d_q_neg, d_k_neg, offset, inv_tau, label_smoothing)
-    del q_hat, k_hat, d_q_neg, d_k_neg  # peak memory: free before the normalisation's temporaries
-    # contiguous whatever the inputs' strides, as the fake kernel promises
-    d_q = epilogue.unnormalize_grad(q, rq, d_q_hat, normalize).to(q.dtype).contiguous()
-    d_k = epilogue.unnormalize_grad(k, rk, d_k_hat, normalize).to(k.dtype).contiguous()
-    d_tau = (d_tau_scaled * inv_tau).to(tau.dtype).reshape(tau.shape).contiguous()
+    d_q, d_k, dz_z = epilogue.finish_directional(stats, g, q, k, rq, rk, d_q_neg, d_k_neg, offset, inv_tau,
+                                                 label_smoothing, normalize)
+    d_tau = epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
     return d_q, d_k, d_tau
 
 
@@ -138,17 +157,19 @@ def _setup_context(ctx, inputs, output):
     saved = output[1:]
     ctx.mark_non_differentiable(*saved)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, a, b, tau, *saved)
-    ctx.options = (int(offset), float(gamma), float(label_smoothing), bool(normalize))
+    ctx.save_for_backward(q, k, a, b, tau, gamma, label_smoothing, *saved)
+    ctx.options = (int(offset), bool(normalize))
 
 
 def _backward(ctx, grad_loss, *_unused):
-    q, k, a, b, tau, *saved = ctx.saved_tensors
+    q, k, a, b, tau, gamma, label_smoothing, *saved = ctx.saved_tensors
+    offset, normalize = ctx.options
     needs = ctx.needs_input_grad
     if grad_loss is None:
         grad_loss = torch.zeros(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device)
     need_qk = bool(needs[0] or needs[1])
-    d_q, d_k, d_tau = torch.ops.hnclip.directional_nll_backward(grad_loss, q, k, a, b, tau, *saved, *ctx.options, need_qk)
+    d_q, d_k, d_tau = first_order_call("cpp", torch.ops.hnclip.directional_nll_backward, grad_loss, q, k, a, b, tau,
+                                       *saved, offset, gamma, label_smoothing, normalize, need_qk)
     return (d_q if needs[0] else None, d_k if needs[1] else None, None, None,
             d_tau if needs[4] else None, None, None, None, None, None)
 
@@ -178,20 +199,21 @@ _SymOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, 
 
 @torch.library.custom_op("hnclip::symmetric_nll", mutates_args=(), device_types="cpu")
 def _symmetric_nll(
-    img: Tensor, txt: Tensor, tau: Tensor, gamma: float, label_smoothing: float, normalize: bool,
+    img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor, normalize: bool,
 ) -> _SymOut:
     """Per-pair losses ½(i2t_k + t2i_k) (N,) and what the backward needs:
-    (pairs, rv, rt, pos, delta_i2t, mean_neg_i2t, dsum_i2t, delta_t2i, mean_neg_t2i, dsum_t2i)."""
+    (pairs, rv, rt, pos, delta_i2t, mean_neg_i2t, dsum_i2t, delta_t2i, mean_neg_t2i, dsum_t2i).
+    ``gamma``, ``label_smoothing``: 0-dim tensors (see :func:`_scalar_arg`)."""
+    gamma, label_smoothing = _value(gamma), _value(label_smoothing)
     dt = compute_dtype(img.dtype)
-    rv, rt = _inv_norms(img, normalize, dt), _inv_norms(txt, normalize, dt)
+    rv, rt = epilogue.inv_norms(img, normalize, dt), epilogue.inv_norms(txt, normalize, dt)
     inv_tau = 1.0 / tau.detach().to(dt)
-    v_hat, t_hat = _scaled(img, rv, dt), _scaled(txt, rt, dt)
+    v_hat, t_hat = epilogue.scaled(img, rv, dt), epilogue.scaled(txt, rt, dt)
     pos = epilogue.positive_logits(v_hat, t_hat, 0, inv_tau)  # Z_kk, the same for both directions
     stats = torch.ops.hnclip.symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma)
-    n = img.shape[0]
-    i2t = epilogue.row_losses(epilogue.RowStats(pos, *stats[:3]), n, label_smoothing)
-    t2i = epilogue.row_losses(epilogue.RowStats(pos, *stats[3:]), n, label_smoothing)
-    return (0.5 * (i2t + t2i), rv, rt, pos, *stats)
+    pairs = epilogue.pair_losses(epilogue.RowStats(pos, *stats[:3]), epilogue.RowStats(pos, *stats[3:]),
+                                 img.shape[0], label_smoothing)
+    return (pairs, rv, rt, pos, *stats)
 
 
 @_symmetric_nll.register_fake
@@ -205,25 +227,24 @@ def _symmetric_nll_backward(
     grad: Tensor, img: Tensor, txt: Tensor, tau: Tensor,
     rv: Tensor, rt: Tensor, pos: Tensor, delta_r: Tensor, mean_neg_r: Tensor, dsum_r: Tensor,
     delta_c: Tensor, mean_neg_c: Tensor, dsum_c: Tensor,
-    gamma: float, label_smoothing: float, normalize: bool, need_vt: bool,
+    gamma: Tensor, label_smoothing: Tensor, normalize: bool, need_vt: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dL/dimg in img's dtype, dL/dtxt in txt's dtype, dL/dτ in τ's dtype and shape)."""
+    gamma, label_smoothing = _value(gamma), _value(label_smoothing)
     dt = compute_dtype(img.dtype)
     g = 0.5 * grad.to(dt).contiguous()  # each direction's row k gets half of pair k's gradient
     inv_tau = 1.0 / tau.detach().to(dt)
-    v_hat, t_hat = _scaled(img, rv, dt), _scaled(txt, rt, dt)
+    v_hat, t_hat = epilogue.scaled(img, rv, dt), epilogue.scaled(txt, rt, dt)
     if need_vt:
         d_v, d_t = torch.ops.hnclip.symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma)
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t = torch.zeros_like(v_hat), torch.zeros_like(t_hat)
+    del v_hat, t_hat
     i2t = epilogue.RowStats(pos, delta_r, mean_neg_r, dsum_r)
     t2i = epilogue.RowStats(pos, delta_c, mean_neg_c, dsum_c)
-    dz_z = epilogue.add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v, d_t, 0, label_smoothing)
-    dz_z = dz_z + epilogue.add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_t, d_v, 0, label_smoothing)
-    del v_hat, t_hat  # peak memory: free before the normalisation's temporaries
-    d_img = epilogue.unnormalize_grad(img, rv, d_v.mul_(inv_tau), normalize).to(img.dtype).contiguous()
-    d_txt = epilogue.unnormalize_grad(txt, rt, d_t.mul_(inv_tau), normalize).to(txt.dtype).contiguous()
-    d_tau = (-dz_z * inv_tau).to(tau.dtype).reshape(tau.shape).contiguous()  # dL/dτ = −(Σ dZ·Z) / τ
+    d_img, d_txt, dz_z = epilogue.finish_symmetric(i2t, t2i, g, img, txt, rv, rt, d_v, d_t, inv_tau,
+                                                   label_smoothing, normalize)
+    d_tau = epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
     return d_img, d_txt, d_tau
 
 
@@ -237,18 +258,18 @@ def _sym_setup_context(ctx, inputs, output):
     saved = output[1:]
     ctx.mark_non_differentiable(*saved)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(img, txt, tau, *saved)
-    ctx.options = (float(gamma), float(label_smoothing), bool(normalize))
+    ctx.save_for_backward(img, txt, tau, gamma, label_smoothing, *saved)
+    ctx.normalize = bool(normalize)
 
 
 def _sym_backward(ctx, grad_pairs, *_unused):
-    img, txt, tau, *saved = ctx.saved_tensors
+    img, txt, tau, gamma, label_smoothing, *saved = ctx.saved_tensors
     needs = ctx.needs_input_grad
     if grad_pairs is None:
         grad_pairs = torch.zeros(img.shape[0], dtype=compute_dtype(img.dtype), device=img.device)
     need_vt = bool(needs[0] or needs[1])
-    d_img, d_txt, d_tau = torch.ops.hnclip.symmetric_nll_backward(grad_pairs, img, txt, tau, *saved, *ctx.options,
-                                                                  need_vt)
+    d_img, d_txt, d_tau = first_order_call("cpp", torch.ops.hnclip.symmetric_nll_backward, grad_pairs, img, txt,
+                                           tau, *saved, gamma, label_smoothing, ctx.normalize, need_vt)
     return (d_img if needs[0] else None, d_txt if needs[1] else None, d_tau if needs[2] else None,
             None, None, None)
 
@@ -267,27 +288,54 @@ def _symmetric_bwd_fake(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma):
     return v_hat.new_empty(v_hat.shape), t_hat.new_empty(t_hat.shape)
 
 
-def directional_nll_cpp(q, k, a, b, tau, offset, gamma, label_smoothing, normalize):
-    """C++ counterpart of :func:`hnclip_kernels.reference.directional_nll_torch`.
+# ---- torch.func (grad, vjp, vmap): see .registration ----
+_DirectionalNLL = registration.func_capable(
+    "_DirectionalNLL", torch.ops.hnclip.directional_nll, _setup_context, _backward, "cpp",
+    "``hnclip::directional_nll`` with the registered formula, usable under ``torch.func``.")
+_SymmetricNLL = registration.func_capable(
+    "_SymmetricNLL", torch.ops.hnclip.symmetric_nll, _sym_setup_context, _sym_backward, "cpp",
+    "``hnclip::symmetric_nll`` with the registered formula, usable under ``torch.func``.")
+registration.register_looped_vmap(("directional_nll", "directional_nll_backward", "symmetric_nll",
+                                   "symmetric_nll_backward"))
 
-    Per-row losses (M,) of query rows ``q`` (M, D) against key rows ``k`` (N, D), the
-    positive of row i at column ``offset + i``; margin factors ``a`` (M, D), ``b`` (N, D)
-    are stop-gradient. float32 result (float64 for float64 inputs); gradients reach ``q``,
-    ``k`` and ``tau`` (a 0-dim tensor).
+
+def directional_nll_cpp(queries, keys, *, query_txt, key_txt, tau, offset, gamma, label_smoothing, normalize,
+                        return_stats=False):
+    """C++ counterpart of :func:`hnclip_kernels.reference.directional_nll_torch` (same keyword-only
+    protocol and result).
+
+    Per-row losses (M,) of query rows ``queries`` (M, D) against key rows ``keys`` (N, D), the
+    positive of row i at column ``offset + i``; margin factors ``query_txt`` (M, D), ``key_txt``
+    (N, D) are stop-gradient. float32 result (float64 for float64 inputs); gradients reach
+    ``queries``, ``keys`` and ``tau`` (a 0-dim tensor). ``return_stats``: also the detached
+    ``epilogue.RowStats`` the backward uses. ``gamma`` and ``label_smoothing``: Python floats
+    (or 0-dim tensors, which get no gradient); under ``torch.compile`` a new value does not
+    recompile. Works under ``torch.func.grad``/``vjp``/``vmap`` (vmap: one kernel call per batch
+    entry); second derivatives raise the ``RuntimeError`` naming backend="torch".
     """
     # the forward also produces the gradient shares only when a backward can follow
-    need_grad = torch.is_grad_enabled() and bool(q.requires_grad or k.requires_grad)
-    out = torch.ops.hnclip.directional_nll(
-        q, k, a, b, tau, int(offset), float(gamma), float(label_smoothing), bool(normalize), need_grad)
-    return out[0]
+    need_grad = torch.is_grad_enabled() and bool(queries.requires_grad or keys.requires_grad)
+    out = registration.call(_DirectionalNLL, torch.ops.hnclip.directional_nll, queries, keys, query_txt, key_txt,
+                            tau, int(offset), _scalar_arg(gamma), _scalar_arg(label_smoothing), bool(normalize),
+                            need_grad)
+    if not return_stats:
+        return out[0]
+    return out[0], epilogue.RowStats(*out[5:9])
 
 
-def hn_clip_pairs_cpp(img, txt, tau, gamma, label_smoothing, normalize):
+def hn_clip_pairs_cpp(img, txt, *, tau, gamma, label_smoothing, normalize, return_stats=False):
     """Per-pair losses ½(i2t_k + t2i_k), shape (N,): the single-process loss in one operator.
 
     Each logit tile is computed once for both directions (its rows are i2t's, its columns
     t2i's): one product in the forward, three in the backward, against six for two
     :func:`directional_nll_cpp` calls. float32 result (float64 for float64 inputs);
-    gradients reach ``img``, ``txt`` and ``tau`` (a 0-dim tensor).
+    gradients reach ``img``, ``txt`` and ``tau`` (a 0-dim tensor). ``return_stats``: also
+    ``(i2t, t2i)``, the detached ``epilogue.RowStats`` of both directions. ``gamma``,
+    ``label_smoothing``, ``torch.compile`` and ``torch.func``: as :func:`directional_nll_cpp`.
     """
-    return torch.ops.hnclip.symmetric_nll(img, txt, tau, float(gamma), float(label_smoothing), bool(normalize))[0]
+    out = registration.call(_SymmetricNLL, torch.ops.hnclip.symmetric_nll, img, txt, tau, _scalar_arg(gamma),
+                            _scalar_arg(label_smoothing), bool(normalize))
+    if not return_stats:
+        return out[0]
+    pos = out[3]
+    return out[0], (epilogue.RowStats(pos, *out[4:7]), epilogue.RowStats(pos, *out[7:10]))

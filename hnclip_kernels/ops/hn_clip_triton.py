@@ -1,4 +1,4 @@
-"""Fused HN-CLIP loss in Triton: forward, backward and their autograd.Functions.
+"""Fused HN-CLIP loss in Triton: forward, backward, their operators and autograd.
 
 A tile of logits ``Z = (q̂ k̂ᵀ + γ · stopgrad(â b̂ᵀ)) / τ`` is formed on the fly from the raw
 features and their float32 inverse row norms. Nothing of size M×N is stored.
@@ -25,17 +25,57 @@ for near-duplicate captions (the hard negatives the margin is for) the gradient
 
 Every output element is written by one program, chunks run in order: bit-reproducible.
 One direction at a time (M query rows vs N key columns, positive of row i at column
-``offset + i``) serves a rank of a distributed job; ``HNClipTriton`` is the fused
+``offset + i``) serves a rank of a distributed job; the symmetric operator is the fused
 single-process loss (both directions from the same tiles).
+
+Registration. Four operators, registered once at import:
+
+* ``hnclip::triton_symmetric_nll(img, txt, tau, gamma, has_margin, label_smoothing, normalize,
+  precision)`` → (pairs, rv, rt, pos, and the (delta, mean_neg, dsum) of i2t then of t2i), what
+  ``hn_clip_loss(backend="triton")`` runs, and ``hnclip::triton_directional_nll(q, k, a, b,
+  tau, gamma, offset, has_margin, label_smoothing, normalize, precision)`` → (loss, rq, rk,
+  ra, rb, pos, delta, mean_neg, dsum), what a rank of the distributed loss runs;
+* their ``*_backward`` operators → (dL/dq, dL/dk, dL/dτ) in the inputs' dtypes.
+
+τ and γ are tensors (γ: shape (1,), float32; ``has_margin`` = γ ≠ 0 is the kernels' HAS_MARGIN),
+so a schedule of either reuses a compiled graph; the kernels read both from device memory and
+take no float argument at all: Inductor types a Python float fp64 inside a user kernel, and
+with γ a float argument the float32 tiles became fp64 and the forward kernel failed to compile
+("Loop-carried variable run_max has initial type fp32 but is re-assigned to fp64").
+``python -m benchmarks.sm90 --wide-scalars`` compiles the kernels with Inductor's scalar types.
+``label_smoothing`` stays a float (a new ε is a new graph); ``precision`` is the tensor-core mode
+string (``triton_config.FP32_PRECISIONS``).
+
+With compiled kernels the operators are ``torch.library.triton_op``s launching every kernel
+through ``torch.library.wrap_triton`` (:func:`_kernel`): ``torch.compile`` traces them into
+one ``triton_kernel_wrapper`` node per launch that Inductor compiles with the rest of the
+graph, and the operator function run on fake tensors is its own fake implementation.
+Under the interpreter (``TRITON_INTERPRET=1``) ``wrap_triton`` hands back the interpreted
+kernel, which cannot run on fake tensors, so the same functions are registered with
+``torch.library.custom_op`` and explicit fake implementations: opaque to tracing, the same
+kernels run eagerly inside (``torch.compile`` with "eager"/"aot_eager", ``torch.export`` and
+``opcheck`` work on CPU tensors; Inductor cannot compile user Triton kernels for CPU tensors).
+
+Autograd: ``torch.library.register_autograd`` on the forward operators (what a compiled or
+exported graph uses) and a raising formula on the backward operators (a second derivative is
+one ``RuntimeError`` naming backend="torch", ``hnclip_kernels._first_order``). In eager mode
+the public wrappers call the operators through :class:`HNClipTriton` /
+:class:`HNClipDirectionalTriton`, ``autograd.Function``s with the same ``setup_context`` and
+backward, because ``torch.func`` refuses the Function that ``register_autograd`` builds;
+``torch.library.register_vmap`` gives every operator a loop over the batch, so
+``torch.func.grad``, ``vjp`` and ``vmap`` (and ``vmap`` of ``grad``) work.
 """
 from __future__ import annotations
+
+from typing import Tuple
 
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
+from torch import Tensor
 
-from . import epilogue
+from .._first_order import first_order_call, raising_backward
+from . import epilogue, registration
 from . import triton_config as cfg
 
 
@@ -186,11 +226,30 @@ def _logits_tile(
 
 
 @triton.jit
-def _block(start, size, norm1_ptr, norm2_ptr, BLOCK: tl.constexpr):
-    """Offsets, bounds mask and the two inverse-norm vectors of one block of rows (or columns)."""
+def _load_gamma(gamma_ptr, HAS_MARGIN: tl.constexpr):
+    """The margin scale γ, float32, read from device memory like τ (never a float argument:
+    Inductor passes Python-float arguments of user kernels as fp64, which would turn the
+    float32 tiles and loop-carried statistics into fp64; and a tensor γ lets a compiled graph
+    take a new value without recompiling). Not read without the margin."""
+    gamma = 0.0
+    if HAS_MARGIN:
+        gamma = tl.load(gamma_ptr).to(tl.float32)
+    return gamma
+
+
+@triton.jit
+def _block(start, size, BLOCK: tl.constexpr):
+    """Offsets and bounds mask of one block of rows (or columns). No pointer goes in: torch's
+    mutation analysis of a traced kernel follows a store's address back through the helper
+    calls it came from and takes every pointer argument of those calls as written."""
     offs = start + tl.arange(0, BLOCK)
-    mask = offs < size
-    return offs, mask, tl.load(norm1_ptr + offs, mask=mask, other=0.0), tl.load(norm2_ptr + offs, mask=mask, other=0.0)
+    return offs, offs < size
+
+
+@triton.jit
+def _load2(ptr1, ptr2, offs, mask):
+    """Two vectors (a block's inverse norms) at ``offs``, 0 outside ``mask``."""
+    return tl.load(ptr1 + offs, mask=mask, other=0.0), tl.load(ptr2 + offs, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -232,10 +291,10 @@ def _store_partial(ptr, plane, offs, mask, m, s, w, ds, SMOOTHING: tl.constexpr)
 def _fwd_kernel(
     q_ptr, k_ptr, a_ptr, b_ptr,
     s_qm, s_qd, s_kn, s_kd, s_am, s_ad, s_bn, s_bd,
-    rq_ptr, rk_ptr, ra_ptr, rb_ptr, pos_ptr, tau_ptr,
+    rq_ptr, rk_ptr, ra_ptr, rb_ptr, pos_ptr, tau_ptr, gamma_ptr,
     row_part_ptr,  # (splits, planes, M): this split's summary of each row
     col_part_ptr,  # (row blocks, planes, N): this row block's summary of each column (COL_STATS)
-    M, N, D, offset, gamma, cols_per_split,
+    M, N, D, offset, cols_per_split,
     COL_STATS: tl.constexpr, SMOOTHING: tl.constexpr,
     HAS_MARGIN: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -248,7 +307,9 @@ def _fwd_kernel(
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     inv_tau = 1.0 / tl.load(tau_ptr)
-    offs_m, mask_m, rq, ra = _block(pid_m * BLOCK_M, M, rq_ptr, ra_ptr, BLOCK_M)
+    gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
+    offs_m, mask_m = _block(pid_m * BLOCK_M, M, BLOCK_M)
+    rq, ra = _load2(rq_ptr, ra_ptr, offs_m, mask_m)
     pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
     run_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     run_sum = tl.zeros((BLOCK_M,), tl.float32)
@@ -257,7 +318,8 @@ def _fwd_kernel(
     n_start = pid_s * cols_per_split
     n_end = tl.minimum(n_start + cols_per_split, N)
     for n0 in range(n_start, n_end, BLOCK_N):
-        offs_n, mask_n, rk, rb = _block(n0, n_end, rk_ptr, rb_ptr, BLOCK_N)
+        offs_n, mask_n = _block(n0, n_end, BLOCK_N)
+        rk, rb = _load2(rk_ptr, rb_ptr, offs_n, mask_n)
         z = _logits_tile(q_ptr, k_ptr, a_ptr, b_ptr, s_qm, s_qd, s_kn, s_kd, s_am, s_ad, s_bn, s_bd,
                          rq, rk, ra, rb, offs_m, offs_n, M, N, D, gamma, inv_tau,
                          HAS_MARGIN, INTERPRET, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -308,11 +370,11 @@ def _merge_kernel(part_ptr, n_parts, L, delta_ptr, mean_neg_ptr, dsum_ptr,
 def _dscore_kernel(
     q_ptr, k_ptr, a_ptr, b_ptr,
     s_qm, s_qd, s_kn, s_kd, s_am, s_ad, s_bn, s_bd,
-    rq_ptr, rk_ptr, ra_ptr, rb_ptr, pos_ptr, nll_ptr, g_ptr, tau_ptr,
+    rq_ptr, rk_ptr, ra_ptr, rb_ptr, pos_ptr, nll_ptr, g_ptr, tau_ptr, gamma_ptr,
     nll_c_ptr, g_c_ptr,  # SYMMETRIC only: the key direction's NLL and upstream gradient
     wq_ptr, wk_ptr,  # powers of two that bring the inverse norms near 1 in W (see _pow2_unit)
     w_ptr, s_wm, s_wn,
-    row0, row_end, col0, col_end, D, offset, gamma,
+    row0, row_end, col0, col_end, D, offset,
     SYMMETRIC: tl.constexpr,
     HAS_MARGIN: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -322,9 +384,12 @@ def _dscore_kernel(
     dS_ik = g_i P_ik over the negatives (P = exp(d − nll)); with SYMMETRIC (M = N,
     offset 0) plus g'_k P'_ki, the softmax of column k, so one tile serves i2t and t2i.
     """
-    offs_m, mask_m, rq, ra = _block(row0 + tl.program_id(0) * BLOCK_M, row_end, rq_ptr, ra_ptr, BLOCK_M)
-    offs_n, mask_n, rk, rb = _block(col0 + tl.program_id(1) * BLOCK_N, col_end, rk_ptr, rb_ptr, BLOCK_N)
+    offs_m, mask_m = _block(row0 + tl.program_id(0) * BLOCK_M, row_end, BLOCK_M)
+    offs_n, mask_n = _block(col0 + tl.program_id(1) * BLOCK_N, col_end, BLOCK_N)
+    rq, ra = _load2(rq_ptr, ra_ptr, offs_m, mask_m)
+    rk, rb = _load2(rk_ptr, rb_ptr, offs_n, mask_n)
     inv_tau = 1.0 / tl.load(tau_ptr)
+    gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
     z = _logits_tile(q_ptr, k_ptr, a_ptr, b_ptr, s_qm, s_qd, s_kn, s_kd, s_am, s_ad, s_bn, s_bd,
                      rq, rk, ra, rb, offs_m, offs_n, row_end, col_end, D, gamma, inv_tau,
                      HAS_MARGIN, INTERPRET, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -395,43 +460,76 @@ _dscore_tuned = triton.autotune(cfg.all_candidates("dscore"), key=_KEY + ["SYMME
 _gemm_tuned = triton.autotune(cfg.all_candidates("gemm"), key=["N", "PREC", "ACCUMULATE"], restore_value=["c_ptr"],
                               prune_configs_by={"early_config_prune": cfg.pruner("gemm", "b_ptr")})(_grad_gemm_kernel)
 
+# How the operators are registered (see the module docstring): triton_op for compiled kernels,
+# custom_op under the interpreter (and on a torch without triton_op)
+_INTERPRETED = _is_interpreting()
+_USE_TRITON_OP = not _INTERPRETED and hasattr(torch.library, "triton_op")
+if _USE_TRITON_OP:
+    from torch.library import wrap_triton
+else:
+    def wrap_triton(kernel):
+        """Under the interpreter the kernels are launched as they are."""
+        return kernel
 
-def _launch(kernel, tuned, name: str, width: int, grid, args, **constexprs):
-    """Launch ``kernel`` (autotuned twin ``tuned`` in mode "autotune"); ``grid(tiles)`` maps
-    the chosen constexprs to the launch grid."""
+
+def _kernel(name: str, tuned: bool):
+    """Kernel ``name`` ("fwd", "merge", "dscore", "gemm"), its autotuned twin when ``tuned``, through
+    ``torch.library.wrap_triton``: the kernel itself in an eager call of an operator, a traceable
+    wrapper (a ``triton_kernel_wrapper`` node per launch) while ``torch.compile`` traces one.
+    Spelled out kernel by kernel so that ``triton_op`` finds every kernel of its operators in
+    this source (torch hashes their code into its compile-cache keys)."""
+    if name == "fwd":
+        return wrap_triton(_fwd_tuned) if tuned else wrap_triton(_fwd_kernel)
+    if name == "dscore":
+        return wrap_triton(_dscore_tuned) if tuned else wrap_triton(_dscore_kernel)
+    if name == "gemm":
+        return wrap_triton(_gemm_tuned) if tuned else wrap_triton(_grad_gemm_kernel)
+    return wrap_triton(_merge_kernel)
+
+
+def _traced(kernel) -> bool:
+    """Is ``kernel`` (from :func:`_kernel`) a traceable wrapper, i.e. is an operator being traced?"""
+    return _USE_TRITON_OP and not isinstance(kernel, (triton.runtime.JITFunction, triton.runtime.Autotuner))
+
+
+def _launch(name: str, width: int, grid, args, **constexprs):
+    """Launch kernel ``name`` (its autotuned twin in mode "autotune"); ``grid(tiles)`` maps the
+    chosen constexprs to the launch grid.
+
+    Traced, an accumulating GEMM (ACCUMULATE) takes the fixed configuration: torch re-wraps a
+    traced autotuner without its ``restore_value``, so benchmarking the candidates outside
+    Inductor (``backend="aot_eager"``) would add the product into the output once per candidate."""
     if cfg.launch_mode() == "autotune":
-        tuned[lambda meta: grid(meta)](*args, **constexprs)
-        return
+        tuned = _kernel(name, True)
+        if not (constexprs.get("ACCUMULATE") and _traced(tuned)):
+            tuned[lambda meta: grid(meta)](*args, **constexprs)
+            return
     fixed = cfg.heuristic(name, width)
     tiles = {**constexprs, **fixed.constexprs}
-    kernel[grid(tiles)](*args, **tiles, num_warps=fixed.num_warps, num_stages=fixed.num_stages)
+    _kernel(name, False)[grid(tiles)](*args, **tiles, num_warps=fixed.num_warps, num_stages=fixed.num_stages)
 
 
 # ------------------------------------------------------------------ launchers
-def _inv_norms(x: torch.Tensor, normalize: bool) -> torch.Tensor:
-    if not normalize:
-        return torch.ones(x.shape[0], device=x.device, dtype=torch.float32)
-    return 1.0 / torch.linalg.vector_norm(x, dim=1, dtype=torch.float32).clamp_min(1e-12)
-
-
 def _strides(*xs):
     return [s for x in xs for s in x.stride()]
 
 
 def _merge(part: torch.Tensor, smoothing: bool):
-    """(delta, mean_neg, dsum) of each line from its partial summaries (n_parts, planes, L)."""
+    """(delta, mean_neg, dsum) of each line from its partial summaries (n_parts, planes, L):
+    three separate tensors (an operator's outputs may not alias each other)."""
     n_parts, _, length = part.shape
-    out = torch.empty(3, length, device=part.device, dtype=torch.float32)
+    delta, mean_neg, dsum = (torch.empty(length, device=part.device, dtype=torch.float32) for _ in range(3))
     block = 128 if cfg.launch_mode() != "interpret" else 64
-    _merge_kernel[(triton.cdiv(length, block),)](part, n_parts, length, out[0], out[1], out[2],
-                                                 SMOOTHING=smoothing, BLOCK=block)
-    return out.unbind(0)
+    _kernel("merge", False)[(triton.cdiv(length, block),)](part, n_parts, length, delta, mean_neg, dsum,
+                                                           SMOOTHING=smoothing, BLOCK=block)
+    return delta, mean_neg, dsum
 
 
-def _forward_stats(ops, norms, pos, tau32, offset: int, gamma: float, smoothing: bool, precision,
+def _forward_stats(ops, norms, pos, tau32, gamma32, has_margin: bool, offset: int, smoothing: bool, precision,
                    columns: bool = False):
     """Statistics of Z's rows (``epilogue.RowStats``), and with ``columns`` also of Zᵀ's rows
-    (M = N, offset 0), from one walk over the tiles.
+    (M = N, offset 0), from one walk over the tiles. ``tau32``/``gamma32``: 1-element float32
+    tensors on the features' device; ``has_margin``: γ ≠ 0 (the kernels skip â b̂ᵀ without it).
 
     Workspace: 4 bytes × (3, or 4 with label smoothing) × (M · splits + N · ⌈M / BLOCK_M⌉), e.g.
     384 MiB at N = 65536 with 16-bit features (BLOCK_M = 128), nothing at all of size N × N.
@@ -447,9 +545,9 @@ def _forward_stats(ops, norms, pos, tau32, offset: int, gamma: float, smoothing:
     row_part = torch.empty(splits, planes, m, device=q.device, dtype=torch.float32)
     col_part = (torch.empty(row_blocks, planes, n, device=q.device, dtype=torch.float32) if columns
                 else row_part)  # unused without COL_STATS
-    args = (*ops, *_strides(*ops), *norms, pos, tau32, row_part, col_part, m, n, d, offset, gamma, per_split)
-    _launch(_fwd_kernel, _fwd_tuned, "fwd", width, lambda t: (row_blocks, splits), args,
-            COL_STATS=columns, SMOOTHING=smoothing, HAS_MARGIN=gamma != 0.0, INTERPRET=cfg.is_interpreting(),
+    args = (*ops, *_strides(*ops), *norms, pos, tau32, gamma32, row_part, col_part, m, n, d, offset, per_split)
+    _launch("fwd", width, lambda t: (row_blocks, splits), args,
+            COL_STATS=columns, SMOOTHING=smoothing, HAS_MARGIN=has_margin, INTERPRET=cfg.is_interpreting(),
             PREC=cfg.dot_precision(q.dtype, precision), BLOCK_M=block_m, BLOCK_K=cfg.score_block_k(width))
     rows = epilogue.RowStats(pos, *_merge(row_part, smoothing))
     if not columns:
@@ -468,12 +566,17 @@ def _gemm(a, b, c, r, accumulate: bool, precision: str):
     m, kk = a.shape
     n = b.shape[1]
     args = (a, b, c, r, m, n, kk, *a.stride(), *b.stride(), *c.stride())
-    _launch(_grad_gemm_kernel, _gemm_tuned, "gemm", b.element_size(),
-            lambda t: (triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"]),), args,
+    _launch("gemm", b.element_size(), lambda t: (triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"]),), args,
             ACCUMULATE=accumulate, INTERPRET=cfg.is_interpreting(), PREC=precision, GROUP_M=8)
 
 
-def _backward_shares(ops, norms, stats, g, tau32, offset: int, gamma: float, precision, key_side=None):
+def _rows(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """x[start:end], or x itself when that is all of it (a traced operator then writes the
+    tensor, not a view of it: no scatter back into a base)."""
+    return x if (start, end) == (0, x.shape[0]) else x[start:end]
+
+
+def _backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offset: int, precision, key_side=None):
     """Negatives' shares (times τ) of dL/dq̂ (M, D) and dL/dk̂ (N, D), float32.
 
     ``key_side = (stats, g)`` of the transposed direction makes it symmetric (M = N, offset 0).
@@ -492,7 +595,6 @@ def _backward_shares(ops, norms, stats, g, tau32, offset: int, gamma: float, pre
     nll = epilogue.row_nll(stats)
     nll_c, g_c = (epilogue.row_nll(key_side[0]), key_side[1]) if key_side else (nll, g)
     rows, cols = cfg.chunk_shape(m, n)
-    work = torch.empty(rows * cols, device=q.device, dtype=torch.float32)
     d_q = torch.empty(m, d, device=q.device, dtype=torch.float32)
     d_k = torch.empty(n, d, device=q.device, dtype=torch.float32)
     prec, grad_prec = cfg.dot_precision(q.dtype, precision), cfg.grad_precision(q.dtype, precision)
@@ -500,114 +602,248 @@ def _backward_shares(ops, norms, stats, g, tau32, offset: int, gamma: float, pre
         row_end = min(row0 + rows, m)
         for col0 in range(0, n, cols):
             col_end = min(col0 + cols, n)
-            w = work[: (row_end - row0) * (col_end - col0)].view(row_end - row0, col_end - col0)
-            args = (*ops, *_strides(*ops), *norms, stats.pos, nll, g, tau32, nll_c, g_c, wq, wk, w, *w.stride(),
-                    row0, row_end, col0, col_end, d, offset, gamma)
-            _launch(_dscore_kernel, _dscore_tuned, "dscore", width,
+            # a fresh workspace per chunk, the previous one freed first (the allocator hands its
+            # memory back): never a view into a shared buffer, which a traced operator would
+            # write through a scatter
+            w = torch.empty(row_end - row0, col_end - col0, device=q.device, dtype=torch.float32)
+            args = (*ops, *_strides(*ops), *norms, stats.pos, nll, g, tau32, gamma32, nll_c, g_c, wq, wk, w,
+                    *w.stride(), row0, row_end, col0, col_end, d, offset)
+            _launch("dscore", width,
                     lambda t: (triton.cdiv(row_end - row0, t["BLOCK_M"]), triton.cdiv(col_end - col0, t["BLOCK_N"])),
-                    args, SYMMETRIC=key_side is not None, HAS_MARGIN=gamma != 0.0, INTERPRET=cfg.is_interpreting(),
+                    args, SYMMETRIC=key_side is not None, HAS_MARGIN=has_margin, INTERPRET=cfg.is_interpreting(),
                     PREC=prec, BLOCK_K=cfg.score_block_k(width))
-            _gemm(w, k[col0:col_end], d_q[row0:row_end], rq[row0:row_end], col0 > 0, grad_prec)
-            _gemm(w.t(), q[row0:row_end], d_k[col0:col_end], rk[col0:col_end], row0 > 0, grad_prec)
+            _gemm(w, _rows(k, col0, col_end), _rows(d_q, row0, row_end), _rows(rq, row0, row_end), col0 > 0,
+                  grad_prec)
+            _gemm(w.t(), _rows(q, row0, row_end), _rows(d_k, col0, col_end), _rows(rk, col0, col_end), row0 > 0,
+                  grad_prec)
+            del w
     return d_q, d_k
 
 
+# ------------------------------------------------------------------ operators
+_SymOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+_DirOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+_Grads = Tuple[Tensor, Tensor, Tensor]
+
+
+def _register(name: str, fake):
+    """Decorator: the function as the operator ``hnclip::<name>`` (no mutated arguments).
+
+    Compiled kernels: ``torch.library.triton_op``, so ``torch.compile`` sees the kernel launches
+    (``wrap_triton``) and Inductor compiles them into its graph; the function itself, run on
+    fake tensors, is the fake implementation. Interpreter (or a torch without ``triton_op``):
+    ``torch.library.custom_op`` with the explicit ``fake``: ``wrap_triton`` hands back an
+    interpreted kernel as it is, and that cannot run on fake tensors, so the operator is
+    opaque to tracing there (the same kernels run eagerly inside it)."""
+
+    def wrap(fn):
+        if _USE_TRITON_OP:
+            return torch.library.triton_op(f"hnclip::{name}", fn, mutates_args=())
+        op = torch.library.custom_op(f"hnclip::{name}", fn, mutates_args=())
+        op.register_fake(fake)
+        return op
+
+    return wrap
+
+
+def _scalar32(x: Tensor, like: Tensor) -> Tensor:
+    """A one-element tensor (τ, γ) as the kernels read it: float32, shape (1,), on ``like``'s device."""
+    return x.to(device=like.device, dtype=torch.float32).reshape(1)
+
+
+def _sym_fake(img, txt, tau, gamma, has_margin, label_smoothing, normalize, precision):
+    return tuple(img.new_empty((img.shape[0],), dtype=torch.float32) for _ in range(10))
+
+
+@_register("triton_symmetric_nll", _sym_fake)
+def _symmetric_nll(img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, has_margin: bool, label_smoothing: float,
+                   normalize: bool, precision: str) -> _SymOut:
+    """Per-pair losses ½(i2t_k + t2i_k) (N,) and what the backward needs:
+    (pairs, rv, rt, pos, delta_i2t, mean_neg_i2t, dsum_i2t, delta_t2i, mean_neg_t2i, dsum_t2i).
+
+    Forward: one walk over the tiles of Z gives its rows' (i2t) and columns' (t2i) statistics."""
+    rv, rt = epilogue.inv_norms(img, normalize), epilogue.inv_norms(txt, normalize)
+    tau32, gamma32 = _scalar32(tau, img), _scalar32(gamma, img)
+    inv_tau = 1.0 / tau32
+    pos = epilogue.positive_logits(epilogue.scaled(img, rv), epilogue.scaled(txt, rt), 0, inv_tau)
+    i2t, t2i = _forward_stats((img, txt, txt, txt), (rv, rt, rt, rt), pos, tau32, gamma32, has_margin, 0,
+                              label_smoothing != 0.0, precision, columns=True)
+    pairs = epilogue.pair_losses(i2t, t2i, img.shape[0], label_smoothing)
+    return (pairs, rv, rt, pos, *i2t[1:], *t2i[1:])
+
+
+def _grads_fake(grad, q, k, tau, *rest):
+    return q.new_empty(q.shape), k.new_empty(k.shape), tau.new_empty(tau.shape)
+
+
+@_register("triton_symmetric_nll_backward", _grads_fake)
+def _symmetric_nll_backward(
+    grad: Tensor, img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor,
+    rv: Tensor, rt: Tensor, pos: Tensor, delta_r: Tensor, mean_neg_r: Tensor, dsum_r: Tensor,
+    delta_c: Tensor, mean_neg_c: Tensor, dsum_c: Tensor,
+    has_margin: bool, label_smoothing: float, normalize: bool, precision: str, need_vt: bool,
+) -> _Grads:
+    """(dL/dimg in img's dtype, dL/dtxt in txt's dtype, dL/dτ in τ's dtype and shape). Each
+    recomputed tile carries both directions' softmax into one dS workspace."""
+    i2t = epilogue.RowStats(pos, delta_r, mean_neg_r, dsum_r)
+    t2i = epilogue.RowStats(pos, delta_c, mean_neg_c, dsum_c)
+    tau32, gamma32 = _scalar32(tau, img), _scalar32(gamma, img)
+    inv_tau = 1.0 / tau32
+    g = 0.5 * grad.float().contiguous()  # each direction's rows get half
+    if need_vt:
+        d_v, d_t = _backward_shares((img, txt, txt, txt), (rv, rt, rt, rt), i2t, g, tau32, gamma32, has_margin, 0,
+                                    precision, key_side=(t2i, g))
+    else:  # only τ wants a gradient: it needs the statistics alone
+        d_v, d_t = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (img, txt))
+    d_img, d_txt, dz_z = epilogue.finish_symmetric(i2t, t2i, g, img, txt, rv, rt, d_v, d_t, inv_tau,
+                                                   label_smoothing, normalize)
+    return d_img, d_txt, epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
+
+
+def _dir_fake(q, k, a, b, tau, gamma, offset, has_margin, label_smoothing, normalize, precision):
+    m, n = q.shape[0], k.shape[0]
+    return tuple(q.new_empty((n if i in (2, 4) else m,), dtype=torch.float32) for i in range(9))
+
+
+@_register("triton_directional_nll", _dir_fake)
+def _directional_nll(q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor, gamma: Tensor, offset: int,
+                     has_margin: bool, label_smoothing: float, normalize: bool, precision: str) -> _DirOut:
+    """Per-row losses (M,) of one direction and what the backward needs:
+    (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum)."""
+    norms = tuple(epilogue.inv_norms(x, normalize) for x in (q, k, a, b))
+    tau32, gamma32 = _scalar32(tau, q), _scalar32(gamma, q)
+    inv_tau = 1.0 / tau32
+    pos = epilogue.positive_logits(epilogue.scaled(q, norms[0]), epilogue.scaled(k, norms[1]), offset, inv_tau)
+    stats = _forward_stats((q, k, a, b), norms, pos, tau32, gamma32, has_margin, offset, label_smoothing != 0.0,
+                           precision)
+    return (epilogue.row_losses(stats, k.shape[0], label_smoothing), *norms, *stats)
+
+
+@_register("triton_directional_nll_backward", _grads_fake)
+def _directional_nll_backward(
+    grad: Tensor, q: Tensor, k: Tensor, tau: Tensor, a: Tensor, b: Tensor, gamma: Tensor,
+    rq: Tensor, rk: Tensor, ra: Tensor, rb: Tensor, pos: Tensor, delta: Tensor, mean_neg: Tensor, dsum: Tensor,
+    offset: int, has_margin: bool, label_smoothing: float, normalize: bool, precision: str, need_qk: bool,
+) -> _Grads:
+    """(dL/dq in q's dtype, dL/dk in k's dtype, dL/dτ in τ's dtype and shape)."""
+    stats = epilogue.RowStats(pos, delta, mean_neg, dsum)
+    tau32, gamma32 = _scalar32(tau, q), _scalar32(gamma, q)
+    inv_tau = 1.0 / tau32
+    g = grad.float().contiguous()
+    if need_qk:
+        d_q, d_k = _backward_shares((q, k, a, b), (rq, rk, ra, rb), stats, g, tau32, gamma32, has_margin, offset,
+                                    precision)
+    else:  # only τ wants a gradient: it needs the row statistics alone
+        d_q, d_k = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (q, k))
+    d_q_in, d_k_in, dz_z = epilogue.finish_directional(stats, g, q, k, rq, rk, d_q, d_k, offset, inv_tau,
+                                                       label_smoothing, normalize)
+    return d_q_in, d_k_in, epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
+
+
 # ------------------------------------------------------------------ autograd
-def _tau_grad(ctx, dz_z: torch.Tensor, inv_tau: torch.Tensor):
-    """dL/dτ = −(Σ dZ·Z) / τ, in τ's own dtype and shape; None when τ needs no gradient."""
-    if not ctx.needs_input_grad[ctx.tau_index]:
-        return None
-    tau_dtype, tau_shape = ctx.tau_meta
-    return (-dz_z * inv_tau).to(tau_dtype).reshape(tau_shape)
+def _sym_setup_context(ctx, inputs, output):
+    img, txt, tau, gamma, has_margin, label_smoothing, normalize, precision = inputs
+    saved = output[1:]
+    ctx.mark_non_differentiable(*saved)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(img, txt, tau, gamma, *saved)
+    ctx.options = (bool(has_margin), float(label_smoothing), bool(normalize), str(precision))
 
 
-def _save_tau(ctx, tau: torch.Tensor, index: int, like: torch.Tensor) -> torch.Tensor:
-    ctx.tau_meta, ctx.tau_index = (tau.dtype, tau.shape), index
-    return tau.detach().to(device=like.device, dtype=torch.float32).reshape(1)
+def _sym_backward(ctx, grad_pairs, *_stats):
+    img, txt, tau, gamma, *saved = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    if grad_pairs is None:
+        grad_pairs = torch.zeros(img.shape[0], dtype=torch.float32, device=img.device)
+    need_vt = bool(needs[0] or needs[1])
+    d_img, d_txt, d_tau = first_order_call("triton", torch.ops.hnclip.triton_symmetric_nll_backward, grad_pairs,
+                                           img, txt, tau, gamma, *saved, *ctx.options, need_vt)
+    return (d_img if needs[0] else None, d_txt if needs[1] else None, d_tau if needs[2] else None,
+            None, None, None, None, None)
 
 
-class HNClipDirectionalTriton(torch.autograd.Function):
-    """One direction of the HN-CLIP loss: per-row losses (M,) float32; grads for q, k, τ.
-
-    M local query rows against N key columns, positive at ``offset + i``: what a rank of a
-    distributed job computes. ``a``/``b`` (the margin's text factors) are stop-gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, a, b, tau, offset: int, gamma: float, label_smoothing: float, normalize: bool,
-                precision=None):
-        norms = tuple(_inv_norms(x, normalize) for x in (q, k, a, b))
-        tau32 = _save_tau(ctx, tau, 4, q)
-        inv_tau = 1.0 / tau32
-        pos = epilogue.positive_logits(q.float() * norms[0][:, None], k.float() * norms[1][:, None], offset, inv_tau)
-        stats = _forward_stats((q, k, a, b), norms, pos, tau32, offset, float(gamma), label_smoothing != 0.0,
-                               precision)
-        ctx.save_for_backward(q, k, a, b, *norms, tau32, *stats)
-        ctx.cfg = (offset, float(gamma), label_smoothing, normalize, precision)
-        return epilogue.row_losses(stats, k.shape[0], label_smoothing)
-
-    @staticmethod
-    @once_differentiable  # a second derivative raises instead of coming back silently partial
-    def backward(ctx, grad_rows):
-        q, k, a, b, rq, rk, ra, rb, tau32, *stats = ctx.saved_tensors
-        stats = epilogue.RowStats(*stats)
-        offset, gamma, eps, normalize, precision = ctx.cfg
-        g = grad_rows.detach().float().contiguous()
-        d_q, d_k = _backward_shares((q, k, a, b), (rq, rk, ra, rb), stats, g, tau32, offset, gamma, precision)
-        inv_tau = 1.0 / tau32
-        q_hat, k_hat = q.float() * rq[:, None], k.float() * rk[:, None]
-        dz_z = epilogue.add_positive_and_smoothing(stats, g, q_hat, k_hat, d_q, d_k, offset, eps)
-        d_q_in = epilogue.unnormalize_grad(q, rq, d_q.mul_(inv_tau), normalize).to(q.dtype)
-        d_k_in = epilogue.unnormalize_grad(k, rk, d_k.mul_(inv_tau), normalize).to(k.dtype)
-        return d_q_in, d_k_in, None, None, _tau_grad(ctx, dz_z, inv_tau), None, None, None, None, None
+def _dir_setup_context(ctx, inputs, output):
+    q, k, a, b, tau, gamma, offset, has_margin, label_smoothing, normalize, precision = inputs
+    saved = output[1:]
+    ctx.mark_non_differentiable(*saved)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, tau, a, b, gamma, *saved)
+    ctx.options = (int(offset), bool(has_margin), float(label_smoothing), bool(normalize), str(precision))
 
 
-class HNClipTriton(torch.autograd.Function):
-    """The whole single-process loss: per-pair losses ½(i2t_k + t2i_k), shape (N,), float32.
-
-    Forward: one walk over the tiles of Z gives its rows' (i2t) and columns' (t2i) statistics.
-    Backward: each recomputed tile carries both directions' softmax into one dS workspace.
-    """
-
-    @staticmethod
-    def forward(ctx, img, txt, tau, gamma: float, label_smoothing: float, normalize: bool, precision=None):
-        rv, rt = _inv_norms(img, normalize), _inv_norms(txt, normalize)
-        tau32 = _save_tau(ctx, tau, 2, img)
-        inv_tau = 1.0 / tau32
-        pos = epilogue.positive_logits(img.float() * rv[:, None], txt.float() * rt[:, None], 0, inv_tau)
-        n = img.shape[0]
-        ops, norms = (img, txt, txt, txt), (rv, rt, rt, rt)
-        i2t, t2i = _forward_stats(ops, norms, pos, tau32, 0, float(gamma), label_smoothing != 0.0, precision,
-                                  columns=True)
-        ctx.save_for_backward(img, txt, rv, rt, tau32, *i2t, *t2i)
-        ctx.cfg = (float(gamma), label_smoothing, normalize, precision)
-        return 0.5 * (epilogue.row_losses(i2t, n, label_smoothing) + epilogue.row_losses(t2i, n, label_smoothing))
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_pairs):
-        img, txt, rv, rt, tau32, *stats = ctx.saved_tensors
-        i2t, t2i = epilogue.RowStats(*stats[:4]), epilogue.RowStats(*stats[4:])
-        gamma, eps, normalize, precision = ctx.cfg
-        g = 0.5 * grad_pairs.detach().float().contiguous()  # each direction's rows get half
-        d_v, d_t = _backward_shares((img, txt, txt, txt), (rv, rt, rt, rt), i2t, g, tau32, 0, gamma, precision,
-                                    key_side=(t2i, g))
-        inv_tau = 1.0 / tau32
-        v_hat, t_hat = img.float() * rv[:, None], txt.float() * rt[:, None]
-        dz_z = epilogue.add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v, d_t, 0, eps)
-        dz_z = dz_z + epilogue.add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_t, d_v, 0, eps)
-        d_img = epilogue.unnormalize_grad(img, rv, d_v.mul_(inv_tau), normalize).to(img.dtype)
-        d_txt = epilogue.unnormalize_grad(txt, rt, d_t.mul_(inv_tau), normalize).to(txt.dtype)
-        return d_img, d_txt, _tau_grad(ctx, dz_z, inv_tau), None, None, None, None
+def _dir_backward(ctx, grad_rows, *_stats):
+    q, k, tau, *saved = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    if grad_rows is None:
+        grad_rows = torch.zeros(q.shape[0], dtype=torch.float32, device=q.device)
+    need_qk = bool(needs[0] or needs[1])
+    d_q, d_k, d_tau = first_order_call("triton", torch.ops.hnclip.triton_directional_nll_backward, grad_rows,
+                                       q, k, tau, *saved, *ctx.options, need_qk)
+    return (d_q if needs[0] else None, d_k if needs[1] else None, None, None, d_tau if needs[4] else None,
+            None, None, None, None, None, None)
 
 
-def directional_nll_triton(q, k, a, b, tau, offset, gamma, label_smoothing, normalize, precision=None):
-    """Triton counterpart of :func:`hnclip_kernels.reference.directional_nll_torch`.
-    ``precision``: tensor-core input precision for float32 features (``triton_config.FP32_PRECISIONS``;
-    None: ``DEFAULT_FP32_PRECISION``); ignored for 16-bit features."""
-    return HNClipDirectionalTriton.apply(q, k, a, b, tau, offset, gamma, label_smoothing, normalize, precision)
+torch.library.register_autograd("hnclip::triton_symmetric_nll", _sym_backward, setup_context=_sym_setup_context)
+torch.library.register_autograd("hnclip::triton_directional_nll", _dir_backward, setup_context=_dir_setup_context)
+# the backward operators are not differentiable: a second derivative is one clear error naming backend="torch"
+torch.library.register_autograd("hnclip::triton_symmetric_nll_backward", raising_backward("triton"))
+torch.library.register_autograd("hnclip::triton_directional_nll_backward", raising_backward("triton"))
 
 
-def hn_clip_pairs_triton(img, txt, tau, gamma, label_smoothing, normalize, precision=None):
-    """Per-pair losses ½(i2t_k + t2i_k), shape (N,): the fused single-process loss."""
-    return HNClipTriton.apply(img, txt, tau, gamma, label_smoothing, normalize, precision)
+# torch.func-capable Functions (see .registration); the class names are the Triton backend's API
+HNClipTriton = registration.func_capable(
+    "HNClipTriton", torch.ops.hnclip.triton_symmetric_nll, _sym_setup_context, _sym_backward, "triton",
+    "``hnclip::triton_symmetric_nll`` with its registered autograd formula, usable under ``torch.func``.")
+HNClipDirectionalTriton = registration.func_capable(
+    "HNClipDirectionalTriton", torch.ops.hnclip.triton_directional_nll, _dir_setup_context, _dir_backward, "triton",
+    "``hnclip::triton_directional_nll`` with its registered autograd formula, usable under ``torch.func``.")
+registration.register_looped_vmap(("triton_symmetric_nll", "triton_symmetric_nll_backward", "triton_directional_nll",
+                                   "triton_directional_nll_backward"))
+
+
+# ------------------------------------------------------------------ public wrappers
+def _scalar_args(gamma, precision, like: Tensor):
+    """(γ as a (1,) float32 tensor on ``like``'s device, has_margin, precision string).
+
+    γ reaches the kernels through device memory, never as a float argument: a ``float``
+    argument of an operator is a constant of a compiled graph (each new γ of a schedule would
+    recompile), and Inductor types Python floats fp64 inside user kernels. The tensor is
+    ``ones · γ``: a product with the float is what AOTAutograd's tensorify pass turns into a
+    graph input (``torch.full``/``torch.tensor(γ)`` specialise the graph on γ's value). has_margin
+    (γ ≠ 0, the kernels' HAS_MARGIN) stays a bool: under ``torch.compile`` γ = 0 and γ ≠ 0 are
+    two graphs, every other new γ reuses the second. A tensor γ is taken to be non-zero."""
+    if isinstance(gamma, torch.Tensor):
+        gamma_t, has_margin = gamma.detach().to(device=like.device, dtype=torch.float32).reshape(1), True
+    else:
+        gamma_t, has_margin = torch.ones(1, dtype=torch.float32, device=like.device) * gamma, gamma != 0.0
+    return gamma_t, has_margin, precision or cfg.DEFAULT_FP32_PRECISION
+
+
+def directional_nll_triton(queries, keys, *, query_txt, key_txt, tau, offset, gamma, label_smoothing, normalize,
+                           return_stats=False, precision=None):
+    """Triton counterpart of :func:`hnclip_kernels.reference.directional_nll_torch` (same keyword-only
+    protocol and result). ``precision``: tensor-core input precision for float32 features
+    (``triton_config.FP32_PRECISIONS``; None: ``DEFAULT_FP32_PRECISION``); ignored for 16-bit features.
+
+    Runs ``hnclip::triton_directional_nll``; works under ``torch.compile(fullgraph=True)`` (a new
+    γ or τ does not recompile), ``torch.export``, ``torch.func.grad``/``vjp`` and ``torch.func.vmap``
+    (one kernel call per batch entry). Second derivatives raise the ``RuntimeError`` naming
+    backend="torch"."""
+    gamma_t, has_margin, precision = _scalar_args(gamma, precision, queries)
+    out = registration.call(HNClipDirectionalTriton, torch.ops.hnclip.triton_directional_nll, queries, keys,
+                            query_txt, key_txt, tau, gamma_t, int(offset), has_margin, float(label_smoothing),
+                            bool(normalize), precision)
+    return (out[0], epilogue.RowStats(*out[5:9])) if return_stats else out[0]
+
+
+def hn_clip_pairs_triton(img, txt, *, tau, gamma, label_smoothing, normalize, return_stats=False, precision=None):
+    """Per-pair losses ½(i2t_k + t2i_k), shape (N,): the fused single-process loss
+    (``hnclip::triton_symmetric_nll``; composes as :func:`directional_nll_triton` does).
+    ``return_stats``: also ``(i2t, t2i)``, the detached ``epilogue.RowStats`` of both directions."""
+    gamma_t, has_margin, precision = _scalar_args(gamma, precision, img)
+    out = registration.call(HNClipTriton, torch.ops.hnclip.triton_symmetric_nll, img, txt, tau, gamma_t,
+                            has_margin, float(label_smoothing), bool(normalize), precision)
+    if not return_stats:
+        return out[0]
+    pos = out[3]
+    return out[0], (epilogue.RowStats(pos, *out[4:7]), epilogue.RowStats(pos, *out[7:10]))
