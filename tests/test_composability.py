@@ -301,3 +301,14 @@ def test_directional_protocol_is_keyword_only(backend):
     rows = fn(q, k, query_txt=k, key_txt=k, tau=torch.tensor(0.1), offset=0, gamma=0.5, label_smoothing=0.0,
               normalize=True)
     assert rows.shape == (4,)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_torch_export_matches_eager(backend):
+    class Loss(torch.nn.Module):
+        def forward(self, a, b):
+            return hn_clip_loss(a, b, 0.07, gamma=0.5, backend=backend)
+
+    img, txt = make_pair(8, 4, seed=14)
+    exported = torch.export.export(Loss(), (img, txt))
+    assert_close_rel(exported.module()(img, txt), Loss()(img, txt), 1e-6, "exported loss")
