@@ -53,17 +53,22 @@ def _real(name: str, x) -> float:
 
 
 def largest_intermediate(tau: float, gamma: float, label_smoothing: float = 0.0, n_keys: int = 1,
-                         img_norm: float = 1.0, txt_norm: float = 1.0) -> float:
-    """The largest magnitude any backend forms from the logits, in units of the logits.
+                         img_norm: float = 1.0, txt_norm: float = 1.0, n_rows: int = 1) -> float:
+    """The largest magnitude any backend forms on the way to the loss.
 
-    With ‖v_i‖ ≤ img_norm and ‖t_j‖ ≤ txt_norm (1 for normalised features), every logit is
-    at most (img_norm·txt_norm + γ·txt_norm²)/τ in magnitude, and the gaps Z_ij − Z_ii that
-    the kernels work with reach twice the image-text part plus the margin:
-    (2·img_norm·txt_norm + γ·txt_norm²)/τ, that is (2 + γ)/τ when normalised. Label
-    smoothing sums N gaps per row (``dsum``), so it multiplies the bound by N.
+    With ‖v_i‖ ≤ img_norm and ‖t_j‖ ≤ txt_norm (1 for normalised features):
+
+    * the raw products v·t and t·t (before 1/τ and γ) reach img_norm·txt_norm and txt_norm²;
+    * the gaps Z_ij − Z_ii that the kernels work with reach
+      g = (2·img_norm·txt_norm + γ·txt_norm²)/τ, that is (2 + γ)/τ when normalised;
+    * label smoothing sums N gaps per row (``dsum``): N·g;
+    * a row's loss is at most g (2g with label smoothing), a pair sums two rows, and the
+      "mean"/"sum" reductions add up ``n_rows`` pairs.
     """
     gap = (2.0 * img_norm * txt_norm + gamma * txt_norm * txt_norm) / tau
-    return gap * (n_keys if label_smoothing != 0.0 else 1)
+    smoothing = gap * n_keys if label_smoothing != 0.0 else 0.0
+    row = gap * (2.0 if label_smoothing != 0.0 else 1.0)
+    return max(img_norm * txt_norm, txt_norm * txt_norm, gap, smoothing, 2.0 * row * n_rows)
 
 
 def _finite_limit(dtype: torch.dtype) -> float:
@@ -71,12 +76,14 @@ def _finite_limit(dtype: torch.dtype) -> float:
 
 
 def check_tau(tau: Union[float, torch.Tensor], device: torch.device, dtype: torch.dtype = torch.float32,
-              gamma: float = 0.0, *, label_smoothing: float = 0.0, n_keys: int = 1) -> Optional[float]:
+              gamma: float = 0.0, *, label_smoothing: float = 0.0, n_keys: int = 1,
+              n_rows: int = 1) -> Optional[float]:
     """τ must be a positive finite number or a one-element floating tensor, large enough that
     every intermediate of normalised features (:func:`largest_intermediate`: the gaps reach
     (2 + γ)/τ) stays finite in the compute ``dtype`` (float32 for all but float64). Pass the
-    margin scale ``gamma`` (already checked: a finite float ≥ 0), and with label smoothing
-    ``label_smoothing`` and the number of key columns ``n_keys``, so the bound holds.
+    margin scale ``gamma`` (already checked: a finite float ≥ 0), with label smoothing
+    ``label_smoothing`` and the number of key columns ``n_keys``, and the number of rows a
+    reduction sums, ``n_rows``, so the bound holds.
 
     Returns τ's value, or None where it is not read: under ``torch.compile`` (a value check
     would break the graph, and reading a Python float would specialise the graph on it) and
@@ -93,55 +100,81 @@ def check_tau(tau: Union[float, torch.Tensor], device: torch.device, dtype: torc
         if tau.device.type == "meta":
             return None  # meta tensors have no value
         values = _functorch_values(tau.detach())
-        if values is not None:  # under torch.func.vmap: check every batch entry's τ
+        if values is not None:  # under torch.func.vmap: check every batch entry's τ; the smallest bounds them all
             for value in values:
-                check_tau(value, device, dtype, gamma, label_smoothing=label_smoothing, n_keys=n_keys)
-            return None
+                check_tau(value, device, dtype, gamma, label_smoothing=label_smoothing, n_keys=n_keys, n_rows=n_rows)
+            return min(values)
         value = float(tau.detach())  # one host sync: the price of a clear error instead of a NaN loss
     else:
         value = _real("tau", tau)
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"tau (temperature) must be finite and > 0, got {value}; open_clip users pass 1 / logit_scale")
     limit = _finite_limit(dtype)
-    if largest_intermediate(value, gamma, label_smoothing, n_keys) >= limit:
-        smallest = largest_intermediate(1.0, gamma, label_smoothing, n_keys) / limit
+    if largest_intermediate(value, gamma, label_smoothing, n_keys, n_rows=n_rows) >= limit:
+        smallest = largest_intermediate(1.0, gamma, label_smoothing, n_keys, n_rows=n_rows) / limit
         raise ValueError(f"tau = {value} makes the logit gaps (2 + gamma) / tau"
                          + (f" summed over N = {n_keys} columns (label smoothing)" if label_smoothing else "")
+                         + (f" or the {n_rows} rows' losses summed by the reduction" if n_rows > 1 else "")
                          + f" overflow {dtype} arithmetic (gamma = {gamma}); use tau > {smallest:.2e}")
     return value
 
 
-def _functorch_values(tau: torch.Tensor):
-    """Every value behind a τ wrapped by ``torch.func`` transforms (vmap cannot read one ``.item()``),
-    or None for a plain tensor."""
+def _unwrapped(x: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind ``torch.func`` wrappers (a batched tensor keeps its batch
+    dimensions), or ``x`` itself: vmap cannot read values out of a batched tensor."""
     functorch = getattr(torch._C, "_functorch", None)
-    if functorch is None or not functorch.is_functorch_wrapped_tensor(tau):
-        return None
-    while functorch.is_functorch_wrapped_tensor(tau):
-        tau = functorch.get_unwrapped(tau)
-    return tau.reshape(-1).tolist()
+    while functorch is not None and functorch.is_functorch_wrapped_tensor(x):
+        x = functorch.get_unwrapped(x)
+    return x
+
+
+def _functorch_values(tau: torch.Tensor):
+    """Every value behind a τ wrapped by ``torch.func`` transforms, or None for a plain tensor."""
+    plain = _unwrapped(tau)
+    return None if plain is tau else plain.reshape(-1).tolist()
 
 
 def check_feature_range(img: torch.Tensor, txt: torch.Tensor, tau_value: Optional[float], gamma: float,
-                        label_smoothing: float = 0.0, img_name: str = "img", txt_name: str = "txt") -> None:
+                        label_smoothing: float = 0.0, img_name: str = "img", txt_name: str = "txt",
+                        n_rows: int = 1) -> None:
     """With ``normalize=False`` the logits grow with the feature norms: raise ``ValueError`` if
     they would overflow the compute dtype (one host sync for the two largest row norms), so
     that no backend returns a silently non-finite loss for finite features. Skipped under
     ``torch.compile``, for meta tensors and where τ was not read (``tau_value`` None)."""
     if tau_value is None or torch.compiler.is_compiling() or img.device.type == "meta":
         return
-    dt = torch.float64
-    norms = torch.stack([torch.linalg.vector_norm(x, dim=1, dtype=dt).max() for x in (img, txt)])
+    img, txt = _unwrapped(img), _unwrapped(txt)  # under torch.func: every batch entry's rows
+    norms = torch.stack([torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64).max() for x in (img, txt)])
     img_norm, txt_norm = norms.tolist()
     if not (math.isfinite(img_norm) and math.isfinite(txt_norm)):
         return  # non-finite features: the loss is non-finite too, as in torch.nn.functional
     limit = _finite_limit(img.dtype)
-    largest = largest_intermediate(tau_value, gamma, label_smoothing, img.shape[0], img_norm, txt_norm)
+    largest = largest_intermediate(tau_value, gamma, label_smoothing, img.shape[-2], img_norm, txt_norm, n_rows)
     if largest >= limit:
         raise ValueError(f"with normalize=False, {img_name} (row norms up to {img_norm:.3g}) and {txt_name} "
                          f"(up to {txt_norm:.3g}) at tau = {tau_value:g} give logit gaps up to {largest:.3g}, beyond "
                          f"{'float64' if img.dtype == torch.float64 else 'float32'} range; pass normalize=True or "
                          "scale the features down")
+
+
+def check_directional(queries: torch.Tensor, keys: torch.Tensor, query_txt: torch.Tensor, key_txt: torch.Tensor,
+                      offset) -> None:
+    """The shapes and the positive's ``offset`` of a directional op (M query rows against N key
+    columns, positive of row i at column offset + i): every backend raises the same
+    ``ValueError``/``TypeError`` instead of reading out of bounds."""
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"offset must be an int (the global column of the first query row's positive), "
+                        f"got {type(offset).__name__}")
+    m, n = queries.shape[0], keys.shape[0]
+    if not 0 <= offset <= n - m:
+        raise ValueError(f"offset must satisfy 0 <= offset and offset + M <= N (M = {m} query rows, N = {n} key "
+                         f"columns), got offset = {offset}")
+    if query_txt.shape[0] != m or key_txt.shape[0] != n:
+        raise ValueError(f"query_txt must have the M = {m} rows of queries and key_txt the N = {n} rows of keys, "
+                         f"got {query_txt.shape[0]} and {key_txt.shape[0]}")
+    dims = {x.shape[-1] for x in (queries, keys, query_txt, key_txt)}
+    if len(dims) != 1:
+        raise ValueError(f"queries, keys, query_txt and key_txt must share the feature dimension D, got {sorted(dims)}")
 
 
 def check_precision(precision) -> None:

@@ -81,7 +81,8 @@ class HNClipLoss(nn.Module):
             ``effective_negatives`` are filled, the fields that need the logits again
             (naive float32/bf16 losses, lost positives, hardest margins) are None; use
             :func:`hnclip_kernels.diagnostics.saturation_report` for those. It costs a few
-            O(N) reductions and one host sync per step. The report is kept on the module,
+            O(N) reductions and one host sync per step (None for meta tensors and under
+            ``torch.compile``, where no value can be read). The report is kept on the module,
             not put in ``output_dict``, because open_clip's training loop sums every value
             of that dict into the total loss.
 
@@ -195,7 +196,10 @@ class HNClipLoss(nn.Module):
             from .diagnostics import report_from_row_stats
 
             loss, (i2t, t2i, n_keys) = loss
-            self.last_stats = report_from_row_stats(i2t, t2i, label_smoothing=self.label_smoothing, n_keys=n_keys)
+            # a report is host floats: none for meta tensors (no values) or inside a compiled graph
+            readable = not torch.compiler.is_compiling() and image_features.device.type != "meta"
+            self.last_stats = (report_from_row_stats(i2t, t2i, label_smoothing=self.label_smoothing, n_keys=n_keys)
+                               if readable else None)
         return {"contrastive_loss": loss} if output_dict else loss
 
 

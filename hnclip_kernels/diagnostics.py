@@ -163,6 +163,9 @@ def report_from_row_stats(i2t: RowStats, t2i: RowStats, *, threshold: float = 1e
             or t2i.mean_neg.shape != t2i.delta.shape:
         raise ValueError(f"i2t and t2i statistics must all have the same length, got delta {tuple(i2t.delta.shape)}/"
                          f"{tuple(t2i.delta.shape)}, mean_neg {tuple(i2t.mean_neg.shape)}/{tuple(t2i.mean_neg.shape)}")
+    if ls != 0.0 and (i2t.dsum.shape != i2t.delta.shape or t2i.dsum.shape != t2i.delta.shape):
+        raise ValueError(f"dsum must have the length of delta, got {tuple(i2t.dsum.shape)}/{tuple(t2i.dsum.shape)} "
+                         f"for delta {tuple(i2t.delta.shape)}")
     if i2t.delta.numel() == 0:
         raise ValueError("i2t and t2i statistics are empty (M = 0 rows)")
     with torch.no_grad():

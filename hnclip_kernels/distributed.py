@@ -269,11 +269,12 @@ def _local_checks(image_features, text_features, tau, gamma, label_smoothing, ba
     except (TypeError, ValueError) as exc:
         return 3, exc, None
     try:  # the global N is known after the collective, which checks the bound again with it
+        n = image_features.shape[0]
         tau_value = _validation.check_tau(tau, image_features.device, image_features.dtype, gamma,
-                                          label_smoothing=label_smoothing, n_keys=image_features.shape[0])
+                                          label_smoothing=label_smoothing, n_keys=n, n_rows=n)
         if world_size == 1 and not normalize:
             _validation.check_feature_range(image_features, text_features, tau_value, gamma, label_smoothing,
-                                            "image_features", "text_features")
+                                            "image_features", "text_features", n_rows=n)
     except (TypeError, ValueError) as exc:
         return 2, exc, None
     try:
@@ -341,7 +342,7 @@ def _global_range_problem(meta, gamma, label_smoothing, dtype_index) -> Optional
     txt_norm = max(_bits_float(m[_TXT_NORM]) for m in meta)
     n_total = sum(m[_N_IMG] for m in meta)
     largest = _validation.largest_intermediate(tau_value, float(gamma), float(label_smoothing), n_total,
-                                               img_norm, txt_norm)
+                                               img_norm, txt_norm, n_rows=n_total)
     dtype = _validation.FLOAT_DTYPES[dtype_index]
     if largest < _validation._finite_limit(dtype):
         return None

@@ -200,10 +200,11 @@ def hn_clip_loss(
     _validation.check_features(img, txt)
     _validation.check_options(gamma, label_smoothing, reduction, backend, normalize)
     _validation.check_precision(precision)
+    n_rows = img.shape[0] if reduction != "none" else 1  # how many rows' losses the reduction sums
     tau_value = _validation.check_tau(tau, img.device, img.dtype, gamma, label_smoothing=label_smoothing,
-                                      n_keys=img.shape[0])
+                                      n_keys=img.shape[0], n_rows=n_rows)
     if not normalize:
-        _validation.check_feature_range(img, txt, tau_value, gamma, label_smoothing)
+        _validation.check_feature_range(img, txt, tau_value, gamma, label_smoothing, n_rows=n_rows)
     _warn_if_tau_looks_like_logit_scale(tau_value)
     # autocast would run the reference's matmuls in bf16: accumulation here is float32 by design
     with autocast_disabled(img.device):

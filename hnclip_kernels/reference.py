@@ -76,6 +76,13 @@ def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _MatmulNT.apply(a, b)
 
 
+def _normalized(x: torch.Tensor) -> torch.Tensor:
+    """``F.normalize(x, dim=1)`` with the norm taken in float64: a float32 norm overflows for
+    finite rows with entries ≳ 1.8e19, and F.normalize then returns a zero vector."""
+    norm = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float64).clamp_min(NORM_EPS)
+    return x / norm.to(x.dtype)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 stays float64, everything else runs in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -111,12 +118,14 @@ def directional_nll_torch(
     ``return_stats``, also the detached row statistics ``ops.epilogue.RowStats`` (what the
     fused kernels save for their backward; :mod:`hnclip_kernels.diagnostics` reads them).
     """
+    from ._validation import check_directional
+
+    check_directional(queries, keys, query_txt, key_txt, offset)
     dt = compute_dtype(queries.dtype)
     q, k = queries.to(dt), keys.to(dt)
     a, b = query_txt.detach().to(dt), key_txt.detach().to(dt)
     if normalize:
-        q, k = F.normalize(q, dim=1, eps=NORM_EPS), F.normalize(k, dim=1, eps=NORM_EPS)
-        a, b = F.normalize(a, dim=1, eps=NORM_EPS), F.normalize(b, dim=1, eps=NORM_EPS)
+        q, k, a, b = (_normalized(x) for x in (q, k, a, b))
     m, n = q.shape[0], k.shape[0]
     rows = torch.arange(m, device=q.device)
     pos_cols = rows + offset

@@ -377,25 +377,26 @@ def test_tau_above_one_under_compile_does_not_break_graph(monkeypatch):
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_tau_overflow_check_accounts_for_gamma(backend):
-    # (2 + γ)/τ = 1e40 overflows float32 although 1/τ = 1e37 does not. Before, the paths through
+    # 6 pairs' (2 + γ)/τ summed by the mean, 2·6·1002/τ = 1.2e40, overflows float32 although
+    # 1/τ = 1e36 does not. Before, the paths through
     # distributed.py (HNClipLoss, distributed_hn_clip_loss) checked 1/τ only: inf on torch, NaN on cpp
     from hnclip_kernels import HNClipLoss
     from hnclip_kernels.distributed import distributed_hn_clip_loss
 
     img, txt = make_pair(6, 4, seed=19)
     calls = {
-        "hn_clip_loss": lambda: hn_clip_loss(img, txt, 1e-37, gamma=1e3, backend=backend),
-        "hn_clip_loss tensor tau": lambda: hn_clip_loss(img, txt, torch.tensor(1e-37), gamma=1e3, backend=backend),
-        "distributed_hn_clip_loss": lambda: distributed_hn_clip_loss(img, txt, 1e-37, gamma=1e3, world_size=1,
+        "hn_clip_loss": lambda: hn_clip_loss(img, txt, 1e-36, gamma=1e3, backend=backend),
+        "hn_clip_loss tensor tau": lambda: hn_clip_loss(img, txt, torch.tensor(1e-36), gamma=1e3, backend=backend),
+        "distributed_hn_clip_loss": lambda: distributed_hn_clip_loss(img, txt, 1e-36, gamma=1e3, world_size=1,
                                                                      backend=backend),
-        "HNClipLoss": lambda: HNClipLoss(gamma=1e3, backend=backend, normalize=True)(img, txt, torch.tensor(1e37)),
+        "HNClipLoss": lambda: HNClipLoss(gamma=1e3, backend=backend, normalize=True)(img, txt, torch.tensor(1e36)),
     }
     for name, call in calls.items():
         try:
             value = call()
         except ValueError as exc:
-            assert re.search(r"overflow.*use tau > 2\.9\de-36", str(exc)), f"{name}: {exc}"
+            assert re.search(r"overflow.*use tau > 3\.5\de-35", str(exc)), f"{name}: {exc}"
         else:
             pytest.fail(f"{name} returned {value} instead of raising ValueError")
-    # γ = 0 at the same τ is fine: the bound is (2 + γ)/τ (the largest gap), not a fixed floor
-    assert torch.isfinite(hn_clip_loss(img, txt, 1e-37, gamma=0.0, backend=backend))
+    # γ = 0 at the same τ is fine (2·6·2/τ = 2.4e37): the bound counts γ, it is not a fixed floor
+    assert torch.isfinite(hn_clip_loss(img, txt, 1e-36, gamma=0.0, backend=backend))

@@ -336,3 +336,17 @@ def test_hn_clip_loss_module_return_stats(backend, eps):
     assert math.isclose(stats.effective_negatives, full.effective_negatives, rel_tol=1e-4)
     assert stats.naive_fp32_loss is None and stats.hardest_margin_max is None
     assert "contrastive_loss" in module(img, txt, torch.tensor(1 / 0.03), output_dict=True)  # the dict is unchanged
+
+
+def test_return_stats_meta_and_misaligned_dsum():
+    # from a hostile review: meta features raised "Cannot copy out of meta tensor" with
+    # return_stats; a dsum of the wrong length gave a misaligned report without an error
+    from hnclip_kernels import HNClipLoss
+
+    module = HNClipLoss(backend="torch", return_stats=True)
+    loss = module(torch.empty(5, 4, device="meta"), torch.empty(5, 4, device="meta"), torch.tensor(10.0))
+    assert loss.device.type == "meta" and module.last_stats is None
+    d, m = torch.zeros(5), torch.zeros(5)
+    with pytest.raises(ValueError, match="dsum"):
+        report_from_row_stats(RowStats(None, d, m, torch.zeros(6)), RowStats(None, d, m, torch.zeros(4)),
+                              label_smoothing=0.1, n_keys=5)

@@ -30,10 +30,12 @@ class RowStats(NamedTuple):
 
 
 def inv_norms(x: torch.Tensor, normalize: bool, dt: torch.dtype = torch.float32) -> torch.Tensor:
-    """1 / max(‖x_i‖, eps) per row in ``dt`` (ones when not normalising): ``F.normalize``'s clamp."""
+    """1 / max(‖x_i‖, eps) per row in ``dt`` (ones when not normalising): ``F.normalize``'s clamp.
+    The norm is taken in float64: in float32 it overflows for finite rows with entries ≳ 1.8e19
+    (and their normalised vectors would silently become 0)."""
     if not normalize:
         return torch.ones(x.shape[0], device=x.device, dtype=dt)
-    return 1.0 / torch.linalg.vector_norm(x, dim=1, dtype=dt).clamp_min(NORM_EPS)
+    return (1.0 / torch.linalg.vector_norm(x, dim=1, dtype=torch.float64).clamp_min(NORM_EPS)).to(dt)
 
 
 def scaled(x: torch.Tensor, inv_norm: torch.Tensor, dt: torch.dtype = torch.float32) -> torch.Tensor:

@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 from .._first_order import first_order_call, raising_backward
+from .._validation import check_directional
 from ..reference import compute_dtype
 from . import epilogue, registration
 
@@ -313,6 +314,7 @@ def directional_nll_cpp(queries, keys, *, query_txt, key_txt, tau, offset, gamma
     recompile. Works under ``torch.func.grad``/``vjp``/``vmap`` (vmap: one kernel call per batch
     entry); second derivatives raise the ``RuntimeError`` naming backend="torch".
     """
+    check_directional(queries, keys, query_txt, key_txt, offset)
     # the forward also produces the gradient shares only when a backward can follow
     need_grad = torch.is_grad_enabled() and bool(queries.requires_grad or keys.requires_grad)
     out = registration.call(_DirectionalNLL, torch.ops.hnclip.directional_nll, queries, keys, query_txt, key_txt,

@@ -75,6 +75,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .._first_order import first_order_call, raising_backward
+from .._validation import check_directional
 from . import epilogue, registration
 from . import triton_config as cfg
 
@@ -829,6 +830,7 @@ def directional_nll_triton(queries, keys, *, query_txt, key_txt, tau, offset, ga
     γ or τ does not recompile), ``torch.export``, ``torch.func.grad``/``vjp`` and ``torch.func.vmap``
     (one kernel call per batch entry). Second derivatives raise the ``RuntimeError`` naming
     backend="torch"."""
+    check_directional(queries, keys, query_txt, key_txt, offset)
     gamma_t, has_margin, precision = _scalar_args(gamma, precision, queries)
     out = registration.call(HNClipDirectionalTriton, torch.ops.hnclip.triton_directional_nll, queries, keys,
                             query_txt, key_txt, tau, gamma_t, int(offset), has_margin, float(label_smoothing),
