@@ -370,13 +370,16 @@ def test_directional_offset_is_checked(backend, m, offset, exc):
                                 offset=offset, gamma=0.5, label_smoothing=0.0, normalize=True)
 
 
-@pytest.mark.parametrize("backend", ALL_BACKENDS)
+_TRITON_RAW_PRODUCTS = pytest.mark.xfail(
+    strict=True, reason="the Triton kernels form raw row products: rows of norm > 1.8e19 give NaN (left for a "
+                        "power-of-two row rescale of the kernels' inputs)")
+
+
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=_TRITON_RAW_PRODUCTS) if b == "triton" else b
+                                     for b in ALL_BACKENDS])
 def test_rows_with_entries_beyond_float32_norm_range(backend):
     # before: the float32 norm of a finite row with entries ~2e19 overflowed, the normalised row
     # became 0 and torch/cpp returned log N (12.03 expected) with zero gradients
-    if backend == "triton":
-        pytest.xfail("the Triton kernels form raw row products: rows of norm > 1.8e19 give NaN (left for a "
-                     "power-of-two row rescale in the kernels' inputs)")
     img, txt = make_pair(8, 4, seed=19)
     img, txt = img * 2e19, txt * 2e19
     a = img.clone().requires_grad_()
