@@ -336,6 +336,22 @@ inline void form_tile(const Tensor& L, const Tensor& R, int64_t i0, int64_t rows
   at::mm_out(tile, L.narrow(0, i0, rows), R.narrow(0, n0, nb).t());
 }
 
+// Rows [i0, i0 + rows) (whole tile-rows) against every column tile, each tile formed once into
+// scratch: row_fn(r, i, n0, nb, z) for each row r of the strip (i = i0 + r), z its nb logits.
+template <typename T, typename RowFn>
+inline void sweep_strip(const TileGrid& grid, const Tensor& L, const Tensor& R, int64_t i0, int64_t rows,
+                        Tensor& scratch, RowFn&& row_fn) {
+  const T* sp = scratch.data_ptr<T>();
+  for (int64_t r0 = 0; r0 < rows; r0 += grid.tr) {
+    const int64_t tr = std::min(grid.tr, rows - r0);
+    for (int64_t n0 = 0; n0 < grid.N; n0 += grid.bn) {
+      const int64_t nb = std::min(grid.bn, grid.N - n0);
+      form_tile(L, R, i0 + r0, tr, n0, nb, scratch);
+      for (int64_t r = r0; r < r0 + tr; ++r) row_fn(r, i0 + r, n0, nb, sp + (r - r0) * grid.bn);
+    }
+  }
+}
+
 // Runs body(i0, rows, strip, scratch, part, first_in_group) over strips of whole tile-rows
 // (about kStripRows rows each, at least one per group when there are enough tile-rows), split
 // into contiguous groups. strip is (>= rows, N), scratch a tile. With `acc`, each group adds
@@ -412,27 +428,17 @@ struct RowSweep {
   // rows [i0, i0 + rows) of the queries, whole tile-rows; strip (>= rows, N) or null (statistics only)
   void block(const TileGrid& grid, int64_t i0, int64_t rows, Tensor* strip, Tensor& scratch, Tensor* part,
              bool first_in_group) {
-    const int64_t N = grid.N, bn = grid.bn;
-    const T* sp = scratch.data_ptr<T>();
+    const int64_t N = grid.N;
     T* bp = strip != nullptr ? strip->data_ptr<T>() : nullptr;  // leading dimension N
     std::vector<RowState<T>> st(delta != nullptr ? rows : 0);
-    for (int64_t r0 = 0; r0 < rows; r0 += grid.tr) {
-      const int64_t tr = std::min(grid.tr, rows - r0);
-      for (int64_t n0 = 0; n0 < N; n0 += bn) {
-        const int64_t nb = std::min(bn, N - n0);
-        form_tile(L, R, i0 + r0, tr, n0, nb, scratch);
-        for (int64_t r = r0; r < r0 + tr; ++r) {
-          const int64_t i = i0 + r;
-          const T* z = sp + (r - r0) * bn;
-          if (delta != nullptr) {  // forward: statistics, and the logits kept for P below
-            update_row<T>(z, nb, offset + i - n0, pos[i], st[r]);
-            if (bp != nullptr) std::memcpy(bp + r * N + n0, z, static_cast<size_t>(nb) * sizeof(T));
-          } else {  // backward: P_ik = w_i exp(d_ik − nll_i) straight from the tile
-            seg_prob(z, bp + r * N + n0, nb, pos[i], nll_in[i], weight != nullptr ? weight[i] : T(1));
-          }
-        }
+    sweep_strip<T>(grid, L, R, i0, rows, scratch, [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z) {
+      if (delta != nullptr) {  // forward: statistics, and the logits kept for P below
+        update_row<T>(z, nb, offset + i - n0, pos[i], st[r]);
+        if (bp != nullptr) std::memcpy(bp + r * N + n0, z, static_cast<size_t>(nb) * sizeof(T));
+      } else {  // backward: P_ik = w_i exp(d_ik − nll_i) straight from the tile
+        seg_prob(z, bp + r * N + n0, nb, pos[i], nll_in[i], weight != nullptr ? weight[i] : T(1));
       }
-    }
+    });
     if (delta != nullptr) {
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
@@ -604,22 +610,12 @@ void symmetric_grads(const Tensor& L, const Tensor& R, const Tensor& vh, const T
   const int64_t N = R.size(0), D = R.size(1);
   if (N == 0) return;
   const TileGrid grid(N, N);
-  const int64_t bn = grid.bn;
   grouped_strips<T>(grid, D, &d_t, L.options(),
                     [&](int64_t i0, int64_t rows, Tensor& strip, Tensor& scratch, Tensor* part, bool first) {
-    const T* sp = scratch.data_ptr<T>();
     T* bp = strip.data_ptr<T>();
-    for (int64_t r0 = 0; r0 < rows; r0 += grid.tr) {
-      const int64_t tr = std::min(grid.tr, rows - r0);
-      for (int64_t n0 = 0; n0 < N; n0 += bn) {
-        const int64_t nb = std::min(bn, N - n0);
-        form_tile(L, R, i0 + r0, tr, n0, nb, scratch);
-        for (int64_t r = r0; r < r0 + tr; ++r) {
-          const int64_t i = i0 + r;
-          sym_prob(sp + (r - r0) * bn, bp + r * N + n0, nb, pos[i], nll_r[i], g[i], pos + n0, nll_c + n0, g + n0);
-        }
-      }
-    }
+    sweep_strip<T>(grid, L, R, i0, rows, scratch, [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z) {
+      sym_prob(z, bp + r * N + n0, nb, pos[i], nll_r[i], g[i], pos + n0, nll_c + n0, g + n0);
+    });
     for (int64_t r = 0; r < rows; ++r) bp[r * N + i0 + r] = T(0);
     const Tensor ds = strip.narrow(0, 0, rows);
     Tensor dv = d_v.narrow(0, i0, rows);
