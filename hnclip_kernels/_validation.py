@@ -134,6 +134,14 @@ def _functorch_values(tau: torch.Tensor):
     return None if plain is tau else plain.reshape(-1).tolist()
 
 
+def max_row_norms(img: torch.Tensor, txt: torch.Tensor) -> tuple:
+    """(largest row norm of ``img``, of ``txt``) as Python floats, taken in float64 (one host
+    sync; under ``torch.func``, over every batch entry's rows)."""
+    img, txt = _unwrapped(img), _unwrapped(txt)
+    norms = torch.stack([torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64).max() for x in (img, txt)])
+    return tuple(norms.tolist())
+
+
 def check_feature_range(img: torch.Tensor, txt: torch.Tensor, tau_value: Optional[float], gamma: float,
                         label_smoothing: float = 0.0, img_name: str = "img", txt_name: str = "txt",
                         n_rows: int = 1) -> None:
@@ -143,9 +151,7 @@ def check_feature_range(img: torch.Tensor, txt: torch.Tensor, tau_value: Optiona
     ``torch.compile``, for meta tensors and where τ was not read (``tau_value`` None)."""
     if tau_value is None or torch.compiler.is_compiling() or img.device.type == "meta":
         return
-    img, txt = _unwrapped(img), _unwrapped(txt)  # under torch.func: every batch entry's rows
-    norms = torch.stack([torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64).max() for x in (img, txt)])
-    img_norm, txt_norm = norms.tolist()
+    img_norm, txt_norm = max_row_norms(img, txt)
     if not (math.isfinite(img_norm) and math.isfinite(txt_norm)):
         return  # non-finite features: the loss is non-finite too, as in torch.nn.functional
     limit = _finite_limit(img.dtype)

@@ -37,7 +37,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _validation
-from .loss import as_tau_tensor, autocast_disabled, directional_fn, pair_losses, resolve_backend
+from .loss import as_tau_tensor, directional_fn, pair_losses, resolve_backend
+from .reference import autocast_disabled
 
 try:
     import torch.distributed as dist
@@ -259,15 +260,16 @@ def rank_hn_clip_loss(
 
 def _local_checks(image_features, text_features, tau, gamma, label_smoothing, backend, precision,
                   rank, world_size, group, normalize=True):
-    """Run every local check without raising: (status, exception or None, resolved backend or None)."""
+    """Run every local check without raising: (status, exception or None, resolved backend or None,
+    τ's value or None where it was not read)."""
     try:
         _validation.check_features(image_features, text_features, "image_features", "text_features")
     except (TypeError, ValueError) as exc:
-        return 1, exc, None
+        return 1, exc, None, None
     try:  # before τ: its overflow bound (2 + γ)/τ needs a valid γ
         _validation.check_options(gamma, label_smoothing, "mean", backend, normalize)
     except (TypeError, ValueError) as exc:
-        return 3, exc, None
+        return 3, exc, None, None
     try:  # the global N is known after the collective, which checks the bound again with it
         n = image_features.shape[0]
         tau_value = _validation.check_tau(tau, image_features.device, image_features.dtype, gamma,
@@ -276,22 +278,22 @@ def _local_checks(image_features, text_features, tau, gamma, label_smoothing, ba
             _validation.check_feature_range(image_features, text_features, tau_value, gamma, label_smoothing,
                                             "image_features", "text_features", n_rows=n)
     except (TypeError, ValueError) as exc:
-        return 2, exc, None
+        return 2, exc, None, None
     try:
         _validation.check_precision(precision)
         resolved = resolve_backend(backend, image_features)
         if resolved == "triton":
             directional_fn(resolved)  # the install hint now, on every rank, not inside the loss
     except (TypeError, ValueError) as exc:
-        return 3, exc, None
+        return 3, exc, None, None
     if world_size > 1:
         g_rank, g_world = _group_rank_world(group)
         if (g_rank, g_world) != (rank, world_size):
             return 4, ValueError(
                 f"rank={rank}, world_size={world_size} were passed but the process group says "
                 f"rank {g_rank} of {g_world}; pass torch.distributed.get_rank() / get_world_size()"
-            ), None
-    return 0, None, resolved
+            ), None, None
+    return 0, None, resolved, tau_value
 
 
 def _meta_row(status, image_features, text_features, flags, gamma, label_smoothing, world_size,
@@ -316,16 +318,12 @@ def _meta_row(status, image_features, text_features, flags, gamma, label_smoothi
     return row
 
 
-def _range_fields(row, tau, image_features, text_features, normalize) -> None:
-    """τ and, without normalisation, the largest row norms, for the global overflow check
-    (only called on a rank whose inputs passed the local checks)."""
-    if torch.compiler.is_compiling() or image_features.device.type == "meta":
+def _range_fields(row, tau_value, image_features, text_features, normalize) -> None:
+    """τ (as read by the local check; None where it was not: under compile, meta tensors) and,
+    without normalisation, the largest row norms, for the global overflow check."""
+    if tau_value is None:
         return
-    tau_value = float(tau.detach()) if isinstance(tau, torch.Tensor) else float(tau)
-    norms = [1.0, 1.0]
-    if not normalize:
-        norms = torch.stack([torch.linalg.vector_norm(x, dim=1, dtype=torch.float64).max()
-                             for x in (image_features, text_features)]).tolist()
+    norms = (1.0, 1.0) if normalize else _validation.max_row_norms(image_features, text_features)
     row[_TAU], row[_IMG_NORM], row[_TXT_NORM] = (_float_bits(v) for v in (tau_value, *norms))
 
 
@@ -354,12 +352,12 @@ def _global_range_problem(meta, gamma, label_smoothing, dtype_index) -> Optional
 def _collective_check(image_features, text_features, tau, gamma, label_smoothing, backend, precision,
                       flags, rank, world_size, group, normalize=True) -> Tuple[List[int], str]:
     """Check inputs on every rank at once; return (sizes, resolved backend) or raise on every rank."""
-    status, exc, resolved = _local_checks(image_features, text_features, tau, gamma, label_smoothing,
-                                          backend, precision, rank, world_size, group, normalize)
+    status, exc, resolved, tau_value = _local_checks(image_features, text_features, tau, gamma, label_smoothing,
+                                                     backend, precision, rank, world_size, group, normalize)
     like = image_features if isinstance(image_features, torch.Tensor) else None
     row = _meta_row(status, image_features, text_features, flags, gamma, label_smoothing, world_size, precision)
     if status == 0:
-        _range_fields(row, tau, image_features, text_features, normalize)
+        _range_fields(row, tau_value, image_features, text_features, normalize)
     mine = torch.tensor(row, dtype=torch.int64, device=_meta_device(group, like))
     rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group=group))]
     dist.all_gather(rows, mine, group=group)
@@ -431,8 +429,8 @@ def distributed_hn_clip_loss(
         sizes, resolved = _collective_check(image_features, text_features, tau, gamma, label_smoothing,
                                             backend, precision, flags, rank, world_size, group, normalize)
     else:
-        status, exc, resolved = _local_checks(image_features, text_features, tau, gamma, label_smoothing,
-                                        backend, precision, rank, world_size, group, normalize)
+        status, exc, resolved, _ = _local_checks(image_features, text_features, tau, gamma, label_smoothing,
+                                                 backend, precision, rank, world_size, group, normalize)
         if exc is not None:
             raise exc
         sizes = [image_features.shape[0]]

@@ -1,7 +1,6 @@
 """``hn_clip_loss``: the public entry point, argument checks and backend dispatch."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import warnings
@@ -10,7 +9,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from . import _validation
-from .reference import compute_dtype, directional_nll_torch
+from .reference import autocast_disabled, compute_dtype, directional_nll_torch
 
 _warned = set()
 
@@ -107,14 +106,6 @@ def as_tau_tensor(tau: Union[float, torch.Tensor], like: torch.Tensor) -> torch.
     return torch.zeros((), device=like.device, dtype=compute_dtype(like.dtype)) + tau
 
 
-def autocast_disabled(device: torch.device):
-    """A context with autocast off on ``device``'s type (a no-op on devices without autocast,
-    such as "meta", where ``torch.autocast`` itself raises)."""
-    if torch.compiler.is_compiling() or torch.amp.is_autocast_available(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
-
-
 def _warn_if_tau_looks_like_logit_scale(tau_value: Optional[float]) -> None:
     if tau_value is None or tau_value <= 1.0:
         return
@@ -193,7 +184,8 @@ def hn_clip_loss(
             ``label_smoothing``, non-bool ``normalize``, non-string ``precision``, float64
             with backend="triton".
         ValueError: non-2-D features, shape or device mismatch, N = 0 or D = 0, τ ≤ 0,
-            non-finite or so small that (1 + γ)/τ overflows float32, γ < 0 or non-finite, ε
+            non-finite or so small that the logit gaps (2 + γ)/τ (or, with ``normalize=False``,
+            the features' norms) overflow float32, γ < 0 or non-finite, ε
             outside [0, 1), unknown ``reduction``/``backend``/``precision``, a backend that cannot run on
             these tensors. Under ``torch.compile`` value checks are skipped (no graph breaks).
     """

@@ -33,7 +33,7 @@ class _MatmulNTCompiled(torch.autograd.Function):
 
     @staticmethod
     def forward(a, b):
-        with _autocast_off(a.device):
+        with autocast_disabled(a.device):
             return a @ b.transpose(-1, -2)
 
     @staticmethod
@@ -44,7 +44,7 @@ class _MatmulNTCompiled(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
-        with _autocast_off(grad.device):
+        with autocast_disabled(grad.device):
             d_a = matmul_nt(grad, b.transpose(-1, -2)) if ctx.needs_input_grad[0] else None
             d_b = matmul_nt(grad.transpose(-1, -2), a.transpose(-1, -2)) if ctx.needs_input_grad[1] else None
         return d_a, d_b
@@ -62,8 +62,10 @@ class _MatmulNT(_MatmulNTCompiled):
         return out
 
 
-def _autocast_off(device: torch.device):
-    if torch.amp.is_autocast_available(device.type):
+def autocast_disabled(device: torch.device):
+    """A context with autocast off on ``device``'s type (a no-op on devices without autocast,
+    such as "meta", where ``torch.autocast`` itself raises)."""
+    if torch.compiler.is_compiling() or torch.amp.is_autocast_available(device.type):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
 
