@@ -348,6 +348,12 @@ def _error_checks(rank, world, failures):
     want = "overflow" if rank == 1 else "invalid input on another rank"
     if msg is not None and want not in msg:
         failures.append(f"(1 + gamma) / tau overflows: rank {rank} expected {want!r} in {msg!r}")
+    # normalize=False: one rank's features of norm 1e19 overflow the global batch's logits (the
+    # other ranks' rows meet them through the gather): the metadata carries the norms, all raise
+    big = base * 1e19 if rank == 1 else base
+    msg = _expect_error_everywhere(rank, failures, "global logits overflow", lambda: loss(big, big))
+    if msg is not None and "global batch" not in msg:
+        failures.append(f"global logits overflow: unclear message {msg!r}")
     dt_bad = base.double() if rank == 1 else base
     _expect_error_everywhere(rank, failures, "dtype differs", lambda: loss(dt_bad, dt_bad))
     _expect_error_everywhere(rank, failures, "wrong rank argument", lambda: HNClipLoss(
