@@ -45,7 +45,7 @@ setup(
             "triton>=3.0",
             "pytest>=8",
             "hypothesis>=6",
-            "open_clip_torch[training]>=3.0,<4",  # tests/test_train.py runs open_clip_train
+            "open_clip_torch[training]>=3.0,<4",  # tests/integrations/test_train.py runs open_clip_train
             "matplotlib>=3.7",
             "tqdm>=4.60",
         ],

@@ -1,8 +1,8 @@
 """hnclip-kernels: the HN-CLIP contrastive loss (arXiv 2608.18521), exact, fast and memory-lean.
 
 Public API: :func:`hn_clip_loss`, :class:`HNClipLoss` (drop-in for open_clip's ClipLoss),
-:func:`gather_features`. Backends: ``hnclip_kernels.reference`` (pure PyTorch),
-``hnclip_kernels.ops.hn_clip_triton`` (fused Triton kernels), ``hnclip_kernels.ops.hn_clip_cpp``
+:func:`gather_features`. Backends: ``hnclip_kernels.backends.pytorch.reference`` (pure PyTorch),
+``hnclip_kernels.backends.triton.ops`` (fused Triton kernels), ``hnclip_kernels.backends.cpp.ops``
 (fused C++ CPU kernel).
 """
 from .loss import hn_clip_loss

@@ -9,7 +9,7 @@ from typing import Union
 import torch
 from torch import nn
 
-from . import _validation
+from . import validation as _validation
 from .distributed import distributed_hn_clip_loss
 
 

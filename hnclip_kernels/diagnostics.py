@@ -23,7 +23,7 @@ gaps d_k = Z_rk − Z_rp over the negatives k ≠ p and
     μ_r = Σ_{k≠p} q_k d_k         H_r = −Σ_{k≠p} q_k log q_k = δ_r − μ_r.
 
 δ, μ (and Σ_k d_k) are exactly the statistics the fused kernels save per row
-(:class:`hnclip_kernels.ops.epilogue.RowStats`: ``delta``, ``mean_neg``, ``dsum``).
+(:class:`hnclip_kernels.backends.epilogue.RowStats`: ``delta``, ``mean_neg``, ``dsum``).
 """
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from . import _validation
+from . import validation as _validation
 from .loss import hn_clip_loss
-from .ops.epilogue import RowStats
-from .reference import NORM_EPS, compute_dtype
+from .backends.epilogue import RowStats
+from .numerics import NORM_EPS, compute_dtype
 
 __all__ = ["SaturationReport", "saturation_report", "report_from_row_stats"]
 
@@ -130,7 +130,7 @@ def report_from_row_stats(i2t: RowStats, t2i: RowStats, *, threshold: float = 1e
                           label_smoothing: float = 0.0, n_keys: Optional[int] = None) -> SaturationReport:
     """A :class:`SaturationReport` from the row statistics a fused kernel saved in its forward.
 
-    ``i2t`` and ``t2i`` are the two directions' :class:`~hnclip_kernels.ops.epilogue.RowStats`
+    ``i2t`` and ``t2i`` are the two directions' :class:`~hnclip_kernels.backends.epilogue.RowStats`
     (only ``delta`` and ``mean_neg`` are read, and ``dsum`` with label smoothing), 1-D tensors of
     the same length M (M = N on one process; a rank's local rows in distributed training, where
     the fields describe those rows only). Fills ``loss``, ``saturated_rows``,

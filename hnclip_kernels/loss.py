@@ -8,8 +8,9 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from . import _validation
-from .reference import autocast_disabled, compute_dtype, directional_nll_torch
+from . import validation as _validation
+from .backends.pytorch import directional_nll_torch
+from .numerics import autocast_disabled, compute_dtype
 
 _warned = set()
 
@@ -23,7 +24,7 @@ def _warn_once(key: str, message: str, stacklevel: int = 3) -> None:
 def triton_directional() -> Callable:
     """The Triton directional op, imported lazily: triton is optional on CPU-only installs."""
     try:
-        from .ops.hn_clip_triton import directional_nll_triton
+        from .backends.triton.ops import directional_nll_triton
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise ValueError(
             f"backend='triton' needs the triton package ({exc}); install triton or use backend='torch'"
@@ -34,15 +35,15 @@ def triton_directional() -> Callable:
 def _triton_interpreting() -> bool:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return True
-    from .ops import hn_clip_triton
+    from .backends.triton import launch
 
-    return hn_clip_triton._is_interpreting()
+    return launch._is_interpreting()
 
 
 def cpp_directional():
     """The C++ directional op, or None when the extension was not built."""
     try:
-        from .ops.hn_clip_cpp import directional_nll_cpp
+        from .backends.cpp.ops import directional_nll_cpp
     except ImportError:
         return None
     return directional_nll_cpp
@@ -83,7 +84,7 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
 
 def directional_fn(backend: str, precision: Optional[str] = None) -> Callable:
     """The directional op of a resolved backend. Every one follows the keyword-only protocol of
-    :func:`hnclip_kernels.reference.directional_nll_torch`::
+    :func:`hnclip_kernels.backends.pytorch.reference.directional_nll_torch`::
 
         fn(queries, keys, *, query_txt, key_txt, tau, offset, gamma, label_smoothing, normalize,
            return_stats=False)
@@ -212,7 +213,7 @@ def pair_losses(backend: str, img, txt, tau: torch.Tensor, gamma: float, label_s
     options = dict(tau=tau, gamma=gamma, label_smoothing=label_smoothing, normalize=normalize,
                    return_stats=return_stats)
     if backend == "triton":
-        from .ops.hn_clip_triton import hn_clip_pairs_triton  # one fused op for both directions
+        from .backends.triton.ops import hn_clip_pairs_triton  # one fused op for both directions
 
         return hn_clip_pairs_triton(img, txt, **options, precision=precision)
     if img.dtype in (torch.float16, torch.bfloat16):
@@ -220,7 +221,7 @@ def pair_losses(backend: str, img, txt, tau: torch.Tensor, gamma: float, label_s
         # in float32 and rounded to the input dtype once (two bf16 halves summed lose ~1e-3)
         img, txt = img.float(), txt.float()
     if backend == "cpp":
-        from .ops.hn_clip_cpp import hn_clip_pairs_cpp  # one operator: each logit tile serves i2t and t2i
+        from .backends.cpp.ops import hn_clip_pairs_cpp  # one operator: each logit tile serves i2t and t2i
 
         return hn_clip_pairs_cpp(img, txt, **options)
     i2t = directional_nll_torch(img, txt, query_txt=txt, key_txt=txt, offset=0, **options)

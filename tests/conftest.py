@@ -14,5 +14,5 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "sm90: ahead-of-time sm_90a compile check of the Triton kernels "
-                                       "(tests/test_sm90_compile.py, minutes when not cached); "
+                                       "(tests/tooling/test_sm90_compile.py, minutes when not cached); "
                                        "deselect with -m 'not sm90'")

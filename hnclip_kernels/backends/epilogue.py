@@ -1,0 +1,134 @@
+"""The O(N·D) algebra around every fused kernel (Triton and C++ alike).
+
+A fused kernel only ever touches the *negatives* of a row (k != offset + i). It returns,
+per query row i, with d_ik = Z_ik - Z_i,pos:
+
+* ``delta_i = LSE_{k != pos} d_ik``   (so nll_i = softplus(delta_i): tiny losses survive)
+* ``mean_neg_i = Σ_k softmax_neg(d)_ik · d_ik``   (for the τ gradient, no cancellation)
+* ``dsum_i = Σ_{k != pos} d_ik``   (label smoothing: ε·mean_k(Z_pos − Z_ik) = −ε·dsum/N)
+
+and in the backward, the negatives' share of the gradient,
+``Σ_{k != pos} g_i P_ik k̂_k`` (row kernel) and ``Σ_i g_i P_ik q̂_i`` (column kernel).
+Everything else, the positive's gradient written as −(sum of the negatives'
+probabilities), the uniform label-smoothing term and dL/dτ, is cheap and lives here.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..numerics import NORM_EPS
+
+
+class RowStats(NamedTuple):
+    pos: torch.Tensor  # (M,) Z_i,pos, float32
+    delta: torch.Tensor  # (M,) LSE over negatives of Z - Z_pos
+    mean_neg: torch.Tensor  # (M,) E_softmax_neg[Z - Z_pos]
+    dsum: torch.Tensor  # (M,) Σ_neg (Z - Z_pos)
+
+
+def inv_norms(x: torch.Tensor, normalize: bool, dt: torch.dtype = torch.float32) -> torch.Tensor:
+    """1 / max(‖x_i‖, eps) per row in ``dt`` (ones when not normalising): ``F.normalize``'s clamp.
+    The norm is taken in float64: in float32 it overflows for finite rows with entries ≳ 1.8e19
+    (and their normalised vectors would silently become 0)."""
+    if not normalize:
+        return torch.ones(x.shape[0], device=x.device, dtype=dt)
+    return (1.0 / torch.linalg.vector_norm(x, dim=1, dtype=torch.float64).clamp_min(NORM_EPS)).to(dt)
+
+
+def scaled(x: torch.Tensor, inv_norm: torch.Tensor, dt: torch.dtype = torch.float32) -> torch.Tensor:
+    """x̂ = x · inv_norm in ``dt``. The C++ kernel builds b̂ / â with this same expression and
+    compares bits to spot i2t / t2i, so every wrapper must use it."""
+    return x.to(dt) * inv_norm[:, None]
+
+
+def positive_logits(q_hat: torch.Tensor, k_hat: torch.Tensor, offset: int, inv_tau: torch.Tensor) -> torch.Tensor:
+    """Z_i,pos = q̂_i · k̂_{offset+i} / τ, float32 row dots (no margin on the positive)."""
+    m = q_hat.shape[0]
+    return (q_hat * k_hat[offset : offset + m]).sum(dim=1) * inv_tau
+
+
+def row_losses(stats: RowStats, n_keys: int, label_smoothing: float) -> torch.Tensor:
+    nll = F.softplus(stats.delta)
+    if label_smoothing == 0.0:
+        return nll
+    return nll - (label_smoothing / n_keys) * stats.dsum
+
+
+def pair_losses(i2t: RowStats, t2i: RowStats, n_keys: int, label_smoothing: float) -> torch.Tensor:
+    """½(i2t_k + t2i_k) per pair k: what the single-process loss returns with reduction="none"."""
+    return 0.5 * (row_losses(i2t, n_keys, label_smoothing) + row_losses(t2i, n_keys, label_smoothing))
+
+
+def row_nll(stats: RowStats) -> torch.Tensor:
+    """softplus(delta) = LSE_all − Z_pos, what the backward kernels subtract from d_ik."""
+    return F.softplus(stats.delta)
+
+
+def add_positive_and_smoothing(stats: RowStats, g, q_hat, k_hat, d_q, d_k, offset: int, label_smoothing: float):
+    """Add, in place, the parts of dL/dq̂ and dL/dk̂ (times τ) that no kernel computes: the
+    positive's gradient and the uniform label-smoothing term. Returns this direction's
+    Σ_ik dZ_ik·Z_ik (a scalar), from which dL/dτ = −(that) / τ.
+    """
+    m, n = q_hat.shape[0], k_hat.shape[0]
+    eps = label_smoothing
+    q_prob = torch.sigmoid(stats.delta)  # Σ of the negatives' probabilities, stable when tiny
+    g_pos = g * (eps - q_prob)  # dL/dZ_pos = ε(1 − 1/N) − q, the −ε/N part is in the uniform term below
+    d_q.add_(g_pos[:, None] * k_hat[offset : offset + m])
+    d_k[offset : offset + m].add_(g_pos[:, None] * q_hat)
+    if eps != 0.0:
+        # every column (positive included) gets −ε/N · g_i
+        d_q.sub_((eps / n) * g[:, None] * k_hat.sum(dim=0)[None, :])
+        d_k.sub_((eps / n) * (g[:, None] * q_hat).sum(dim=0)[None, :])
+    # Σ_k dZ_ik Z_ik = Σ_{k≠pos} (P_ik − ε/N)(Z_ik − Z_pos), since each row of dZ sums to 0:
+    # written with gaps, so there is no cancellation when the loss is tiny
+    return (g * (q_prob * stats.mean_neg - (eps / n) * stats.dsum)).sum()
+
+
+def finish_directional(stats: RowStats, g, q, k, rq, rk, d_q_neg, d_k_neg, offset: int, inv_tau,
+                       label_smoothing: float, normalize: bool):
+    """(dL/dq, dL/dk in the inputs' dtypes, Σ_ik dZ_ik·Z_ik for :func:`tau_grad`) of one direction.
+
+    ``d_q_neg`` (M, D) / ``d_k_neg`` (N, D): a kernel's negatives-only shares (times τ) of dL/dq̂
+    and dL/dk̂, float32 (float64 for float64 inputs) scratch, modified in place. ``g`` (M,): the
+    upstream gradient of each row's loss. ``rq``/``rk``: the inverse row norms.
+    """
+    dt = rq.dtype
+    dz_z = add_positive_and_smoothing(stats, g, scaled(q, rq, dt), scaled(k, rk, dt), d_q_neg, d_k_neg, offset,
+                                      label_smoothing)
+    d_q = unnormalize_grad(q, rq, d_q_neg.mul_(inv_tau), normalize).to(q.dtype).contiguous()
+    d_k = unnormalize_grad(k, rk, d_k_neg.mul_(inv_tau), normalize).to(k.dtype).contiguous()
+    return d_q, d_k, dz_z
+
+
+def finish_symmetric(i2t: RowStats, t2i: RowStats, g, img, txt, rv, rt, d_v_neg, d_t_neg, inv_tau,
+                     label_smoothing: float, normalize: bool):
+    """The single-process version of :func:`finish_directional`: both directions' positive and
+    smoothing terms on top of a kernel's combined negatives' shares (``g`` already halved)."""
+    dt = rv.dtype
+    v_hat, t_hat = scaled(img, rv, dt), scaled(txt, rt, dt)
+    dz_z = add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v_neg, d_t_neg, 0, label_smoothing)
+    dz_z = dz_z + add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_t_neg, d_v_neg, 0, label_smoothing)
+    del v_hat, t_hat  # peak memory: free before the normalisation's temporaries
+    d_img = unnormalize_grad(img, rv, d_v_neg.mul_(inv_tau), normalize).to(img.dtype).contiguous()
+    d_txt = unnormalize_grad(txt, rt, d_t_neg.mul_(inv_tau), normalize).to(txt.dtype).contiguous()
+    return d_img, d_txt, dz_z
+
+
+def tau_grad(dz_z: torch.Tensor, inv_tau: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    """dL/dτ = −(Σ_ik dZ_ik·Z_ik) / τ, in τ's ``dtype`` and ``shape`` (``dz_z`` from the finishers)."""
+    return (-dz_z * inv_tau).to(dtype).reshape(shape).contiguous()
+
+
+def unnormalize_grad(x: torch.Tensor, inv_norm: torch.Tensor, d_hat: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """Chain dL/dx̂ through x̂ = x / max(‖x‖, eps) (F.normalize semantics), in ``inv_norm``'s
+    dtype (float32; float64 for the C++ kernel's float64 path)."""
+    if not normalize:
+        return d_hat
+    x_hat = x.to(inv_norm.dtype) * inv_norm[:, None]
+    radial = (x_hat * d_hat).sum(dim=1, keepdim=True)
+    clamped = inv_norm >= 1.0 / NORM_EPS  # ‖x‖ below eps: x̂ = x / eps is linear, no projection
+    proj = torch.where(clamped[:, None], d_hat, d_hat - x_hat * radial)
+    return proj * inv_norm[:, None]

@@ -1,0 +1,77 @@
+"""Pure-PyTorch HN-CLIP loss: the reference every fused kernel is checked against.
+
+It materialises the (M, N) logits, so it is for testing, small batches, float64 and
+devices without a fused kernel. Autograd supplies every gradient.
+
+Everything is phrased per direction ("directional"): M query rows (the local
+images for i2t, the local texts for t2i) against N key columns (all texts, all
+images), the positive of row i at column ``offset + i``. One process uses
+offset 0 and M = N; a rank of a distributed job uses its global offset.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...numerics import compute_dtype, matmul_nt, normalized
+from ...validation import check_directional
+from ..epilogue import RowStats
+
+def directional_nll_torch(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    *,
+    query_txt: torch.Tensor,
+    key_txt: torch.Tensor,
+    tau: torch.Tensor,
+    offset: int,
+    gamma: float,
+    label_smoothing: float,
+    normalize: bool,
+    return_stats: bool = False,
+):
+    """Per-row cross-entropy of one direction of the HN-CLIP logits (arXiv 2608.18521, Eq. 2).
+
+    Logits ``Z[i, k] = (q_i · k_k + γ · stopgrad(a_i · b_k) · [k != offset + i]) / τ`` where
+    q = ``queries`` (M, D), k = ``keys`` (N, D), a = ``query_txt`` (M, D), b = ``key_txt``
+    (N, D), all L2-normalised when ``normalize``. For i2t pass ``(img, txt, query_txt=txt,
+    key_txt=txt)``; for t2i ``(txt, img, query_txt=txt, key_txt=txt)``. Every argument after
+    the features is keyword-only: this is the *directional protocol* that every backend's op
+    follows (``hnclip_kernels.loss.directional_fn``), so margins cannot be swapped by position.
+
+    Each row's NLL is ``softplus(LSE_{k != pos} Z[i, k] - Z[i, pos])``, so a loss of 1e-30
+    survives in float32 where ``LSE - Z_pos`` would round to 0. Label smoothing ε adds
+    ``ε · mean_k (Z[i, pos] - Z[i, k])``, which equals PyTorch's ``cross_entropy`` semantics.
+
+    Returns a float32 (float64 for float64 inputs) tensor of shape (M,); with
+    ``return_stats``, also the detached row statistics ``ops.epilogue.RowStats`` (what the
+    fused kernels save for their backward; :mod:`hnclip_kernels.diagnostics` reads them).
+    """
+    check_directional(queries, keys, query_txt, key_txt, offset)
+    dt = compute_dtype(queries.dtype)
+    q, k = queries.to(dt), keys.to(dt)
+    a, b = query_txt.detach().to(dt), key_txt.detach().to(dt)
+    if normalize:
+        q, k, a, b = (normalized(x) for x in (q, k, a, b))
+    m, n = q.shape[0], k.shape[0]
+    rows = torch.arange(m, device=q.device)
+    pos_cols = rows + offset
+    margin = a @ b.T
+    margin[rows, pos_cols] = 0.0  # the positive carries no margin
+    logits = (matmul_nt(q, k) + gamma * margin) / tau.to(dt)
+    pos = logits[rows, pos_cols]
+    delta = logits - pos[:, None]  # Z_ik - Z_i,pos: exactly 0 at the positive
+    is_pos = torch.zeros_like(delta, dtype=torch.bool)
+    is_pos[rows, pos_cols] = True
+    lse_neg = torch.logsumexp(delta.masked_fill(is_pos, float("-inf")), dim=1)
+    nll = F.softplus(lse_neg)
+    if label_smoothing != 0.0:
+        nll = nll - (label_smoothing / n) * delta.sum(dim=1)
+    if not return_stats:
+        return nll
+    return nll, _row_stats(pos, delta.detach(), is_pos, lse_neg.detach())
+
+
+def _row_stats(pos, delta, is_pos, lse_neg):
+    p_neg = torch.exp(delta - lse_neg[:, None]).masked_fill(is_pos, 0.0)
+    return RowStats(pos.detach(), lse_neg, (p_neg * delta).sum(dim=1), delta.sum(dim=1))

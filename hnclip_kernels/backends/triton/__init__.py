@@ -1,0 +1,1 @@
+"""backend="triton": fused Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)."""

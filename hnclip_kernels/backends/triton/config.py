@@ -1,0 +1,178 @@
+"""Launch configuration of the Triton kernels: tiles, warps, stages, precision, workspaces.
+
+Three launch modes (``launch_mode()``):
+
+* ``"interpret"``: Triton's CPU interpreter (``TRITON_INTERPRET=1``): fixed small tiles,
+  because the interpreter pays per program, not per flop.
+* ``"gpu"``: the GPU's configuration, the first autotune candidate that survives pruning
+  (a measured-heuristic choice, no benchmarking). Used on a GPU with ``HNCLIP_AUTOTUNE=0``,
+  and under the interpreter with ``HNCLIP_TRITON_LAUNCH=gpu`` so that CPU tests and the
+  work counter (``python -m tools.work``) see the tiles a GPU runs.
+* ``"autotune"``: on a GPU by default: ``triton.autotune`` over the pruned candidates.
+
+Every candidate below compiles for sm_90a (H100/H200) without register spills and within
+the 227 KiB shared-memory limit: ``tests/tooling/test_sm90_compile.py`` holds that guarantee on CPU.
+
+Under the interpreter the kernels always get ``INTERPRET=True``: ``tl.dot`` operands are
+upcast (the interpreter multiplies raw bf16 bits, triton#11584) and rounded the way the
+GPU's tensor cores round them for the chosen input precision (see ``_dot`` in
+``hn_clip_triton.py``), so a CPU run computes what a GPU computes.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ...validation import FP32_PRECISIONS  # noqa: F401  (the public list lives with the checks)
+
+# Input precision of the tensor-core products for float32 features ("ieee" is plain FMA,
+# no tensor cores). tf32x3 splits each operand into a tf32 head and tail and sums three
+# tf32 products: float32 accuracy on tensor cores (see README, "Precision").
+DEFAULT_FP32_PRECISION = "tf32x3"
+
+# Backward workspace: dS is materialised chunk by chunk (R rows × N columns) and multiplied
+# by the features in a GEMM; R is chosen so that one chunk stays within this many bytes.
+BWD_WORKSPACE_BYTES = 256 << 20
+
+SM_COUNT_IF_UNKNOWN = 132  # an H100/H200: the grid heuristics' target when no GPU can be asked
+INTERPRET_TILE = 32
+
+
+def is_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def launch_mode() -> str:
+    """"interpret", "gpu" or "autotune" (see the module docstring)."""
+    if is_interpreting():
+        return "gpu" if os.environ.get("HNCLIP_TRITON_LAUNCH", "") == "gpu" else "interpret"
+    return "gpu" if os.environ.get("HNCLIP_AUTOTUNE", "1") == "0" else "autotune"
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    # the interpreter: few "SMs", so small test shapes still walk several column blocks per program
+    return 4 if launch_mode() == "interpret" else SM_COUNT_IF_UNKNOWN
+
+
+def dot_precision(dtype: torch.dtype, precision: str | None = None) -> str:
+    """``input_precision`` of the score products for features of ``dtype`` (ignored by
+    Triton for 16-bit operands, whose products are exact in float32 accumulation)."""
+    if dtype == torch.float32:
+        return precision or DEFAULT_FP32_PRECISION
+    return "ieee"
+
+
+def grad_precision(dtype: torch.dtype, precision: str | None = None) -> str:
+    """Input precision of the backward GEMMs, whose A operand is the float32 dS workspace.
+
+    float32 features: the score products' mode. bfloat16: "bf16x2", dS split into a bf16
+    head and tail (two bf16 MMAs; the features are bf16 already). float16: "tf32x2", the
+    same split in tf32, which holds float16 values exactly. Either way dS keeps ~16 bits,
+    so the gradient is as exact as its float32 accumulation (see ``_dot_split_a``).
+    """
+    if dtype == torch.float32:
+        return dot_precision(dtype, precision)
+    return "bf16x2" if dtype == torch.bfloat16 else "tf32x2"
+
+
+# ------------------------------------------------------------------ autotune candidates
+# Tiles of the score kernels (forward and dS). BLOCK_K is fixed per input width, never tuned:
+# the forward and the backward must form every logit tile with the same reduction order, so
+# the backward's probabilities agree to the bit with the forward's statistics (|Z| ~ 1e8).
+# BLOCK_M of the forward is fixed too: it sets the size of the column-statistics workspace.
+FWD_BLOCK_M = {2: 128, 4: 64}  # by element size
+SCORE_BLOCK_K = {2: 64, 4: 32}
+
+
+def _cfg(num_warps, num_stages, **tiles):
+    return triton.Config(tiles, num_warps=num_warps, num_stages=num_stages)
+
+
+# by operand width (bytes): only candidates that compile for sm_90a without spills
+# (registers are the limit: two float32 tiles when γ ≠ 0, plus the column statistics)
+CANDIDATES = {
+    "fwd": {2: [_cfg(8, 4, BLOCK_N=64), _cfg(8, 3, BLOCK_N=64)],
+            4: [_cfg(4, 3, BLOCK_N=32), _cfg(8, 2, BLOCK_N=64)]},
+    "dscore": {2: [_cfg(4, 3, BLOCK_M=64, BLOCK_N=128), _cfg(4, 4, BLOCK_M=128, BLOCK_N=64)],
+               4: [_cfg(4, 3, BLOCK_M=64, BLOCK_N=32), _cfg(8, 2, BLOCK_M=64, BLOCK_N=64)]},
+    # A is the float32 dS workspace; the width is B's (the features')
+    "gemm": {2: [_cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64)],
+             4: [_cfg(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32), _cfg(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)]},
+}
+
+
+def all_candidates(kernel: str) -> list:
+    return [c for width in sorted(CANDIDATES[kernel]) for c in CANDIDATES[kernel][width]]
+
+
+def candidates(kernel: str, elem_size: int) -> list:
+    return CANDIDATES[kernel][elem_size]
+
+
+def pruner(kernel: str, width_arg: str):
+    """``early_config_prune`` for ``triton.autotune``: keep the candidates of the operand
+    width found in the launch's argument ``width_arg`` (a tensor)."""
+    def prune(configs, named_args, **kwargs):
+        x = named_args.get(width_arg, kwargs.get(width_arg))
+        allowed = candidates(kernel, x.element_size())
+        return [c for c in configs if c in allowed] or allowed
+    return prune
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """The non-tuned launch choice of one kernel call: constexpr tiles plus warps/stages."""
+    constexprs: dict
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def heuristic(kernel: str, elem_size: int) -> Fixed:
+    """The launch of mode "gpu" (first surviving candidate) or "interpret" (small fixed tiles)."""
+    if launch_mode() == "interpret":
+        t = INTERPRET_TILE
+        tiles = {"fwd": dict(BLOCK_N=t), "dscore": dict(BLOCK_M=t, BLOCK_N=t),
+                 "gemm": dict(BLOCK_M=t, BLOCK_N=t, BLOCK_K=t)}[kernel]
+        return Fixed(tiles, 1, 1)
+    c = candidates(kernel, elem_size)[0]
+    return Fixed(dict(c.kwargs), c.num_warps, c.num_stages)
+
+
+def fwd_block_m(elem_size: int) -> int:
+    return INTERPRET_TILE if launch_mode() == "interpret" else FWD_BLOCK_M[elem_size]
+
+
+def score_block_k(elem_size: int) -> int:
+    return INTERPRET_TILE if launch_mode() == "interpret" else SCORE_BLOCK_K[elem_size]
+
+
+@functools.lru_cache(maxsize=None)
+def max_block_n(kernel: str) -> int:
+    return max(c.kwargs["BLOCK_N"] for c in all_candidates(kernel))
+
+
+def column_splits(row_blocks: int, n: int, device: torch.device) -> tuple[int, int]:
+    """(splits, columns per split) for the forward grid (row blocks × splits): enough
+    programs for two waves on every SM. Each split's width is a multiple of every
+    candidate BLOCK_N, so any tile size tiles it."""
+    align = INTERPRET_TILE if launch_mode() == "interpret" else max_block_n("fwd")
+    col_blocks = triton.cdiv(n, align)
+    want = max(1, min(col_blocks, triton.cdiv(2 * sm_count(device), row_blocks)))
+    per_split = triton.cdiv(col_blocks, want) * align
+    return triton.cdiv(n, per_split), per_split
+
+
+def chunk_shape(m: int, n: int) -> tuple[int, int]:
+    """(R, C): the float32 dS chunk of the backward, 4·R·C ≤ BWD_WORKSPACE_BYTES, as square
+    as M and N allow, sides multiples of the largest tile."""
+    align = INTERPRET_TILE if launch_mode() == "interpret" else 128
+    budget = max(align * align, BWD_WORKSPACE_BYTES // 4)
+    rows = min(m, max(align, int(budget ** 0.5) // align * align))
+    cols = min(n, max(align, budget // rows // align * align))
+    return rows, cols

@@ -1,0 +1,81 @@
+"""Numerics shared by every backend: the norm clamp, the accumulation dtype, autocast off, and
+a float32 ``a @ bᵀ`` whose backward keeps autocast off too."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+NORM_EPS = 1e-12  # same clamp as torch.nn.functional.normalize
+
+
+class _MatmulNTCompiled(torch.autograd.Function):
+    """a @ bᵀ with autocast off in the forward *and* the backward.
+
+    ``hn_clip_loss`` turns autocast off around the forward, but a ``backward()`` called inside
+    an autocast region would run the matmuls' backward in bf16/fp16 (3e-3 gradient error
+    for float32 inputs), eager or compiled. The backward is written with this same op, so
+    second derivatives (and their backward) keep float32 too. Setup_context style with a vmap
+    rule, so ``torch.func`` transforms go through it; this class (no jvp) is the one
+    ``torch.compile`` traces, :class:`_MatmulNT` adds the jvp for forward-mode transforms.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a, b):
+        with autocast_disabled(a.device):
+            return a @ b.transpose(-1, -2)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        with autocast_disabled(grad.device):
+            d_a = matmul_nt(grad, b.transpose(-1, -2)) if ctx.needs_input_grad[0] else None
+            d_b = matmul_nt(grad.transpose(-1, -2), a.transpose(-1, -2)) if ctx.needs_input_grad[1] else None
+        return d_a, d_b
+
+
+class _MatmulNT(_MatmulNTCompiled):
+    @staticmethod
+    def jvp(ctx, t_a, t_b):
+        a, b = ctx.saved_tensors
+        out = None
+        if t_a is not None:
+            out = matmul_nt(t_a, b)
+        if t_b is not None:
+            out = matmul_nt(a, t_b) if out is None else out + matmul_nt(a, t_b)
+        return out
+
+
+def autocast_disabled(device: torch.device):
+    """A context with autocast off on ``device``'s type (a no-op on devices without autocast,
+    such as "meta", where ``torch.autocast`` itself raises)."""
+    if torch.compiler.is_compiling() or torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ bᵀ`` whose forward and backward run with autocast off (see :class:`_MatmulNTCompiled`;
+    Dynamo cannot trace a Function with a custom jvp, hence the jvp-less twin under compile)."""
+    if torch.compiler.is_compiling():
+        return _MatmulNTCompiled.apply(a, b)
+    return _MatmulNT.apply(a, b)
+
+
+def normalized(x: torch.Tensor) -> torch.Tensor:
+    """``F.normalize(x, dim=1)`` with the norm taken in float64: a float32 norm overflows for
+    finite rows with entries ≳ 1.8e19, and F.normalize then returns a zero vector."""
+    norm = torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=torch.float64).clamp_min(NORM_EPS)
+    return x / norm.to(x.dtype)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 stays float64, everything else runs in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,0 +1,296 @@
+"""The Triton backend as registered operators: ``hnclip::triton_symmetric_nll`` and
+``hnclip::triton_directional_nll`` (plus their ``*_backward`` operators), registered with
+``torch.library.triton_op`` for compiled kernels and ``torch.library.custom_op`` under the
+interpreter (hnclip_kernels/ops/hn_clip_triton.py explains why).
+
+Here, on CPU tensors in Triton's interpreter: ``torch.library.opcheck`` of the four operators,
+``torch.func.grad`` / ``vmap`` against loops of eager calls, ``torch.export``,
+``torch.compile(fullgraph=True)`` with the "eager", "aot_eager" and "inductor" backends over
+12-step τ/γ schedules (compile count and results; the operator is opaque here, so Inductor
+compiles only the code around it, for the CPU), second derivatives without loss.py's guard; and, in a
+subprocess without the interpreter, the trace that Inductor gets on a GPU (one
+``triton_kernel_wrapper_functional`` node per launch, mutating only its outputs).
+
+GPU only (tests/backends/test_gpu.py ``test_library_*``, the "compile" step of tools/gpu_check.sh):
+Inductor compiling the kernels (``torch.compile`` with the default backend, fullgraph, the τ/γ
+schedule: compile count, values and gradients against eager), the traced kernels running under
+``aot_eager`` (autotuned, chunked backward), opcheck / torch.func / torch.export on CUDA tensors,
+dynamic shapes (full level). The kernels' sm_90a compile with Inductor's scalar types needs no
+GPU: ``python -m tools.sm90 --wide-scalars`` (tests/tooling/test_sm90_compile.py).
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from cases import make_pair
+from helpers import assert_close_rel
+from hnclip_kernels import hn_clip_loss
+from hnclip_kernels.loss import triton_directional
+from hnclip_kernels.backends.triton import ops as ht
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter checks (CPU tensors)")
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OPS = torch.ops.hnclip
+N, D = 6, 8  # the interpreter pays per program: one tile per kernel
+
+
+def _features(n=N, d=D, seed=0, grad=False):
+    img, txt = make_pair(n, d, torch.float32, seed=seed)
+    return img.requires_grad_(grad), txt.requires_grad_(grad)
+
+
+def _sym_args(gamma=0.5, eps=0.1, grad=True):
+    img, txt = _features(grad=grad)
+    tau = torch.tensor(0.07, requires_grad=grad)
+    return (img, txt, tau, torch.tensor([gamma]), gamma != 0.0, eps, True, "tf32x3")
+
+
+def _dir_args(gamma=0.5, eps=0.1, grad=True, m=4, offset=2):
+    q, k = _features(grad=grad)
+    a, b = make_pair(N, D, torch.float32, seed=1)
+    tau = torch.tensor(0.05, requires_grad=grad)
+    return (q[:m].detach().requires_grad_(grad), k, a[offset:offset + m], b, tau, torch.tensor([gamma]), offset,
+            gamma != 0.0, eps, True, "ieee")
+
+
+def test_registration():
+    assert ht._USE_TRITON_OP is False  # interpreter: custom_op (triton_op's fake would launch the kernels)
+    schema = str(OPS.triton_symmetric_nll.default._schema)
+    assert "Tensor gamma, bool has_margin, float label_smoothing, bool normalize, str precision" in schema
+    for name in ("triton_symmetric_nll", "triton_symmetric_nll_backward", "triton_directional_nll",
+                 "triton_directional_nll_backward"):
+        assert hasattr(OPS, name), name
+
+
+@pytest.mark.parametrize("gamma, eps", [(0.0, 0.0), (0.5, 0.1)])
+def test_opcheck_symmetric(gamma, eps):
+    args = _sym_args(gamma, eps)
+    torch.library.opcheck(OPS.triton_symmetric_nll, args)
+    out = OPS.triton_symmetric_nll(*(x.detach() if isinstance(x, torch.Tensor) else x for x in args))
+    grad = torch.linspace(0.5, 1.5, N)
+    img, txt, tau, g = (args[i].detach() for i in range(4))
+    torch.library.opcheck(OPS.triton_symmetric_nll_backward,
+                          (grad, img, txt, tau, g, *out[1:], gamma != 0.0, eps, True, "tf32x3", True))
+
+
+@pytest.mark.parametrize("gamma, eps", [(0.0, 0.1), (0.5, 0.0)])
+def test_opcheck_directional(gamma, eps):
+    args = _dir_args(gamma, eps)
+    torch.library.opcheck(OPS.triton_directional_nll, args)
+    q, k, a, b, tau, g = (args[i].detach() for i in range(6))
+    out = OPS.triton_directional_nll(q, k, a, b, tau, g, *args[6:])
+    torch.library.opcheck(OPS.triton_directional_nll_backward,
+                          (torch.linspace(-1.0, 1.0, q.shape[0]), q, k, tau, a, b, g, *out[1:], *args[6:], True))
+
+
+# ------------------------------------------------------------------ torch.func
+def _loss(img, txt, tau, backend="triton", gamma=0.5, eps=0.1):
+    return hn_clip_loss(img, txt, tau, gamma=gamma, label_smoothing=eps, backend=backend)
+
+
+def _eager_grads(img, txt, tau):
+    leaves = [img.clone().requires_grad_(), txt.clone().requires_grad_(), tau.clone().requires_grad_()]
+    loss = _loss(*leaves)
+    return (loss.detach(), *torch.autograd.grad(loss, leaves))
+
+
+def test_func_grad_matches_autograd():
+    img, txt = _features()
+    tau = torch.tensor(0.07)
+    want = _eager_grads(img, txt, tau)
+    got_grads, got_loss = torch.func.grad_and_value(_loss, argnums=(0, 1, 2))(img, txt, tau)
+    assert torch.equal(got_loss, want[0])
+    for name, got, ref in zip(("d img", "d txt", "d tau"), got_grads, want[1:]):
+        assert torch.equal(got, ref), name
+    # issue 10's one-liner (τ a Python float), against autograd
+    leaf = img.clone().requires_grad_()
+    want_img = torch.autograd.grad(hn_clip_loss(leaf, txt, 0.1, backend="triton"), leaf)[0]
+    assert torch.equal(torch.func.grad(lambda a: hn_clip_loss(a, txt, 0.1, backend="triton"))(img), want_img)
+
+
+def test_func_grad_directional():
+    q, k, a, b, tau, _g, offset, *_ = _dir_args(grad=False)
+    fn = triton_directional()
+
+    def rows(q, k, tau):
+        return (fn(q, k, query_txt=a, key_txt=b, tau=tau, offset=offset, gamma=0.5, label_smoothing=0.1,
+                   normalize=True) * torch.arange(1.0, q.shape[0] + 1)).sum()
+
+    got = torch.func.grad(rows, argnums=(0, 1, 2))(q, k, tau)
+    leaves = [x.clone().requires_grad_() for x in (q, k, tau)]
+    want = torch.autograd.grad(rows(*leaves), leaves)
+    for name, x, y in zip(("d q", "d k", "d tau"), got, want):
+        assert torch.equal(x, y), name
+
+
+def test_func_vmap_values_and_gradients():
+    b = 3
+    stack = [_features(seed=s) for s in range(b)]
+    imgs, txts = torch.stack([x for x, _ in stack]), torch.stack([y for _, y in stack])
+    tau = torch.tensor(0.07)
+    # values: vmap over a stack of batches == a loop of eager calls
+    got = torch.func.vmap(_loss, in_dims=(0, 0, None))(imgs, txts, tau)
+    want = torch.stack([_loss(imgs[i], txts[i], tau) for i in range(b)])
+    assert_close_rel(got, want, 1e-6, "vmap vs loop")
+    # per-batch gradients (an ensemble's): vmap(grad) == per-batch autograd
+    grads = torch.func.vmap(torch.func.grad(_loss, argnums=(0, 1, 2)), in_dims=(0, 0, None))(imgs, txts, tau)
+    for i in range(b):
+        ref = _eager_grads(imgs[i], txts[i], tau)
+        for name, got_i, want_i in zip(("d img", "d txt", "d tau"), (grads[0][i], grads[1][i], grads[2][i]), ref[1:]):
+            assert_close_rel(got_i, want_i, 1e-6, f"vmap(grad) {name}, batch {i}")
+    # grad through vmap: the summed loss of the stack
+    total = torch.func.grad(lambda x: torch.func.vmap(_loss, in_dims=(0, 0, None))(x, txts, tau).sum())(imgs)
+    for i in range(b):
+        assert_close_rel(total[i], _eager_grads(imgs[i], txts[i], tau)[1], 1e-6, f"d img[{i}]")
+
+
+def test_second_derivative_raises_without_the_guard():
+    # the operators' own first-order protection (loss.py also wraps the inputs in a guard)
+    img, txt = _features(grad=True)
+    tau = torch.tensor(0.1, requires_grad=True)
+    pairs = ht.hn_clip_pairs_triton(img, txt, tau=tau, gamma=0.5, label_smoothing=0.0, normalize=True)
+    d_img, d_txt, d_tau = torch.autograd.grad(pairs.mean(), [img, txt, tau], create_graph=True)
+    for wrt in (img, txt, tau):
+        with pytest.raises(RuntimeError, match='second derivatives .* backend="torch"'):
+            torch.autograd.grad(d_img.pow(2).sum() + d_txt.pow(2).sum() + d_tau.pow(2), wrt, retain_graph=True)
+    plain_txt = txt.detach()
+    hessian = torch.func.jacrev(torch.func.jacrev(
+        lambda a: ht.hn_clip_pairs_triton(a, plain_txt, tau=torch.tensor(0.1), gamma=0.5, label_smoothing=0.0,
+                                          normalize=True).mean()))
+    with pytest.raises(RuntimeError, match='second derivatives .* backend="triton"'):
+        hessian(img.detach())
+
+
+# ------------------------------------------------------------------ torch.export / torch.compile
+class _Loss(torch.nn.Module):
+    def forward(self, img, txt):
+        return hn_clip_loss(img, txt, 0.05, gamma=0.5, label_smoothing=0.1, backend="triton")
+
+
+def test_export():
+    img, txt = _features(seed=3)
+    ep = torch.export.export(_Loss(), (img, txt))
+    targets = {str(n.target) for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule)
+               for n in m.graph.nodes if n.op == "call_function"}
+    assert "hnclip.triton_symmetric_nll.default" in targets, targets
+    assert torch.equal(ep.module()(img, txt), _Loss()(img, txt))
+
+
+SCHEDULES = {
+    # γ ≠ 0 throughout, τ and γ changing every step: the first graph is specialised on the first
+    # values, the second (Dynamo's automatic dynamic) takes both as symbolic floats
+    "margin": [(0.07 + 0.01 * i, 0.5 + 0.05 * i) for i in range(12)],
+    # a margin warm-up from γ = 0 (HAS_MARGIN False: the first graph), then a ramp, τ annealed
+    "warmup": [(0.1 - 0.005 * i, 0.1 * i) for i in range(12)],
+}
+# (a schedule that holds γ = 0 for several steps while τ changes and only then ramps γ compiles
+# three times: automatic dynamic makes τ symbolic at the first change, γ at its first change.)
+
+
+@pytest.mark.parametrize("backend, schedule", [("eager", "margin"), ("aot_eager", "margin"),
+                                               ("aot_eager", "warmup"), ("inductor", "warmup")])
+def test_compile_fullgraph_schedule_compiles_at_most_twice(backend, schedule):
+    # "inductor" here compiles the code around the operator (opaque under the interpreter) for the
+    # CPU; Inductor compiling the Triton kernels themselves is tests/backends/test_gpu.py's
+    img, txt = _features(seed=4)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+
+    def step(img, txt, tau, gamma):
+        return hn_clip_loss(img, txt, tau, gamma=gamma, label_smoothing=0.1, backend="triton")
+
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    for tau, gamma in SCHEDULES[schedule]:
+        results = []
+        for fn in (compiled, step):
+            leaves = [img.clone().requires_grad_(), txt.clone().requires_grad_()]
+            loss = fn(*leaves, tau, gamma)
+            results.append((loss.detach(), *torch.autograd.grad(loss, leaves)))
+        for name, got, want in zip(("loss", "d img", "d txt"), *results):
+            assert_close_rel(got, want, 1e-6, f"{name} at tau={tau}, gamma={gamma}")
+    assert counter.frame_count <= 2, f"{counter.frame_count} compiles over 12 steps"
+
+
+# ------------------------------------------------------------------ the GPU path, traced on CPU
+_TRACE = textwrap.dedent('''
+    import json
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+
+    class _Target:  # torch's mutation analysis asks the active driver for its target; no GPU here
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    triton.runtime.driver.set_active(_Target())
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch._library.triton import get_triton_kernels_for_op
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from hnclip_kernels.backends.triton import ops as ht
+
+    assert ht._USE_TRITON_OP, "compiled kernels must register with triton_op"
+
+    def launches(fn, *args):  # the kernel launches of fn traced as AOTAutograd traces it for Inductor
+        gm = make_fx(dispatch_functionalize(fn), tracing_mode="fake")(*args)
+        return [n for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
+
+    def kernel_of(node):
+        return kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+
+    def fwd(*a):
+        return torch.ops.hnclip.triton_symmetric_nll(*a, True, 0.1, True, "tf32x3")
+
+    def bwd(*a):
+        return torch.ops.hnclip.triton_symmetric_nll_backward(*a, True, 0.1, True, "tf32x3", True)
+
+    def inputs(n, d=16):
+        return (torch.randn(n, d), torch.randn(n, d), torch.tensor(0.07), torch.tensor([0.5]))
+
+    stats = [torch.rand(8) + 0.5 for _ in range(9)]
+    out = {name: [[getattr(kernel_of(node), "fn", kernel_of(node)).__name__, sorted(node.kwargs["tensors_to_clone"]),
+                   "gamma_ptr" in node.kwargs["kwargs"]] for node in nodes]
+           for name, nodes in (("fwd", launches(fwd, *inputs(8))),
+                               ("bwd", launches(bwd, torch.ones(8), *inputs(8), *stats)))}
+    out["kernels"] = sorted({getattr(k, "fn", k).__name__
+                             for k in get_triton_kernels_for_op("hnclip::triton_symmetric_nll_backward")})
+    # a backward in 3 x 3 chunks, autotuned: the accumulating GEMMs take one fixed configuration
+    ht.cfg.BWD_WORKSPACE_BYTES = 8192
+    nodes = launches(bwd, torch.ones(300), *inputs(300), *[torch.rand(300) + 0.5 for _ in range(9)])
+    out["chunked"] = [[node.kwargs["kwargs"]["ACCUMULATE"], len(kernel_of(node).configs)] for node in nodes
+                      if "ACCUMULATE" in node.kwargs["kwargs"]]
+    print(json.dumps(out))
+''')
+
+
+def test_traced_for_inductor_without_gpu():
+    """What torch.compile hands Inductor on a GPU: the operators decomposed into one
+    triton_kernel_wrapper_functional node per launch, each cloning (writing) only its outputs
+    (torch's mutation analysis of the kernels' TTIR), γ a tensor argument."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HNCLIP_TRITON_LAUNCH")}
+    env["HNCLIP_AUTOTUNE"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _TRACE], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    writes = {"_fwd_kernel": ["col_part_ptr", "row_part_ptr"], "_merge_kernel": ["delta_ptr", "dsum_ptr",
+                                                                                 "mean_neg_ptr"],
+              "_dscore_kernel": ["w_ptr"], "_grad_gemm_kernel": ["c_ptr"]}
+    assert [k for k, *_ in out["fwd"]] == ["_fwd_kernel", "_merge_kernel", "_merge_kernel"], out["fwd"]
+    assert [k for k, *_ in out["bwd"]] == ["_dscore_kernel", "_grad_gemm_kernel", "_grad_gemm_kernel"], out["bwd"]
+    for kernel, cloned, takes_gamma in out["fwd"] + out["bwd"]:
+        assert cloned == writes[kernel], (kernel, cloned)
+        assert takes_gamma == (kernel in ("_fwd_kernel", "_dscore_kernel")), kernel  # γ: a tensor argument
+    assert out["kernels"] == ["_dscore_kernel", "_fwd_kernel", "_grad_gemm_kernel", "_merge_kernel"], out["kernels"]
+    # 9 chunks, 2 GEMMs each: 6 overwrite (first row or column of chunks), 12 accumulate, each of
+    # those with a single configuration (a traced autotuner would benchmark into the output)
+    chunked = out["chunked"]
+    assert len(chunked) == 18 and sum(acc for acc, _ in chunked) == 12, chunked
+    assert all(configs == 1 for acc, configs in chunked if acc), chunked
+    assert any(configs > 1 for acc, configs in chunked if not acc), chunked

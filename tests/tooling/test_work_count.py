@@ -1,0 +1,79 @@
+"""Matmul work of the Triton loss, counted by tools/work.py (tl.dot in the interpreter, under
+the GPU launch configuration, plus torch's matmuls): the counter is exact on a known kernel, and
+the loss stays within its budget of N×N×D products."""
+import os
+import sys
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    # conftest interprets Triton only without CUDA; importing the counter would switch the
+    # interpreter on for every later test. Run `python -m tools.work` there instead.
+    pytest.skip("the work counter needs a session that interprets Triton (TRITON_INTERPRET=1)",
+                allow_module_level=True)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)  # benchmarks/ is a folder of the repository, not an installed package
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from tools.work import count_matmul_flops, count_products  # noqa: E402
+
+
+@triton.jit
+def _two_dots_kernel(a_ptr, b_ptr, ab_ptr, aat_ptr, M, N, K,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One block of rows: A·B and A·Aᵀ (diagonal block), K walked in BK steps, masked edges."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    ab = tl.zeros((BM, BN), tl.float32)
+    aat = tl.zeros((BM, BM), tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mask_k = offs_k < K
+        a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptr + offs_k[:, None] * N + offs_n[None, :], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        ab = tl.dot(a, b, ab, input_precision="ieee")
+        aat = tl.dot(a, tl.trans(a), aat, input_precision="ieee")
+    tl.store(ab_ptr + offs_m[:, None] * N + offs_n[None, :], ab, mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(aat_ptr + offs_m[:, None] * BM + tl.arange(0, BM)[None, :], aat, mask=mask_m[:, None])
+
+
+def test_counter_is_exact_on_a_known_kernel_and_torch_mm():
+    m, n, k, bm, bn, bk = 40, 12, 40, 32, 16, 16  # 2 row blocks (the second masked), 3 K steps (the last masked)
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    ab, aat = torch.zeros(m, n), torch.zeros(m, bm)
+    x, y = torch.randn(8, 12), torch.randn(12, 5)
+    with count_matmul_flops() as count:
+        _two_dots_kernel[(triton.cdiv(m, bm),)](a, b, ab, aat, m, n, k, BM=bm, BN=bn, BK=bk)
+        xy = torch.mm(x, y)
+    torch.testing.assert_close(ab, a @ b)  # the kernel really ran
+    torch.testing.assert_close(xy, x @ y)
+    blocks, steps = triton.cdiv(m, bm), triton.cdiv(k, bk)
+    # full padded tiles, as the GPU executes them: (32×16×16) and (32×32×16) per step and block
+    assert count.dot_flops == blocks * steps * (2 * bm * bn * bk + 2 * bm * bm * bk)
+    assert count.dot_tiles == {(bm, bn, bk): blocks * steps, (bm, bm, bk): blocks * steps}
+    assert count.torch_flops == 2 * 8 * 5 * 12
+    with count_matmul_flops() as empty:  # nothing leaks from the previous count
+        torch.mm(x, y)
+    assert empty.dot_flops == 0 and empty.torch_flops == 2 * 8 * 5 * 12
+
+
+def assert_work_within(case: dict, max_x_useful: float) -> None:
+    """Fail with the counter's breakdown when a case exceeds ``max_x_useful`` × the useful work."""
+    assert case["x_useful"] <= max_x_useful, (
+        f"{case['kind']} N={case['n']} D={case['d']} {case['dtype']} γ={case['gamma']:g}: "
+        f"{case['products']:.2f} products of N×N×D = {case['x_useful']:.2f}× the useful {case['useful_products']} "
+        f"(budget {max_x_useful}×): tl.dot {case['dot_products']:.2f}, torch {case['torch_products']:.2f}; "
+        f"tl.dot tiles (MxNxK:calls) {case['dot_tiles']}")
+
+
+@pytest.mark.parametrize("d", [512, 768])
+@pytest.mark.parametrize("gamma, budget", [(0.5, 2.7), (0.0, 2.0)], ids=["margin", "infonce"])
+def test_loss_matmul_work_within_budget(d, gamma, budget):
+    # one forward+backward at N = 256, bf16, GPU tiles: the margin's t tᵀ costs at most 0.7 product
+    assert_work_within(count_products(n=256, d=d, dtype="bfloat16", gamma=gamma, kind="loss"), budget)

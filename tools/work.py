@@ -1,0 +1,197 @@
+"""Matmul work of one HN-CLIP forward+backward, counted in flops rather than timed.
+
+    python -m tools.work [--n 256] [--m M] [--dims 512,768] [--dtypes bfloat16]
+                              [--gammas 0,0.5] [--kinds loss,directional] [--csv PATH]
+
+What runs: one forward+backward of ``hn_clip_loss(img, txt, tau, gamma=g, backend="triton")``
+(kind "loss", N×N) and of the directional op of the distributed path,
+``triton_directional()(q, k, query_txt=a, key_txt=b, tau=tau, offset=offset, gamma=g,
+label_smoothing=0.0, normalize=True)`` with M local rows against N columns (kind "directional"), τ a tensor that requires grad, as in training.
+
+How: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1), under the GPU launch
+configuration: HNCLIP_TRITON_LAUNCH=gpu is set while a case runs, and the launcher then
+uses the GPU tile sizes and warps even while interpreting. Two counters run together:
+
+  * every ``tl.dot`` the kernels execute: the interpreter evaluates ``tl.dot`` through
+    ``TritonSemantic.dot``, which ends in ``InterpreterBuilder.create_dot(a, b, acc, ...)``
+    with the operands' numpy tiles; that method is wrapped for the duration of the count and
+    adds 2·M·N·K (times any batch dimension) from the tile shapes. The interpreter runs full
+    masked tiles, so the count includes tile padding: what the GPU executes.
+    ``tl.dot_scaled`` is not counted and raises.
+  * every matmul run by torch (mm, bmm, addmm, matmul, ...): torch.utils.flop_counter.FlopCounterMode.
+
+Units: one product is an M×N×D matrix product, 2·M·N·D flops (M = N for the loss). The useful
+work is 3 products: S = q kᵀ in the forward, dS·k and dSᵀ·q in the backward; "x_useful" is
+the total in products divided by 3. The margin's t tᵀ, tile recomputation, padding and any
+torch matmul all count as overhead.
+"""
+from __future__ import annotations
+
+import os
+
+from .interpreted import LAUNCH_ENV, enter_interpreter, gpu_launch, write_rows  # before anything imports triton
+
+enter_interpreter("tools.work", "counts tl.dot inside Triton's interpreter")
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import contextlib  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+from triton.runtime import interpreter as _interpreter  # noqa: E402
+
+import hnclip_kernels  # noqa: E402
+from hnclip_kernels.loss import triton_directional  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+KINDS = ("loss", "directional")
+USEFUL_PRODUCTS = 3  # q kᵀ forward; dS·k and dSᵀ·q backward
+COLUMNS = ["kind", "n", "m", "d", "dtype", "gamma", "dot_flops", "torch_flops", "total_flops", "product_flops",
+           "dot_products", "torch_products", "products", "useful_products", "x_useful", "dot_tiles"]
+
+
+class MatmulCount:
+    """Flops of the tl.dot calls the interpreter executed and of torch's matmuls."""
+
+    def __init__(self):
+        self.dot_flops = 0
+        self.dot_tiles = collections.Counter()  # (M, N, K) of each tl.dot -> calls
+        self.torch_flops = 0
+
+    def _add_dot(self, a_shape, b_shape):
+        *batch, m, k = a_shape
+        n = b_shape[-1]
+        reps = 1
+        for x in batch:
+            reps *= int(x)
+        self.dot_flops += 2 * reps * int(m) * int(n) * int(k)
+        self.dot_tiles[(int(m), int(n), int(k))] += reps
+
+
+def _require_interpreter() -> None:
+    if not triton.knobs.runtime.interpret:
+        raise RuntimeError("tools.work needs TRITON_INTERPRET=1 (it counts tl.dot in Triton's interpreter); "
+                           f"got TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}")
+
+
+@contextlib.contextmanager
+def count_matmul_flops():
+    """Count, inside the block, 2·M·N·K for every tl.dot run by Triton's interpreter and the
+    flops of every torch matmul. Yields a :class:`MatmulCount`, complete when the block exits."""
+    _require_interpreter()
+    count = MatmulCount()
+    builder = _interpreter.InterpreterBuilder
+    orig_dot, orig_scaled = builder.create_dot, builder.create_dot_scaled
+
+    def create_dot(self, a, b, *args, **kwargs):
+        count._add_dot(a.data.shape, b.data.shape)
+        return orig_dot(self, a, b, *args, **kwargs)
+
+    def create_dot_scaled(self, *args, **kwargs):
+        raise NotImplementedError("tools.work does not count tl.dot_scaled")
+
+    builder.create_dot, builder.create_dot_scaled = create_dot, create_dot_scaled
+    torch_counter = FlopCounterMode(display=False)
+    try:
+        with torch_counter:
+            yield count
+    finally:
+        builder.create_dot, builder.create_dot_scaled = orig_dot, orig_scaled
+        count.torch_flops = int(torch_counter.get_total_flops())
+
+
+def count_products(n: int = 256, d: int = 512, dtype: str = "bfloat16", gamma: float = 0.5,
+                   kind: str = "loss", m: int | None = None, seed: int = 0) -> dict:
+    """Matmul work of one forward+backward of one case, as a dict (keys: :data:`COLUMNS`).
+
+    kind "loss": hn_clip_loss on (n, d) img/txt (m is n). kind "directional": m query rows
+    (default n // 4, the last of 4 ranks) against n keys, positives at offset n - m, the margin's
+    factors a, b the local and all text rows. One product is 2·m·n·d flops.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    m = n if kind == "loss" else (m or max(1, n // 4))
+    if m > n:
+        raise ValueError(f"m={m} local rows cannot exceed n={n} columns")
+    gen = torch.Generator().manual_seed(seed)
+    dt = DTYPES[dtype]
+    tau = torch.tensor(0.07, requires_grad=True)
+    if kind == "loss":
+        img = torch.randn(n, d, generator=gen).to(dt).requires_grad_()
+        txt = torch.randn(n, d, generator=gen).to(dt).requires_grad_()
+    else:
+        offset = n - m  # the last rank's rows
+        q = torch.randn(m, d, generator=gen).to(dt).requires_grad_()
+        k = torch.randn(n, d, generator=gen).to(dt).requires_grad_()
+        a, b = k.detach()[offset:offset + m].clone(), k.detach().clone()
+        fn = triton_directional()
+    with gpu_launch(), count_matmul_flops() as count:
+        if kind == "loss":
+            loss = hnclip_kernels.hn_clip_loss(img, txt, tau, gamma=gamma, backend="triton")
+        else:
+            loss = fn(q, k, query_txt=a, key_txt=b, tau=tau, offset=offset, gamma=gamma, label_smoothing=0.0,
+                          normalize=True).sum()
+        loss.backward()
+    if count.dot_flops == 0:
+        raise RuntimeError("no tl.dot ran in Triton's interpreter: are the kernels interpreted (TRITON_INTERPRET=1 "
+                           "before triton was first imported)?")
+    unit = 2 * m * n * d
+    total = count.dot_flops + count.torch_flops
+    return dict(
+        kind=kind, n=n, m=m, d=d, dtype=dtype, gamma=float(gamma),
+        dot_flops=count.dot_flops, torch_flops=count.torch_flops, total_flops=total, product_flops=unit,
+        dot_products=count.dot_flops / unit, torch_products=count.torch_flops / unit, products=total / unit,
+        useful_products=USEFUL_PRODUCTS, x_useful=total / unit / USEFUL_PRODUCTS,
+        dot_tiles=" ".join(f"{a}x{b}x{c}:{k}" for (a, b, c), k in sorted(count.dot_tiles.items())),
+    )
+
+
+def _csv_list(kind):
+    return lambda s: [kind(x) for x in s.split(",") if x]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m tools.work", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=256, help="columns N (and rows, for the loss)")
+    ap.add_argument("--m", type=int, default=None, help="directional: local rows M (default N // 4)")
+    ap.add_argument("--dims", type=_csv_list(int), default=[512, 768], help="embedding dims D")
+    ap.add_argument("--dtypes", type=_csv_list(str), default=["bfloat16"], help=",".join(DTYPES))
+    ap.add_argument("--gammas", type=_csv_list(float), default=[0.0, 0.5], help="margin scales γ")
+    ap.add_argument("--kinds", type=_csv_list(str), default=list(KINDS), help=",".join(KINDS))
+    ap.add_argument("--csv", help="also write the rows to this CSV file")
+    args = ap.parse_args(argv)
+    for name, values, allowed in (("--dtypes", args.dtypes, DTYPES), ("--kinds", args.kinds, KINDS)):
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            ap.error(f"{name}: unknown {bad}; choose from {','.join(allowed)}")
+    return args
+
+
+def format_table(rows) -> str:
+    head = f"{'kind':<12}{'N':>6}{'M':>6}{'D':>6}  {'dtype':<9}{'γ':>5}{'tl.dot':>9}{'torch':>8}" \
+           f"{'total':>8}{'x_useful':>10}  tl.dot tiles (MxNxK:calls)"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['kind']:<12}{r['n']:>6}{r['m']:>6}{r['d']:>6}  {r['dtype']:<9}{r['gamma']:>5g}"
+                     f"{r['dot_products']:>9.2f}{r['torch_products']:>8.2f}{r['products']:>8.2f}"
+                     f"{r['x_useful']:>9.2f}x  {r['dot_tiles']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list:
+    args = parse_args(argv)
+    rows = [count_products(args.n, d, dtype, gamma, kind, args.m)
+            for kind in args.kinds for dtype in args.dtypes for d in args.dims for gamma in args.gammas]
+    print("matmul work of one forward+backward, in M×N×D products (2·M·N·D flops; useful work = 3); "
+          f"Triton interpreter under {LAUNCH_ENV}=gpu")
+    print(format_table(rows))
+    if args.csv:
+        write_rows(rows, args.csv, COLUMNS)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
