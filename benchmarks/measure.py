@@ -169,7 +169,7 @@ def _reset_peak_rss() -> int:
         if not _warned_rss:
             _warned_rss = True
             warnings.warn("cannot reset the peak RSS (/proc/self/clear_refs): peak memory is only "
-                          "right for cells that set a new high-water mark in this process")
+                          "right for cells that set a new high-water mark in this process", stacklevel=2)
     return _proc_status_kb("VmRSS")
 
 

@@ -6,8 +6,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from hnclip_kernels import hn_clip_loss
 from helpers import assert_close_rel, hn_clip_loss_f64
+from hnclip_kernels import hn_clip_loss
 
 SIZES_N = (1, 2, 15, 16, 17, 65, 130)
 SIZES_D = (3, 8, 64, 100)

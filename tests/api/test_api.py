@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from cases import ALL_BACKENDS, check_against_truth, make_pair
+from helpers import assert_close_rel, hn_clip_loss_f64
 from hnclip_kernels import hn_clip_loss
 from hnclip_kernels.loss import resolve_backend
-from helpers import assert_close_rel, hn_clip_loss_f64
 
 X = torch.randn(4, 3)
 

@@ -14,7 +14,6 @@ import torch._dynamo.testing
 
 from cases import ALL_BACKENDS, make_pair
 from helpers import assert_close_rel, hn_clip_loss_f64
-
 from hnclip_kernels import hn_clip_loss
 
 F32_GRAD = 2e-5  # float32 gradients against float64 (measured ≤ 1e-6 at these sizes)

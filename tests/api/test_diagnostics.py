@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hnclip_kernels import hn_clip_loss
-from hnclip_kernels.diagnostics import SaturationReport, report_from_row_stats, saturation_report
-from hnclip_kernels.backends.epilogue import RowStats
 from helpers import hn_clip_loss_f64
+from hnclip_kernels import hn_clip_loss
+from hnclip_kernels.backends.epilogue import RowStats
+from hnclip_kernels.diagnostics import SaturationReport, report_from_row_stats, saturation_report
 
 GAMMA = 0.5
 

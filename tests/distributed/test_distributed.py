@@ -30,9 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from helpers import assert_close_rel, hn_clip_loss_f64
-
 import hnclip_kernels
+from helpers import assert_close_rel, hn_clip_loss_f64
 from hnclip_kernels import HNClipLoss, gather_features
 from hnclip_kernels.loss import cpp_directional
 
@@ -96,9 +95,10 @@ def _spawn(world, worker_name, tmp_path, timeout=150.0):
     return {r: info for r, (_, _, info) in results.items()}
 
 
-def _check(failures, name, fn):
+def _check(failures, name, fn, *args):
+    """Run fn(*args); an AssertionError is recorded in failures under name (the rank goes on)."""
     try:
-        fn()
+        fn(*args)
     except AssertionError as exc:
         failures.append(f"{name}: {exc}")
 
@@ -282,16 +282,16 @@ def _gather_checks_one(rank, world, failures, sizes, impl):
         y = (2 * full[off : off + sizes[rank]]).clone().requires_grad_()
         gx, gy = gather_features(x, y, local_loss, with_grad, rank, world)
         name = f"gather_features(local_loss={local_loss}, with_grad={with_grad}, {impl})"
-        _check(failures, name + " values", lambda: torch.testing.assert_close(gx.detach(), full))
-        _check(failures, name + " values txt", lambda: torch.testing.assert_close(gy.detach(), 2 * full))
+        _check(failures, name + " values", torch.testing.assert_close, gx.detach(), full)
+        _check(failures, name + " values txt", torch.testing.assert_close, gy.detach(), 2 * full)
         if with_grad or not local_loss:
             # every rank weights rows by (1 + rank) · (row index + 1): owners get Σ over ranks
             (gx * (1.0 + rank) * torch.arange(1.0, gx.shape[0] + 1)[:, None]).sum().backward()
             factor = sum(1.0 + r for r in range(world)) if with_grad else 1.0 + rank
             want = factor * torch.arange(off + 1.0, off + sizes[rank] + 1)[:, None].expand(-1, 3)
-            _check(failures, name + " grad", lambda: torch.testing.assert_close(x.grad, want))
+            _check(failures, name + " grad", torch.testing.assert_close, x.grad, want)
         else:
-            _check(failures, name + " no grad", lambda: _assert(not gx.requires_grad, "gathered has grad"))
+            _check(failures, name + " no grad", _assert, not gx.requires_grad, "gathered has grad")
 
 
 def _assert(cond, msg):
@@ -403,7 +403,7 @@ def _ddp_open_clip_step(rank, world, failures, info):
     for (name, p), p_ref in zip(ddp.module.named_parameters(), single.parameters()):
         if p_ref.grad is None or p_ref.grad.abs().max() == 0:
             continue
-        _check(failures, f"ddp grad {name}", lambda: assert_close_rel(p.grad, p_ref.grad, 1e-4, f"grad {name}"))
+        _check(failures, f"ddp grad {name}", assert_close_rel, p.grad, p_ref.grad, 1e-4, f"grad {name}")
         worst = max(worst, (p.grad - p_ref.grad).norm().item() / p_ref.grad.norm().item())
     info["worst_grad_rel_err"] = worst
 
