@@ -19,7 +19,7 @@
 # GPU_CHECK_BUDGET_S), its log under logs/, and a failed step does not stop the next:
 #   wheels   pip install --no-index --no-deps --target $GPU_CHECK_SITE .whl/*.whl; prepend it to PYTHONPATH
 #   info     nvidia-smi and versions (python, torch, triton, open_clip, inf_cl, ...) -> versions.txt
-#   imports  every module of hnclip_kernels (ops/ included) from source without the built _C,
+#   imports  every module of hnclip_kernels (backends/ included) from source without the built _C,
 #            and which benchmark providers can run
 #   tests    GPU_TEST_LEVEL=quick python -m pytest tests/backends/test_gpu.py -q -x -k "not test_library_", with
 #            HNCLIP_AUTOTUNE=0 (one launch configuration per shape instead of autotuning each) and
@@ -264,17 +264,24 @@ print(f"hnclip_kernels {hnclip_kernels.__version__} from {src}")
 bad = []
 if not src.startswith(repo + os.sep):
     bad.append(f"hnclip_kernels imported from {src}, not from the checkout {repo}")
-for info in pkgutil.walk_packages(hnclip_kernels.__path__, "hnclip_kernels."):
+# every module file under the package, folders without __init__.py (namespace packages) included
+names = []
+for root, dirs, _ in os.walk(src):
+    dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+    rel = os.path.relpath(root, src)
+    prefix = "hnclip_kernels." + ("" if rel == "." else rel.replace(os.sep, ".") + ".")
+    names += [prefix + info.name for info in pkgutil.iter_modules([root]) if prefix + info.name not in names]
+for name in names:
     try:
-        importlib.import_module(info.name)
-        print(f"ok        {info.name}")
+        importlib.import_module(name)
+        print(f"ok        {name}")
     except ImportError as exc:
-        if info.name in ("hnclip_kernels.backends.cpp.ops", "hnclip_kernels._C"):  # csrc/ is not built here
-            print(f"expected  {info.name}: ImportError: {str(exc).splitlines()[0][:200]}")
+        if name in ("hnclip_kernels.backends.cpp.ops", "hnclip_kernels._C"):  # csrc/ is not built here
+            print(f"expected  {name}: ImportError: {str(exc).splitlines()[0][:200]}")
         else:
-            bad.append(f"{info.name}: ImportError: {exc}")
+            bad.append(f"{name}: ImportError: {exc}")
     except Exception as exc:
-        bad.append(f"{info.name}: {type(exc).__name__}: {exc}")
+        bad.append(f"{name}: {type(exc).__name__}: {exc}")
 from hnclip_kernels.loss import cpp_directional, triton_directional
 
 print("C++ backend:", "not built (as expected with HNCLIP_NO_CPP=1)" if cpp_directional() is None
