@@ -1,4 +1,4 @@
-"""The loss composes with the rest of PyTorch on every backend (issue 10, items 1, 2, 4, 5).
+"""The loss composes with the rest of PyTorch on every backend: torch.func, torch.compile, autocast.
 
 Each test is parametrised over the backends, so a new backend is one line in
 ``cases.ALL_BACKENDS``. Truths are float64 autograd of the formula (``helpers.hn_clip_loss_f64``)
@@ -24,10 +24,10 @@ def _leaves(n=12, d=16, seed=0):
     return img, txt, torch.tensor(0.07)
 
 
-# ---- item 1: torch.func -----------------------------------------------------------------------
+# ---- torch.func --------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_func_grad_matches_autograd(backend):
-    # before: cpp raised through register_autograd, triton's old-style Functions refused torch.func
+    # torch.func.grad goes through every backend's autograd (cpp's register_autograd, triton's Functions)
     img, txt, tau = _leaves()
 
     def loss(a, b, t):
@@ -58,7 +58,7 @@ def test_func_vmap_over_batches(backend):
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_func_vmap_over_a_batch_of_temperatures(backend):
-    # before: the τ check called .item() on the batched τ, which vmap refuses; now each entry is checked
+    # the τ check reads each entry of a vmapped τ (never .item() on the batched tensor, which vmap refuses)
     stack_img = torch.stack([make_pair(6, 4, seed=20 + s)[0] for s in range(3)])
     stack_txt = torch.stack([make_pair(6, 4, seed=20 + s)[1] for s in range(3)])
     taus = torch.tensor([0.05, 0.07, 0.1])
@@ -89,10 +89,10 @@ def test_func_vmap_of_grad(backend):
         assert_close_rel(got[i], want, 1e-6, f"vmap(grad) batch {i}")
 
 
-# ---- item 2: torch.compile with a temperature schedule ------------------------------------------
+# ---- torch.compile with a temperature schedule -------------------------------------------------
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_compile_schedule_of_tau_and_gamma_compiles_at_most_twice(backend):
-    # before (cpp): γ reached the op as a float and was guarded; FailOnRecompileLimitHit at step 9
+    # γ and τ reach the ops without a guard on their values: a 12-step schedule compiles at most twice
     # aot_eager runs the pass that specialises any non-arithmetic use of a float: a backend
     # that returns gm.forward would hide such recompiles
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
@@ -113,10 +113,10 @@ def test_compile_schedule_of_tau_and_gamma_compiles_at_most_twice(backend):
     assert counter.frame_count <= 2, f"{counter.frame_count} graphs compiled over a 12-step schedule"
 
 
-# ---- item 4: autocast around the backward ---------------------------------------------------------
+# ---- autocast around the backward --------------------------------------------------------------
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_backward_inside_autocast_keeps_float32_accuracy(backend):
-    # before (torch backend): the matmuls' backward ran in bf16, d img error 3e-3 against float64
+    # the backward's matmuls run in float32 under a bf16 autocast (bf16 would give d img errors ~3e-3)
     img, txt, tau = _leaves(n=64, d=32, seed=4)
     leaves = [x.clone().requires_grad_() for x in (img, txt, tau)]
     truth = torch.autograd.grad(hn_clip_loss_f64(*[x.double() for x in leaves], 0.5), leaves)
@@ -152,13 +152,13 @@ def test_second_derivative_inside_autocast_keeps_float32_accuracy():
     assert_close_rel(got, want, 1e-4, "gradient penalty's gradient under autocast")
 
 
-# ---- item 5: one answer whatever the backend -------------------------------------------------------
+# ---- one answer whatever the backend -----------------------------------------------------------
 FMAX32 = torch.finfo(torch.float32).max
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_tau_between_the_old_and_new_overflow_bounds_raises(backend):
-    # before: (1 + γ)/τ < fmax passed the check, but gaps reach (2 + γ)/τ: inf (torch), NaN (cpp, triton)
+    # the check bounds the gaps by (2 + γ)/τ: a τ with (1 + γ)/τ < fmax < (2 + γ)/τ raises, no inf or NaN
     gamma = 0.5
     tau = (1.0 + gamma) / FMAX32 * 1.2
     img = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0]])
@@ -191,7 +191,7 @@ def test_label_smoothing_bound_counts_the_columns(backend):
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_unnormalized_features_that_overflow_raise(backend):
-    # before: NaN on every backend for finite features of norm 1e20 with normalize=False
+    # finite features of norm 1e20 with normalize=False raise instead of giving NaN
     img, txt = make_pair(4, 3, seed=8)
     with pytest.raises(ValueError, match="normalize=True"):
         hn_clip_loss(img * 1e20, txt * 1e20, 0.1, backend=backend, normalize=False)
@@ -215,7 +215,7 @@ def test_hn_clip_loss_module_normalize_false_overflow_raises():
 
 
 def _edge_cases():
-    """Inputs where backends used to be most likely to part ways: one pair, D = 2, zero rows,
+    """Inputs where backends are most likely to part ways: one pair, D = 2, zero rows,
     antiparallel pairs, a non-contiguous view, label smoothing, γ = 0."""
     one = make_pair(1, 4, seed=1)
     d2 = make_pair(5, 2, seed=2)  # D = 1 has a zero true feature gradient: only round-off to compare
@@ -269,9 +269,8 @@ def test_func_hessian_on_the_torch_backend():
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_module_single_process_is_the_fused_symmetric_op(backend, dtype):
-    # before: HNClipLoss with one process ran the directional op twice (cpp: 379 vs 264 ms at
-    # N = 2048, D = 512) and skipped the bf16 upcast (d img error 2.3e-3 vs 1.6e-3); now it is
-    # hn_clip_loss's path, bit for bit
+    # HNClipLoss in one process is hn_clip_loss's path bit for bit: one fused symmetric op (not the
+    # directional op twice) with the same bf16 upcast
     from hnclip_kernels import HNClipLoss
 
     img, txt = make_pair(20, 12, dtype=dtype, seed=12)
@@ -291,7 +290,7 @@ def test_module_single_process_is_the_fused_symmetric_op(backend, dtype):
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_directional_protocol_is_keyword_only(backend):
-    # before: fn(q, k, a, b, tau, offset, gamma, label_smoothing, normalize) accepted a and b swapped
+    # only q and k are positional: a and b swapped in a positional call cannot go unnoticed
     from hnclip_kernels.loss import directional_fn
 
     fn = directional_fn(backend)
@@ -314,11 +313,11 @@ def test_torch_export_matches_eager(backend):
     assert_close_rel(exported.module()(img, txt), Loss()(img, txt), 1e-6, "exported loss")
 
 
-# ---- from a hostile review: each failing input is a test ------------------------------------------
+# ---- hostile inputs: each raises or gives the right answer ---------------------------------------
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_mean_of_huge_rows_overflow_raises(backend):
-    # before: every row's gap passed the (2 + γ)/τ check, but the pair sum and the mean's sum of
-    # N rows overflowed: inf on every backend for finite features (norms 1.1e19, normalize=False)
+    # the check counts the pair sum and the mean's sum of N rows, not only each row's gap: finite
+    # features (norms 1.1e19, normalize=False) whose mean overflows raise instead of giving inf
     u = torch.nn.functional.normalize(torch.randn(16, 4, generator=torch.Generator().manual_seed(0)), dim=1)
     w = torch.nn.functional.normalize(torch.randn(16, 4, generator=torch.Generator().manual_seed(1)), dim=1)
     with pytest.raises(ValueError, match="normalize=True"):
@@ -330,7 +329,7 @@ def test_mean_of_huge_rows_overflow_raises(backend):
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_unnormalized_margin_product_overflow_raises(backend):
-    # before: t·tᵀ overflowed before γ scaled it: inf (torch), NaN (triton), right on cpp
+    # the check bounds the raw t·tᵀ product before γ scales it: an overflowing product raises
     v, t = make_pair(8, 4, seed=16)
     v, t = torch.nn.functional.normalize(v, dim=1), torch.nn.functional.normalize(t, dim=1) * 2e19
     with pytest.raises(ValueError, match="normalize=True"):
@@ -339,8 +338,8 @@ def test_unnormalized_margin_product_overflow_raises(backend):
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_vmap_with_normalize_false(backend):
-    # before: the range check read values of batched tensors ("Cannot access data pointer"),
-    # and with a batched τ it was skipped (NaN where eager raised)
+    # under vmap the range check runs on each unbatched entry (batched τ included) and raises where
+    # eager raises, instead of reading a batched tensor's data or skipping the check
     stack_img = torch.stack([make_pair(6, 4, seed=30 + s)[0] for s in range(2)])
     stack_txt = torch.stack([make_pair(6, 4, seed=30 + s)[1] for s in range(2)])
 
@@ -358,8 +357,8 @@ def test_vmap_with_normalize_false(backend):
 @pytest.mark.parametrize("m,offset,exc", [(1, 10, ValueError), (2, 9, ValueError), (2, -1, ValueError),
                                           (1, 2.0, TypeError)])
 def test_directional_offset_is_checked(backend, m, offset, exc):
-    # before: triton segfaulted (offset 10 with M = 1) or read out of bounds (offset + M > N);
-    # torch wrapped offset -1 to the last column; cpp raised an unclear size error
+    # every backend checks offset before launching: offset + M > N, a negative offset and a float
+    # offset raise a clear error (no out-of-bounds read, no wrap-around to the last column)
     from hnclip_kernels.loss import directional_fn
 
     keys, key_txt = make_pair(10, 6, seed=17)
@@ -377,8 +376,8 @@ _TRITON_RAW_PRODUCTS = pytest.mark.xfail(
 @pytest.mark.parametrize("backend", [pytest.param(b, marks=_TRITON_RAW_PRODUCTS) if b == "triton" else b
                                      for b in ALL_BACKENDS])
 def test_rows_with_entries_beyond_float32_norm_range(backend):
-    # before: the float32 norm of a finite row with entries ~2e19 overflowed, the normalised row
-    # became 0 and torch/cpp returned log N (12.03 expected) with zero gradients
+    # row norms are taken in float64: a finite row with entries ~2e19 normalises to a unit row (its
+    # float32 norm overflows), so the loss is 12.03, not log N with zero gradients
     img, txt = make_pair(8, 4, seed=19)
     img, txt = img * 2e19, txt * 2e19
     a = img.clone().requires_grad_()

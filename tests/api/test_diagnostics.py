@@ -339,8 +339,8 @@ def test_hn_clip_loss_module_return_stats(backend, eps):
 
 
 def test_return_stats_meta_and_misaligned_dsum():
-    # from a hostile review: meta features raised "Cannot copy out of meta tensor" with
-    # return_stats; a dsum of the wrong length gave a misaligned report without an error
+    # return_stats with meta features returns a meta loss and no stats; a dsum of the wrong
+    # length raises instead of giving a misaligned report
     from hnclip_kernels import HNClipLoss
 
     module = HNClipLoss(backend="torch", return_stats=True)
