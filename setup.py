@@ -24,6 +24,7 @@ def _extensions():
     ext = CppExtension(
         name="hnclip_kernels._C",
         sources=sources,
+        depends=sorted(glob.glob(os.path.join("csrc", "*.h"))),  # rebuild when a header changes
         # no -std=: BuildExtension adds the standard the installed torch headers need (C++20 today)
         extra_compile_args=["-O3", "-fopenmp"],
         extra_link_args=["-fopenmp"],

@@ -1,0 +1,193 @@
+// Vectorised inner loops: the only code that touches every logit of a tile. Each loop is written
+// once, as an always-inline template body; float32 calls reach it through the thin wrappers in
+// loops.cpp, which GCC builds as AVX-512 / AVX2 / baseline clones (target_clones) and picks one
+// at load time (ifunc), so the extension needs no -march flag. float64 is the accuracy path
+// (tests, gradcheck): the same bodies, inlined, kept scalar (`if(simd: ...)` below) with std::exp.
+//
+// The tiles hold the logits themselves, Z = (L/τ) Rᵀ (1/τ is folded into the left factor), so
+// every loop below forms a gap as ONE subtraction, d = z − p. There is no z·s − p for the
+// compiler to contract into an FMA in some loops and clones and not in others: with the product
+// separate, GCC fused it (one rounding) in the statistics loops of the AVX2 clone but not in
+// sym_prob (z·s used twice), so at |Z| ≈ 1e8 the backward's gaps differed from the forward's by an
+// ulp (2-8), a factor up to e^8 on P. The forward and backward must see bit-identical gaps.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+namespace hnclip {
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define HNCLIP_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define HNCLIP_CLONES
+#endif
+// The bodies are inlined into each clone, so each clone compiles them for its own instruction set.
+#define HNCLIP_INLINE inline __attribute__((always_inline))
+
+// e^x in float32, relative error < 1e-7 on normal results, correct gradual underflow
+// (0 below −104), +inf above 89, NaN in NaN out. Written branch-free so loops vectorise.
+HNCLIP_INLINE float exp_f32(float x) {
+  float xc = x < -104.0f ? -104.0f : x;
+  xc = xc > 89.0f ? 89.0f : xc;
+  const float t = xc * 1.44269504088896341f;
+  float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest
+  n = (n == n) ? n : 0.0f;                    // NaN: keep the int conversion defined
+  float r = xc - n * 0.693359375f;            // Cody-Waite: r = x − n·ln2
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500E-4f;  // Cephes expf polynomial
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t k = static_cast<int32_t>(n);
+  const int32_t k1 = k >> 1, k2 = k - k1;  // two factors: 2^k for k in [−151, 129]
+  const uint32_t b1 = static_cast<uint32_t>(k1 + 127) << 23;
+  const uint32_t b2 = static_cast<uint32_t>(k2 + 127) << 23;
+  float s1, s2;
+  std::memcpy(&s1, &b1, sizeof(float));
+  std::memcpy(&s2, &b2, sizeof(float));
+  return p * s1 * s2;
+}
+
+// Vectorise (and reorder the reductions) for float32 only: float64 keeps plain sequential loops.
+template <typename T>
+constexpr bool kSimd = std::is_same_v<T, float>;
+
+template <typename T>
+HNCLIP_INLINE T exp_of(T x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return exp_f32(x);
+  } else {
+    return std::exp(x);
+  }
+}
+
+// ---- Row loops: one row of a tile, one positive p ----------------------------------------
+
+// max_j (z_j − p)
+template <typename T>
+HNCLIP_INLINE T seg_max_body(const T* z, int64_t n, T p) {
+  T m = -std::numeric_limits<T>::infinity();
+#pragma omp simd if(simd : kSimd<T>) reduction(max : m)
+  for (int64_t j = 0; j < n; ++j) {
+    const T d = z[j] - p;
+    m = d > m ? d : m;
+  }
+  return m;
+}
+
+// Σ e, Σ e·d, Σ d with d = z − p, e = exp(d − m), added to out[0..3)
+template <typename T>
+HNCLIP_INLINE void seg_sums_body(const T* z, int64_t n, T p, T m, T* out) {
+  T se = T(0), sw = T(0), sd = T(0);
+#pragma omp simd if(simd : kSimd<T>) reduction(+ : se, sw, sd)
+  for (int64_t j = 0; j < n; ++j) {
+    const T d = z[j] - p;
+    const T e = exp_of<T>(d - m);
+    se += e;
+    sw += e * d;
+    sd += d;
+  }
+  out[0] += se;
+  out[1] += sw;
+  out[2] += sd;
+}
+
+// out ← w · exp((z − p) − shift)   (out may be z)
+template <typename T>
+HNCLIP_INLINE void seg_prob_body(const T* z, T* out, int64_t n, T p, T shift, T w) {
+#pragma omp simd if(simd : kSimd<T>)
+  for (int64_t j = 0; j < n; ++j) {
+    const T d = z[j] - p;
+    out[j] = w * exp_of<T>(d - shift);
+  }
+}
+
+// ---- Column loops of the symmetric kernels ------------------------------------------------
+// Vectorised across the columns j of one row of a tile, with a per-column positive p_j
+// (d_j = z_j − p_j), so the column statistics (the t2i rows of Zᵀ) come from the same
+// row-major tile as the row statistics.
+
+// mx_j ← max(mx_j, d_j)
+template <typename T>
+HNCLIP_INLINE void col_max_body(const T* z, const T* p, int64_t n, T* mx) {
+#pragma omp simd if(simd : kSimd<T>)
+  for (int64_t j = 0; j < n; ++j) {
+    const T d = z[j] - p[j];
+    mx[j] = d > mx[j] ? d : mx[j];
+  }
+}
+
+// se_j += e, sw_j += e·d, sd_j += d with e = exp(d − m_j)
+template <typename T>
+HNCLIP_INLINE void col_sums_body(const T* z, const T* p, const T* m, int64_t n, T* se, T* sw, T* sd) {
+#pragma omp simd if(simd : kSimd<T>)
+  for (int64_t j = 0; j < n; ++j) {
+    const T d = z[j] - p[j];
+    const T e = exp_of<T>(d - m[j]);
+    se[j] += e;
+    sw[j] += e * d;
+    sd[j] += d;
+  }
+}
+
+// out_j ← w·exp((z_j − p) − shift) + wc_j·exp((z_j − pc_j) − shc_j): row i's softmax over its
+// negatives plus column j's (the transposed direction's) at the same logit (out may be z)
+template <typename T>
+HNCLIP_INLINE void sym_prob_body(const T* z, T* out, int64_t n, T p, T shift, T w, const T* pc, const T* shc,
+                                 const T* wc) {
+#pragma omp simd if(simd : kSimd<T>)
+  for (int64_t j = 0; j < n; ++j) {
+    const T zj = z[j];
+    out[j] = w * exp_of<T>((zj - p) - shift) + wc[j] * exp_of<T>((zj - pc[j]) - shc[j]);
+  }
+}
+
+// ---- float32 entry points (loops.cpp: one target_clones wrapper around each body) ----------
+float seg_max_f32(const float* z, int64_t n, float p);
+void seg_sums_f32(const float* z, int64_t n, float p, float m, float* out);
+void seg_prob_f32(const float* z, float* out, int64_t n, float p, float shift, float w);
+void col_max_f32(const float* z, const float* p, int64_t n, float* mx);
+void col_sums_f32(const float* z, const float* p, const float* m, int64_t n, float* se, float* sw, float* sd);
+void sym_prob_f32(const float* z, float* out, int64_t n, float p, float shift, float w, const float* pc,
+                  const float* shc, const float* wc);
+
+// ---- What the kernels call: the float32 clones, or the float64 body inlined ----------------
+template <typename T>
+inline T seg_max(const T* z, int64_t n, T p) {
+  if constexpr (kSimd<T>) return seg_max_f32(z, n, p);
+  else return seg_max_body<T>(z, n, p);
+}
+template <typename T>
+inline void seg_sums(const T* z, int64_t n, T p, T m, T* out) {
+  if constexpr (kSimd<T>) seg_sums_f32(z, n, p, m, out);
+  else seg_sums_body<T>(z, n, p, m, out);
+}
+template <typename T>
+inline void seg_prob(const T* z, T* out, int64_t n, T p, T shift, T w) {
+  if constexpr (kSimd<T>) seg_prob_f32(z, out, n, p, shift, w);
+  else seg_prob_body<T>(z, out, n, p, shift, w);
+}
+template <typename T>
+inline void col_max(const T* z, const T* p, int64_t n, T* mx) {
+  if constexpr (kSimd<T>) col_max_f32(z, p, n, mx);
+  else col_max_body<T>(z, p, n, mx);
+}
+template <typename T>
+inline void col_sums(const T* z, const T* p, const T* m, int64_t n, T* se, T* sw, T* sd) {
+  if constexpr (kSimd<T>) col_sums_f32(z, p, m, n, se, sw, sd);
+  else col_sums_body<T>(z, p, m, n, se, sw, sd);
+}
+template <typename T>
+inline void sym_prob(const T* z, T* out, int64_t n, T p, T shift, T w, const T* pc, const T* shc, const T* wc) {
+  if constexpr (kSimd<T>) sym_prob_f32(z, out, n, p, shift, w, pc, shc, wc);
+  else sym_prob_body<T>(z, out, n, p, shift, w, pc, shc, wc);
+}
+
+}  // namespace hnclip

@@ -1,0 +1,64 @@
+// Fused HN-CLIP loss on CPU: the C++ counterpart of hnclip_kernels/ops/hn_clip_triton.py.
+//
+// One direction at a time: M query rows against N key columns, positive of row i at
+// column offset + i, negatives everywhere else. With q̂ = rq·q, k̂ = rk·k, â = ra·a,
+// b̂ = rb·b (float32, or float64 for float64 inputs; the Python side hands in q̂ and k̂):
+//
+//     Z_ik = (q̂_i·k̂_k + γ â_i·b̂_k) / τ,   d_ik = Z_ik − pos_i   (k ≠ offset + i)
+//
+// The logits are produced tile by tile with one BLAS product per tile, Z = L_I R_Kᵀ, 1/τ folded
+// into L (so a gap d = z − pos is one subtraction, the same in every loop and every clone):
+//   * b̂ == k̂ (i2t: b and k are both the texts):  L = (q̂ + γ â)/τ, R = k̂
+//   * â == q̂ (t2i: a and q are both the texts):  L = q̂/τ,         R = k̂ + γ b̂
+//   * otherwise                                  L = [q̂, γ â]/τ,  R = [k̂, b̂]   (inner dim 2D)
+// so the margin costs nothing in the usual i2t/t2i calls. Nothing of size M×N is stored:
+// extra memory is O(N·D) (the factors above, per-group key accumulators) plus one
+// (rows × N) strip per task.
+//
+// Every pass forms its tiles on one grid (TileGrid: tile-rows of 16-128 query rows, 512 key
+// columns) with one routine (form_tile), whatever the pass and the thread count: a backward
+// sees bit for bit the logits the forward's statistics came from. It has to: at |Z| ≈ 1e8 an
+// ulp of Z is 8, a factor e^8 on P = exp(Z − LSE) if the backward's logit rounds otherwise.
+//
+// Files, bottom up:
+//   loops.h / loops.cpp  the vectorised inner loops over a tile row (float32 clones per ISA)
+//   online_lse.h         the online log-sum-exp state of a row / column and its one merge step
+//   tiles.h              the tile grid, form_tile, strips of tile-rows and their groups
+//   factors.h            the logits' factors L, R (margin and 1/τ folded in)
+//   sweeps.h             the row sweep (RowSweep<T, Sweep mode>) and the symmetric kernels
+//   directional.cpp      directional_fwd / directional_bwd
+//   symmetric.cpp        symmetric_fwd / symmetric_bwd
+//   registration.cpp     the argument checks and the torch.ops.hnclip registration
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard in the kernels
+
+#include <cstdint>
+#include <tuple>
+
+namespace hnclip {
+
+// The operators, inputs already checked by registration.cpp (schemas there).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> directional_fwd(
+    const at::Tensor& q_hat, const at::Tensor& k_hat, const at::Tensor& a, const at::Tensor& b,
+    const at::Tensor& ra, const at::Tensor& rb, const at::Tensor& pos, const at::Tensor& inv_tau, int64_t offset,
+    double gamma, bool need_grad);
+
+std::tuple<at::Tensor, at::Tensor> directional_bwd(const at::Tensor& q_hat, const at::Tensor& k_hat,
+                                                   const at::Tensor& a, const at::Tensor& b, const at::Tensor& ra,
+                                                   const at::Tensor& rb, const at::Tensor& pos,
+                                                   const at::Tensor& inv_tau, const at::Tensor& delta,
+                                                   const at::Tensor& row_acc, const at::Tensor& col_acc,
+                                                   const at::Tensor& g, int64_t offset, double gamma);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> symmetric_fwd(
+    const at::Tensor& v_hat, const at::Tensor& t_hat, const at::Tensor& pos, const at::Tensor& inv_tau,
+    double gamma);
+
+std::tuple<at::Tensor, at::Tensor> symmetric_bwd(const at::Tensor& v_hat, const at::Tensor& t_hat,
+                                                 const at::Tensor& pos, const at::Tensor& inv_tau,
+                                                 const at::Tensor& delta_r, const at::Tensor& delta_c,
+                                                 const at::Tensor& g, double gamma);
+
+}  // namespace hnclip

@@ -1,0 +1,111 @@
+// torch.ops.hnclip: the operator schemas, the argument checks, and the CPU registration. The
+// Python side (hnclip_kernels/backends/cpp/ops.py) calls these names and schemas; the kernels
+// behind them (directional.cpp, symmetric.cpp) assume the checks below have passed.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+namespace hnclip {
+namespace {
+
+using at::Tensor;
+
+void check_inputs(const Tensor& qh, const Tensor& kh, const Tensor& a, const Tensor& b, const Tensor& ra,
+                  const Tensor& rb, const Tensor& pos, int64_t offset) {
+  TORCH_CHECK(qh.dim() == 2 && kh.dim() == 2 && a.dim() == 2 && b.dim() == 2,
+              "hnclip: q_hat, k_hat, a, b must be 2-D");
+  TORCH_CHECK(qh.device().is_cpu() && kh.device().is_cpu() && a.device().is_cpu() && b.device().is_cpu(),
+              "hnclip: the C++ kernel runs on CPU tensors");
+  TORCH_CHECK(qh.scalar_type() == at::kFloat || qh.scalar_type() == at::kDouble,
+              "hnclip: q_hat must be float32 or float64, got ", qh.scalar_type());
+  TORCH_CHECK(kh.scalar_type() == qh.scalar_type(), "hnclip: q_hat and k_hat dtypes differ");
+  const int64_t M = qh.size(0), N = kh.size(0), D = qh.size(1);
+  TORCH_CHECK(kh.size(1) == D && a.size(1) == D && b.size(1) == D, "hnclip: feature dims differ");
+  TORCH_CHECK(a.size(0) == M && b.size(0) == N, "hnclip: a must have M rows and b N rows");
+  TORCH_CHECK(ra.numel() == M && rb.numel() == N && pos.numel() == M, "hnclip: norm/positive sizes");
+  TORCH_CHECK(offset >= 0 && offset + M <= N, "hnclip: need 0 <= offset and offset + M <= N, got offset ",
+              offset, ", M ", M, ", N ", N);
+}
+
+void check_symmetric(const Tensor& vh, const Tensor& th, const Tensor& pos) {
+  TORCH_CHECK(vh.dim() == 2 && th.dim() == 2, "hnclip: v_hat and t_hat must be 2-D");
+  TORCH_CHECK(vh.device().is_cpu() && th.device().is_cpu(), "hnclip: the C++ kernel runs on CPU tensors");
+  TORCH_CHECK(vh.scalar_type() == at::kFloat || vh.scalar_type() == at::kDouble,
+              "hnclip: v_hat must be float32 or float64, got ", vh.scalar_type());
+  TORCH_CHECK(th.scalar_type() == vh.scalar_type(), "hnclip: v_hat and t_hat dtypes differ");
+  TORCH_CHECK(vh.sizes() == th.sizes(), "hnclip: v_hat and t_hat shapes differ");
+  TORCH_CHECK(pos.numel() == vh.size(0), "hnclip: pos needs N entries");
+}
+
+// The registered entry points: check, then run the kernel.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd_op(
+    const Tensor& q_hat, const Tensor& k_hat, const Tensor& a, const Tensor& b, const Tensor& ra,
+    const Tensor& rb, const Tensor& pos, const Tensor& inv_tau, int64_t offset, double gamma, bool need_grad) {
+  check_inputs(q_hat, k_hat, a, b, ra, rb, pos, offset);
+  return directional_fwd(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad);
+}
+
+std::tuple<Tensor, Tensor> directional_bwd_op(const Tensor& q_hat, const Tensor& k_hat, const Tensor& a,
+                                              const Tensor& b, const Tensor& ra, const Tensor& rb, const Tensor& pos,
+                                              const Tensor& inv_tau, const Tensor& delta, const Tensor& row_acc,
+                                              const Tensor& col_acc, const Tensor& g, int64_t offset, double gamma) {
+  check_inputs(q_hat, k_hat, a, b, ra, rb, pos, offset);
+  const int64_t M = q_hat.size(0);
+  TORCH_CHECK(delta.numel() == M && g.numel() == M, "hnclip: delta and g need M entries");
+  return directional_bwd(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symmetric_fwd_op(const Tensor& v_hat, const Tensor& t_hat,
+                                                                            const Tensor& pos, const Tensor& inv_tau,
+                                                                            double gamma) {
+  check_symmetric(v_hat, t_hat, pos);
+  return symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma);
+}
+
+std::tuple<Tensor, Tensor> symmetric_bwd_op(const Tensor& v_hat, const Tensor& t_hat, const Tensor& pos,
+                                            const Tensor& inv_tau, const Tensor& delta_r, const Tensor& delta_c,
+                                            const Tensor& g, double gamma) {
+  check_symmetric(v_hat, t_hat, pos);
+  const int64_t N = v_hat.size(0);
+  TORCH_CHECK(delta_r.numel() == N && delta_c.numel() == N && g.numel() == N,
+              "hnclip: delta_r, delta_c and g need N entries");
+  return symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hnclip, m) {
+  m.def(
+      "directional_fwd(Tensor q_hat, Tensor k_hat, Tensor a, Tensor b, Tensor ra, Tensor rb, Tensor pos, "
+      "Tensor inv_tau, int offset, float gamma, bool need_grad) "
+      "-> (Tensor delta, Tensor mean_neg, Tensor dsum, Tensor row_acc, Tensor col_acc)");
+  m.def(
+      "directional_bwd(Tensor q_hat, Tensor k_hat, Tensor a, Tensor b, Tensor ra, Tensor rb, Tensor pos, "
+      "Tensor inv_tau, Tensor delta, Tensor row_acc, Tensor col_acc, Tensor g, int offset, float gamma) "
+      "-> (Tensor d_q_neg, Tensor d_k_neg)");
+  m.def(
+      "symmetric_fwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, float gamma) "
+      "-> (Tensor delta_r, Tensor mean_neg_r, Tensor dsum_r, Tensor delta_c, Tensor mean_neg_c, Tensor dsum_c)");
+  m.def(
+      "symmetric_bwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, Tensor delta_r, Tensor delta_c, "
+      "Tensor g, float gamma) -> (Tensor d_v_neg, Tensor d_t_neg)");
+}
+
+TORCH_LIBRARY_IMPL(hnclip, CPU, m) {
+  m.impl("directional_fwd", &directional_fwd_op);
+  m.impl("directional_bwd", &directional_bwd_op);
+  m.impl("symmetric_fwd", &symmetric_fwd_op);
+  m.impl("symmetric_bwd", &symmetric_bwd_op);
+}
+
+}  // namespace hnclip
+
+// `import hnclip_kernels._C` loads this library, which runs the registrations above.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "hnclip C++ CPU kernels (torch.ops.hnclip)",
+                                          -1, nullptr};
+  return PyModule_Create(&module_def);
+}

@@ -1,0 +1,204 @@
+// The passes over the logit tiles (tiles.h), built on the online LSE (online_lse.h).
+//
+//   row sweep  (parallel over tile-rows / strips of them; each row owned by one task)
+//     Sweep::kStats (no grad needed): tile by tile, online LSE along the row, over the
+//       negatives: delta = LSE d, mean_neg = Σ softmax(d)·d, dsum = Σ d.
+//     Sweep::kShares (with grad): the task keeps its (rows × N) strip of Z, finishes the row
+//       statistics, turns the strip into P_ik = w_i·exp(d_ik − softplus(delta_i)) (0 at the
+//       positive) and applies two BLAS products:
+//         row_acc_I = P_I k̂                  (negatives' share of dL/dq̂ · τ, g = w)
+//         col_acc  += P_Iᵀ q̂_I               (negatives' share of dL/dk̂ · τ)
+//       The key accumulator is per *group* of strips (a contiguous split of the rows,
+//       one group per thread, at most 1 + 256 MiB / (N·D·sizeof) groups) and the groups
+//       are summed in group order afterwards, so results are bit-identical from run to run
+//       for a given thread count (and agree to rounding across thread counts).
+//     Sweep::kBackward (backward recompute): the same strips from the same tiles,
+//       P_ik = w_i exp(d_ik − nll_i) with the saved nll. The backward needs it only when the
+//       upstream gradient is not the same for every row (with a uniform g, the forward's
+//       unweighted col_acc times g is the exact answer and nothing is recomputed).
+//   symmetric forward / backward (the single-process loss, M = N, offset 0): one tile
+//     serves i2t (its rows) and t2i (its columns); see "Symmetric single-process kernels".
+#pragma once
+
+#include <cstring>
+#include <vector>
+
+#include "online_lse.h"
+#include "tiles.h"
+
+namespace hnclip {
+
+enum class Sweep { kStats, kShares, kBackward };
+
+template <typename T, Sweep kMode>
+struct RowSweep {
+  Tensor L, R;        // (M, Dl), (N, Dl): Z = L Rᵀ (1/τ folded into L)
+  Tensor qh, kh;      // (M, D), (N, D)
+  const T* pos;       // (M,) Z_i,pos
+  int64_t offset;
+  T* delta = nullptr;         // kStats, kShares: the statistics' outputs
+  T* mean_neg = nullptr;
+  T* dsum = nullptr;
+  const T* nll_in = nullptr;  // kBackward: the saved nll = softplus(delta)
+  const T* weight = nullptr;  // kBackward: per-row factor of P (the upstream gradient)
+  Tensor row_acc, col_acc;    // kShares, kBackward: col_acc always, row_acc when defined
+
+  void run() {
+    const int64_t M = L.size(0), N = R.size(0), D = kh.size(1);
+    if (M == 0) {
+      if constexpr (kMode != Sweep::kStats) col_acc.zero_();
+      return;
+    }
+    const TileGrid grid(M, N);
+    const auto opts = L.options();
+    if constexpr (kMode == Sweep::kStats) {  // one tile-row per task, no strip
+      at::parallel_for(0, grid.tiles, 1, [&](int64_t t0, int64_t t1) {
+        Tensor scratch = grid.scratch(opts);
+        for (int64_t t = t0; t < t1; ++t) block(grid, t * grid.tr, grid.rows_of(t), nullptr, scratch, nullptr, true);
+      });
+    } else {
+      grouped_strips<T>(grid, D, &col_acc, opts,
+                        [&](int64_t i0, int64_t rows, Tensor& strip, Tensor& scratch, Tensor* part, bool first) {
+                          block(grid, i0, rows, &strip, scratch, part, first);
+                        });
+    }
+  }
+
+  // rows [i0, i0 + rows) of the queries, whole tile-rows; strip (>= rows, N), null for kStats
+  void block(const TileGrid& grid, int64_t i0, int64_t rows, Tensor* strip, Tensor& scratch, Tensor* part,
+             bool first_in_group) {
+    constexpr bool kForward = kMode != Sweep::kBackward;
+    const int64_t N = grid.N;
+    T* bp = kMode != Sweep::kStats ? strip->data_ptr<T>() : nullptr;  // leading dimension N
+    std::vector<LseState<T>> st(kForward ? rows : 0);
+    sweep_strip<T>(grid, L, R, i0, rows, scratch, [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z) {
+      if constexpr (kForward) {  // statistics, and (kShares) the logits kept for P below
+        update_row<T>(z, nb, offset + i - n0, pos[i], st[r]);
+        if constexpr (kMode == Sweep::kShares) {
+          std::memcpy(bp + r * N + n0, z, static_cast<size_t>(nb) * sizeof(T));
+        }
+      } else {  // P_ik = w_i exp(d_ik − nll_i) straight from the tile
+        seg_prob(z, bp + r * N + n0, nb, pos[i], nll_in[i], weight[i]);
+      }
+    });
+    if constexpr (kForward) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r;
+        finish_row<T>(st[r], delta + i, mean_neg + i, dsum + i);
+        if constexpr (kMode == Sweep::kShares) {  // P_ik = w_i exp(d_ik − softplus(delta_i)), w = 1
+          T* zr = bp + r * N;
+          seg_prob(zr, zr, N, pos[i], softplus<T>(delta[i]), T(1));
+        }
+      }
+    }
+    if constexpr (kMode != Sweep::kStats) {
+      for (int64_t r = 0; r < rows; ++r) {  // 0 at the positive
+        const int64_t pc = offset + i0 + r;
+        if (pc >= 0 && pc < N) bp[r * N + pc] = T(0);
+      }
+      const Tensor probs = strip->narrow(0, 0, rows);
+      if (row_acc.defined()) {
+        Tensor out = row_acc.narrow(0, i0, rows);
+        at::mm_out(out, probs, kh);
+      }
+      const Tensor qi = qh.narrow(0, i0, rows);
+      if (first_in_group) {
+        at::mm_out(*part, probs.t(), qi);
+      } else {
+        part->addmm_(probs.t(), qi);
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// Symmetric single-process kernels: N images against N texts, positives on the diagonal.
+// Z = L R̂ᵀ with L = (v̂ + γ t̂)/τ, R = t̂ serves both directions: i2t rows are the rows of Z,
+// t2i rows are its columns (Z'_ji = (t̂_j·v̂_i + γ t̂_j·t̂_i)/τ = Z_ij), so each tile is computed
+// once for both.
+//   forward  (stats only, one product): tile-rows are owned by one task (online LSE along the
+//     row, as in the row sweep); columns get an online LSE state per *group* of tile-rows (a
+//     contiguous split of the tile-rows), folded tile by tile in tile-row order, and the groups'
+//     states are merged in group order: bit-identical reruns for a given thread count, extra
+//     memory 4·N numbers per group.
+//   backward (three products): a strip's tiles are recomputed on the same grid, turned into
+//       ds_ij = g_i P_ij + g_j P'_ji   (0 on the diagonal: the positives are in the epilogue)
+//     and dv̂_I = ds_I t̂, dt̂ += ds_Iᵀ v̂_I (per-group accumulators summed in group order).
+// Against two directional calls (three products each) this is four products instead of six.
+// ---------------------------------------------------------------------------------------
+template <typename T>
+void symmetric_stats(const Tensor& L, const Tensor& R, const T* pos, T* delta_r, T* mean_r, T* dsum_r, T* delta_c,
+                     T* mean_c, T* dsum_c) {
+  const int64_t N = R.size(0);
+  if (N == 0) return;
+  const TileGrid grid(N, N);
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t groups = std::min(threads, grid.tiles);
+  const int64_t bn = grid.bn;
+  std::vector<ColStats<T>> cols;
+  cols.reserve(groups);
+  for (int64_t g = 0; g < groups; ++g) cols.emplace_back(N);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    Tensor scratch = grid.scratch(L.options());
+    const T* sp = scratch.data_ptr<T>();
+    std::vector<T> col_scratch(5 * bn);
+    std::vector<LseState<T>> st(grid.tr);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t first = g * grid.tiles / groups, last = (g + 1) * grid.tiles / groups;
+      for (int64_t t = first; t < last; ++t) {
+        const int64_t i0 = t * grid.tr, rows = grid.rows_of(t);
+        std::fill(st.begin(), st.end(), LseState<T>());
+        for (int64_t n0 = 0; n0 < N; n0 += bn) {
+          const int64_t nb = std::min(bn, N - n0);
+          form_tile(L, R, i0, rows, n0, nb, scratch);
+          for (int64_t r = 0; r < rows; ++r) update_row<T>(sp + r * bn, nb, i0 + r - n0, pos[i0 + r], st[r]);
+          col_update<T>(sp, bn, rows, nb, i0 - n0, pos + n0, cols[g], n0, col_scratch.data());
+        }
+        for (int64_t r = 0; r < rows; ++r) finish_row<T>(st[r], delta_r + i0 + r, mean_r + i0 + r, dsum_r + i0 + r);
+      }
+    }
+  });
+  // merge the groups' column states in group order
+  at::parallel_for(0, N, 1024, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      LseState<T> st;
+      st.m = cols[0].m[j];
+      st.acc[0] = cols[0].se[j];
+      st.acc[1] = cols[0].sw[j];
+      st.acc[2] = cols[0].sd[j];
+      for (int64_t g = 1; g < groups; ++g) {
+        lse_merge(st.m, st.acc[0], st.acc[1], st.acc[2], cols[g].m[j], cols[g].se[j], cols[g].sw[j], cols[g].sd[j]);
+      }
+      finish_row<T>(st, delta_c + j, mean_c + j, dsum_c + j);
+    }
+  });
+}
+
+// Negatives' shares (times τ) of dL/dv̂ and dL/dt̂ for row weights g (both directions'
+// upstream gradient of pair k is g_k); nll_r / nll_c = softplus(delta) of i2t / t2i.
+template <typename T>
+void symmetric_grads(const Tensor& L, const Tensor& R, const Tensor& vh, const T* pos, const T* nll_r, const T* nll_c,
+                     const T* g, Tensor& d_v, Tensor& d_t) {
+  const int64_t N = R.size(0), D = R.size(1);
+  if (N == 0) return;
+  const TileGrid grid(N, N);
+  grouped_strips<T>(grid, D, &d_t, L.options(),
+                    [&](int64_t i0, int64_t rows, Tensor& strip, Tensor& scratch, Tensor* part, bool first) {
+    T* bp = strip.data_ptr<T>();
+    sweep_strip<T>(grid, L, R, i0, rows, scratch, [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z) {
+      sym_prob(z, bp + r * N + n0, nb, pos[i], nll_r[i], g[i], pos + n0, nll_c + n0, g + n0);
+    });
+    for (int64_t r = 0; r < rows; ++r) bp[r * N + i0 + r] = T(0);
+    const Tensor ds = strip.narrow(0, 0, rows);
+    Tensor dv = d_v.narrow(0, i0, rows);
+    at::mm_out(dv, ds, R);
+    const Tensor vi = vh.narrow(0, i0, rows);
+    if (first) {
+      at::mm_out(*part, ds.t(), vi);
+    } else {
+      part->addmm_(ds.t(), vi);
+    }
+  });
+}
+
+}  // namespace hnclip

@@ -1,0 +1,64 @@
+// The symmetric (single-process) operators: N images against N texts, positives on the diagonal,
+// both directions from one logit tile (see sweeps.h). Inputs checked in registration.cpp.
+#include "factors.h"
+#include "ops.h"
+#include "sweeps.h"
+
+#include <ATen/Dispatch.h>
+
+namespace hnclip {
+namespace {
+
+Tensor softplus_of(const Tensor& x, at::ScalarType dt) {
+  Tensor out = x.to(dt).contiguous().clone();
+  AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_softplus", [&] {
+    scalar_t* p = out.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < out.numel(); ++i) p[i] = softplus<scalar_t>(p[i]);
+  });
+  return out;
+}
+
+}  // namespace
+
+// Row (i2t) and column (t2i) statistics of the single-process loss from one product.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symmetric_fwd(const Tensor& v_hat, const Tensor& t_hat,
+                                                                         const Tensor& pos, const Tensor& inv_tau,
+                                                                         double gamma) {
+  at::NoGradGuard no_grad;
+  const auto dt = v_hat.scalar_type();
+  const int64_t N = v_hat.size(0);
+  const auto opts = v_hat.options();
+  const Tensor vh = v_hat.contiguous(), th = t_hat.contiguous();
+  const Tensor pos_c = pos.to(dt).contiguous();
+  Tensor dr = at::empty({N}, opts), mr = at::empty({N}, opts), sr = at::empty({N}, opts);
+  Tensor dc = at::empty({N}, opts), mc = at::empty({N}, opts), sc = at::empty({N}, opts);
+  AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_symmetric_fwd", [&] {
+    const Tensor L = margin_left<scalar_t>(vh, th, gamma, inv_tau.to(dt).item<scalar_t>());
+    symmetric_stats<scalar_t>(L, th, pos_c.data_ptr<scalar_t>(), dr.data_ptr<scalar_t>(), mr.data_ptr<scalar_t>(),
+                              sr.data_ptr<scalar_t>(), dc.data_ptr<scalar_t>(), mc.data_ptr<scalar_t>(),
+                              sc.data_ptr<scalar_t>());
+  });
+  return {dr, mr, sr, dc, mc, sc};
+}
+
+// Negatives' shares of dL/dv̂ and dL/dt̂ (times τ), both directions, for pair weights g.
+std::tuple<Tensor, Tensor> symmetric_bwd(const Tensor& v_hat, const Tensor& t_hat, const Tensor& pos,
+                                         const Tensor& inv_tau, const Tensor& delta_r, const Tensor& delta_c,
+                                         const Tensor& g, double gamma) {
+  at::NoGradGuard no_grad;
+  const auto dt = v_hat.scalar_type();
+  const int64_t N = v_hat.size(0), D = v_hat.size(1);
+  const auto opts = v_hat.options();
+  const Tensor vh = v_hat.contiguous(), th = t_hat.contiguous();
+  const Tensor pos_c = pos.to(dt).contiguous(), gc = g.to(dt).contiguous();
+  const Tensor nll_r = softplus_of(delta_r, dt), nll_c = softplus_of(delta_c, dt);
+  Tensor d_v = at::empty({N, D}, opts), d_t = at::empty({N, D}, opts);
+  AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_symmetric_bwd", [&] {
+    const Tensor L = margin_left<scalar_t>(vh, th, gamma, inv_tau.to(dt).item<scalar_t>());
+    symmetric_grads<scalar_t>(L, th, vh, pos_c.data_ptr<scalar_t>(), nll_r.data_ptr<scalar_t>(),
+                              nll_c.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), d_v, d_t);
+  });
+  return {d_v, d_t};
+}
+
+}  // namespace hnclip
