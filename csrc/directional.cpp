@@ -45,7 +45,7 @@ void forward_sweep(RowSweep<T, kMode> sw, Tensor& delta, Tensor& mean_neg, Tenso
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd(
     const Tensor& q_hat, const Tensor& k_hat, const Tensor& a, const Tensor& b, const Tensor& ra,
     const Tensor& rb, const Tensor& pos, const Tensor& inv_tau, int64_t offset, double gamma, bool need_grad) {
-  at::NoGradGuard no_grad;  // kernel scratch only; autograd lives in hnclip_kernels/ops/hn_clip_cpp.py
+  at::NoGradGuard no_grad;  // kernel scratch only; autograd lives in hnclip_kernels/backends/cpp/ops.py
   const auto dt = q_hat.scalar_type();
   const int64_t M = q_hat.size(0), N = k_hat.size(0), D = q_hat.size(1);
   const auto opts = q_hat.options();

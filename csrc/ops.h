@@ -1,4 +1,4 @@
-// Fused HN-CLIP loss on CPU: the C++ counterpart of hnclip_kernels/ops/hn_clip_triton.py.
+// Fused HN-CLIP loss on CPU: the C++ counterpart of hnclip_kernels/backends/triton/.
 //
 // One direction at a time: M query rows against N key columns, positive of row i at
 // column offset + i, negatives everywhere else. With q̂ = rq·q, k̂ = rk·k, â = ra·a,

@@ -57,14 +57,15 @@ struct RowSweep {
         for (int64_t t = t0; t < t1; ++t) block(grid, t * grid.tr, grid.rows_of(t), nullptr, scratch, nullptr, true);
       });
     } else {
-      grouped_strips<T>(grid, D, &col_acc, opts,
-                        [&](int64_t i0, int64_t rows, Tensor& strip, Tensor& scratch, Tensor* part, bool first) {
-                          block(grid, i0, rows, &strip, scratch, part, first);
+      grouped_strips<T>(grid, D, col_acc, opts,
+                        [&](int64_t i0, int64_t rows, Tensor& strip, Tensor& scratch, Tensor& part, bool first) {
+                          block(grid, i0, rows, &strip, scratch, &part, first);
                         });
     }
   }
 
-  // rows [i0, i0 + rows) of the queries, whole tile-rows; strip (>= rows, N), null for kStats
+  // rows [i0, i0 + rows) of the queries, whole tile-rows; strip (>= rows, N) and part (the group's
+  // key accumulator) null for kStats
   void block(const TileGrid& grid, int64_t i0, int64_t rows, Tensor* strip, Tensor& scratch, Tensor* part,
              bool first_in_group) {
     constexpr bool kForward = kMode != Sweep::kBackward;
@@ -182,8 +183,8 @@ void symmetric_grads(const Tensor& L, const Tensor& R, const Tensor& vh, const T
   const int64_t N = R.size(0), D = R.size(1);
   if (N == 0) return;
   const TileGrid grid(N, N);
-  grouped_strips<T>(grid, D, &d_t, L.options(),
-                    [&](int64_t i0, int64_t rows, Tensor& strip, Tensor& scratch, Tensor* part, bool first) {
+  grouped_strips<T>(grid, D, d_t, L.options(),
+                    [&](int64_t i0, int64_t rows, Tensor& strip, Tensor& scratch, Tensor& part, bool first) {
     T* bp = strip.data_ptr<T>();
     sweep_strip<T>(grid, L, R, i0, rows, scratch, [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z) {
       sym_prob(z, bp + r * N + n0, nb, pos[i], nll_r[i], g[i], pos + n0, nll_c + n0, g + n0);
@@ -194,9 +195,9 @@ void symmetric_grads(const Tensor& L, const Tensor& R, const Tensor& vh, const T
     at::mm_out(dv, ds, R);
     const Tensor vi = vh.narrow(0, i0, rows);
     if (first) {
-      at::mm_out(*part, ds.t(), vi);
+      at::mm_out(part, ds.t(), vi);
     } else {
-      part->addmm_(ds.t(), vi);
+      part.addmm_(ds.t(), vi);
     }
   });
 }

@@ -79,24 +79,22 @@ inline void sweep_strip(const TileGrid& grid, const Tensor& L, const Tensor& R, 
 
 // Runs body(i0, rows, strip, scratch, part, first_in_group) over strips of whole tile-rows
 // (about kStripRows rows each, at least one per group when there are enough tile-rows), split
-// into contiguous groups. strip is (>= rows, N), scratch a tile. With `acc`, each group adds
-// into its own (N, D) key accumulator (the first group into acc itself) and the groups are
-// summed in order at the end, so the result does not depend on how threads were scheduled
-// (bit-identical for a fixed thread count); part is null without acc.
+// into contiguous groups. strip is (>= rows, N), scratch a tile. Each group adds into its own
+// (N, D) key accumulator `part` (the first group into acc itself) and the groups are summed in
+// order at the end, so the result does not depend on how threads were scheduled (bit-identical
+// for a fixed thread count).
 template <typename T, typename F>
-void grouped_strips(const TileGrid& grid, int64_t D, Tensor* acc, const at::TensorOptions& opts, F&& body) {
+void grouped_strips(const TileGrid& grid, int64_t D, Tensor& acc, const at::TensorOptions& opts, F&& body) {
   const int64_t threads = std::max(1, at::get_num_threads());
   const int64_t per_partial = std::max<int64_t>(grid.N * D * static_cast<int64_t>(sizeof(T)), 1);
-  const int64_t groups_wanted = acc != nullptr ? std::min(threads, 1 + kPartialBudget / per_partial) : threads;
+  const int64_t groups_wanted = std::min(threads, 1 + kPartialBudget / per_partial);
   const int64_t per_strip =
       std::max<int64_t>(1, std::min(kStripRows / grid.tr, grid.tiles / groups_wanted));  // tile-rows
   const int64_t count = ceil_div(grid.tiles, per_strip);
   const int64_t groups = std::min(groups_wanted, count);
-  std::vector<Tensor> partial(acc != nullptr ? groups : 0);
-  if (acc != nullptr) {
-    partial[0] = *acc;
-    for (int64_t g = 1; g < groups; ++g) partial[g] = at::empty({grid.N, D}, opts);
-  }
+  std::vector<Tensor> partial(groups);
+  partial[0] = acc;
+  for (int64_t g = 1; g < groups; ++g) partial[g] = at::empty({grid.N, D}, opts);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     Tensor strip = at::empty({per_strip * grid.tr, std::max<int64_t>(grid.N, 1)}, opts);
     Tensor scratch = grid.scratch(opts);
@@ -104,12 +102,11 @@ void grouped_strips(const TileGrid& grid, int64_t D, Tensor* acc, const at::Tens
       const int64_t first = g * count / groups, last = (g + 1) * count / groups;
       for (int64_t s = first; s < last; ++s) {
         const int64_t i0 = s * per_strip * grid.tr;
-        body(i0, std::min(per_strip * grid.tr, grid.M - i0), strip, scratch,
-             acc != nullptr ? &partial[g] : nullptr, s == first);
+        body(i0, std::min(per_strip * grid.tr, grid.M - i0), strip, scratch, partial[g], s == first);
       }
     }
   });
-  for (int64_t g = 1; g < static_cast<int64_t>(partial.size()); ++g) acc->add_(partial[g]);
+  for (int64_t g = 1; g < groups; ++g) acc.add_(partial[g]);
 }
 
 }  // namespace hnclip
