@@ -14,7 +14,7 @@ mode for the score products and for the backward GEMMs alike) and each regime:
 How: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1), under the GPU launch
 configuration (HNCLIP_TRITON_LAUNCH=gpu: the GPU's tiles, warps and column splits). There
 the kernels round ``tl.dot`` operands as the tensor cores do in each mode (``_dot`` in
-hnclip_kernels/ops/hn_clip_triton.py), so the errors are what an H100/H200 computes.
+hnclip_kernels/backends/triton/precision.py), so the errors are what an H100/H200 computes.
 
 Error: relative error in norm against the float64 truth, ``hn_clip_loss_f64`` of
 tests/helpers.py, evaluated on the same float32 inputs (τ is the float32 τ, upcast). For each
@@ -51,7 +51,7 @@ import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from hnclip_kernels.backends.triton import ops as ht  # noqa: E402
-from hnclip_kernels.backends.triton import kernels as tk  # noqa: E402
+from hnclip_kernels.backends.triton import forward as tk  # noqa: E402
 from hnclip_kernels.backends.triton import config as cfg  # noqa: E402
 
 # The float64 truth and the test inputs live with the tests; tests/ is a folder of plain

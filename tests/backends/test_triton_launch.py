@@ -11,7 +11,7 @@ import triton.language as tl
 
 from cases import TOL_F32_LOSS_SATURATED, case_id, check_against_truth, covering_cases, saturated_pair
 from hnclip_kernels.backends.triton import ops as ht
-from hnclip_kernels.backends.triton import kernels as tk
+from hnclip_kernels.backends.triton import precision as tk
 from hnclip_kernels.backends.triton import config as cfg
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only: emulated operand rounding")
@@ -59,7 +59,7 @@ def _dot_kernel(a_ptr, b_ptr, c_ptr, PREC: tl.constexpr, N: tl.constexpr):
     r = tl.arange(0, N)
     a = tl.load(a_ptr + r[:, None] * N + r[None, :])
     b = tl.load(b_ptr + r[:, None] * N + r[None, :])
-    c = tk._dot(a, b, tl.zeros((N, N), tl.float32), PREC, True)
+    c = tk._dot(a, b, tl.zeros((N, N), tl.float32), PREC)
     tl.store(c_ptr + r[:, None] * N + r[None, :], c)
 
 

@@ -13,10 +13,10 @@ Three launch modes (``launch_mode()``):
 Every candidate below compiles for sm_90a (H100/H200) without register spills and within
 the 227 KiB shared-memory limit: ``tests/tooling/test_sm90_compile.py`` holds that guarantee on CPU.
 
-Under the interpreter the kernels always get ``INTERPRET=True``: ``tl.dot`` operands are
-upcast (the interpreter multiplies raw bf16 bits, triton#11584) and rounded the way the
-GPU's tensor cores round them for the chosen input precision (see ``_dot`` in
-``hn_clip_triton.py``), so a CPU run computes what a GPU computes.
+Under the interpreter (``precision.INTERPRET``) ``tl.dot`` operands are upcast (the
+interpreter multiplies raw bf16 bits, triton#11584) and rounded the way the GPU's tensor
+cores round them for the chosen input precision (see ``precision._dot``), so a CPU run
+computes what a GPU computes.
 """
 from __future__ import annotations
 

@@ -76,7 +76,9 @@ from ...validation import check_directional
 from .. import epilogue, glue
 from ..first_order import first_order_call, raising_backward
 from . import config as cfg
-from .launch import _USE_TRITON_OP, _backward_shares, _forward_stats
+from .backward import backward_shares as _backward_shares
+from .forward import forward_stats as _forward_stats
+from .launch import USE_TRITON_OP as _USE_TRITON_OP
 
 
 # ------------------------------------------------------------------ operators

@@ -1,0 +1,126 @@
+"""Tile helpers shared by the forward and backward kernels: forming a tile of logits,
+loading γ, block offsets, a tile's statistics, the online-LSE combine, partial stores.
+
+Matrices travel as tuples ``(ptr, stride_row, stride_col)``, blocks of rows (or columns)
+as ``(offsets, mask, inverse norms, inverse norms of the margin factor)``.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .precision import _dot
+
+
+@triton.jit
+def _logits_tile(
+    q, k, margin_q, margin_k,
+    rows, cols,
+    D, gamma, inv_tau,
+    HAS_MARGIN: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """(BLOCK_M, BLOCK_N) float32 tile of Z = (q̂ k̂ᵀ + γ · m̂_q m̂_kᵀ) / τ, dots accumulated in
+    float32 over D.
+
+    Matrices, each ``(ptr, stride along rows, stride along D)``:
+        q, k: the query (M, D) and key (N, D) features;
+        margin_q, margin_k: the margin factors (M, D) and (N, D) (read only with HAS_MARGIN).
+    Blocks, each ``(offsets, bounds mask, r, r_margin)``, r the float32 inverse norms:
+        rows: this tile's query rows; cols: its key rows (Z's columns).
+    Scalars: D (feature width), gamma (γ, float32), inv_tau (1/τ).
+    Constexprs: HAS_MARGIN (γ ≠ 0), PREC (see ``precision._dot``), tile sizes.
+    """
+    q_ptr, stride_qm, stride_qd = q
+    k_ptr, stride_kn, stride_kd = k
+    mq_ptr, stride_mqm, stride_mqd = margin_q
+    mk_ptr, stride_mkn, stride_mkd = margin_k
+    offs_m, mask_m, rq, r_mq = rows
+    offs_n, mask_n, rk, r_mk = cols
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_margin = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        offs_d = k0 + tl.arange(0, BLOCK_K)
+        mask_d = offs_d < D
+        row_mask = mask_m[:, None] & mask_d[None, :]
+        col_mask = mask_d[:, None] & mask_n[None, :]
+        q_blk = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=row_mask, other=0.0)
+        k_blk = tl.load(k_ptr + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn, mask=col_mask, other=0.0)
+        acc = _dot(q_blk, k_blk, acc, PREC)
+        if HAS_MARGIN:
+            mq_blk = tl.load(mq_ptr + offs_m[:, None] * stride_mqm + offs_d[None, :] * stride_mqd,
+                             mask=row_mask, other=0.0)
+            mk_blk = tl.load(mk_ptr + offs_d[:, None] * stride_mkd + offs_n[None, :] * stride_mkn,
+                             mask=col_mask, other=0.0)
+            acc_margin = _dot(mq_blk, mk_blk, acc_margin, PREC)
+    # the norms scale float32 tiles: the normalised vectors are never rounded to bf16
+    z = acc * rq[:, None] * rk[None, :]
+    if HAS_MARGIN:
+        z += gamma * (acc_margin * r_mq[:, None] * r_mk[None, :])
+    return z * inv_tau
+
+
+@triton.jit
+def _load_gamma(gamma_ptr, HAS_MARGIN: tl.constexpr):
+    """The margin scale γ, float32, read from device memory like τ (never a float argument:
+    Inductor passes Python-float arguments of user kernels as fp64, which would turn the
+    float32 tiles and loop-carried statistics into fp64; and a tensor γ lets a compiled graph
+    take a new value without recompiling). Not read without the margin."""
+    gamma = 0.0
+    if HAS_MARGIN:
+        gamma = tl.load(gamma_ptr).to(tl.float32)
+    return gamma
+
+
+@triton.jit
+def _block(start, size, BLOCK: tl.constexpr):
+    """Offsets and bounds mask of one block of rows (or columns). No pointer goes in: torch's
+    mutation analysis of a traced kernel follows a store's address back through the helper
+    calls it came from and takes every pointer argument of those calls as written."""
+    offs = start + tl.arange(0, BLOCK)
+    return offs, offs < size
+
+
+@triton.jit
+def _load2(ptr1, ptr2, offs, mask):
+    """Two vectors (a block's inverse norms) at ``offs``, 0 outside ``mask``."""
+    return tl.load(ptr1 + offs, mask=mask, other=0.0), tl.load(ptr2 + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _tile_stats(d, neg, AXIS: tl.constexpr):
+    """(max, Σexp(d − max), Σexp(d − max)·d, Σd) of a tile of gaps along AXIS
+    (d is −inf off the negatives ``neg``; so is the max of a line without negatives)."""
+    top = tl.max(d, axis=AXIS)
+    safe = tl.where(top == float("-inf"), 0.0, top)  # no -inf - -inf
+    if AXIS == 1:
+        p = tl.exp(d - safe[:, None])
+    else:
+        p = tl.exp(d - safe[None, :])
+    d0 = tl.where(neg, d, 0.0)
+    return top, tl.sum(p, axis=AXIS), tl.sum(p * d0, axis=AXIS), tl.sum(d0, axis=AXIS)
+
+
+@triton.jit
+def _combine(first, second):
+    """Merge two (max, Σexp, Σexp·d) summaries, each relative to its own max (−inf: empty).
+    Rescaling to the joint max keeps tiny sums (a saturated row's exp(−90)) representable."""
+    m1, s1, w1 = first
+    m2, s2, w2 = second
+    m = tl.maximum(m1, m2)
+    safe = tl.where(m == float("-inf"), 0.0, m)  # no -inf - -inf
+    e1 = tl.exp(m1 - safe)
+    e2 = tl.exp(m2 - safe)
+    return m, s1 * e1 + s2 * e2, w1 * e1 + w2 * e2
+
+
+@triton.jit
+def _store_partial(ptr, plane, offs, mask, stats, SMOOTHING: tl.constexpr):
+    """Store a block's summary ``stats`` = (max, Σexp, Σexp·d, Σd) at ``ptr + offs``, one
+    plane (``plane`` entries apart) per statistic; Σd only with label SMOOTHING."""
+    top, sum_exp, wsum, dsum = stats
+    tl.store(ptr + offs, top, mask=mask)
+    tl.store(ptr + plane + offs, sum_exp, mask=mask)
+    tl.store(ptr + 2 * plane + offs, wsum, mask=mask)
+    if SMOOTHING:
+        tl.store(ptr + 3 * plane + offs, dsum, mask=mask)
