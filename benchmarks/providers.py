@@ -102,7 +102,7 @@ def unavailable(name: str, device: str, deep: bool = True) -> Optional[str]:
     if importlib.util.find_spec(p.module) is None:
         return f"{p.module} is not importable (pip install {p.pip})"
     if name == "hnclip-cpp":
-        from hnclip_kernels.loss import cpp_directional
+        from hnclip_kernels.backends import cpp_directional
 
         if cpp_directional() is None:
             return "hnclip_kernels._C is not built (reinstall with the README's command to compile csrc/)"

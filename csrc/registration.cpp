@@ -1,4 +1,5 @@
-// torch.ops.hnclip: the operator schemas, the argument checks, and the CPU registration. The
+// torch.ops.hnclip.cpp_raw_*: the raw kernels' operator schemas (no autograd: hnclip_kernels/backends/cpp/ops.py
+// wraps them in the hnclip::cpp_* operators), the argument checks, and the CPU registration. The
 // Python side (hnclip_kernels/backends/cpp/ops.py) calls these names and schemas; the kernels
 // behind them (directional.cpp, symmetric.cpp) assume the checks below have passed.
 #include <Python.h>
@@ -79,26 +80,26 @@ std::tuple<Tensor, Tensor> symmetric_bwd_op(const Tensor& v_hat, const Tensor& t
 
 TORCH_LIBRARY(hnclip, m) {
   m.def(
-      "directional_fwd(Tensor q_hat, Tensor k_hat, Tensor a, Tensor b, Tensor ra, Tensor rb, Tensor pos, "
+      "cpp_raw_directional_fwd(Tensor q_hat, Tensor k_hat, Tensor a, Tensor b, Tensor ra, Tensor rb, Tensor pos, "
       "Tensor inv_tau, int offset, float gamma, bool need_grad) "
       "-> (Tensor delta, Tensor mean_neg, Tensor dsum, Tensor row_acc, Tensor col_acc)");
   m.def(
-      "directional_bwd(Tensor q_hat, Tensor k_hat, Tensor a, Tensor b, Tensor ra, Tensor rb, Tensor pos, "
+      "cpp_raw_directional_bwd(Tensor q_hat, Tensor k_hat, Tensor a, Tensor b, Tensor ra, Tensor rb, Tensor pos, "
       "Tensor inv_tau, Tensor delta, Tensor row_acc, Tensor col_acc, Tensor g, int offset, float gamma) "
       "-> (Tensor d_q_neg, Tensor d_k_neg)");
   m.def(
-      "symmetric_fwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, float gamma) "
+      "cpp_raw_symmetric_fwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, float gamma) "
       "-> (Tensor delta_r, Tensor mean_neg_r, Tensor dsum_r, Tensor delta_c, Tensor mean_neg_c, Tensor dsum_c)");
   m.def(
-      "symmetric_bwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, Tensor delta_r, Tensor delta_c, "
+      "cpp_raw_symmetric_bwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, Tensor delta_r, Tensor delta_c, "
       "Tensor g, float gamma) -> (Tensor d_v_neg, Tensor d_t_neg)");
 }
 
 TORCH_LIBRARY_IMPL(hnclip, CPU, m) {
-  m.impl("directional_fwd", &directional_fwd_op);
-  m.impl("directional_bwd", &directional_bwd_op);
-  m.impl("symmetric_fwd", &symmetric_fwd_op);
-  m.impl("symmetric_bwd", &symmetric_bwd_op);
+  m.impl("cpp_raw_directional_fwd", &directional_fwd_op);
+  m.impl("cpp_raw_directional_bwd", &directional_bwd_op);
+  m.impl("cpp_raw_symmetric_fwd", &symmetric_fwd_op);
+  m.impl("cpp_raw_symmetric_bwd", &symmetric_bwd_op);
 }
 
 }  // namespace hnclip

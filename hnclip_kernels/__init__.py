@@ -5,9 +5,10 @@ Public API: :func:`hn_clip_loss`, :class:`HNClipLoss` (drop-in for open_clip's C
 ``hnclip_kernels.backends.triton.ops`` (fused Triton kernels), ``hnclip_kernels.backends.cpp.ops``
 (fused C++ CPU kernel).
 """
-from .loss import hn_clip_loss
-from .distributed import gather_features
 from .clip_loss import HNClipLoss
+from .distributed import gather_features
+from .loss import hn_clip_loss
+from .options import LossOptions
 
-__all__ = ["hn_clip_loss", "HNClipLoss", "gather_features"]
+__all__ = ["hn_clip_loss", "HNClipLoss", "gather_features", "LossOptions"]
 __version__ = "0.1.0"

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import math
 import numbers
-
 from typing import Union
 
 import torch
 from torch import nn
 
-from . import validation as _validation
-from .distributed import distributed_hn_clip_loss
+from .backends import symmetric_losses
+from .distributed import rank_loss
+from .numerics import autocast_disabled
+from .options import LossOptions, as_tau_tensor
 
 
 class HNClipLoss(nn.Module):
@@ -121,7 +122,8 @@ class HNClipLoss(nn.Module):
             raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got rank={rank}, "
                              f"world_size={world_size}")
         # bad options fail here, where they are written, not at the first forward
-        _validation.check_options(gamma, label_smoothing, "mean", backend, normalize)
+        self.options = LossOptions(gamma=gamma, label_smoothing=label_smoothing, normalize=normalize, backend=backend,
+                                   precision=precision)
         self.local_loss = local_loss
         self.gather_with_grad = gather_with_grad
         self.cache_labels = cache_labels
@@ -133,7 +135,6 @@ class HNClipLoss(nn.Module):
         self.backend = backend
         self.normalize = normalize
         self.group = group
-        _validation.check_precision(precision)
         self.precision = precision
         if not isinstance(return_stats, bool):
             raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
@@ -145,6 +146,19 @@ class HNClipLoss(nn.Module):
                 f"rank={self.rank}, world_size={self.world_size}, gamma={self.gamma}, "
                 f"label_smoothing={self.label_smoothing}, backend={self.backend!r}, "
                 f"normalize={self.normalize}, precision={self.precision!r}, return_stats={self.return_stats}")
+
+    def _single_process(self, image_features, text_features, tau, tau_value):
+        """The loss on one process: the fused symmetric op of :func:`hnclip_kernels.hn_clip_loss`,
+        its mean over the batch (and the row statistics with ``return_stats``)."""
+        options = self.options.bind(image_features, text_features, tau, tau_value=tau_value,
+                                    names=("image_features", "text_features"))
+        with autocast_disabled(image_features.device):
+            out = symmetric_losses(image_features, text_features, as_tau_tensor(tau, image_features), options,
+                                   self.return_stats)
+        if not self.return_stats:
+            return out.mean()
+        rows, stats = out
+        return rows.mean(), (*stats, image_features.shape[0])
 
     def forward(
         self,
@@ -170,28 +184,27 @@ class HNClipLoss(nn.Module):
         if logit_bias is not None:
             raise ValueError("HNClipLoss does not take a logit_bias (HN-CLIP has no bias term); "
                              "use a model without init_logit_bias or open_clip's SigLipLoss")
-        problem = _logit_scale_problem(logit_scale)
+        scale_value, problem = _read_logit_scale(logit_scale)
+        tau_value = None if scale_value is None else 1.0 / scale_value  # τ's one host read is s's
         if problem is not None:
             if self.world_size == 1:
                 raise problem
             # raising here would leave the other ranks waiting in a collective: a NaN τ fails the
             # all-ranks check inside, which raises on every rank; this rank then names logit_scale
-            tau = float("nan")
+            tau, tau_value = float("nan"), None
         else:
             tau = logit_scale.reciprocal() if isinstance(logit_scale, torch.Tensor) else 1.0 / float(logit_scale)
-        try:
-            loss = distributed_hn_clip_loss(
-                image_features, text_features, tau,
-                local_loss=self.local_loss, gather_with_grad=self.gather_with_grad,
-                rank=self.rank, world_size=self.world_size, group=self.group,
-                gamma=self.gamma, label_smoothing=self.label_smoothing,
-                backend=self.backend, normalize=self.normalize, precision=self.precision,
-                return_stats=self.return_stats,
-            )
-        except (TypeError, ValueError) as exc:
-            if problem is not None:
-                raise problem from exc
-            raise
+        if self.world_size == 1:
+            loss = self._single_process(image_features, text_features, tau, tau_value)
+        else:
+            try:
+                loss = rank_loss(image_features, text_features, tau, self.options, local_loss=self.local_loss,
+                                 gather_with_grad=self.gather_with_grad, rank=self.rank, world_size=self.world_size,
+                                 group=self.group, return_stats=self.return_stats, tau_value=tau_value)
+            except (TypeError, ValueError) as exc:
+                if problem is not None:
+                    raise problem from exc
+                raise
         if self.return_stats:
             from .diagnostics import report_from_row_stats
 
@@ -203,19 +216,20 @@ class HNClipLoss(nn.Module):
         return {"contrastive_loss": loss} if output_dict else loss
 
 
-def _logit_scale_problem(logit_scale):
-    """The error naming ``logit_scale`` (not the τ = 1/s it becomes), or None if it is valid."""
+def _read_logit_scale(logit_scale):
+    """(s as a host float or None where it cannot be read, the error naming ``logit_scale`` (not
+    the τ = 1/s it becomes) or None if it is valid). Reads a tensor s once (one host sync)."""
     if isinstance(logit_scale, torch.Tensor):
         if logit_scale.numel() != 1 or not logit_scale.is_floating_point():
-            return ValueError(f"logit_scale must be a floating 0-dim tensor (model(...)'s third output), "
-                              f"got {logit_scale.dtype} of shape {tuple(logit_scale.shape)}")
+            return None, ValueError(f"logit_scale must be a floating 0-dim tensor (model(...)'s third output), "
+                                    f"got {logit_scale.dtype} of shape {tuple(logit_scale.shape)}")
         if torch.compiler.is_compiling() or logit_scale.device.type == "meta":
-            return None  # no value to read: a graph break under compile; meta tensors have none
+            return None, None  # no value to read: a graph break under compile; meta tensors have none
         value = float(logit_scale.detach())
     elif isinstance(logit_scale, bool) or not isinstance(logit_scale, numbers.Real):
-        return TypeError(f"logit_scale must be a tensor or a float, got {type(logit_scale).__name__}")
+        return None, TypeError(f"logit_scale must be a tensor or a float, got {type(logit_scale).__name__}")
     else:
         value = float(logit_scale)
     if not math.isfinite(value) or value <= 0:
-        return ValueError(f"logit_scale (s = 1/tau, already exponentiated) must be finite and > 0, got {value}")
-    return None
+        return None, ValueError(f"logit_scale (s = 1/tau, already exponentiated) must be finite and > 0, got {value}")
+    return value, None

@@ -36,9 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from . import validation as _validation
-from .loss import hn_clip_loss
 from .backends.epilogue import RowStats
+from .loss import hn_clip_loss
 from .numerics import NORM_EPS, compute_dtype
+from .options import LossOptions
 
 __all__ = ["SaturationReport", "saturation_report", "report_from_row_stats"]
 
@@ -259,7 +260,7 @@ def saturation_report(
         ``threshold`` ≤ 0 or non-finite, ``chunk_rows`` < 1 or not an int, N < 2, meta tensors.
     """
     _validation.check_features(img, txt)
-    _validation.check_options(gamma, 0.0, "mean", backend, normalize)
+    LossOptions(gamma=gamma, backend=backend, normalize=normalize)  # raises for a bad option
     thr = _check_threshold(threshold)
     chunk = _check_chunk_rows(chunk_rows)
     if img.device.type == "meta":

@@ -16,6 +16,7 @@ BACKENDS = ("auto", "torch", "triton", "cpp")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # tensor-core input precisions of the Triton backend for float32 features (README, "Precision")
 FP32_PRECISIONS = ("ieee", "tf32x3", "bf16x6", "bf16x3")
+DEFAULT_FP32_PRECISION = "tf32x3"  # float32 accuracy at 3 bf16-rate passes (README, "Precision")
 
 
 def check_features(img: torch.Tensor, txt: torch.Tensor, img_name: str = "img", txt_name: str = "txt") -> None:

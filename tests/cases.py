@@ -102,7 +102,7 @@ def naive_clip_loss(img, txt, tau, gamma=0.0):
 
 def fused_backends():
     """The fused backends testable here: triton (interpreted on CPU) and cpp when built."""
-    from hnclip_kernels.loss import cpp_directional
+    from hnclip_kernels.backends import cpp_directional
 
     return ["triton"] + (["cpp"] if cpp_directional() is not None else [])
 

@@ -282,7 +282,7 @@ for name in names:
             bad.append(f"{name}: ImportError: {exc}")
     except Exception as exc:
         bad.append(f"{name}: {type(exc).__name__}: {exc}")
-from hnclip_kernels.loss import cpp_directional, triton_directional
+from hnclip_kernels.backends import cpp_directional, triton_directional
 
 print("C++ backend:", "not built (as expected with HNCLIP_NO_CPP=1)" if cpp_directional() is None
       else f"loaded ({sys.modules['hnclip_kernels._C'].__file__})")

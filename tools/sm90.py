@@ -8,10 +8,10 @@ Run it with TRITON_INTERPRET unset. What it does:
 
 1. Drives, on CPU tensors, forward + backward of the public single-process loss
    ``hn_clip_loss(img, txt, tau, gamma=, label_smoothing=, backend="triton")`` (N rows) and of
-   the directional op of the distributed path, ``hnclip_kernels.loss.triton_directional()``,
+   the directional op of the distributed path, ``hnclip_kernels.backends.triton_directional()``,
    for one rank: M local query rows against N gathered keys, positives at offset M + i
    (see ``drive_single`` / ``drive_directional``). The backend refuses CPU tensors unless
-   Triton is interpreting, so ``hnclip_kernels.loss._triton_interpreting`` is patched to
+   Triton is interpreting, so ``hnclip_kernels.backends._triton_interpreting`` is patched to
    return True; the launcher's own choices (tiles, precision, autotune candidates) still
    see real ``JITFunction`` / ``Autotuner`` objects, i.e. the GPU configuration.
 2. Captures launches instead of running them: ``JITFunction.run`` records the kernel and
@@ -80,7 +80,7 @@ from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import hnclip_kernels
-import hnclip_kernels.loss
+import hnclip_kernels.backends
 
 TARGET = GPUTarget("cuda", 90, 32)  # sm_90a: H100 / H200
 SMEM_LIMIT = 232448                 # bytes of shared memory per block (opt-in maximum on sm_90)
@@ -107,7 +107,7 @@ def drive_single(n, d, dtype, gamma, eps):
 def drive_directional(m, n, d, dtype, gamma, eps, offset):
     """One rank's i2t direction as ``distributed.rank_hn_clip_loss`` calls it: m local image
     rows against the n gathered texts, positive of row i at column offset + i."""
-    op = hnclip_kernels.loss.triton_directional()
+    op = hnclip_kernels.backends.triton_directional()
     all_img, all_txt = _features(n, d, dtype)
     img = all_img[offset:offset + m].clone().requires_grad_()
     txt = all_txt[offset:offset + m].clone()
@@ -120,14 +120,14 @@ def drive_directional(m, n, d, dtype, gamma, eps, offset):
 @contextlib.contextmanager
 def triton_on_cpu():
     """Let backend="triton" accept CPU tensors (its gate asks "is Triton interpreting?")."""
-    gate = getattr(hnclip_kernels.loss, "_triton_interpreting", None)
+    gate = getattr(hnclip_kernels.backends, "_triton_interpreting", None)
     if gate is not None:
-        hnclip_kernels.loss._triton_interpreting = lambda: True
+        hnclip_kernels.backends._triton_interpreting = lambda: True
     try:
         yield
     finally:
         if gate is not None:
-            hnclip_kernels.loss._triton_interpreting = gate
+            hnclip_kernels.backends._triton_interpreting = gate
 
 
 # ------------------------------------------------------------------ 2. capture launches

@@ -43,7 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 from triton.runtime import interpreter as _interpreter  # noqa: E402
 
 import hnclip_kernels  # noqa: E402
-from hnclip_kernels.loss import triton_directional  # noqa: E402
+from hnclip_kernels.backends import triton_directional  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 KINDS = ("loss", "directional")

@@ -50,9 +50,17 @@ def positive_logits(q_hat: torch.Tensor, k_hat: torch.Tensor, offset: int, inv_t
     return (q_hat * k_hat[offset : offset + m]).sum(dim=1) * inv_tau
 
 
-def row_losses(stats: RowStats, n_keys: int, label_smoothing: float) -> torch.Tensor:
+def smooths(label_smoothing) -> bool:
+    """Is there a label-smoothing term? ε is a float (0.0: none) or a 0-dim tensor (the Triton
+    operators' ε, passed only when its SMOOTHING flag is set: testing its value would read the
+    device, and fail inside a traced ``triton_op``)."""
+    return isinstance(label_smoothing, torch.Tensor) or label_smoothing != 0.0
+
+
+def row_losses(stats: RowStats, n_keys: int, label_smoothing) -> torch.Tensor:
+    """Each row's NLL, softplus(delta), minus ε · mean_k (Z_ik − Z_i,pos) with label smoothing ε."""
     nll = F.softplus(stats.delta)
-    if label_smoothing == 0.0:
+    if not smooths(label_smoothing):
         return nll
     return nll - (label_smoothing / n_keys) * stats.dsum
 
@@ -78,7 +86,7 @@ def add_positive_and_smoothing(stats: RowStats, g, q_hat, k_hat, d_q, d_k, offse
     g_pos = g * (eps - q_prob)  # dL/dZ_pos = ε(1 − 1/N) − q, the −ε/N part is in the uniform term below
     d_q.add_(g_pos[:, None] * k_hat[offset : offset + m])
     d_k[offset : offset + m].add_(g_pos[:, None] * q_hat)
-    if eps != 0.0:
+    if smooths(eps):
         # every column (positive included) gets −ε/N · g_i
         d_q.sub_((eps / n) * g[:, None] * k_hat.sum(dim=0)[None, :])
         d_k.sub_((eps / n) * (g[:, None] * q_hat).sum(dim=0)[None, :])

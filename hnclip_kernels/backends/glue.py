@@ -1,22 +1,94 @@
-"""What a fused backend's ``torch.library`` operators need beyond their registration to work
-under ``torch.func`` and ``torch.compile`` (shared by ``hn_clip_cpp`` and ``hn_clip_triton``).
+"""The operator glue of the fused backends, written once for C++ and Triton.
+
+A fused backend supplies, for each of its two losses (symmetric, directional), a forward and
+a backward implementation with their fake (meta) versions; :func:`fused_op` registers them as
+``hnclip::<name>`` and ``hnclip::<name>_backward`` and wires everything else:
+
+* the autograd formula (``torch.library.register_autograd``): the forward saves its tensor
+  inputs and its outputs after the first (statistics, non-differentiable), and the backward
+  operator gets ``(grad, *saved, *non-tensor inputs, need_features_grad)`` and returns
+  (d first input, d second input, dτ);
+* a raising formula on the backward operator: a second derivative is one ``RuntimeError``
+  naming backend="torch" (:mod:`.first_order`);
+* a vmap rule for both operators: one call per batch entry, results stacked;
+* a ``torch.func``-capable ``autograd.Function`` for the public wrappers (see below).
+
+Operator signatures follow one convention, so that the formula above fits every op: tensors
+first (the two feature matrices, then any margin factors, then τ, γ, ε), non-tensor options
+after. γ and ε are 0-dim float64 tensors (:func:`hyperparameter`): a ``float`` argument of an
+operator is a constant of a ``torch.compile``d graph, and a new γ or ε of a schedule would
+recompile it.
 
 ``torch.library.register_autograd`` builds an ``autograd.Function`` without a
 ``setup_context`` staticmethod, which functorch transforms refuse ("it must override the
-setup_context staticmethod"; pytorch/pytorch#168393). So each backend's public wrappers call
-its forward operator through :func:`func_capable`, an ``autograd.Function`` with the same
-setup_context and backward as the registration and a generated vmap rule; under
-``torch.compile``/``torch.export`` they call the operator itself (:func:`call`), one node with
-its registered formula. :func:`register_looped_vmap` gives the operators a vmap rule (one call
-per batch entry), which the generated rules reach.
+setup_context staticmethod"; pytorch/pytorch#168393). So the public wrappers call their
+forward operator through :func:`func_capable`'s Function (the same setup_context and
+backward, a generated vmap rule); under ``torch.compile``/``torch.export`` they call the
+operator itself (:func:`call`), one node with its registered formula.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Optional, Sequence
 
 import torch
+from torch import Tensor
 
-from .first_order import forward_mode_error
+from ..numerics import compute_dtype
+from .first_order import first_order_call, forward_mode_error, raising_backward
+
+
+def hyperparameter(x, like: Tensor) -> Tensor:
+    """γ or ε as the 0-dim float64 tensor the fused operators take, on ``like``'s device.
+
+    A tensor computed from the Python float is a graph input under ``torch.compile`` (once
+    Dynamo has seen a second value and made the float dynamic), so the graph is reused. ``zeros
+    + x`` rather than ``torch.tensor(x)``: Inductor's pass that turns dynamic floats into tensors
+    handles arithmetic only, and specialises (recompiles) on anything else. A tensor argument is
+    detached (γ and ε get no gradient)."""
+    if isinstance(x, Tensor):
+        return x.detach().to(device=like.device, dtype=torch.float64).reshape(())
+    return torch.zeros((), dtype=torch.float64, device=like.device) + x
+
+
+def _operator(name: str, fn: Callable, fake: Callable, device_types: Optional[str], use_triton_op: bool):
+    """``fn`` as the operator ``hnclip::<name>`` (no mutated arguments).
+
+    ``use_triton_op``: ``torch.library.triton_op``, so ``torch.compile`` sees the Triton kernel
+    launches (``wrap_triton``) and Inductor compiles them into its graph; ``fn`` run on fake
+    tensors is the fake implementation. Otherwise ``torch.library.custom_op`` with the explicit
+    ``fake``: opaque to tracing (the C++ kernels, and interpreted Triton kernels, which cannot
+    run on fake tensors)."""
+    if use_triton_op:
+        return torch.library.triton_op(f"hnclip::{name}", fn, mutates_args=())
+    op = torch.library.custom_op(f"hnclip::{name}", fn, mutates_args=(), device_types=device_types)
+    op.register_fake(fake)
+    return op
+
+
+def _autograd_rules(backend: str, backward_name: str, feature_inputs: Sequence[int], tau_input: int):
+    """(setup_context, backward) of a fused forward operator (the convention above)."""
+
+    def setup_context(ctx, inputs, output):
+        saved = output[1:]
+        ctx.mark_non_differentiable(*saved)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*(x for x in inputs if isinstance(x, Tensor)), *saved)
+        ctx.statics = tuple(x for x in inputs if not isinstance(x, Tensor))
+
+    def backward(ctx, grad, *_statistics):
+        saved = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        if grad is None:  # only a statistic's gradient was asked for: zero loss gradient
+            grad = torch.zeros(saved[0].shape[0], dtype=compute_dtype(saved[0].dtype), device=saved[0].device)
+        need_features = any(needs[i] for i in feature_inputs)
+        op = getattr(torch.ops.hnclip, backward_name)
+        d_first, d_second, d_tau = first_order_call(backend, op, grad, *saved, *ctx.statics, need_features)
+        grads = [None] * len(needs)
+        for i, d in zip((*feature_inputs, tau_input), (d_first, d_second, d_tau)):
+            grads[i] = d if needs[i] else None
+        return tuple(grads)
+
+    return setup_context, backward
 
 
 def func_capable(name: str, op, setup_context: Callable, backward: Callable, backend: str, doc: str) -> type:
@@ -30,19 +102,10 @@ def func_capable(name: str, op, setup_context: Callable, backward: Callable, bac
         raise forward_mode_error(backend)
 
     return type(name, (torch.autograd.Function,), {
-        "__doc__": doc, "__module__": getattr(setup_context, "__module__", __name__), "generate_vmap_rule": True,
+        "__doc__": doc, "__module__": __name__, "generate_vmap_rule": True,
         "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
         "backward": staticmethod(backward), "jvp": staticmethod(jvp),
     })
-
-
-def call(function: type, op, *args):
-    """``op(*args)`` under ``torch.compile``/``torch.export`` (the operator and its registered
-    formula: Dynamo cannot trace a ``Function.apply`` that gets one tensor twice, as a
-    direction's keys and margin factors often are), else ``function.apply(*args)``."""
-    if torch.compiler.is_compiling():
-        return op(*args)
-    return function.apply(*args)
 
 
 def _looped(op):
@@ -55,8 +118,33 @@ def _looped(op):
     return rule
 
 
-def register_looped_vmap(names: Iterable[str]) -> None:
-    """A vmap rule for each ``hnclip::<name>`` operator: one call per batch entry, results
-    stacked along dim 0 (exact: no output depends on another entry; a batch of B costs B calls)."""
-    for name in names:
-        torch.library.register_vmap(f"hnclip::{name}", _looped(getattr(torch.ops.hnclip, name)))
+def fused_op(backend: str, name: str, *, forward: Callable, forward_fake: Callable, backward: Callable,
+             backward_fake: Callable, tau_input: int, device_types: Optional[str] = None,
+             use_triton_op: bool = False) -> type:
+    """Register ``hnclip::<name>`` (``forward``) and ``hnclip::<name>_backward`` (``backward``)
+    with their fakes, autograd formulas and vmap rules; return the ``torch.func``-capable
+    Function of the forward operator (for :func:`call`).
+
+    ``tau_input``: the position of τ among the forward's inputs (the features are inputs 0
+    and 1, the only other inputs with gradients)."""
+    fwd = _operator(name, forward, forward_fake, device_types, use_triton_op)
+    bwd = _operator(f"{name}_backward", backward, backward_fake, device_types, use_triton_op)
+    setup_context, autograd_backward = _autograd_rules(backend, f"{name}_backward", (0, 1), tau_input)
+    torch.library.register_autograd(f"hnclip::{name}", autograd_backward, setup_context=setup_context)
+    # the backward is not differentiable again: a second derivative is one clear error naming backend="torch"
+    torch.library.register_autograd(f"hnclip::{name}_backward", raising_backward(backend))
+    for op_name in (name, f"{name}_backward"):
+        torch.library.register_vmap(f"hnclip::{op_name}", _looped(getattr(torch.ops.hnclip, op_name)))
+    del fwd, bwd
+    doc = f"``hnclip::{name}`` with its registered autograd formula, usable under ``torch.func``."
+    return func_capable(f"{backend.capitalize()}_{name}", getattr(torch.ops.hnclip, name), setup_context,
+                        autograd_backward, backend, doc)
+
+
+def call(function: type, op, *args):
+    """``op(*args)`` under ``torch.compile``/``torch.export`` (the operator and its registered
+    formula: Dynamo cannot trace a ``Function.apply`` that gets one tensor twice, as a
+    direction's keys and margin factors often are), else ``function.apply(*args)``."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    return function.apply(*args)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from cases import ALL_BACKENDS, check_against_truth, make_pair
 from helpers import assert_close_rel, hn_clip_loss_f64
 from hnclip_kernels import hn_clip_loss
-from hnclip_kernels.loss import resolve_backend
+from hnclip_kernels.backends import resolve_backend
 
 X = torch.randn(4, 3)
 
@@ -69,7 +69,7 @@ def test_triton_on_cpu_without_interpreter_raises():
 
 
 def test_auto_backend_on_cpu():
-    from hnclip_kernels.loss import cpp_directional
+    from hnclip_kernels.backends import cpp_directional
     assert resolve_backend("auto", X) == ("cpp" if cpp_directional() is not None else "torch")
     assert resolve_backend("auto", X.double()) == "torch"
 
@@ -338,8 +338,8 @@ def test_tau_above_one_warns_once(monkeypatch):
     # τ > 1 is almost always open_clip's logit_scale passed in place of 1 / logit_scale
     import warnings
 
-    import hnclip_kernels.loss as loss_mod
-    monkeypatch.setattr(loss_mod, "_warned", set())
+    import hnclip_kernels.backends as dispatch
+    monkeypatch.setattr(dispatch, "_warned", set())
     img, txt = make_pair(6, 4, seed=17)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -360,8 +360,8 @@ def test_tau_above_one_warns_once(monkeypatch):
 def test_tau_above_one_under_compile_does_not_break_graph(monkeypatch):
     import warnings
 
-    import hnclip_kernels.loss as loss_mod
-    monkeypatch.setattr(loss_mod, "_warned", set())
+    import hnclip_kernels.backends as dispatch
+    monkeypatch.setattr(dispatch, "_warned", set())
     torch._dynamo.reset()
     fn = torch.compile(lambda a, b: hn_clip_loss(a, b, 14.3, backend="torch"), fullgraph=True)
     img, txt = make_pair(6, 4, seed=18)

@@ -113,6 +113,28 @@ def test_compile_schedule_of_tau_and_gamma_compiles_at_most_twice(backend):
     assert counter.frame_count <= 2, f"{counter.frame_count} graphs compiled over a 12-step schedule"
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_compile_schedule_of_label_smoothing_and_gamma_compiles_at_most_twice(backend):
+    # γ and ε reach every fused operator as tensors (one convention on both fused backends): a
+    # schedule of both reuses the graph compiled for its second step
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, b, g, e: hn_clip_loss(a, b, 0.05, gamma=g, label_smoothing=e, backend=backend),
+                       fullgraph=True, backend=counter)
+    img, txt = make_pair(10, 8, seed=5)
+    for step in range(6):
+        gamma, eps = 0.5 + 0.05 * step, 0.02 + 0.03 * step
+        a = img.clone().requires_grad_()
+        got = fn(a, txt, gamma, eps)
+        got.backward()
+        a2 = img.clone().requires_grad_()
+        want = hn_clip_loss(a2, txt, 0.05, gamma=gamma, label_smoothing=eps, backend=backend)
+        want.backward()
+        assert_close_rel(got, want, 1e-6, f"compiled loss, step {step}")
+        assert_close_rel(a.grad, a2.grad, 1e-6, f"compiled d img, step {step}")
+    assert counter.frame_count <= 2, f"{counter.frame_count} graphs compiled over a 6-step schedule of gamma, eps"
+
+
 # ---- autocast around the backward --------------------------------------------------------------
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_backward_inside_autocast_keeps_float32_accuracy(backend):
@@ -291,7 +313,7 @@ def test_module_single_process_is_the_fused_symmetric_op(backend, dtype):
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_directional_protocol_is_keyword_only(backend):
     # only q and k are positional: a and b swapped in a positional call cannot go unnoticed
-    from hnclip_kernels.loss import directional_fn
+    from hnclip_kernels.backends import directional_fn
 
     fn = directional_fn(backend)
     q, k = make_pair(4, 3, seed=13)
@@ -359,7 +381,7 @@ def test_vmap_with_normalize_false(backend):
 def test_directional_offset_is_checked(backend, m, offset, exc):
     # every backend checks offset before launching: offset + M > N, a negative offset and a float
     # offset raise a clear error (no out-of-bounds read, no wrap-around to the last column)
-    from hnclip_kernels.loss import directional_fn
+    from hnclip_kernels.backends import directional_fn
 
     keys, key_txt = make_pair(10, 6, seed=17)
     queries, query_txt = make_pair(m, 6, seed=18)

@@ -1,6 +1,6 @@
 """Checks every backend must pass, one parametrised test each over ALL_BACKENDS (tests/cases.py):
 the covering matrix against float64, the saturated regime, the offset/rectangular directional op
-(the keyword-only protocol of ``hnclip_kernels.loss.directional_fn``) and bitwise determinism.
+(the keyword-only protocol of ``hnclip_kernels.backends.directional_fn``) and bitwise determinism.
 
 A backend added to ALL_BACKENDS runs all of them. Backend-specific tests (thread counts, opcheck of
 the C++ operators, Triton tiles and launches, gradcheck of a registered op) stay in test_cpp.py,
@@ -15,7 +15,7 @@ from cases import (ALL_BACKENDS, DTYPES, GAMMAS, REDUCTIONS, SMOOTHINGS, TAUS, T
                    TOL_F32_LOSS_SATURATED, TOL_LOWP_LOSS, case_id, check_against_truth, covering_cases,
                    directional_case, make_pair, naive_clip_loss, saturated_pair)
 from hnclip_kernels import hn_clip_loss
-from hnclip_kernels.loss import directional_fn
+from hnclip_kernels.backends import directional_fn
 from hnclip_kernels.backends.pytorch.reference import directional_nll_torch
 from helpers import assert_close_rel, hn_clip_loss_f64
 

@@ -21,7 +21,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     pytest.skip(f"C++ extension hnclip_kernels._C not built ({exc}); reinstall with "
                 "`pip install --no-build-isolation -e .`", allow_module_level=True)
 
-import hnclip_kernels.loss as loss_mod
+import hnclip_kernels.backends as dispatch
 from hnclip_kernels import hn_clip_loss
 from hnclip_kernels.backends.pytorch.reference import directional_nll_torch
 
@@ -181,12 +181,12 @@ def test_opcheck_registered_operators():
     q.requires_grad_(True)
     tau = torch.tensor(0.1, requires_grad=True)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    args = (q, k, a, b, tau, 3, _f64(0.5), _f64(0.1), True, True)
-    torch.library.opcheck(torch.ops.hnclip.directional_nll.default, args, test_utils=checks)
-    saved = [x.detach() for x in torch.ops.hnclip.directional_nll(*args)[1:]]
+    args = (q, k, a, b, tau, _f64(0.5), _f64(0.1), 3, True, True)
+    torch.library.opcheck(torch.ops.hnclip.cpp_directional_nll.default, args, test_utils=checks)
+    saved = [x.detach() for x in torch.ops.hnclip.cpp_directional_nll(*args)[1:]]
     grad = torch.linspace(0.5, 1.0, 4)
-    torch.library.opcheck(torch.ops.hnclip.directional_nll_backward.default,
-                          (grad, q.detach(), k, a, b, tau.detach(), *saved, 3, _f64(0.5), _f64(0.1), True, True),
+    torch.library.opcheck(torch.ops.hnclip.cpp_directional_nll_backward.default,
+                          (grad, q.detach(), k, a, b, tau.detach(), _f64(0.5), _f64(0.1), *saved, 3, True, True, True),
                           test_utils=checks)
 
 
@@ -215,13 +215,13 @@ def test_thread_counts_agree():
 
 def test_auto_picks_cpp_on_cpu():
     img, txt = make_pair(20, 8, seed=1)
-    assert loss_mod.resolve_backend("auto", img) == "cpp"
+    assert dispatch.resolve_backend("auto", img) == "cpp"
     assert torch.equal(hn_clip_loss(img, txt, 0.07, backend="auto"), hn_clip_loss(img, txt, 0.07, backend="cpp"))
 
 
 def test_missing_extension_messages(monkeypatch):
-    monkeypatch.setattr(loss_mod, "cpp_directional", lambda: None)
-    monkeypatch.setattr(loss_mod, "_warned", set())
+    monkeypatch.setattr(dispatch, "cpp_directional", lambda: None)
+    monkeypatch.setattr(dispatch, "_warned", set())
     img, txt = make_pair(4, 3)
     with pytest.raises(ValueError, match="C\\+\\+ extension"):
         hn_clip_loss(img, txt, 0.07, backend="cpp")
@@ -240,7 +240,7 @@ def _pairs_both_ways(img, txt, tau, gamma, eps, normalize, upstream, symmetric):
     leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt)]
     t = torch.tensor(tau, dtype=img.dtype, requires_grad=True)
     if symmetric:
-        rows = torch.ops.hnclip.symmetric_nll(*leaves, t, _f64(gamma), _f64(eps), normalize)[0]
+        rows = torch.ops.hnclip.cpp_symmetric_nll(*leaves, t, _f64(gamma), _f64(eps), normalize)[0]
     else:
         v, w = leaves
         opts = dict(query_txt=w, key_txt=w, tau=t, offset=0, gamma=gamma, label_smoothing=eps, normalize=normalize)
@@ -282,7 +282,7 @@ def test_symmetric_gradcheck_with_margin():
     img.requires_grad_(True)
     tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
     for eps, normalize in ((0.0, True), (0.1, False)):
-        fn = lambda i, s: torch.ops.hnclip.symmetric_nll(i, txt, s, _f64(0.7), _f64(eps), normalize)[0]  # noqa: E731
+        fn = lambda i, s: torch.ops.hnclip.cpp_symmetric_nll(i, txt, s, _f64(0.7), _f64(eps), normalize)[0]  # noqa: E731
         assert torch.autograd.gradcheck(fn, (img, tau))
 
 
@@ -321,11 +321,11 @@ def test_opcheck_symmetric_operators():
     tau = torch.tensor(0.1, requires_grad=True)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     args = (img, txt, tau, _f64(0.5), _f64(0.1), True)
-    torch.library.opcheck(torch.ops.hnclip.symmetric_nll.default, args, test_utils=checks)
-    saved = [x.detach() for x in torch.ops.hnclip.symmetric_nll(*args)[1:]]
+    torch.library.opcheck(torch.ops.hnclip.cpp_symmetric_nll.default, args, test_utils=checks)
+    saved = [x.detach() for x in torch.ops.hnclip.cpp_symmetric_nll(*args)[1:]]
     grad = torch.linspace(0.5, 1.0, 9)
-    torch.library.opcheck(torch.ops.hnclip.symmetric_nll_backward.default,
-                          (grad, img.detach(), txt, tau.detach(), *saved, _f64(0.5), _f64(0.1), True, True),
+    torch.library.opcheck(torch.ops.hnclip.cpp_symmetric_nll_backward.default,
+                          (grad, img.detach(), txt, tau.detach(), _f64(0.5), _f64(0.1), *saved, True, True),
                           test_utils=checks)
 
 
@@ -363,12 +363,12 @@ def test_backward_probabilities_use_the_forward_logits(n, d, threads):
     probed = sorted({*range(0, n, 7), *range(n - 9, n)})  # every tile-row, and all of the short last one
 
     def run():
-        delta_r, _, _, delta_c, _, _ = torch.ops.hnclip.symmetric_fwd(v_hat, t_hat, pos, inv_tau, HUGE_GAMMA)
+        delta_r, _, _, delta_c, _, _ = torch.ops.hnclip.cpp_raw_symmetric_fwd(v_hat, t_hat, pos, inv_tau, HUGE_GAMMA)
         sums = torch.empty(len(probed), 2, dtype=torch.float64)
         for row, i in enumerate(probed):
             g = torch.zeros(n)
             g[i] = 1.0
-            d_v, d_t = torch.ops.hnclip.symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, HUGE_GAMMA)
+            d_v, d_t = torch.ops.hnclip.cpp_raw_symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, HUGE_GAMMA)
             p_row = d_t.double() @ v_hat[i].double() / v_hat[i].double().square().sum()
             p_col = d_v.double() @ t_hat[i].double() / t_hat[i].double().square().sum()
             p_row[i] = p_col[i] = 0.0

@@ -316,20 +316,25 @@ def test_library_opcheck_cuda():
     ops = torch.ops.hnclip
     n, d, m, offset = 70, 40, 30, 20
     img, txt = (x.requires_grad_() for x in _library_pair(torch.float32, n, d, seed=23))
-    tau, gamma = torch.tensor(0.07, device=DEV, requires_grad=True), torch.tensor([0.5], device=DEV)
-    sym = (img, txt, tau, gamma, True, 0.1, True, "tf32x3")
+    tau = torch.tensor(0.07, device=DEV, requires_grad=True)
+    gamma, eps = (torch.tensor(x, device=DEV, dtype=torch.float64) for x in (0.5, 0.1))
+    statics = (True, True, True, "tf32x3")  # has_margin, smoothing, normalize, precision
+    sym = (img, txt, tau, gamma, eps, *statics)
     torch.library.opcheck(ops.triton_symmetric_nll, sym)
     detached = [x.detach() for x in (img, txt, tau)]
-    out = ops.triton_symmetric_nll(*detached, gamma, *sym[4:])
+    out = ops.triton_symmetric_nll(*detached, gamma, eps, *statics)
     grad = torch.linspace(0.5, 1.5, n, device=DEV)
-    torch.library.opcheck(ops.triton_symmetric_nll_backward, (grad, *detached, gamma, *out[1:], *sym[4:], True))
+    torch.library.opcheck(ops.triton_symmetric_nll_backward, (grad, *detached, gamma, eps, *out[1:], *statics, True))
     q = img[:m].detach().requires_grad_()
     a, b = txt.detach()[offset:offset + m], txt.detach()
-    direc = (q, txt, a, b, tau, gamma, offset, True, 0.0, True, "ieee")
+    zero = torch.zeros((), device=DEV, dtype=torch.float64)
+    dir_statics = (offset, True, False, True, "ieee")  # offset, has_margin, smoothing, normalize, precision
+    direc = (q, txt, a, b, tau, gamma, zero, *dir_statics)
     torch.library.opcheck(ops.triton_directional_nll, direc)
-    out = ops.triton_directional_nll(q.detach(), *detached[1:2], a, b, detached[2], gamma, *direc[6:])
+    out = ops.triton_directional_nll(q.detach(), detached[1], a, b, detached[2], gamma, zero, *dir_statics)
     torch.library.opcheck(ops.triton_directional_nll_backward,
-                          (grad[:m], q.detach(), detached[1], detached[2], a, b, gamma, *out[1:], *direc[6:], True))
+                          (grad[:m], q.detach(), detached[1], a, b, detached[2], gamma, zero, *out[1:], *dir_statics,
+                           True))
 
 
 def test_library_func_grad_and_vmap_cuda():
@@ -362,7 +367,7 @@ def test_library_inductor_dynamic_shapes_and_directional(monkeypatch, autotune):
     """Inductor with dynamic=True (symbolic sizes reach the kernels' integer arguments, and the
     launchers' grid and chunk arithmetic) over three batch sizes, and the distributed path's
     directional operator compiled, autotuned or not."""
-    from hnclip_kernels.loss import triton_directional
+    from hnclip_kernels.backends import triton_directional
 
     monkeypatch.setenv("HNCLIP_AUTOTUNE", autotune)
     torch._dynamo.reset()

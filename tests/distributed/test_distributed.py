@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import hnclip_kernels
 from helpers import assert_close_rel, hn_clip_loss_f64
 from hnclip_kernels import HNClipLoss, gather_features
-from hnclip_kernels.loss import cpp_directional
+from hnclip_kernels.backends import cpp_directional
 
 MODES = [(True, True), (True, False), (False, False), (False, True)]  # (local_loss, gather_with_grad)
 S0 = 1 / 0.07  # open_clip's initial exp(logit_scale)
@@ -251,7 +251,7 @@ def _both_autograd_gathers(fn):
     """Run ``fn`` with each differentiable all_gather the package may use."""
     import warnings
 
-    import hnclip_kernels.distributed as hd
+    import hnclip_kernels.distributed.gather as hd
 
     saved = hd.AUTOGRAD_GATHER
     impls = (["functional"] if hd._fc_all_gather is not None else []) + ["nn"]

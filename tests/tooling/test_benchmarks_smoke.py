@@ -42,6 +42,6 @@ def test_cpu_sweep_writes_complete_csv_and_plots(tmp_path):
             assert all(row[c] == "" for c in MEASURED_COLUMNS), row
     ok = {r["provider"] for r in rows if r["status"] == "ok"}
     assert {"hnclip-torch", "hnclip-torch-compile", "open_clip"} <= ok
-    from hnclip_kernels.loss import cpp_directional
+    from hnclip_kernels.backends import cpp_directional
 
     assert ("hnclip-cpp" in ok) == (cpp_directional() is not None)  # runs as soon as it is built

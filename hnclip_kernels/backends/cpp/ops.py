@@ -1,17 +1,18 @@
 """Fused HN-CLIP loss on CPU: the C++ kernels of ``csrc/`` and their autograd.
 
-The extension ``hnclip_kernels._C`` registers two kernel operators with ``TORCH_LIBRARY``:
+The extension ``hnclip_kernels._C`` registers the raw kernels with ``TORCH_LIBRARY`` (inputs
+already normalised and scaled; no autograd):
 
-* ``torch.ops.hnclip.directional_fwd``: per-row ``delta``, ``mean_neg``, ``dsum`` over the
+* ``torch.ops.hnclip.cpp_raw_directional_fwd``: per-row ``delta``, ``mean_neg``, ``dsum`` over the
   negatives (the same three numbers as the Triton forward kernel) and, when a gradient
   will be needed, the negatives' gradient shares for an upstream gradient of 1
   (``Σ_k P_ik k̂_k`` per query row and ``Σ_i P_ik q̂_i`` per key row), computed from the
   same logit tiles, so the backward usually recomputes nothing.
-* ``torch.ops.hnclip.directional_bwd``: the negatives' shares for the actual upstream
+* ``torch.ops.hnclip.cpp_raw_directional_bwd``: the negatives' shares for the actual upstream
   gradient ``g`` (a rescale of the forward's shares when ``g`` is the same for every row,
   as for ``mean``/``sum``; otherwise a column sweep that recomputes the tiles).
 
-* ``torch.ops.hnclip.symmetric_fwd`` / ``symmetric_bwd``: the single-process loss (N images
+* ``torch.ops.hnclip.cpp_raw_symmetric_fwd`` / ``cpp_raw_symmetric_bwd``: the single-process loss (N images
   against N texts, positives on the diagonal). Each logit tile Z = (v̂ + γ t̂) t̂ᵀ / τ is
   computed once for both directions: its rows give the i2t statistics and its columns the
   t2i ones (Zᵀ holds the t2i logits): one product in the forward. The backward recomputes
@@ -20,11 +21,11 @@ The extension ``hnclip_kernels._C`` registers two kernel operators with ``TORCH_
   products for forward + backward, against six for two directional calls (ten when the
   upstream gradient differs per row).
 
-This module wraps them, together with the O(N·D) algebra of :mod:`.epilogue`, in
-``torch.library.custom_op`` operators, ``hnclip::directional_nll`` (what the distributed
-loss runs per rank) and ``hnclip::symmetric_nll`` (what ``hn_clip_loss(backend="cpp")``
-runs), each with a ``*_backward`` operator, and registers the autograd formulas and the
-fake (meta) kernels once, at import. Being registered operators they compose with
+This module wraps them, together with the O(N·D) algebra of :mod:`..epilogue`, in the
+operators ``hnclip::cpp_directional_nll`` (what the distributed loss runs per rank) and
+``hnclip::cpp_symmetric_nll`` (what ``hn_clip_loss(backend="cpp")`` runs), each with a
+``*_backward`` operator, registered with their autograd formulas, fakes and vmap rules by
+:func:`..glue.fused_op` (the same glue as the Triton backend's ``hnclip::triton_*``). Being registered operators they compose with
 ``torch.compile(fullgraph=True)`` (no graph break) and ``torch.autograd.gradcheck``.
 γ and ε reach the operators as 0-dim float64 tensors, not ``float`` arguments, so a γ
 schedule under ``torch.compile`` reuses one graph instead of recompiling per value.
@@ -41,7 +42,7 @@ which functorch requires (pytorch/pytorch#168393). Forward mode (``jvp``, ``jacf
 ``hessian``) raises a clear error.
 
 Importing this module raises ImportError when the extension was not built;
-``hnclip_kernels.loss`` treats that as "C++ backend unavailable".
+:mod:`hnclip_kernels.backends` treats that as "C++ backend unavailable".
 """
 from __future__ import annotations
 
@@ -50,9 +51,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ..first_order import first_order_call, raising_backward
-from ...validation import check_directional
 from ...numerics import compute_dtype
+from ...validation import check_directional
 from .. import epilogue, glue
 
 try:
@@ -63,55 +63,38 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         "`pip install --no-build-isolation -e .` to compile csrc/"
     ) from exc
 
-if not hasattr(torch.ops.hnclip, "directional_fwd"):  # pragma: no cover
-    raise ImportError("hnclip_kernels._C loaded but did not register torch.ops.hnclip.directional_fwd")
-
-
-def _scalar_arg(x) -> Tensor:
-    """γ or ε as the 0-dim float64 CPU tensor the operators take.
-
-    A ``float`` argument of a registered operator is a constant of a ``torch.compile``d graph:
-    every new value (a γ schedule) would recompile, and fail at the recompile limit under
-    ``fullgraph=True``. A tensor computed from the Python float is a graph input instead (once
-    Dynamo has seen a second value and made the float dynamic), so the graph is reused; the
-    eager implementations read the value back with ``.item()``, which Dynamo never traces.
-    ``zeros + x`` rather than ``torch.tensor(x)``: Inductor's pass that turns dynamic floats
-    into tensors handles arithmetic only, and specialises (recompiles) on anything else."""
-    if isinstance(x, Tensor):
-        return x.detach().to(device="cpu", dtype=torch.float64).reshape(())
-    return torch.zeros((), dtype=torch.float64) + float(x)
+RAW = torch.ops.hnclip  # the raw C++ kernels (``cpp_raw_*``), see the module docstring
+if not hasattr(RAW, "cpp_raw_directional_fwd"):  # pragma: no cover
+    raise ImportError("hnclip_kernels._C loaded but did not register the raw C++ kernels")
 
 
 def _value(x: Tensor) -> float:
-    """The Python float of a :func:`_scalar_arg` tensor (inside an operator's eager implementation)."""
+    """The Python float of a :func:`glue.hyperparameter` tensor (the eager implementations read it:
+    the operators are opaque ``custom_op``s, so Dynamo never traces this read)."""
     return float(x.item())
 
 
-_FwdOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+# ---- one direction: M query rows against N key columns, positive of row i at column offset + i
+_DirOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-@torch.library.custom_op("hnclip::directional_nll", mutates_args=(), device_types="cpu")
-def _directional_nll(
-    q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor,
-    offset: int, gamma: Tensor, label_smoothing: Tensor, normalize: bool, need_grad: bool,
-) -> _FwdOut:
+def _directional_nll(q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor,
+                     offset: int, normalize: bool, need_grad: bool) -> _DirOut:
     """Per-row losses (M,) and what the backward needs:
-    (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, row_acc, col_acc).
-    ``gamma``, ``label_smoothing``: 0-dim tensors (see :func:`_scalar_arg`)."""
+    (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, row_acc, col_acc)."""
     gamma, label_smoothing = _value(gamma), _value(label_smoothing)
     dt = compute_dtype(q.dtype)
     rq, rk, ra, rb = (epilogue.inv_norms(x, normalize, dt) for x in (q, k, a, b))
     inv_tau = 1.0 / tau.detach().to(dt)
     q_hat, k_hat = epilogue.scaled(q, rq, dt), epilogue.scaled(k, rk, dt)
     pos = epilogue.positive_logits(q_hat, k_hat, offset, inv_tau)
-    delta, mean_neg, dsum, row_acc, col_acc = torch.ops.hnclip.directional_fwd(
+    delta, mean_neg, dsum, row_acc, col_acc = RAW.cpp_raw_directional_fwd(
         q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad)
     loss = epilogue.row_losses(epilogue.RowStats(pos, delta, mean_neg, dsum), k.shape[0], label_smoothing)
     return loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, row_acc, col_acc
 
 
-@_directional_nll.register_fake
-def _directional_nll_fake(q, k, a, b, tau, offset, gamma, label_smoothing, normalize, need_grad):
+def _directional_nll_fake(q, k, a, b, tau, gamma, label_smoothing, offset, normalize, need_grad):
     dt = compute_dtype(q.dtype)
     m, d = q.shape
     n = k.shape[0]
@@ -122,12 +105,10 @@ def _directional_nll_fake(q, k, a, b, tau, offset, gamma, label_smoothing, norma
     return loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, row_acc, col_acc
 
 
-@torch.library.custom_op("hnclip::directional_nll_backward", mutates_args=(), device_types="cpu")
 def _directional_nll_backward(
-    grad: Tensor, q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor,
+    grad: Tensor, q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor,
     rq: Tensor, rk: Tensor, ra: Tensor, rb: Tensor, pos: Tensor, delta: Tensor, mean_neg: Tensor, dsum: Tensor,
-    row_acc: Tensor, col_acc: Tensor,
-    offset: int, gamma: Tensor, label_smoothing: Tensor, normalize: bool, need_qk: bool,
+    row_acc: Tensor, col_acc: Tensor, offset: int, normalize: bool, need_grad: bool, need_qk: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dL/dq in q's dtype, dL/dk in k's dtype, dL/dτ in τ's dtype and shape)."""
     gamma, label_smoothing = _value(gamma), _value(label_smoothing)
@@ -136,7 +117,7 @@ def _directional_nll_backward(
     inv_tau = 1.0 / tau.detach().to(dt)
     q_hat, k_hat = epilogue.scaled(q, rq, dt), epilogue.scaled(k, rk, dt)
     if need_qk:
-        d_q_neg, d_k_neg = torch.ops.hnclip.directional_bwd(
+        d_q_neg, d_k_neg = RAW.cpp_raw_directional_bwd(
             q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma)
     else:  # only τ wants a gradient: it needs the row statistics alone
         d_q_neg, d_k_neg = torch.zeros_like(q_hat), torch.zeros_like(k_hat)
@@ -144,91 +125,47 @@ def _directional_nll_backward(
     stats = epilogue.RowStats(pos, delta, mean_neg, dsum)
     d_q, d_k, dz_z = epilogue.finish_directional(stats, g, q, k, rq, rk, d_q_neg, d_k_neg, offset, inv_tau,
                                                  label_smoothing, normalize)
-    d_tau = epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
-    return d_q, d_k, d_tau
+    return d_q, d_k, epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
 
 
-@_directional_nll_backward.register_fake
-def _directional_nll_backward_fake(grad, q, k, a, b, tau, *rest):
+def _directional_grads_fake(grad, q, k, a, b, tau, *rest):
     return q.new_empty(q.shape), k.new_empty(k.shape), tau.new_empty(tau.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, a, b, tau, offset, gamma, label_smoothing, normalize, need_grad = inputs
-    saved = output[1:]
-    ctx.mark_non_differentiable(*saved)
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, a, b, tau, gamma, label_smoothing, *saved)
-    ctx.options = (int(offset), bool(normalize))
+_DirectionalNLL = glue.fused_op(
+    "cpp", "cpp_directional_nll", forward=_directional_nll, forward_fake=_directional_nll_fake,
+    backward=_directional_nll_backward, backward_fake=_directional_grads_fake, tau_input=4, device_types="cpu")
 
 
-def _backward(ctx, grad_loss, *_unused):
-    q, k, a, b, tau, gamma, label_smoothing, *saved = ctx.saved_tensors
-    offset, normalize = ctx.options
-    needs = ctx.needs_input_grad
-    if grad_loss is None:
-        grad_loss = torch.zeros(q.shape[0], dtype=compute_dtype(q.dtype), device=q.device)
-    need_qk = bool(needs[0] or needs[1])
-    d_q, d_k, d_tau = first_order_call("cpp", torch.ops.hnclip.directional_nll_backward, grad_loss, q, k, a, b, tau,
-                                       *saved, offset, gamma, label_smoothing, normalize, need_qk)
-    return (d_q if needs[0] else None, d_k if needs[1] else None, None, None,
-            d_tau if needs[4] else None, None, None, None, None, None)
-
-
-torch.library.register_autograd("hnclip::directional_nll", _backward, setup_context=_setup_context)
-# the backward is not differentiable again: a second derivative raises one clear error naming backend="torch"
-torch.library.register_autograd("hnclip::directional_nll_backward", raising_backward("cpp"))
-
-
-# ---- fake kernels of the raw C++ operators (so they can be traced on their own too) ----
-@torch.library.register_fake("hnclip::directional_fwd")
-def _directional_fwd_fake(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad):
-    m, d = q_hat.shape
-    n = k_hat.shape[0]
-    vec = [q_hat.new_empty((m,)) for _ in range(3)]
-    return (*vec, q_hat.new_empty((m if need_grad else 0, d)), q_hat.new_empty((n if need_grad else 0, d)))
-
-
-@torch.library.register_fake("hnclip::directional_bwd")
-def _directional_bwd_fake(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma):
-    return q_hat.new_empty(q_hat.shape), k_hat.new_empty(k_hat.shape)
-
-
-# ---- the single-process loss: both directions from one product per tile ----
+# ---- the single-process loss: both directions from one product per tile
 _SymOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-@torch.library.custom_op("hnclip::symmetric_nll", mutates_args=(), device_types="cpu")
-def _symmetric_nll(
-    img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor, normalize: bool,
-) -> _SymOut:
+def _symmetric_nll(img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor,
+                   normalize: bool) -> _SymOut:
     """Per-pair losses ½(i2t_k + t2i_k) (N,) and what the backward needs:
-    (pairs, rv, rt, pos, delta_i2t, mean_neg_i2t, dsum_i2t, delta_t2i, mean_neg_t2i, dsum_t2i).
-    ``gamma``, ``label_smoothing``: 0-dim tensors (see :func:`_scalar_arg`)."""
+    (pairs, rv, rt, pos, delta_i2t, mean_neg_i2t, dsum_i2t, delta_t2i, mean_neg_t2i, dsum_t2i)."""
     gamma, label_smoothing = _value(gamma), _value(label_smoothing)
     dt = compute_dtype(img.dtype)
     rv, rt = epilogue.inv_norms(img, normalize, dt), epilogue.inv_norms(txt, normalize, dt)
     inv_tau = 1.0 / tau.detach().to(dt)
     v_hat, t_hat = epilogue.scaled(img, rv, dt), epilogue.scaled(txt, rt, dt)
     pos = epilogue.positive_logits(v_hat, t_hat, 0, inv_tau)  # Z_kk, the same for both directions
-    stats = torch.ops.hnclip.symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma)
+    stats = RAW.cpp_raw_symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma)
     pairs = epilogue.pair_losses(epilogue.RowStats(pos, *stats[:3]), epilogue.RowStats(pos, *stats[3:]),
                                  img.shape[0], label_smoothing)
     return (pairs, rv, rt, pos, *stats)
 
 
-@_symmetric_nll.register_fake
 def _symmetric_nll_fake(img, txt, tau, gamma, label_smoothing, normalize):
     dt = compute_dtype(img.dtype)
     return tuple(img.new_empty((img.shape[0],), dtype=dt) for _ in range(10))
 
 
-@torch.library.custom_op("hnclip::symmetric_nll_backward", mutates_args=(), device_types="cpu")
 def _symmetric_nll_backward(
-    grad: Tensor, img: Tensor, txt: Tensor, tau: Tensor,
+    grad: Tensor, img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor,
     rv: Tensor, rt: Tensor, pos: Tensor, delta_r: Tensor, mean_neg_r: Tensor, dsum_r: Tensor,
-    delta_c: Tensor, mean_neg_c: Tensor, dsum_c: Tensor,
-    gamma: Tensor, label_smoothing: Tensor, normalize: bool, need_vt: bool,
+    delta_c: Tensor, mean_neg_c: Tensor, dsum_c: Tensor, normalize: bool, need_vt: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dL/dimg in img's dtype, dL/dtxt in txt's dtype, dL/dτ in τ's dtype and shape)."""
     gamma, label_smoothing = _value(gamma), _value(label_smoothing)
@@ -237,7 +174,7 @@ def _symmetric_nll_backward(
     inv_tau = 1.0 / tau.detach().to(dt)
     v_hat, t_hat = epilogue.scaled(img, rv, dt), epilogue.scaled(txt, rt, dt)
     if need_vt:
-        d_v, d_t = torch.ops.hnclip.symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma)
+        d_v, d_t = RAW.cpp_raw_symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma)
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t = torch.zeros_like(v_hat), torch.zeros_like(t_hat)
     del v_hat, t_hat
@@ -245,65 +182,47 @@ def _symmetric_nll_backward(
     t2i = epilogue.RowStats(pos, delta_c, mean_neg_c, dsum_c)
     d_img, d_txt, dz_z = epilogue.finish_symmetric(i2t, t2i, g, img, txt, rv, rt, d_v, d_t, inv_tau,
                                                    label_smoothing, normalize)
-    d_tau = epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
-    return d_img, d_txt, d_tau
+    return d_img, d_txt, epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
 
 
-@_symmetric_nll_backward.register_fake
-def _symmetric_nll_backward_fake(grad, img, txt, tau, *rest):
+def _symmetric_grads_fake(grad, img, txt, tau, *rest):
     return img.new_empty(img.shape), txt.new_empty(txt.shape), tau.new_empty(tau.shape)
 
 
-def _sym_setup_context(ctx, inputs, output):
-    img, txt, tau, gamma, label_smoothing, normalize = inputs
-    saved = output[1:]
-    ctx.mark_non_differentiable(*saved)
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(img, txt, tau, gamma, label_smoothing, *saved)
-    ctx.normalize = bool(normalize)
+_SymmetricNLL = glue.fused_op(
+    "cpp", "cpp_symmetric_nll", forward=_symmetric_nll, forward_fake=_symmetric_nll_fake,
+    backward=_symmetric_nll_backward, backward_fake=_symmetric_grads_fake, tau_input=2, device_types="cpu")
 
 
-def _sym_backward(ctx, grad_pairs, *_unused):
-    img, txt, tau, gamma, label_smoothing, *saved = ctx.saved_tensors
-    needs = ctx.needs_input_grad
-    if grad_pairs is None:
-        grad_pairs = torch.zeros(img.shape[0], dtype=compute_dtype(img.dtype), device=img.device)
-    need_vt = bool(needs[0] or needs[1])
-    d_img, d_txt, d_tau = first_order_call("cpp", torch.ops.hnclip.symmetric_nll_backward, grad_pairs, img, txt,
-                                           tau, *saved, gamma, label_smoothing, ctx.normalize, need_vt)
-    return (d_img if needs[0] else None, d_txt if needs[1] else None, d_tau if needs[2] else None,
-            None, None, None)
+# ---- fakes of the raw C++ kernels (so they can be traced on their own too)
+@torch.library.register_fake("hnclip::cpp_raw_directional_fwd")
+def _directional_fwd_fake(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad):
+    m, d = q_hat.shape
+    n = k_hat.shape[0]
+    vec = [q_hat.new_empty((m,)) for _ in range(3)]
+    return (*vec, q_hat.new_empty((m if need_grad else 0, d)), q_hat.new_empty((n if need_grad else 0, d)))
 
 
-torch.library.register_autograd("hnclip::symmetric_nll", _sym_backward, setup_context=_sym_setup_context)
-torch.library.register_autograd("hnclip::symmetric_nll_backward", raising_backward("cpp"))
+@torch.library.register_fake("hnclip::cpp_raw_directional_bwd")
+def _directional_bwd_fake(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma):
+    return q_hat.new_empty(q_hat.shape), k_hat.new_empty(k_hat.shape)
 
 
-@torch.library.register_fake("hnclip::symmetric_fwd")
+@torch.library.register_fake("hnclip::cpp_raw_symmetric_fwd")
 def _symmetric_fwd_fake(v_hat, t_hat, pos, inv_tau, gamma):
     return tuple(v_hat.new_empty((v_hat.shape[0],)) for _ in range(6))
 
 
-@torch.library.register_fake("hnclip::symmetric_bwd")
+@torch.library.register_fake("hnclip::cpp_raw_symmetric_bwd")
 def _symmetric_bwd_fake(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma):
     return v_hat.new_empty(v_hat.shape), t_hat.new_empty(t_hat.shape)
 
 
-# ---- torch.func (grad, vjp, vmap): see .registration ----
-_DirectionalNLL = glue.func_capable(
-    "_DirectionalNLL", torch.ops.hnclip.directional_nll, _setup_context, _backward, "cpp",
-    "``hnclip::directional_nll`` with the registered formula, usable under ``torch.func``.")
-_SymmetricNLL = glue.func_capable(
-    "_SymmetricNLL", torch.ops.hnclip.symmetric_nll, _sym_setup_context, _sym_backward, "cpp",
-    "``hnclip::symmetric_nll`` with the registered formula, usable under ``torch.func``.")
-glue.register_looped_vmap(("directional_nll", "directional_nll_backward", "symmetric_nll",
-                                   "symmetric_nll_backward"))
-
-
+# ---- public wrappers
 def directional_nll_cpp(queries, keys, *, query_txt, key_txt, tau, offset, gamma, label_smoothing, normalize,
                         return_stats=False):
-    """C++ counterpart of :func:`hnclip_kernels.backends.pytorch.reference.directional_nll_torch` (same keyword-only
-    protocol and result).
+    """C++ counterpart of :func:`hnclip_kernels.backends.pytorch.reference.directional_nll_torch` (same
+    keyword-only protocol and result).
 
     Per-row losses (M,) of query rows ``queries`` (M, D) against key rows ``keys`` (N, D), the
     positive of row i at column ``offset + i``; margin factors ``query_txt`` (M, D), ``key_txt``
@@ -317,9 +236,9 @@ def directional_nll_cpp(queries, keys, *, query_txt, key_txt, tau, offset, gamma
     check_directional(queries, keys, query_txt, key_txt, offset)
     # the forward also produces the gradient shares only when a backward can follow
     need_grad = torch.is_grad_enabled() and bool(queries.requires_grad or keys.requires_grad)
-    out = glue.call(_DirectionalNLL, torch.ops.hnclip.directional_nll, queries, keys, query_txt, key_txt,
-                            tau, int(offset), _scalar_arg(gamma), _scalar_arg(label_smoothing), bool(normalize),
-                            need_grad)
+    out = glue.call(_DirectionalNLL, torch.ops.hnclip.cpp_directional_nll, queries, keys, query_txt, key_txt, tau,
+                    glue.hyperparameter(gamma, queries), glue.hyperparameter(label_smoothing, queries), int(offset),
+                    bool(normalize), need_grad)
     if not return_stats:
         return out[0]
     return out[0], epilogue.RowStats(*out[5:9])
@@ -335,8 +254,8 @@ def hn_clip_pairs_cpp(img, txt, *, tau, gamma, label_smoothing, normalize, retur
     ``(i2t, t2i)``, the detached ``epilogue.RowStats`` of both directions. ``gamma``,
     ``label_smoothing``, ``torch.compile`` and ``torch.func``: as :func:`directional_nll_cpp`.
     """
-    out = glue.call(_SymmetricNLL, torch.ops.hnclip.symmetric_nll, img, txt, tau, _scalar_arg(gamma),
-                            _scalar_arg(label_smoothing), bool(normalize))
+    out = glue.call(_SymmetricNLL, torch.ops.hnclip.cpp_symmetric_nll, img, txt, tau, glue.hyperparameter(gamma, img),
+                    glue.hyperparameter(label_smoothing, img), bool(normalize))
     if not return_stats:
         return out[0]
     pos = out[3]

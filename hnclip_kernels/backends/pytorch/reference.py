@@ -17,6 +17,7 @@ from ...numerics import compute_dtype, matmul_nt, normalized
 from ...validation import check_directional
 from ..epilogue import RowStats
 
+
 def directional_nll_torch(
     queries: torch.Tensor,
     keys: torch.Tensor,

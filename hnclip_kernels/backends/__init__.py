@@ -1,0 +1,139 @@
+"""Backend dispatch: which backend runs a call, and its ops.
+
+Three backends compute the same loss (arXiv 2608.18521, Eq. 2):
+
+* ``"torch"`` — :mod:`.pytorch`: the pure-PyTorch reference (materialises the logits);
+* ``"cpp"`` — :mod:`.cpp`: the fused C++ CPU kernels of ``csrc/`` (``hnclip_kernels._C``);
+* ``"triton"`` — :mod:`.triton`: the fused Triton kernels (CUDA; CPU under TRITON_INTERPRET=1).
+
+Each exposes two ops. The *symmetric* op is the single-process loss (N images against N
+texts, both directions from the same logit tiles). The *directional* op is one direction of
+a distributed rank (M query rows against N gathered key columns, positive of row i at column
+``offset + i``), with the keyword-only protocol of
+:func:`hnclip_kernels.backends.pytorch.reference.directional_nll_torch`::
+
+    fn(queries, keys, *, query_txt, key_txt, tau, offset, gamma, label_smoothing, normalize,
+       return_stats=False)
+
+The fused backends are imported lazily: triton is optional, and the C++ extension may not
+have been built.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+from .pytorch.reference import directional_nll_torch
+
+_warned = set()
+
+
+def warn_once(key: str, message: str, stacklevel: int = 3) -> None:
+    """A ``RuntimeWarning`` shown once per process for each ``key``."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
+def triton_directional() -> Callable:
+    """The Triton directional op, imported lazily: triton is optional on CPU-only installs."""
+    try:
+        from .triton.ops import directional_nll_triton
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ValueError(
+            f"backend='triton' needs the triton package ({exc}); install triton or use backend='torch'"
+        ) from exc
+    return directional_nll_triton
+
+
+def _triton_interpreting() -> bool:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return True
+    from .triton import launch  # the kernels' own type says whether they were created interpreted
+
+    return launch._is_interpreting()
+
+
+def cpp_directional():
+    """The C++ directional op, or None when the extension was not built."""
+    try:
+        from .cpp.ops import directional_nll_cpp
+    except ImportError:
+        return None
+    return directional_nll_cpp
+
+
+def resolve_backend(backend: str, x: torch.Tensor) -> str:
+    """Map ``backend`` to "torch", "triton" or "cpp" for tensors like ``x``, or raise
+    ``ValueError``/``TypeError`` saying which backend can run them."""
+    if backend == "auto":
+        if x.device.type == "cuda" and x.dtype != torch.float64:
+            return "triton"
+        if x.device.type == "cpu" and x.dtype != torch.float64 and cpp_directional() is not None:
+            return "cpp"
+        if x.device.type == "cpu" and cpp_directional() is None:
+            warn_once("auto-cpu", "hnclip_kernels: the C++ extension is not built; backend='auto' uses "
+                                  "the pure-PyTorch backend (materialises N×N logits) on CPU")
+        return "torch"
+    if backend in ("cpp", "triton") and x.device.type == "meta":
+        raise ValueError(f"backend={backend!r} cannot run on meta tensors; backend='torch' (or 'auto') "
+                         "gives a meta result of the right shape")
+    if backend == "triton":
+        if x.dtype == torch.float64:
+            raise TypeError("backend='triton' supports float16, bfloat16 and float32 inputs; "
+                            "use backend='torch' for float64")
+        if x.device.type == "cpu" and not _triton_interpreting():
+            raise ValueError("backend='triton' got CPU tensors but Triton is not interpreting; move the "
+                             "tensors to CUDA, set TRITON_INTERPRET=1 before importing triton, or use "
+                             "backend='cpp' / 'torch'")
+        if x.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"backend='triton' needs CUDA tensors, got device {x.device}")
+        triton_directional()  # the install hint now, not inside the loss
+    if backend == "cpp":
+        if x.device.type != "cpu":
+            raise ValueError(f"backend='cpp' needs CPU tensors, got device {x.device}; use backend='triton'")
+        if cpp_directional() is None:
+            raise ValueError("backend='cpp' needs the C++ extension, which is not built; reinstall with the "
+                             "README's install command (it compiles csrc/), or use backend='torch'")
+    return backend
+
+
+def directional_fn(backend: str, precision: Optional[str] = None) -> Callable:
+    """The directional op of a resolved backend (the keyword-only protocol above).
+    ``precision`` reaches the Triton op only (the other backends compute float32 products in
+    IEEE float32)."""
+    if backend == "triton":
+        fn = triton_directional()  # raises the install hint now rather than at the first call
+        return functools.partial(fn, precision=precision) if precision is not None else fn
+    if backend == "cpp":
+        return cpp_directional()
+    return directional_nll_torch
+
+
+def symmetric_losses(img: torch.Tensor, txt: torch.Tensor, tau: torch.Tensor, options, return_stats: bool = False):
+    """½(i2t_k + t2i_k) for every pair k, shape (N,), on the backend of resolved ``options``
+    (:class:`hnclip_kernels.options.LossOptions` after ``bind``); with ``return_stats`` also
+    ``(i2t, t2i)``, both directions' detached ``RowStats``."""
+    kwargs = dict(tau=tau, gamma=options.gamma, label_smoothing=options.label_smoothing,
+                  normalize=options.normalize, return_stats=return_stats)
+    if options.backend == "triton":
+        from .triton.ops import hn_clip_pairs_triton  # one fused op for both directions
+
+        return hn_clip_pairs_triton(img, txt, **kwargs, precision=options.precision)
+    if img.dtype in (torch.float16, torch.bfloat16):
+        # each tensor feeds both directions: upcast once, so its two gradient halves are summed
+        # in float32 and rounded to the input dtype once (two bf16 halves summed lose ~1e-3)
+        img, txt = img.float(), txt.float()
+    if options.backend == "cpp":
+        from .cpp.ops import hn_clip_pairs_cpp  # one operator: each logit tile serves i2t and t2i
+
+        return hn_clip_pairs_cpp(img, txt, **kwargs)
+    i2t = directional_nll_torch(img, txt, query_txt=txt, key_txt=txt, offset=0, **kwargs)
+    t2i = directional_nll_torch(txt, img, query_txt=txt, key_txt=txt, offset=0, **kwargs)
+    if not return_stats:
+        return 0.5 * (i2t + t2i)
+    return 0.5 * (i2t[0] + t2i[0]), (i2t[1], t2i[1])

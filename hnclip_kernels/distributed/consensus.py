@@ -1,0 +1,172 @@
+"""The cross-rank consensus check: every rank's inputs checked in one small collective, so that
+bad input on any rank raises on every rank instead of hanging the job.
+
+Each rank runs its local checks without raising, packs the outcome with its sizes, feature
+dim, dtype and options into one int64 row (γ, ε and τ as float64 bit patterns), and all ranks
+all_gather the rows before any feature is gathered. Every rank then inspects every rank's
+row and raises the same error: the offending rank its own ``TypeError``/``ValueError``, the
+others a ``ValueError`` naming the offending rank.
+"""
+from __future__ import annotations
+
+import struct
+from typing import List, Optional, Tuple
+
+import torch
+
+from .. import validation
+from ..options import LossOptions
+from .gather import _group_rank_world, _meta_device, dist
+
+# metadata vector layout, one int64 row per rank
+_STATUS, _N_IMG, _N_TXT, _DIM, _DTYPE, _FLAGS, _GAMMA, _EPS, _WORLD, _PREC, _TAU, _IMG_NORM, _TXT_NORM = range(13)
+_META_LEN = 13
+_STATUS_TEXT = {
+    0: "ok",
+    1: "invalid features",
+    2: "invalid logit scale / temperature",
+    3: "invalid options or backend",
+    4: "rank / world_size do not match the process group",
+}
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def local_checks(image_features, text_features, tau, options, rank, world_size, group, tau_value=None):
+    """Run every local check without raising: (status, exception or None, the options as
+    requested or None, the options bound to these tensors or None).
+
+    ``options``: a :class:`LossOptions`, or a function that builds one (its error is this rank's
+    status 3). ``tau_value``: τ already read by the caller (HNClipLoss reads ``logit_scale``
+    once), so that τ is not read again."""
+    try:
+        validation.check_features(image_features, text_features, "image_features", "text_features")
+    except (TypeError, ValueError) as exc:
+        return 1, exc, None, None
+    try:  # before τ: its overflow bound (2 + γ)/τ needs a valid γ
+        if not isinstance(options, LossOptions):
+            options = options()
+    except (TypeError, ValueError) as exc:
+        return 3, exc, None, None
+    try:  # the global N is known after the collective, which checks the bound again with it
+        n = image_features.shape[0]
+        tau_value = validation.check_tau(tau if tau_value is None else tau_value, image_features.device,
+                                         image_features.dtype, options.gamma, label_smoothing=options.label_smoothing,
+                                         n_keys=n, n_rows=n)
+        if world_size == 1 and not options.normalize:
+            validation.check_feature_range(image_features, text_features, tau_value, options.gamma,
+                                           options.label_smoothing, "image_features", "text_features", n_rows=n)
+    except (TypeError, ValueError) as exc:
+        return 2, exc, options, None
+    try:
+        bound = options.resolved(image_features, tau_value)
+    except (TypeError, ValueError) as exc:
+        return 3, exc, options, None
+    if world_size > 1:
+        g_rank, g_world = _group_rank_world(group)
+        if (g_rank, g_world) != (rank, world_size):
+            return 4, ValueError(
+                f"rank={rank}, world_size={world_size} were passed but the process group says "
+                f"rank {g_rank} of {g_world}; pass torch.distributed.get_rank() / get_world_size()"
+            ), options, None
+    return 0, None, options, bound
+
+
+def _meta_row(status, image_features, text_features, flags, gamma, label_smoothing, world_size,
+              precision=None) -> List[int]:
+    """This rank's metadata row (see the layout above)."""
+    row = [0] * _META_LEN
+    row[_STATUS] = status
+    ok_tensors = isinstance(image_features, torch.Tensor) and isinstance(text_features, torch.Tensor)
+    row[_N_IMG] = image_features.shape[0] if ok_tensors and image_features.dim() >= 1 else -1
+    row[_N_TXT] = text_features.shape[0] if ok_tensors and text_features.dim() >= 1 else -1
+    row[_DIM] = image_features.shape[-1] if ok_tensors and image_features.dim() >= 1 else -1
+    dtypes = list(validation.FLOAT_DTYPES)
+    row[_DTYPE] = dtypes.index(image_features.dtype) if ok_tensors and image_features.dtype in dtypes else -1
+    row[_FLAGS] = flags
+    try:
+        row[_GAMMA] = _float_bits(gamma)
+        row[_EPS] = _float_bits(label_smoothing)
+    except (TypeError, ValueError):
+        row[_GAMMA] = row[_EPS] = -1
+    row[_WORLD] = int(world_size)
+    modes = (None,) + validation.FP32_PRECISIONS
+    row[_PREC] = modes.index(precision) if precision in modes else -1
+    return row
+
+
+def _range_fields(row, tau_value, image_features, text_features, normalize) -> None:
+    """τ (as read by the local check; None where it was not: under compile, meta tensors) and,
+    without normalisation, the largest row norms, for the global overflow check."""
+    if tau_value is None:
+        return
+    norms = (1.0, 1.0) if normalize else validation.max_row_norms(image_features, text_features)
+    row[_TAU], row[_IMG_NORM], row[_TXT_NORM] = (_float_bits(v) for v in (tau_value, *norms))
+
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
+
+
+def _global_range_problem(meta, gamma, label_smoothing, dtype_index) -> Optional[str]:
+    """The overflow check of the whole global batch (every rank runs it on the same metadata)."""
+    if any(m[_TAU] == 0 for m in meta):
+        return None  # not read (compile / meta)
+    tau_value = min(_bits_float(m[_TAU]) for m in meta)
+    img_norm = max(_bits_float(m[_IMG_NORM]) for m in meta)
+    txt_norm = max(_bits_float(m[_TXT_NORM]) for m in meta)
+    n_total = sum(m[_N_IMG] for m in meta)
+    largest = validation.largest_intermediate(tau_value, float(gamma), float(label_smoothing), n_total,
+                                               img_norm, txt_norm, n_rows=n_total)
+    dtype = validation.FLOAT_DTYPES[dtype_index]
+    if largest < validation._finite_limit(dtype):
+        return None
+    return (f"the global batch (N = {n_total}, smallest tau = {tau_value:g}, largest row norms {img_norm:.3g} / "
+            f"{txt_norm:.3g}) gives logit gaps up to {largest:.3g}, beyond the range of {dtype}; raise tau, pass "
+            "normalize=True or scale the features down")
+
+
+def collective_check(image_features, text_features, tau, options, flags, rank, world_size, group,
+                     tau_value=None) -> Tuple[List[int], LossOptions]:
+    """Check inputs on every rank at once; return (sizes, bound options) or raise on every rank.
+    ``options``/``tau_value`` as :func:`local_checks`."""
+    status, exc, requested, bound = local_checks(image_features, text_features, tau, options, rank, world_size,
+                                                 group, tau_value)
+    like = image_features if isinstance(image_features, torch.Tensor) else None
+    if requested is not None:
+        flags |= int(bool(requested.normalize)) << 2
+        row = _meta_row(status, image_features, text_features, flags, requested.gamma, requested.label_smoothing,
+                        world_size, requested.precision)
+    else:  # this rank raises: its options are not compared
+        row = _meta_row(status, image_features, text_features, flags, 0.0, 0.0, world_size)
+    if status == 0:
+        _range_fields(row, bound.tau_value, image_features, text_features, bound.normalize)
+    mine = torch.tensor(row, dtype=torch.int64, device=_meta_device(group, like))
+    rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group=group))]
+    dist.all_gather(rows, mine, group=group)
+    meta = torch.stack(rows).cpu().tolist()
+    if exc is not None:
+        raise exc
+    bad = [r for r, m in enumerate(meta) if m[_STATUS] != 0]
+    if bad:
+        what = ", ".join(f"rank {r}: {_STATUS_TEXT.get(meta[r][_STATUS], 'error')}" for r in bad)
+        raise ValueError(f"HN-CLIP distributed loss: invalid input on another rank ({what}); "
+                         "see the error raised on that rank. No collective was started.")
+    problems = []
+    if len({m[_DIM] for m in meta}) > 1:
+        problems.append(f"feature dims differ across ranks: {[m[_DIM] for m in meta]}")
+    if len({m[_DTYPE] for m in meta}) > 1:
+        names = [str(validation.FLOAT_DTYPES[m[_DTYPE]]) for m in meta]
+        problems.append(f"feature dtypes differ across ranks: {names}")
+    if len({(m[_FLAGS], m[_GAMMA], m[_EPS], m[_WORLD], m[_PREC]) for m in meta}) > 1:
+        problems.append("loss options (local_loss, gather_with_grad, normalize, gamma, "
+                        "label_smoothing, world_size, precision) differ across ranks")
+    if problems:
+        raise ValueError("HN-CLIP distributed loss: inconsistent inputs across ranks: "
+                         + "; ".join(problems) + ". Every rank raised this error.")
+    problem = _global_range_problem(meta, bound.gamma, bound.label_smoothing, meta[0][_DTYPE])
+    if problem is not None:
+        raise ValueError(f"HN-CLIP distributed loss: {problem}. Every rank raised this error.")
+    return [m[_N_IMG] for m in meta], bound

@@ -1,0 +1,104 @@
+"""The loss's options: validated once at the public boundary, then carried unchanged.
+
+:class:`LossOptions` is built once per entry point — per call of ``hn_clip_loss`` and
+``distributed_hn_clip_loss``, once per :class:`~hnclip_kernels.HNClipLoss` at construction —
+and its constructor raises the ``TypeError``/``ValueError`` of a bad option. ``bind`` then
+checks one call's features and τ (τ read on the host at most once), resolves ``"auto"`` to the
+backend that runs these tensors and applies the Triton precision default, and returns the
+bound options that every backend and the distributed path receive.
+
+γ and ε stay the numbers the caller gave (a Python float, or a symbolic float under
+``torch.compile``): the fused backends turn them into 0-dim float64 tensors at the operator
+boundary (:func:`hnclip_kernels.backends.glue.hyperparameter`), so a new value of either
+reuses a compiled graph on both fused backends.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import torch
+
+from . import validation
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+    """Options of the HN-CLIP loss (arXiv 2608.18521, Eq. 2); the constructor validates them.
+
+    Attributes:
+        gamma: margin scale γ ≥ 0 (0.5 is the paper's value; 0 is CLIP's InfoNCE).
+        label_smoothing: ε in [0, 1), ``torch.nn.functional.cross_entropy`` semantics.
+        reduction: "mean", "sum" or "none".
+        normalize: L2-normalise the features inside the loss.
+        backend: "auto", "torch", "cpp" or "triton"; after :meth:`bind`, the resolved one.
+        precision: the Triton backend's tensor-core input precision for float32 features
+            (``validation.FP32_PRECISIONS``); None before :meth:`bind` means the default,
+            after it the resolved mode (None on the other backends, which ignore it).
+        tau_value: τ as read on the host by :meth:`bind` (None before, under
+            ``torch.compile`` and for meta tensors, where nothing is read).
+
+    Raises:
+        TypeError: non-real ``gamma``/``label_smoothing``, non-bool ``normalize``,
+            non-string ``precision``.
+        ValueError: γ < 0 or non-finite, ε outside [0, 1), unknown ``reduction``,
+            ``backend`` or ``precision``.
+    """
+
+    gamma: Union[float, torch.Tensor] = 0.5
+    label_smoothing: float = 0.0
+    reduction: str = "mean"
+    normalize: bool = True
+    backend: str = "auto"
+    precision: Optional[str] = None
+    tau_value: Optional[float] = None
+
+    def __post_init__(self):
+        validation.check_options(self.gamma, self.label_smoothing, self.reduction, self.backend, self.normalize)
+        validation.check_precision(self.precision)
+
+    def bind(self, img: torch.Tensor, txt: torch.Tensor, tau: Union[float, torch.Tensor], *,
+             tau_value: Optional[float] = None, n_rows: Optional[int] = None,
+             names: tuple = ("img", "txt")) -> "LossOptions":
+        """These options for one single-process call on ``img``/``txt`` (N, D) with temperature
+        ``tau``: the features and τ checked (τ read once, or ``tau_value`` used where the caller
+        already read it), the backend resolved for these tensors, the precision default applied.
+
+        ``n_rows``: how many pairs' losses the reduction adds up (default: N for "mean"/"sum",
+        1 for "none"), for the overflow bound of :func:`validation.check_tau`.
+
+        Raises: the ``TypeError``/``ValueError`` of :func:`validation.check_features`,
+        :func:`validation.check_tau`, :func:`validation.check_feature_range` and
+        :func:`hnclip_kernels.backends.resolve_backend`.
+        """
+        validation.check_features(img, txt, *names)
+        n = img.shape[0]
+        if n_rows is None:
+            n_rows = n if self.reduction != "none" else 1
+        checked = tau if tau_value is None else tau_value
+        value = validation.check_tau(checked, img.device, img.dtype, self.gamma, label_smoothing=self.label_smoothing,
+                                     n_keys=n, n_rows=n_rows)
+        if not self.normalize:
+            validation.check_feature_range(img, txt, value, self.gamma, self.label_smoothing, *names, n_rows=n_rows)
+        return self.resolved(img, value)
+
+    def resolved(self, like: torch.Tensor, tau_value: Optional[float] = None) -> "LossOptions":
+        """The backend that runs tensors like ``like`` and its precision, with ``tau_value``."""
+        from .backends import resolve_backend
+
+        backend = resolve_backend(self.backend, like)
+        precision = None
+        if backend == "triton":
+            precision = self.precision or validation.DEFAULT_FP32_PRECISION
+        return dataclasses.replace(self, backend=backend, precision=precision, tau_value=tau_value)
+
+
+def as_tau_tensor(tau: Union[float, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """τ as a 0-dim tensor on ``like``'s device (a tensor τ keeps its dtype and autograd; a
+    number becomes the compute dtype of ``like``)."""
+    if isinstance(tau, torch.Tensor):
+        return tau.to(device=like.device).reshape(())
+    # arithmetic, not torch.tensor(float(tau)): under torch.compile a changing τ stays a symbolic
+    # float instead of being specialised into a new graph at every value of a schedule
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    return torch.zeros((), device=like.device, dtype=dtype) + tau
