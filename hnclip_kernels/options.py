@@ -89,7 +89,7 @@ class LossOptions:
         backend = resolve_backend(self.backend, like)
         precision = None
         if backend == "triton":
-            precision = self.precision or validation.DEFAULT_FP32_PRECISION
+            precision = validation.resolve_precision(self.precision)
         return dataclasses.replace(self, backend=backend, precision=precision, tau_value=tau_value)
 
 

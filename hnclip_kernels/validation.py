@@ -16,7 +16,15 @@ BACKENDS = ("auto", "torch", "triton", "cpp")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # tensor-core input precisions of the Triton backend for float32 features (README, "Precision")
 FP32_PRECISIONS = ("ieee", "tf32x3", "bf16x6", "bf16x3")
-DEFAULT_FP32_PRECISION = "tf32x3"  # float32 accuracy at 3 bf16-rate passes (README, "Precision")
+# tf32x3 splits each operand into a tf32 head and tail and sums three tf32 products: float32
+# accuracy on tensor cores ("ieee" is plain FMA, no tensor cores; README, "Precision")
+DEFAULT_FP32_PRECISION = "tf32x3"
+
+
+def resolve_precision(precision: Optional[str]) -> str:
+    """The Triton backend's mode for float32 features: ``precision``, or the default for None
+    (the one place the default is applied)."""
+    return DEFAULT_FP32_PRECISION if precision is None else precision
 
 
 def check_features(img: torch.Tensor, txt: torch.Tensor, img_name: str = "img", txt_name: str = "txt") -> None:

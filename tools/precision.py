@@ -50,9 +50,9 @@ from typing import Callable  # noqa: E402
 import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from hnclip_kernels.backends.triton import ops as ht  # noqa: E402
-from hnclip_kernels.backends.triton import forward as tk  # noqa: E402
 from hnclip_kernels.backends.triton import config as cfg  # noqa: E402
+from hnclip_kernels.backends.triton import forward as tk  # noqa: E402
+from hnclip_kernels.backends.triton import ops as ht  # noqa: E402
 
 # The float64 truth and the test inputs live with the tests; tests/ is a folder of plain
 # modules (cases.py itself imports `helpers`), put on sys.path as pytest does.
@@ -267,7 +267,7 @@ def main(argv=None) -> list:
             room = ", ".join(f"{m} {headroom(rows, m):.1f}x" for m in best)
             print(f"cheapest tied at {MODES[best[0]].bf16_equiv:g} bf16-pass equivalents: {', '.join(best)} "
                   f"(headroom, min tolerance/error: {room}); only GPU timing can separate them")
-    print(f"current default (triton_config.DEFAULT_FP32_PRECISION): {cfg.DEFAULT_FP32_PRECISION}; "
+    print(f"current default (validation.DEFAULT_FP32_PRECISION): {cfg.DEFAULT_FP32_PRECISION}; "
           f"study took {elapsed:.1f} s")
     if args.csv:
         write_rows(rows, args.csv, COLUMNS)

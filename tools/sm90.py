@@ -378,8 +378,10 @@ def capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars=False, 
     backend = make_backend(TARGET)
     jobs, where, problems, n_launch = {}, {}, [], 0
     for dt, d, gm, eps in itertools.product(dtypes, ds, gammas, smoothings):
-        for src, thunk in (("single", lambda: drive_single(n, d, DTYPES[dt], gm, eps)),
-                           ("dir", lambda: drive_directional(local_m, n, d, DTYPES[dt], gm, eps, local_m))):
+        dtype = DTYPES[dt]
+        for src, thunk in (("single", lambda d=d, dtype=dtype, gm=gm, eps=eps: drive_single(n, d, dtype, gm, eps)),
+                           ("dir", lambda d=d, dtype=dtype, gm=gm, eps=eps: drive_directional(local_m, n, d, dtype, gm,
+                                                                                              eps, local_m))):
             case = f"{src} {dt} D={d} gamma={gm} label_smoothing={eps}"
             try:
                 with triton_on_cpu(), capture_launches() as launches:

@@ -11,13 +11,29 @@ import itertools
 import pytest
 import torch
 
-from cases import (ALL_BACKENDS, DTYPES, GAMMAS, REDUCTIONS, SMOOTHINGS, TAUS, TOL_F32_GRAD, TOL_F32_LOSS,
-                   TOL_F32_LOSS_SATURATED, TOL_LOWP_LOSS, case_id, check_against_truth, covering_cases,
-                   directional_case, make_pair, naive_clip_loss, saturated_pair)
+from cases import (
+    ALL_BACKENDS,
+    DTYPES,
+    GAMMAS,
+    REDUCTIONS,
+    SMOOTHINGS,
+    TAUS,
+    TOL_F32_GRAD,
+    TOL_F32_LOSS,
+    TOL_F32_LOSS_SATURATED,
+    TOL_LOWP_LOSS,
+    case_id,
+    check_against_truth,
+    covering_cases,
+    directional_case,
+    make_pair,
+    naive_clip_loss,
+    saturated_pair,
+)
+from helpers import assert_close_rel, hn_clip_loss_f64
 from hnclip_kernels import hn_clip_loss
 from hnclip_kernels.backends import directional_fn
 from hnclip_kernels.backends.pytorch.reference import directional_nll_torch
-from helpers import assert_close_rel, hn_clip_loss_f64
 
 # Tolerances are the same for every backend (cases.py says where each comes from): a float32 loss
 # within TOL_F32_LOSS of float64 and gradients within TOL_F32_GRAD; fp16/bf16 inputs accumulated in

@@ -10,8 +10,17 @@ import warnings
 import pytest
 import torch
 
-from cases import (GAMMAS, REDUCTIONS, SIZES_D, SIZES_N, SMOOTHINGS, TOL_F32_GRAD, TOL_F32_LOSS, check_against_truth,
-                   make_pair)
+from cases import (
+    GAMMAS,
+    REDUCTIONS,
+    SIZES_D,
+    SIZES_N,
+    SMOOTHINGS,
+    TOL_F32_GRAD,
+    TOL_F32_LOSS,
+    check_against_truth,
+    make_pair,
+)
 from cases import directional_case as _directional_case
 from helpers import assert_close_rel, hn_clip_loss_f64
 
@@ -115,7 +124,7 @@ def test_gradcheck_float64_registered_op(kind):
     k.requires_grad_(True)
     tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
     for eps, normalize in ((0.0, True), (0.1, False)):
-        fn = lambda q_, k_, t_: directional_nll_cpp(q_, k_, query_txt=a, key_txt=b, tau=t_, offset=3, gamma=0.7,  # noqa: E731
+        fn = lambda q_, k_, t_, eps=eps, normalize=normalize: directional_nll_cpp(q_, k_, query_txt=a, key_txt=b, tau=t_, offset=3, gamma=0.7,  # noqa: E731
                                                     label_smoothing=eps, normalize=normalize)
         assert torch.autograd.gradcheck(fn, (q, k, tau))
 
@@ -126,7 +135,7 @@ def test_gradcheck_float64_public_api():
     img, txt = (x.double().requires_grad_(True) for x in make_pair(6, 4, seed=8))
     tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
     for reduction in ("mean", "none"):
-        fn = lambda i, t, s: hn_clip_loss(i, t, s, gamma=0.0, label_smoothing=0.1, reduction=reduction,  # noqa: E731
+        fn = lambda i, t, s, reduction=reduction: hn_clip_loss(i, t, s, gamma=0.0, label_smoothing=0.1, reduction=reduction,  # noqa: E731
                                           backend="cpp")
         assert torch.autograd.gradcheck(fn, (img, txt, tau))
 
@@ -282,7 +291,7 @@ def test_symmetric_gradcheck_with_margin():
     img.requires_grad_(True)
     tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
     for eps, normalize in ((0.0, True), (0.1, False)):
-        fn = lambda i, s: torch.ops.hnclip.cpp_symmetric_nll(i, txt, s, _f64(0.7), _f64(eps), normalize)[0]  # noqa: E731
+        fn = lambda i, s, eps=eps, normalize=normalize: torch.ops.hnclip.cpp_symmetric_nll(i, txt, s, _f64(0.7), _f64(eps), normalize)[0]  # noqa: E731
         assert torch.autograd.gradcheck(fn, (img, tau))
 
 

@@ -76,7 +76,7 @@ def test_func_grad_matches_autograd(kind, dtype):
         g, v = grad_and_value(fn, argnums=(0, 1, 2))(img, txt, tau, w)
         _check(g, grads, dtype, f"{kind} grad_and_value")
         _check((v,), (value,), dtype, f"{kind} value")
-        out, pullback = vjp(lambda a, b, s: fn(a, b, s, w), img, txt, tau)
+        out, pullback = vjp(lambda a, b, s, w=w: fn(a, b, s, w), img, txt, tau)
         _check(pullback(torch.ones((), dtype=dtype)), grads, dtype, f"{kind} vjp")
         # one argument only (the others plain tensors): only that gradient is formed
         _check((grad(fn)(img, txt, tau, w),), grads[:1], dtype, f"{kind} grad img")

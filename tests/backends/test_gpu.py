@@ -23,8 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cases import (DTYPES, GAMMAS, REDUCTIONS, SIZES_D, SIZES_N, SMOOTHINGS, TAUS, TOL_F32_GRAD,
-                   TOL_F32_LOSS, make_pair)
+from cases import DTYPES, GAMMAS, REDUCTIONS, SIZES_D, SIZES_N, SMOOTHINGS, TAUS, TOL_F32_GRAD, TOL_F32_LOSS, make_pair
 from helpers import assert_close_rel, hn_clip_loss_f64
 from hnclip_kernels import hn_clip_loss
 from hnclip_kernels.backends.triton import config as cfg

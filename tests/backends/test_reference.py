@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from cases import GAMMAS, SMOOTHINGS, make_pair
-from hnclip_kernels import hn_clip_loss
 from helpers import hn_clip_loss_f64
+from hnclip_kernels import hn_clip_loss
 
 
 @pytest.mark.parametrize("eps", SMOOTHINGS)

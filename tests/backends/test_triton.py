@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from cases import make_pair
-from hnclip_kernels import hn_clip_loss
 from helpers import assert_close_rel
+from hnclip_kernels import hn_clip_loss
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

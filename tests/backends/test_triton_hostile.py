@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from cases import TOL_F32_GRAD, TOL_F32_LOSS, check_against_truth, make_pair
+from helpers import assert_close_rel, hn_clip_loss_f64
 from hnclip_kernels import hn_clip_loss
+from hnclip_kernels.backends.pytorch.reference import directional_nll_torch
 from hnclip_kernels.backends.triton import config as cfg
 from hnclip_kernels.backends.triton.ops import directional_nll_triton
-from hnclip_kernels.backends.pytorch.reference import directional_nll_torch
-from helpers import assert_close_rel, hn_clip_loss_f64
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only: CPU tensors, launch modes")
 

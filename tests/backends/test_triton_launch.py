@@ -10,9 +10,8 @@ import triton
 import triton.language as tl
 
 from cases import TOL_F32_LOSS_SATURATED, case_id, check_against_truth, covering_cases, saturated_pair
-from hnclip_kernels.backends.triton import ops as ht
-from hnclip_kernels.backends.triton import precision as tk
 from hnclip_kernels.backends.triton import config as cfg
+from hnclip_kernels.backends.triton import precision as tk
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only: emulated operand rounding")
 

@@ -37,7 +37,7 @@ def _missing_toolchain():
     except Exception as e:  # noqa: BLE001
         return f"triton's CUDA backend cannot be imported ({type(e).__name__}: {e})"
     try:
-        get_ptxas(90).path
+        _ = get_ptxas(90).path
     except Exception as e:  # noqa: BLE001 - RuntimeError("Cannot find ptxas")
         return f"no ptxas for sm_90 ({e}): set TRITON_PTXAS_PATH or install the triton wheel that ships it"
     return None

@@ -197,7 +197,8 @@ def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offs
             args = (*ops, *strides(*ops), *norms, stats.pos, nll, g, tau32, gamma32, nll_c, g_c, wq, wk, w,
                     *w.stride(), row0, row_end, col0, col_end, d, offset)
             launch(lambda tuned: _kernel("dscore", tuned), "dscore", width,
-                   lambda t: (triton.cdiv(row_end - row0, t["BLOCK_M"]), triton.cdiv(col_end - col0, t["BLOCK_N"])),
+                   lambda t, rows=row_end - row0, cols=col_end - col0: (triton.cdiv(rows, t["BLOCK_M"]),
+                                                                       triton.cdiv(cols, t["BLOCK_N"])),
                    args, SYMMETRIC=key_side is not None, HAS_MARGIN=has_margin, PREC=prec,
                    BLOCK_K=cfg.score_block_k(width))
             _gemm(w, _rows(k, col0, col_end), _rows(d_q, row0, row_end), _rows(rq, row0, row_end), col0 > 0,

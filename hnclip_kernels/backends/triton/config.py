@@ -27,12 +27,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ...validation import FP32_PRECISIONS  # noqa: F401  (the public list lives with the checks)
-
-# Input precision of the tensor-core products for float32 features ("ieee" is plain FMA,
-# no tensor cores). tf32x3 splits each operand into a tf32 head and tail and sums three
-# tf32 products: float32 accuracy on tensor cores (see README, "Precision").
-DEFAULT_FP32_PRECISION = "tf32x3"
+# the modes and their default live with the checks (validation.resolve_precision applies it)
+from ...validation import DEFAULT_FP32_PRECISION, FP32_PRECISIONS  # noqa: F401
 
 # Backward workspace: dS is materialised chunk by chunk (R rows × N columns) and multiplied
 # by the features in a GEMM; R is chosen so that one chunk stays within this many bytes.
@@ -60,15 +56,16 @@ def sm_count(device: torch.device) -> int:
     return 4 if launch_mode() == "interpret" else SM_COUNT_IF_UNKNOWN
 
 
-def dot_precision(dtype: torch.dtype, precision: str | None = None) -> str:
-    """``input_precision`` of the score products for features of ``dtype`` (ignored by
-    Triton for 16-bit operands, whose products are exact in float32 accumulation)."""
+def dot_precision(dtype: torch.dtype, precision: str) -> str:
+    """``input_precision`` of the score products for features of ``dtype``: ``precision`` (a
+    resolved mode) for float32; "ieee" for 16-bit operands, whose products are exact in float32
+    accumulation (Triton ignores the mode for them)."""
     if dtype == torch.float32:
-        return precision or DEFAULT_FP32_PRECISION
+        return precision
     return "ieee"
 
 
-def grad_precision(dtype: torch.dtype, precision: str | None = None) -> str:
+def grad_precision(dtype: torch.dtype, precision: str) -> str:
     """Input precision of the backward GEMMs, whose A operand is the float32 dS workspace.
 
     float32 features: the score products' mode. bfloat16: "bf16x2", dS split into a bf16

@@ -42,12 +42,11 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ...validation import DEFAULT_FP32_PRECISION, check_directional
+from ...validation import check_directional, resolve_precision
 from .. import epilogue, glue
-from .backward import backward_shares as _backward_shares
-from .forward import forward_stats as _forward_stats
-from .launch import USE_TRITON_OP as _USE_TRITON_OP
-
+from .backward import backward_shares
+from .forward import forward_stats
+from .launch import USE_TRITON_OP
 
 # ------------------------------------------------------------------ operators
 _SymOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -70,7 +69,7 @@ def _symmetric_nll(img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_s
     tau32, gamma32 = _scalar32(tau, img), _scalar32(gamma, img)
     inv_tau = 1.0 / tau32
     pos = epilogue.positive_logits(epilogue.scaled(img, rv), epilogue.scaled(txt, rt), 0, inv_tau)
-    i2t, t2i = _forward_stats((img, txt, txt, txt), (rv, rt, rt, rt), pos, tau32, gamma32, has_margin, 0,
+    i2t, t2i = forward_stats((img, txt, txt, txt), (rv, rt, rt, rt), pos, tau32, gamma32, has_margin, 0,
                               smoothing, precision, columns=True)
     pairs = epilogue.pair_losses(i2t, t2i, img.shape[0], label_smoothing if smoothing else 0.0)
     return (pairs, rv, rt, pos, *i2t[1:], *t2i[1:])
@@ -94,7 +93,7 @@ def _symmetric_nll_backward(
     inv_tau = 1.0 / tau32
     g = 0.5 * grad.float().contiguous()  # each direction's rows get half
     if need_vt:
-        d_v, d_t = _backward_shares((img, txt, txt, txt), (rv, rt, rt, rt), i2t, g, tau32, gamma32, has_margin, 0,
+        d_v, d_t = backward_shares((img, txt, txt, txt), (rv, rt, rt, rt), i2t, g, tau32, gamma32, has_margin, 0,
                                     precision, key_side=(t2i, g))
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (img, txt))
@@ -115,7 +114,7 @@ def _directional_nll(q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor, ga
     tau32, gamma32 = _scalar32(tau, q), _scalar32(gamma, q)
     inv_tau = 1.0 / tau32
     pos = epilogue.positive_logits(epilogue.scaled(q, norms[0]), epilogue.scaled(k, norms[1]), offset, inv_tau)
-    stats = _forward_stats((q, k, a, b), norms, pos, tau32, gamma32, has_margin, offset, smoothing, precision)
+    stats = forward_stats((q, k, a, b), norms, pos, tau32, gamma32, has_margin, offset, smoothing, precision)
     return (epilogue.row_losses(stats, k.shape[0], label_smoothing if smoothing else 0.0), *norms, *stats)
 
 
@@ -136,7 +135,7 @@ def _directional_nll_backward(
     inv_tau = 1.0 / tau32
     g = grad.float().contiguous()
     if need_qk:
-        d_q, d_k = _backward_shares((q, k, a, b), (rq, rk, ra, rb), stats, g, tau32, gamma32, has_margin, offset,
+        d_q, d_k = backward_shares((q, k, a, b), (rq, rk, ra, rb), stats, g, tau32, gamma32, has_margin, offset,
                                     precision)
     else:  # only τ wants a gradient: it needs the row statistics alone
         d_q, d_k = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (q, k))
@@ -153,11 +152,11 @@ def _directional_grads_fake(grad, q, k, a, b, tau, *rest):
 HNClipTriton = glue.fused_op(
     "triton", "triton_symmetric_nll", forward=_symmetric_nll, forward_fake=_symmetric_nll_fake,
     backward=_symmetric_nll_backward, backward_fake=_symmetric_grads_fake, tau_input=2,
-    use_triton_op=_USE_TRITON_OP)
+    use_triton_op=USE_TRITON_OP)
 HNClipDirectionalTriton = glue.fused_op(
     "triton", "triton_directional_nll", forward=_directional_nll, forward_fake=_directional_nll_fake,
     backward=_directional_nll_backward, backward_fake=_directional_grads_fake, tau_input=4,
-    use_triton_op=_USE_TRITON_OP)
+    use_triton_op=USE_TRITON_OP)
 
 
 # ------------------------------------------------------------------ public wrappers
@@ -170,7 +169,7 @@ def _scalar_args(gamma, label_smoothing, precision, like: Tensor):
     has_margin = True if isinstance(gamma, Tensor) else gamma != 0.0
     smoothing = True if isinstance(label_smoothing, Tensor) else label_smoothing != 0.0
     return (glue.hyperparameter(gamma, like), glue.hyperparameter(label_smoothing, like), has_margin, smoothing,
-            precision or DEFAULT_FP32_PRECISION)
+            resolve_precision(precision))
 
 
 def directional_nll_triton(queries, keys, *, query_txt, key_txt, tau, offset, gamma, label_smoothing, normalize,
