@@ -4,10 +4,10 @@ Layout: rank r holds n_r image-text pairs; the global batch is the concatenation
 ranks in rank order, N = Σ n_r, and rank r's rows start at the global row
 ``offset_r = Σ_{r' < r} n_r'``. Every backend's *directional* function
 ``fn(queries, keys, *, query_txt, key_txt, tau, offset, gamma, label_smoothing, normalize)``
-(``loss.directional_fn``) takes M local query rows, N global key columns and that offset,
+(``backends.directional_fn``) takes M local query rows, N global key columns and that offset,
 so the fused kernels (Triton, C++) never hold an n×N or N×N matrix. Where a rank computes
 the whole global batch (``local_loss=False``, or one process) it runs the single-process
-fused op instead (``loss.pair_losses``).
+fused op instead (``backends.symmetric_losses``).
 
 Unequal local batch sizes are exact: every call all-gathers each rank's metadata (sizes,
 feature dim, dtype, options) in one small collective, pads each rank's features to the

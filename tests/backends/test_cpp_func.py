@@ -1,5 +1,5 @@
 """The C++ backend under torch.func (grad, grad_and_value, vjp, jacrev, vmap, vmap of grad) and
-under torch.compile with a τ/γ/ε schedule (issue 10, items 1 and 2, C++ side).
+under torch.compile with a τ/γ/ε schedule.
 
 The wrappers ``hn_clip_pairs_cpp`` / ``directional_nll_cpp`` (what ``hn_clip_loss`` and the
 distributed loss call) must give the eager results, in float32 and float64; second

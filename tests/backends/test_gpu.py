@@ -245,10 +245,11 @@ def test_large_n_memory_is_linear():
     assert extra <= n * n * 4 // 10
 
 
-# ------------------------------------------------------------------ torch.library operators (issue 10, items 1, 2, 7)
+# ------------------------------------------------------------------ torch.library operators
 # What the interpreter cannot check (tests/backends/test_triton_library.py does the rest on CPU): Inductor
-# compiling the kernels of hnclip::triton_* into its graph (γ used to reach them as an fp64
-# float and the forward failed to compile), the traced kernels running ("aot_eager"), the
+# compiling the kernels of hnclip::triton_* into its graph (γ reaches them from device memory:
+# as a float argument Inductor types it fp64 and the forward fails to compile), the traced
+# kernels running ("aot_eager"), the
 # operators' fake implementations and dynamic shapes on CUDA (opcheck), export on CUDA.
 # The tests are named test_library_*: tools/gpu_check.sh runs them as their own step.
 LIBRARY_DTYPES = {"quick": (torch.bfloat16,), "full": DTYPES}

@@ -36,14 +36,15 @@ def _grads(img, txt, tau=0.07, backend="triton", **kw):
     return loss.detach(), leaves[0].grad, leaves[1].grad
 
 
-# ---------------------------------------------------------------- known bug: huge-norm rows
+# ---------------------------------------------------------------- huge-norm rows
 @pytest.mark.parametrize("norm", [1e18, 1e19])
 def test_huge_norm_rows_gradient(launch, norm):
-    # normalize=True must make the loss invariant to the feature scale. Rows of norm 1e18
-    # (finite: ‖x‖² < 3.4e38) give the exact loss, but the gradient is off by 6e-4 (1e18)
-    # to 4e-2 (1e19) in the Triton backend, while backend="torch" is at 2e-7: the dS
-    # workspace W = r_q · dS · r_k (``_dscore_kernel``) is ~1e-36 · dS, i.e. float32
-    # subnormal, and loses its bits before ``_grad_gemm_kernel`` divides r_q back out.
+    # normalize=True makes loss and gradient invariant to the feature scale, rows of norm
+    # 1e18 (finite: ‖x‖² < 3.4e38) and 1e19 included. Unscaled, the dS workspace
+    # W = r_q · dS · r_k (``_dscore_kernel``) is ~1e-36 · dS, float32 subnormal, and loses
+    # its bits before ``_grad_gemm_kernel`` divides r_q back out (gradient errors 6e-4 at
+    # 1e18, 4e-2 at 1e19, against 2e-7 for backend="torch"); the kernel first brings the
+    # norms near 1 by exact powers of two.
     img, txt = make_pair(33, 40, seed=1)
     img = img / img.norm(dim=1, keepdim=True) * norm
     txt = txt / txt.norm(dim=1, keepdim=True) * norm
@@ -51,8 +52,9 @@ def test_huge_norm_rows_gradient(launch, norm):
 
 
 def test_huge_norm_rows_gradient_bf16():
-    # same root cause with bfloat16 features of magnitude 1e18 (norm ~6e18): 9.8e-2 error,
-    # backend="torch" 1.6e-3, the bf16 rounding floor of check_against_truth ~5e-3
+    # the same invariance with bfloat16 features of magnitude 1e18 (norm ~6e18): an unscaled W
+    # gives a 9.8e-2 error, backend="torch" 1.6e-3, the bf16 rounding floor of
+    # check_against_truth ~5e-3
     img, txt = make_pair(40, 36, torch.bfloat16, seed=3)
     img, txt = (img.float() * 1e18).bfloat16(), (txt.float() * 1e18).bfloat16()
     check_against_truth("triton", 0, 0, torch.bfloat16, 0.5, 0.07, 0.0, "mean", img=img, txt=txt)

@@ -1,7 +1,7 @@
 """The Triton backend as registered operators: ``hnclip::triton_symmetric_nll`` and
 ``hnclip::triton_directional_nll`` (plus their ``*_backward`` operators), registered with
 ``torch.library.triton_op`` for compiled kernels and ``torch.library.custom_op`` under the
-interpreter (hnclip_kernels/ops/hn_clip_triton.py explains why).
+interpreter (hnclip_kernels/backends/triton/ops.py explains why).
 
 Here, on CPU tensors in Triton's interpreter: ``torch.library.opcheck`` of the four operators,
 ``torch.func.grad`` / ``vmap`` against loops of eager calls, ``torch.export``,
@@ -115,7 +115,7 @@ def test_func_grad_matches_autograd():
     assert torch.equal(got_loss, want[0])
     for name, got, ref in zip(("d img", "d txt", "d tau"), got_grads, want[1:]):
         assert torch.equal(got, ref), name
-    # issue 10's one-liner (τ a Python float), against autograd
+    # the plain call with τ a Python float, against autograd
     leaf = img.clone().requires_grad_()
     want_img = torch.autograd.grad(hn_clip_loss(leaf, txt, 0.1, backend="triton"), leaf)[0]
     assert torch.equal(torch.func.grad(lambda a: hn_clip_loss(a, txt, 0.1, backend="triton"))(img), want_img)

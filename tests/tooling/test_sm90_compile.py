@@ -10,9 +10,9 @@ operands without an MMA instruction.
 
 The second test compiles them with the scalar types Inductor gives a user kernel under
 ``torch.compile`` (``--wide-scalars``: float scalars fp64): with γ a float argument the forward
-kernel failed to compile there ("Loop-carried variable run_max has initial type fp32 but is
-re-assigned to fp64") and the dS kernel spilled 1.3 KB. γ is now read from device memory: no
-kernel has a float scalar argument left, so this compiles what the first test compiled (cached).
+kernel fails to compile there ("Loop-carried variable run_max has initial type fp32 but is
+re-assigned to fp64") and the dS kernel spills 1.3 KB. γ is read from device memory: no
+kernel has a float scalar argument, so this compiles what the first test compiled (cached).
 
 Cold, each compiles ~60 kernels (2 to 4 minutes on 2 cores); unchanged kernels are cached under
 ``<tempdir>/hnclip-sm90-cache``. Deselect with ``-m "not sm90"``.

@@ -38,14 +38,14 @@ def directional_nll_torch(
     (N, D), all L2-normalised when ``normalize``. For i2t pass ``(img, txt, query_txt=txt,
     key_txt=txt)``; for t2i ``(txt, img, query_txt=txt, key_txt=txt)``. Every argument after
     the features is keyword-only: this is the *directional protocol* that every backend's op
-    follows (``hnclip_kernels.loss.directional_fn``), so margins cannot be swapped by position.
+    follows (``hnclip_kernels.backends.directional_fn``), so margins cannot be swapped by position.
 
     Each row's NLL is ``softplus(LSE_{k != pos} Z[i, k] - Z[i, pos])``, so a loss of 1e-30
     survives in float32 where ``LSE - Z_pos`` would round to 0. Label smoothing ε adds
     ``ε · mean_k (Z[i, pos] - Z[i, k])``, which equals PyTorch's ``cross_entropy`` semantics.
 
     Returns a float32 (float64 for float64 inputs) tensor of shape (M,); with
-    ``return_stats``, also the detached row statistics ``ops.epilogue.RowStats`` (what the
+    ``return_stats``, also the detached row statistics ``backends.epilogue.RowStats`` (what the
     fused kernels save for their backward; :mod:`hnclip_kernels.diagnostics` reads them).
     """
     check_directional(queries, keys, query_txt, key_txt, offset)

@@ -19,8 +19,8 @@ operators share (autograd formula, raising second derivative, vmap rule, ``torch
 of any of them reuses a compiled graph; ``has_margin`` (γ ≠ 0) and ``smoothing`` (ε ≠ 0) are the
 kernels' HAS_MARGIN and SMOOTHING flags. The kernels read τ and γ from device memory as
 (1,) float32 tensors and take no float argument at all: Inductor types a Python float fp64
-inside a user kernel, and with γ a float argument the float32 tiles became fp64 and the
-forward kernel failed to compile ("Loop-carried variable run_max has initial type fp32 but is
+inside a user kernel, and with γ a float argument the float32 tiles become fp64 and the
+forward kernel fails to compile ("Loop-carried variable run_max has initial type fp32 but is
 re-assigned to fp64"). ``python -m tools.sm90 --wide-scalars`` compiles the kernels with
 Inductor's scalar types. ``precision`` is the tensor-core mode string
 (``validation.FP32_PRECISIONS``).
