@@ -179,7 +179,7 @@ FMAX32 = torch.finfo(torch.float32).max
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_tau_between_the_old_and_new_overflow_bounds_raises(backend):
+def test_tau_whose_opposite_pair_gap_overflows_raises(backend):
     # the check bounds the gaps by (2 + γ)/τ: a τ with (1 + γ)/τ < fmax < (2 + γ)/τ raises, no inf or NaN
     gamma = 0.5
     tau = (1.0 + gamma) / FMAX32 * 1.2
