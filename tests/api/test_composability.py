@@ -90,49 +90,36 @@ def test_func_vmap_of_grad(backend):
 
 
 # ---- torch.compile with a temperature schedule -------------------------------------------------
+# (tau, gamma, label_smoothing) at step k of a 12-step schedule: τ and γ, then γ and ε
+SCHEDULES = {
+    "tau_gamma": lambda k: (0.07 * (1.0 - k / 24), 0.5 + 0.05 * k, 0.0),
+    "gamma_eps": lambda k: (0.05, 0.5 + 0.05 * k, 0.02 + 0.03 * k),
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_compile_schedule_of_tau_and_gamma_compiles_at_most_twice(backend):
-    # γ and τ reach the ops without a guard on their values: a 12-step schedule compiles at most twice
-    # aot_eager runs the pass that specialises any non-arithmetic use of a float: a backend
-    # that returns gm.forward would hide such recompiles
+def test_compile_schedule_compiles_at_most_twice(backend, schedule):
+    # τ, γ and ε reach the ops without a guard on their values (γ and ε as tensors on both fused
+    # backends): a 12-step schedule compiles at most twice. aot_eager runs the pass that
+    # specialises any non-arithmetic use of a float: a backend that returns gm.forward would hide
+    # such recompiles
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
-    fn = torch.compile(lambda a, b, t, g: hn_clip_loss(a, b, t, gamma=g, backend=backend),
+    fn = torch.compile(lambda a, b, t, g, e: hn_clip_loss(a, b, t, gamma=g, label_smoothing=e, backend=backend),
                        fullgraph=True, backend=counter)
     img, txt = make_pair(10, 8, seed=3)
     for step in range(12):
-        tau, gamma = 0.07 * (1.0 - step / 24), 0.5 + 0.05 * step
+        tau, gamma, eps = SCHEDULES[schedule](step)
         a, b = img.clone().requires_grad_(), txt.clone().requires_grad_()
-        got = fn(a, b, tau, gamma)
+        got = fn(a, b, tau, gamma, eps)
         got.backward()
         a2, b2 = img.clone().requires_grad_(), txt.clone().requires_grad_()
-        want = hn_clip_loss(a2, b2, tau, gamma=gamma, backend=backend)
+        want = hn_clip_loss(a2, b2, tau, gamma=gamma, label_smoothing=eps, backend=backend)
         want.backward()
         assert_close_rel(got, want, 1e-6, f"compiled loss, step {step}")
         assert_close_rel(a.grad, a2.grad, 1e-6, f"compiled d img, step {step}")
-    assert counter.frame_count <= 2, f"{counter.frame_count} graphs compiled over a 12-step schedule"
-
-
-@pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_compile_schedule_of_label_smoothing_and_gamma_compiles_at_most_twice(backend):
-    # γ and ε reach every fused operator as tensors (one convention on both fused backends): a
-    # schedule of both reuses the graph compiled for its second step
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    torch._dynamo.reset()
-    fn = torch.compile(lambda a, b, g, e: hn_clip_loss(a, b, 0.05, gamma=g, label_smoothing=e, backend=backend),
-                       fullgraph=True, backend=counter)
-    img, txt = make_pair(10, 8, seed=5)
-    for step in range(6):
-        gamma, eps = 0.5 + 0.05 * step, 0.02 + 0.03 * step
-        a = img.clone().requires_grad_()
-        got = fn(a, txt, gamma, eps)
-        got.backward()
-        a2 = img.clone().requires_grad_()
-        want = hn_clip_loss(a2, txt, 0.05, gamma=gamma, label_smoothing=eps, backend=backend)
-        want.backward()
-        assert_close_rel(got, want, 1e-6, f"compiled loss, step {step}")
-        assert_close_rel(a.grad, a2.grad, 1e-6, f"compiled d img, step {step}")
-    assert counter.frame_count <= 2, f"{counter.frame_count} graphs compiled over a 6-step schedule of gamma, eps"
+    assert counter.frame_count <= 2, f"{counter.frame_count} graphs compiled over a 12-step {schedule} schedule"
 
 
 # ---- autocast around the backward --------------------------------------------------------------
@@ -178,13 +165,17 @@ def test_second_derivative_inside_autocast_keeps_float32_accuracy():
 FMAX32 = torch.finfo(torch.float32).max
 
 
+def _opposite_pair():
+    """Three pairs whose second image points away from its caption: the gap (2 + γ)/τ is reached."""
+    return torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0]]), torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+
+
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_tau_whose_opposite_pair_gap_overflows_raises(backend):
     # the check bounds the gaps by (2 + γ)/τ: a τ with (1 + γ)/τ < fmax < (2 + γ)/τ raises, no inf or NaN
     gamma = 0.5
     tau = (1.0 + gamma) / FMAX32 * 1.2
-    img = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0]])
-    txt = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+    img, txt = _opposite_pair()
     with pytest.raises(ValueError, match=r"\(2 \+ gamma\) / tau"):
         hn_clip_loss(img, txt, tau, gamma=gamma, backend=backend)
 
@@ -193,8 +184,7 @@ def test_tau_whose_opposite_pair_gap_overflows_raises(backend):
 def test_tau_just_inside_the_bound_is_finite_and_exact(backend):
     gamma = 0.5
     tau = (2.0 + gamma) / FMAX32 * 4.0
-    img = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0]])
-    txt = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+    img, txt = _opposite_pair()
     got = hn_clip_loss(img, txt, tau, gamma=gamma, backend=backend, reduction="none")
     assert torch.isfinite(got).all()
     assert_close_rel(got, hn_clip_loss_f64(img, txt, tau, gamma, reduction="none"), 1e-6, "loss near the bound")
