@@ -1,4 +1,4 @@
-"""The fused C++ CPU kernel (csrc/, torch.ops.hnclip.*) against the float64 formula.
+"""The fused C++ CPU kernel (csrc/: the hnclip::cpp_* operators over the raw hnclip::cpp_raw_* kernels) against the float64 formula.
 
 The checks every backend shares (float64 covering matrix, saturated regime, offset/rectangular and
 low-precision directional op, determinism) are in test_backends.py. Skipped as a whole when the

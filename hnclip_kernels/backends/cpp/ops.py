@@ -36,7 +36,7 @@ this backend is one clear error naming backend="torch" (:mod:`hnclip_kernels.bac
 ``hn_clip_loss``) work under ``grad``, ``grad_and_value``, ``vjp``, ``jacrev`` and ``vmap``,
 nested too (``vmap(grad(...))``, per-example gradients), with the eager results; under
 ``vmap`` the kernels run once per batch entry (a loop). The operators called directly
-(``torch.ops.hnclip.*``) support autograd and ``vmap`` but not ``torch.func.grad``: the
+(``torch.ops.hnclip.cpp_*``) support autograd and ``vmap`` but not ``torch.func.grad``: the
 autograd.Function that ``torch.library.register_autograd`` builds has no ``setup_context``,
 which functorch requires (pytorch/pytorch#168393). Forward mode (``jvp``, ``jacfwd``,
 ``hessian``) raises a clear error.
