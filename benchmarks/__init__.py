@@ -21,6 +21,11 @@ Per cell (provider, dtype, N, D, mode):
     for bwd also the saved forward graph). GPU: torch.cuda.max_memory_allocated. CPU: growth
     of the resident set (VmHWM reset through /proc/self/clear_refs), each provider in its own
     worker process so that providers do not share a heap.
+  * workspace_mb (MiB): for the hnclip-triton providers, what ``hnclip_kernels.workspace_bytes``
+    states the fused path allocates beyond inputs and outputs (the forward's partial
+    statistics plus the backward's dS chunks, GPU launch configuration), beside the measured
+    peak, which also holds the outputs, the float32 gradients and the epilogue's temporaries;
+    "n/a" for the other providers.
   * tflops: useful FLOPs (2·N²·D fwd, 4·N²·D bwd, 6·N²·D fwd+bwd) per second, the same count
     for every provider; frac_of_matmul: tflops / matmul_tflops, the dense torch.matmul rate
     measured in the same run (bf16 on a GPU, float32 with the benchmark's threads on a CPU).

@@ -12,7 +12,10 @@ from collections import defaultdict
 META_COLUMNS = ["provider", "device", "device_name", "dtype", "N", "D", "mode", "threads",
                 "matmul_tflops", "torch_version", "triton_version", "date", "status"]
 MEASURED_COLUMNS = ["median_ms", "q20_ms", "q80_ms", "peak_mem_mb", "tflops", "frac_of_matmul", "reps"]
-COLUMNS = META_COLUMNS[:7] + MEASURED_COLUMNS + META_COLUMNS[7:]
+# workspace_mb: what ``hnclip_kernels.workspace_bytes`` states the fused Triton path allocates
+# beyond inputs and outputs (GPU launch configuration), beside the measured peak; "n/a" for the
+# other providers. Filled in every row, measured or not.
+COLUMNS = META_COLUMNS[:7] + MEASURED_COLUMNS[:4] + ["workspace_mb"] + MEASURED_COLUMNS[4:] + META_COLUMNS[7:]
 
 # Useful FLOPs per N²·D: the logits (2), and dL/dimg plus dL/dtxt (2 + 2). Margins,
 # recomputation and both directions' extra work are the implementation's cost, not counted.
@@ -30,11 +33,27 @@ def finalize(rows: list, meta: dict) -> list:
     """Add the run's metadata and the achieved rates to every row."""
     for row in rows:
         row.update(meta)
+        row["workspace_mb"] = workspace_mb(row)
         if row["status"] == "ok":
             flops = USEFUL_FLOPS[row["mode"]] * row["N"] ** 2 * row["D"]
             row["tflops"] = flops / (row["median_ms"] * 1e-3) / 1e12
             row["frac_of_matmul"] = row["tflops"] / meta["matmul_tflops"]
     return rows
+
+
+def workspace_mb(row: dict):
+    """MiB the fused Triton path allocates beyond inputs and outputs for this cell (its forward's
+    statistics and backward's dS chunks, ``hnclip_kernels.workspace_bytes``), or "n/a"."""
+    if not row["provider"].startswith("hnclip-triton"):
+        return "n/a"
+    try:
+        import torch
+
+        from hnclip_kernels import workspace_bytes
+
+        return workspace_bytes(int(row["N"]), int(row["D"]), getattr(torch, row["dtype"])) / 2**20
+    except ImportError:  # no Triton
+        return "n/a"
 
 
 def write_csv(rows: list, path: str) -> None:
@@ -67,7 +86,7 @@ def format_table(rows: list, provider_order: list, preferred_ref: tuple) -> str:
         ref_ms = {r["N"]: r["median_ms"] for r in grp if r["provider"] == ref and r["status"] == "ok"}
         out.append(f"\n== {grp[0]['device']} ({grp[0]['device_name']}) · {dtype} · D={d} · {mode}"
                    + (f" · ratio = time / time of {ref}" if ref else ""))
-        out.append(f"{'N':>7}  {'provider':<21} {'median ms':>10} {'q20-q80 ms':>19} {'peak MiB':>9} "
+        out.append(f"{'N':>7}  {'provider':<21} {'median ms':>10} {'q20-q80 ms':>19} {'peak MiB':>9} {'ws MiB':>8} "
                    f"{'TFLOP/s':>8} {'%matmul':>8} {'ratio':>7}")
         # a provider with the same non-ok status at every N (e.g. not importable) gets one line
         statuses = defaultdict(set)
@@ -83,10 +102,14 @@ def format_table(rows: list, provider_order: list, preferred_ref: tuple) -> str:
                 continue
             ratio = f"{r['median_ms'] / ref_ms[r['N']]:.2f}x" if r["N"] in ref_ms else "-"
             out.append(f"{r['N']:>7}  {r['provider']:<21} {r['median_ms']:>10.3f} "
-                       f"{r['q20_ms']:>9.3f}-{r['q80_ms']:<9.3f} {r['peak_mem_mb']:>9.1f} "
+                       f"{r['q20_ms']:>9.3f}-{r['q80_ms']:<9.3f} {r['peak_mem_mb']:>9.1f} {_mib(r.get('workspace_mb')):>8} "
                        f"{r['tflops']:>8.3f} {100 * r['frac_of_matmul']:>7.1f}% {ratio:>7}")
         out += [f"{'all N':>7}  {p:<21} {status}" for p, status in uniform.items()]
     return "\n".join(out)
+
+
+def _mib(v) -> str:
+    return f"{v:.1f}" if isinstance(v, float) else (v or "-")
 
 
 def format_targets(rows: list, targets=CPU_TARGETS, dtype="float32", d=512, mode="fwd+bwd") -> str:

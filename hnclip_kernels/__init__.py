@@ -1,7 +1,7 @@
 """hnclip-kernels: the HN-CLIP contrastive loss (arXiv 2608.18521), exact, fast and memory-lean.
 
 Public API: :func:`hn_clip_loss`, :class:`HNClipLoss` (drop-in for open_clip's ClipLoss),
-:func:`gather_features`. Backends: ``hnclip_kernels.backends.pytorch.reference`` (pure PyTorch),
+:func:`gather_features`, :func:`workspace_bytes`. Backends: ``hnclip_kernels.backends.pytorch.reference`` (pure PyTorch),
 ``hnclip_kernels.backends.triton.ops`` (fused Triton kernels), ``hnclip_kernels.backends.cpp.ops``
 (fused C++ CPU kernel).
 """
@@ -10,5 +10,16 @@ from .distributed import gather_features
 from .loss import hn_clip_loss
 from .options import LossOptions
 
-__all__ = ["hn_clip_loss", "HNClipLoss", "gather_features", "LossOptions"]
+
+def workspace_bytes(n, d, dtype, *, gamma=0.5, label_smoothing=0.0, local_rows=None, device=None) -> int:
+    """Bytes the fused Triton path allocates beyond inputs and outputs (forward statistics plus
+    the backward's dS chunk), GPU launch configuration; ``local_rows``: a rank's M for the
+    distributed directional op. See :func:`hnclip_kernels.backends.triton.workspace.workspace_bytes`
+    (imported on call: Triton is an optional dependency)."""
+    from .backends.triton.workspace import workspace_bytes as _workspace_bytes
+    return _workspace_bytes(n, d, dtype, gamma=gamma, label_smoothing=label_smoothing, local_rows=local_rows,
+                            device=device)
+
+
+__all__ = ["hn_clip_loss", "HNClipLoss", "gather_features", "LossOptions", "workspace_bytes"]
 __version__ = "0.1.0"

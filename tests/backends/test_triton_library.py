@@ -287,10 +287,11 @@ def test_traced_for_inductor_without_gpu():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    writes = {"_fwd_kernel": ["col_part_ptr", "row_part_ptr"], "_merge_kernel": ["delta_ptr", "dsum_ptr",
-                                                                                 "mean_neg_ptr"],
+    writes = {"_fwd_kernel": ["col_part_ptr", "row_part_ptr"], "_fold_kernel": ["acc_ptr"],
+              "_merge_kernel": ["delta_ptr", "dsum_ptr", "mean_neg_ptr"],
               "_dscore_kernel": ["w_ptr"], "_grad_gemm_kernel": ["c_ptr"]}
-    assert [k for k, *_ in out["fwd"]] == ["_fwd_kernel", "_merge_kernel", "_merge_kernel"], out["fwd"]
+    # one slab at N = 8: the forward walk, the fold of its column partials, the two merges
+    assert [k for k, *_ in out["fwd"]] == ["_fwd_kernel", "_fold_kernel", "_merge_kernel", "_merge_kernel"], out["fwd"]
     assert [k for k, *_ in out["bwd"]] == ["_dscore_kernel", "_grad_gemm_kernel", "_grad_gemm_kernel"], out["bwd"]
     for kernel, cloned, takes_gamma in out["fwd"] + out["bwd"]:
         assert cloned == writes[kernel], (kernel, cloned)

@@ -20,7 +20,10 @@ computes what a GPU computes.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -42,8 +45,26 @@ def is_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# a launch mode forced for the current context (``forced_launch``): workspace_bytes asks what
+# the GPU launch configuration allocates from any process, the interpreter's included
+_FORCED_MODE: contextvars.ContextVar = contextvars.ContextVar("hnclip_forced_launch_mode", default=None)
+
+
+@contextlib.contextmanager
+def forced_launch(mode: str):
+    """Within the block, ``launch_mode()`` answers ``mode`` (the tiles and grids of that mode)."""
+    token = _FORCED_MODE.set(mode)
+    try:
+        yield
+    finally:
+        _FORCED_MODE.reset(token)
+
+
 def launch_mode() -> str:
     """"interpret", "gpu" or "autotune" (see the module docstring)."""
+    forced = _FORCED_MODE.get()
+    if forced is not None:
+        return forced
     if is_interpreting():
         return "gpu" if os.environ.get("HNCLIP_TRITON_LAUNCH", "") == "gpu" else "interpret"
     return "gpu" if os.environ.get("HNCLIP_AUTOTUNE", "1") == "0" else "autotune"
@@ -82,7 +103,8 @@ def grad_precision(dtype: torch.dtype, precision: str) -> str:
 # Tiles of the score kernels (forward and dS). BLOCK_K is fixed per input width, never tuned:
 # the forward and the backward must form every logit tile with the same reduction order, so
 # the backward's probabilities agree to the bit with the forward's statistics (|Z| ~ 1e8).
-# BLOCK_M of the forward is fixed too: it sets the size of the column-statistics workspace.
+# BLOCK_M of the forward is fixed too: its slabs (``fwd_grid``) are whole row blocks, and the
+# forward workspace (``workspace.forward_bytes``) follows from the grid.
 FWD_BLOCK_M = {2: 128, 4: 64}  # by element size
 SCORE_BLOCK_K = {2: 64, 4: 32}
 
@@ -163,6 +185,39 @@ def column_splits(row_blocks: int, n: int, device: torch.device) -> tuple[int, i
     want = max(1, min(col_blocks, triton.cdiv(2 * sm_count(device), row_blocks)))
     per_split = triton.cdiv(col_blocks, want) * align
     return triton.cdiv(n, per_split), per_split
+
+
+def n_bucket(n: int) -> int:
+    """The autotune bucket of a batch of n columns: the power of two ≥ n (at least 1024).
+
+    The forward's autotune key is (D, N bucket, HAS_MARGIN, PREC, COL_STATS, SMOOTHING): a
+    configuration tuned at N = 4096 is not reused at N = 262144, where the grid walks ~4000
+    times more tiles per program; within a bucket the work per program differs by < 2×."""
+    return max(1024, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _row_groups(row_blocks: int, programs: int) -> int:
+    """Row blocks per slab of the symmetric forward: the largest divisor of ``programs`` not
+    above √programs (so slab × splits fills whole waves), at most ``row_blocks``."""
+    root = math.isqrt(programs)
+    best = max(g for g in range(1, root + 1) if programs % g == 0)
+    return max(1, min(row_blocks, best))
+
+
+def fwd_grid(m: int, n: int, elem_size: int, columns: bool, device: torch.device) -> tuple[int, int, int, int]:
+    """(row blocks, row blocks per slab, column splits, columns per split) of the forward: it
+    walks the row blocks (of the forward's BLOCK_M) in slabs, one launch of (slab row blocks ×
+    column splits) programs each; columns per split is a multiple of every candidate BLOCK_N.
+
+    Without column statistics (the directional op) one slab holds every row block. With them
+    (the symmetric loss) each slab's column partials (slab, planes, N) are folded into running
+    summaries before the next slab: a slab is ≈ √(2 · SMs) row blocks (a divisor of 2 · SMs,
+    so slab × splits fills whole waves: 12 × 22 on 132 SMs), and the workspace is O(N), about
+    100 MiB at N = 262144 in 16 bits, instead of (N / BLOCK_M, planes, N)."""
+    row_blocks = triton.cdiv(m, fwd_block_m(elem_size))
+    slab = _row_groups(row_blocks, 2 * sm_count(device)) if columns else row_blocks
+    splits, per_split = column_splits(slab, n, device)
+    return row_blocks, slab, splits, per_split
 
 
 def chunk_shape(m: int, n: int) -> tuple[int, int]:

@@ -1,5 +1,5 @@
 """Tile helpers shared by the forward and backward kernels: forming a tile of logits,
-loading γ, block offsets, a tile's statistics, the online-LSE combine, partial stores.
+loading γ, block offsets, a tile's statistics, the online-LSE combine, partial stores and loads.
 
 Matrices travel as tuples ``(ptr, stride_row, stride_col)``, blocks of rows (or columns)
 as ``(offsets, mask, inverse norms, inverse norms of the margin factor)``.
@@ -124,3 +124,26 @@ def _store_partial(ptr, plane, offs, mask, stats, SMOOTHING: tl.constexpr):
     tl.store(ptr + 2 * plane + offs, wsum, mask=mask)
     if SMOOTHING:
         tl.store(ptr + 3 * plane + offs, dsum, mask=mask)
+
+
+@triton.jit
+def _load_partial(ptr, plane, offs, mask, SMOOTHING: tl.constexpr):
+    """Load a block's summary (max, Σexp, Σexp·d, Σd) stored by ``_store_partial``; outside
+    ``mask`` the empty summary (−inf, 0, 0, 0), which ``_merge_stats`` leaves the other
+    summary unchanged to the bit."""
+    top = tl.load(ptr + offs, mask=mask, other=float("-inf"))
+    sum_exp = tl.load(ptr + plane + offs, mask=mask, other=0.0)
+    wsum = tl.load(ptr + 2 * plane + offs, mask=mask, other=0.0)
+    dsum = tl.zeros_like(wsum)
+    if SMOOTHING:
+        dsum = tl.load(ptr + 3 * plane + offs, mask=mask, other=0.0)
+    return top, sum_exp, wsum, dsum
+
+
+@triton.jit
+def _merge_stats(first, second):
+    """Merge two (max, Σexp, Σexp·d, Σd) summaries (``_combine`` plus the sum of Σd)."""
+    m1, s1, w1, d1 = first
+    m2, s2, w2, d2 = second
+    m, s, w = _combine((m1, s1, w1), (m2, s2, w2))
+    return m, s, w, d1 + d2

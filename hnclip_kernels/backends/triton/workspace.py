@@ -1,0 +1,89 @@
+"""The memory the fused Triton path allocates beyond its inputs and outputs.
+
+Two workspaces, never live together (the forward's is freed before the forward operator
+returns, the backward's is allocated inside the backward operator):
+
+* the forward's partial statistics (``forward.forward_stats``): float32, planes = 3 (max, Σexp,
+  Σexp·d), 4 with label smoothing (also Σd); row partials (splits, planes, M) and, for the
+  symmetric loss, one slab's column partials (slab row blocks, planes, N) and the running column
+  summaries (planes, N), the grid of ``config.fwd_grid``;
+* the backward's dS chunk (``backward.backward_shares``): one R × C chunk, ``config.chunk_shape``,
+  read at call time (the chunk budget is ``config.BWD_WORKSPACE_BYTES``).
+
+:func:`workspace_bytes` reports their sum (a bound on the peak), for the GPU launch
+configuration. ``tests/backends/test_workspace.py`` counts what the operators actually allocate
+and checks it equals this.
+
+O(N)-sized vectors (inverse norms, positive logits, the statistics themselves, the float32
+gradient accumulators of (N, D)) are inputs, outputs or gradients of the operators, not
+workspace.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import config as cfg
+
+DS_ELEMENT_BYTES = 4  # the backward's dS chunk is float32 (backward._dscore_kernel writes it)
+
+_SIZES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+def _device(device) -> torch.device:
+    """The device whose SM count sizes the forward grid: ``device``, else the current CUDA
+    device, else none (the config's ``SM_COUNT_IF_UNKNOWN``, an H100/H200)."""
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def forward_bytes(m: int, n: int, elem_size: int, columns: bool, smoothing: bool, device=None) -> int:
+    """Bytes of the forward's partial statistics: M query rows against N columns, ``columns``
+    for the symmetric loss (also the columns' statistics), features of ``elem_size`` bytes."""
+    planes = 4 if smoothing else 3
+    with cfg.forced_launch("gpu"):
+        _, slab, splits, _ = cfg.fwd_grid(m, n, elem_size, columns, _device(device))
+    # row partials; with columns one slab's column partials and the running column summaries
+    return 4 * planes * (splits * m + ((slab + 1) * n if columns else 0))
+
+
+def backward_bytes(m: int, n: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of the backward's workspace for M rows against N columns at its peak.
+
+    The backward layer states its own when it defines ``backward.workspace_bytes(m, n, dtype)``
+    (its dS chunk and whatever rides with it); otherwise this is the float32 dS chunk of
+    ``config.chunk_shape`` as ``backward_shares`` allocates it, counting that the previous
+    chunk is still referenced (by the launch's argument tuple) when the next one is allocated:
+    two chunks live at once whenever there is more than one."""
+    from . import backward
+
+    own = getattr(backward, "workspace_bytes", None)
+    with cfg.forced_launch("gpu"):
+        if own is not None:
+            return int(own(m, n, dtype))
+        rows, cols = cfg.chunk_shape(m, n)
+    chunks = -(-m // rows) * -(-n // cols)
+    return DS_ELEMENT_BYTES * rows * cols * min(2, chunks)
+
+
+def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, label_smoothing: float = 0.0,
+                    local_rows: int | None = None, device=None) -> int:
+    """Bytes the fused Triton path allocates beyond its inputs and outputs for one forward and
+    backward, in the GPU launch configuration: the forward's partial statistics plus the
+    backward's dS chunk (see the module docstring).
+
+    ``n``: the batch (the symmetric loss), or the gathered columns of the distributed directional
+    op when ``local_rows`` (a rank's M) is given; ``d``, ``gamma``: the layout depends on neither
+    today (kept so a caller states the whole problem); ``dtype``: the features' dtype (the
+    forward's tile height); ``label_smoothing``: ≠ 0 adds the Σd plane; ``device``: whose SM
+    count sizes the grid (default: the current CUDA device, else an H100/H200's 132).
+
+    E.g. N = 262144, D = 768, bf16, γ = 0.5 on 132 SMs: 102 MiB of statistics + 2 × 256 MiB of dS.
+    """
+    if dtype not in _SIZES:
+        raise ValueError(f"workspace_bytes: dtype must be one of {sorted(map(str, _SIZES))}, got {dtype}")
+    if n < 1 or d < 1 or (local_rows is not None and local_rows < 1):
+        raise ValueError(f"workspace_bytes: n, d and local_rows must be positive, got {n}, {d}, {local_rows}")
+    columns = local_rows is None
+    m = n if columns else int(local_rows)
+    return forward_bytes(m, n, _SIZES[dtype], columns, label_smoothing != 0.0, device) + backward_bytes(m, n, dtype)

@@ -1,0 +1,151 @@
+"""The Triton path's workspace: ``hnclip_kernels.workspace_bytes`` equals what the operators
+actually allocate (counted, not computed), and the forward's statistics are O(N).
+
+The count: every ``torch.empty`` called from the kernel layers (``forward.py``, ``backward.py``)
+during a forward + backward, under the interpreter with the GPU launch configuration, is
+recorded with its bytes and the moments it is allocated and freed; a buffer still alive when its
+launcher (``forward_stats`` / ``backward_shares``) returns is an output (statistics, gradients),
+one freed inside it is workspace. The workspace of each launcher is the peak of its live
+workspace buffers; ``workspace_bytes`` must equal the sum of the two peaks.
+"""
+import sys
+import weakref
+
+import pytest
+import torch
+
+import hnclip_kernels
+from cases import check_against_truth, make_pair
+from hnclip_kernels.backends.triton import config as cfg
+from hnclip_kernels.backends.triton import ops as tops
+from hnclip_kernels.backends.triton import workspace
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only: counts CPU allocations")
+
+_LAYERS = ("hnclip_kernels.backends.triton.forward", "hnclip_kernels.backends.triton.backward")
+
+
+class _Counter:
+    """Allocation log of the kernel layers: (buffer, +1 allocated / −1 freed) in order, each
+    buffer's bytes and the launcher it was allocated in."""
+
+    def __init__(self):
+        self.events = []
+        self.phase = None  # the launcher running now ("fwd", "bwd"), None outside them
+        self.nbytes, self.born_in = [], []
+        self.scratch = set()  # buffers freed before their launcher returned
+
+    def allocated(self, t):
+        key = len(self.nbytes)
+        self.nbytes.append(t.untyped_storage().nbytes())
+        self.born_in.append(self.phase)
+        self.events.append((key, +1))
+        weakref.finalize(t, self.freed, key)
+
+    def freed(self, key):
+        self.events.append((key, -1))
+        if self.born_in[key] is not None and self.born_in[key] == self.phase:
+            self.scratch.add(key)
+
+    def peak(self, phase):
+        """The peak of the live workspace buffers allocated in ``phase``."""
+        live = peak = 0
+        for key, sign in self.events:
+            if key in self.scratch and self.born_in[key] == phase:
+                live += sign * self.nbytes[key]
+                peak = max(peak, live)
+        return peak
+
+
+@pytest.fixture
+def counter(monkeypatch):
+    """Record every torch.empty of the kernel layers; mark the launchers' phases."""
+    c = _Counter()
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if sys._getframe(1).f_globals.get("__name__") in _LAYERS:
+            c.allocated(t)
+        return t
+
+    def phased(name, fn):
+        def run(*args, **kwargs):
+            c.phase = name
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                c.phase = None  # buffers freed from here on outlived their launcher: outputs
+        return run
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(tops, "forward_stats", phased("fwd", tops.forward_stats))
+    monkeypatch.setattr(tops, "backward_shares", phased("bwd", tops.backward_shares))
+    return c
+
+
+@pytest.fixture
+def gpu_launch_small(monkeypatch):
+    """GPU tiles; 4 "SMs" (the symmetric forward's row groups then hold several row blocks);
+    a small dS budget (several backward chunks, the last ones ragged)."""
+    monkeypatch.setenv("HNCLIP_TRITON_LAUNCH", "gpu")
+    monkeypatch.setattr(cfg, "sm_count", lambda device: 4)
+    monkeypatch.setattr(cfg, "BWD_WORKSPACE_BYTES", 1)
+    assert cfg.launch_mode() == "gpu"
+
+
+@pytest.mark.parametrize("dtype,eps", [(torch.bfloat16, 0.0), (torch.float32, 0.1)])
+def test_symmetric_workspace_counted(gpu_launch_small, counter, dtype, eps):
+    n, d = 300, 32
+    img, txt = (x.requires_grad_(True) for x in make_pair(n, d, dtype, seed=1))
+    loss = hnclip_kernels.hn_clip_loss(img, txt, 0.07, gamma=0.5, label_smoothing=eps, backend="triton")
+    loss.backward()
+    fwd, bwd = counter.peak("fwd"), counter.peak("bwd")
+    assert fwd > 0 and bwd > 0
+    # one slab's column partials (2 row blocks), the running column summaries, the row partials
+    planes = 4 if eps else 3
+    assert fwd == workspace.forward_bytes(n, n, dtype.itemsize, True, bool(eps)) and fwd % (4 * planes * n) == 0
+    assert bwd == workspace.backward_bytes(n, n, dtype)
+    assert fwd + bwd == hnclip_kernels.workspace_bytes(n, d, dtype, gamma=0.5, label_smoothing=eps)
+
+
+def test_directional_workspace_counted(gpu_launch_small, counter):
+    from hnclip_kernels.backends import directional_fn
+
+    m, n, d, offset = 130, 300, 32, 100
+    q, k = (x.requires_grad_(True) for x in make_pair(n, d, torch.bfloat16, seed=2))
+    fn = directional_fn("triton")
+    loss = fn(q[offset:offset + m], k, query_txt=k[offset:offset + m], key_txt=k, tau=torch.tensor(0.05), offset=offset,
+              gamma=0.5, label_smoothing=0.0, normalize=True)
+    loss.sum().backward()
+    fwd, bwd = counter.peak("fwd"), counter.peak("bwd")
+    assert fwd + bwd == hnclip_kernels.workspace_bytes(n, d, torch.bfloat16, local_rows=m) > 0
+
+
+def test_workspace_is_linear_in_n():
+    """At N = 262144, D = 768, bf16, γ = 0.5 the loss needs ≤ 1 GiB beyond inputs and gradients
+    (it needed 6.25 GiB with column partials per row block), and the forward's share grows as N."""
+    ws = {n: hnclip_kernels.workspace_bytes(n, 768, torch.bfloat16, gamma=0.5) for n in (65536, 131072, 262144)}
+    assert ws[262144] <= 1 << 30
+    fwd = {n: workspace.forward_bytes(n, n, 2, True, False) for n in ws}
+    assert fwd[262144] <= 2 * fwd[131072] <= 4 * fwd[65536]
+    assert fwd[262144] <= 128 << 20
+    # a rank's directional op: row partials only
+    assert hnclip_kernels.workspace_bytes(262144, 768, torch.bfloat16, local_rows=32768) <= 1 << 30
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_slabs_fold_columns_gpu_launch(gpu_launch_small, dtype):
+    # 600 rows in slabs of 2 row blocks: bf16 has 5 blocks of 128 (slabs 2 + 2 + 1), float32 10 of
+    # 64 (5 slabs); each slab's column partials are folded into the running summaries
+    row_blocks, slab, splits, _ = cfg.fwd_grid(600, 600, dtype.itemsize, True, torch.device("cpu"))
+    assert slab == 2 and row_blocks > slab and splits == 4
+    check_against_truth("triton", 600, 24, dtype, 0.5, 0.05, 0.1, "none", upstream=torch.linspace(-1.0, 2.0, 600),
+                        seed=5)
+
+
+def test_forward_bit_reproducible_gpu_launch(gpu_launch_small):
+    img, txt = make_pair(400, 32, torch.bfloat16, seed=6)
+    runs = [hnclip_kernels.hn_clip_loss(img, txt, 0.03, gamma=0.5, reduction="none", backend="triton")
+            for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
