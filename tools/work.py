@@ -18,7 +18,10 @@ uses the GPU tile sizes and warps even while interpreting. Two counters run toge
     adds 2·M·N·K (times any batch dimension) from the tile shapes. The interpreter runs full
     masked tiles, so the count includes tile padding: what the GPU executes.
     ``tl.dot_scaled`` is not counted and raises.
-  * every matmul run by torch (mm, bmm, addmm, matmul, ...): torch.utils.flop_counter.FlopCounterMode.
+  * every matmul run by torch (mm, bmm, addmm, matmul, ...): torch.utils.flop_counter.FlopCounterMode,
+    and ``torch.mm`` / ``torch.addmm`` / ``torch.bmm`` called where no dispatch mode is active:
+    inside a custom operator's implementation (the interpreter's operators are opaque
+    ``custom_op``s, run with the mode popped), e.g. the backward's GEMMs.
 
 Units: one product is an M×N×D matrix product, 2·M·N·D flops (M = N for the loss). The useful
 work is 3 products: S = q kᵀ in the forward, dS·k and dSᵀ·q in the backward; "x_useful" is
@@ -39,6 +42,7 @@ import contextlib  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from torch.utils._python_dispatch import _get_current_dispatch_mode  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 from triton.runtime import interpreter as _interpreter  # noqa: E402
 
@@ -94,12 +98,44 @@ def count_matmul_flops():
 
     builder.create_dot, builder.create_dot_scaled = create_dot, create_dot_scaled
     torch_counter = FlopCounterMode(display=False)
+    hidden = [0]  # flops of torch matmuls the mode cannot see (inside an opaque custom op)
+    originals = {name: getattr(torch, name) for name in _TORCH_MATMULS}
+    for name, fn in originals.items():
+        setattr(torch, name, _counting(fn, _TORCH_MATMULS[name], hidden))
     try:
         with torch_counter:
             yield count
     finally:
         builder.create_dot, builder.create_dot_scaled = orig_dot, orig_scaled
-        count.torch_flops = int(torch_counter.get_total_flops())
+        for name, fn in originals.items():
+            setattr(torch, name, fn)
+        count.torch_flops = int(torch_counter.get_total_flops()) + hidden[0]
+
+
+def _mm_flops(a, b, *_):
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+
+
+def _addmm_flops(c, a, b, *_):
+    return _mm_flops(a, b)
+
+
+def _bmm_flops(a, b, *_):
+    return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+
+
+# torch functions counted by name when no dispatch mode sees them: a custom operator (the
+# interpreter's ``hnclip::triton_*``) runs its implementation with FlopCounterMode popped off the
+# mode stack, so the mode counts the opaque op, not the cuBLAS GEMMs of the backward inside it
+_TORCH_MATMULS = {"mm": _mm_flops, "addmm": _addmm_flops, "bmm": _bmm_flops}
+
+
+def _counting(fn, flops, hidden):
+    def wrapper(*args, **kwargs):
+        if _get_current_dispatch_mode() is None:  # FlopCounterMode (when active) counts the rest
+            hidden[0] += int(flops(*args))
+        return fn(*args, **kwargs)
+    return wrapper
 
 
 def count_products(n: int = 256, d: int = 512, dtype: str = "bfloat16", gamma: float = 0.5,

@@ -95,6 +95,19 @@ def add_positive_and_smoothing(stats: RowStats, g, q_hat, k_hat, d_q, d_k, offse
     return (g * (q_prob * stats.mean_neg - (eps / n) * stats.dsum)).sum()
 
 
+def add_rounding_compensation(d_q, d_k, rho, sigma, q, k, rq, rk, offset: int) -> None:
+    """Add, in place, what a 16-bit dS lost to rounding, referred to each row's positive key:
+    ``d_q[i] += rho[i] · k̂[offset + i]`` and ``d_k[offset + i] += sigma[offset + i] · q̂[i]``.
+
+    ``rho`` (M,) / ``sigma`` (N,): per row / column Σ of dS − round16(dS) (the dS kernel's
+    residual sums). The GEMM's rounding error then becomes Σ_k ε_ik dS_ik (k̂_k − k̂_offset+i):
+    see ``triton.backward``'s docstring. Columns without a local positive row (the directional
+    op's k ∉ [offset, offset + M)) have no reference vector here and keep their error."""
+    m = q.shape[0]
+    d_q.add_(rho[:, None] * scaled(k[offset:offset + m], rk[offset:offset + m]))
+    d_k[offset:offset + m].add_(sigma[offset:offset + m, None] * scaled(q, rq))
+
+
 def finish_directional(stats: RowStats, g, q, k, rq, rk, d_q_neg, d_k_neg, offset: int, inv_tau,
                        label_smoothing: float, normalize: bool):
     """(dL/dq, dL/dk in the inputs' dtypes, Σ_ik dZ_ik·Z_ik for :func:`tau_grad`) of one direction.

@@ -33,8 +33,9 @@ import triton
 # the modes and their default live with the checks (validation.resolve_precision applies it)
 from ...validation import DEFAULT_FP32_PRECISION, FP32_PRECISIONS  # noqa: F401
 
-# Backward workspace: dS is materialised chunk by chunk (R rows × N columns) and multiplied
-# by the features in a GEMM; R is chosen so that one chunk stays within this many bytes.
+# Backward workspace: dS is materialised chunk by chunk (R rows × C columns: a 16-bit head and tail
+# for bf16/fp16 features, float32 for float32) and multiplied by the features in torch GEMMs; R × C
+# is chosen so that one chunk stays within this many bytes (plus its residual sums, R·C/4 bytes).
 BWD_WORKSPACE_BYTES = 256 << 20
 
 SM_COUNT_IF_UNKNOWN = 132  # an H100/H200: the grid heuristics' target when no GPU can be asked
@@ -86,19 +87,6 @@ def dot_precision(dtype: torch.dtype, precision: str) -> str:
     return "ieee"
 
 
-def grad_precision(dtype: torch.dtype, precision: str) -> str:
-    """Input precision of the backward GEMMs, whose A operand is the float32 dS workspace.
-
-    float32 features: the score products' mode. bfloat16: "bf16x2", dS split into a bf16
-    head and tail (two bf16 MMAs; the features are bf16 already). float16: "tf32x2", the
-    same split in tf32, which holds float16 values exactly. Either way dS keeps ~16 bits,
-    so the gradient is as exact as its float32 accumulation (see ``_dot_split_a``).
-    """
-    if dtype == torch.float32:
-        return dot_precision(dtype, precision)
-    return "bf16x2" if dtype == torch.bfloat16 else "tf32x2"
-
-
 # ------------------------------------------------------------------ autotune candidates
 # Tiles of the score kernels (forward and dS). BLOCK_K is fixed per input width, never tuned:
 # the forward and the backward must form every logit tile with the same reduction order, so
@@ -118,11 +106,9 @@ def _cfg(num_warps, num_stages, **tiles):
 CANDIDATES = {
     "fwd": {2: [_cfg(8, 4, BLOCK_N=64), _cfg(8, 3, BLOCK_N=64)],
             4: [_cfg(4, 3, BLOCK_N=32), _cfg(8, 2, BLOCK_N=64)]},
-    "dscore": {2: [_cfg(4, 3, BLOCK_M=64, BLOCK_N=128), _cfg(4, 4, BLOCK_M=128, BLOCK_N=64)],
+    "dscore": {2: [_cfg(8, 3, BLOCK_M=64, BLOCK_N=128), _cfg(4, 4, BLOCK_M=128, BLOCK_N=64)],
                4: [_cfg(4, 3, BLOCK_M=64, BLOCK_N=32), _cfg(8, 2, BLOCK_M=64, BLOCK_N=64)]},
-    # A is the float32 dS workspace; the width is B's (the features')
-    "gemm": {2: [_cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64), _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64)],
-             4: [_cfg(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32), _cfg(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)]},
+    # (the backward's GEMMs are torch's: cuBLAS on CUDA, see backward.py)
 }
 
 
@@ -156,8 +142,7 @@ def heuristic(kernel: str, elem_size: int) -> Fixed:
     """The launch of mode "gpu" (first surviving candidate) or "interpret" (small fixed tiles)."""
     if launch_mode() == "interpret":
         t = INTERPRET_TILE
-        tiles = {"fwd": dict(BLOCK_N=t), "dscore": dict(BLOCK_M=t, BLOCK_N=t),
-                 "gemm": dict(BLOCK_M=t, BLOCK_N=t, BLOCK_K=t)}[kernel]
+        tiles = {"fwd": dict(BLOCK_N=t), "dscore": dict(BLOCK_M=t, BLOCK_N=t)}[kernel]
         return Fixed(tiles, 1, 1)
     c = candidates(kernel, elem_size)[0]
     return Fixed(dict(c.kwargs), c.num_warps, c.num_stages)
@@ -221,8 +206,9 @@ def fwd_grid(m: int, n: int, elem_size: int, columns: bool, device: torch.device
 
 
 def chunk_shape(m: int, n: int) -> tuple[int, int]:
-    """(R, C): the float32 dS chunk of the backward, 4·R·C ≤ BWD_WORKSPACE_BYTES, as square
-    as M and N allow, sides multiples of the largest tile."""
+    """(R, C): the dS chunk of the backward, 4·R·C ≤ BWD_WORKSPACE_BYTES (4 bytes an entry: a
+    float32 dS, or a 16-bit head and a 16-bit tail), as square as M and N allow, sides multiples
+    of the largest tile."""
     align = INTERPRET_TILE if launch_mode() == "interpret" else 128
     budget = max(align * align, BWD_WORKSPACE_BYTES // 4)
     rows = min(m, max(align, int(budget ** 0.5) // align * align))

@@ -6,8 +6,7 @@ are upcast and rounded as the tensor cores round them for PREC, and the multi-pa
 are spelled out: a CPU run computes what a GPU computes.
 
 ``PREC`` (a constexpr string): "ieee", "tf32", "tf32x3", "bf16x3", "bf16x6" (float32
-operands), and the backward GEMMs' "bf16x2" / "tf32x2" (a float32 dS against 16-bit
-features, see ``_dot_split_a``).
+operands). The backward's GEMMs are torch's (``backward.py``), outside this emulation.
 """
 from __future__ import annotations
 
@@ -61,11 +60,7 @@ def _tail(x, BF16: tl.constexpr):
 def _dot(a, b, acc, PREC: tl.constexpr):
     """acc + a @ b with float32 accumulation, a and b rounded as the tensor cores round
     them for PREC (used for float32 operands only; 16-bit products are exact in float32)."""
-    if PREC == "bf16x2" or PREC == "tf32x2":
-        # float32 a (the dS workspace) against b whose values the narrow type holds exactly
-        # (bf16, or fp16 in tf32): only a is split, into head and tail, 2 passes
-        acc = _dot_split_a(a, b, acc, PREC == "bf16x2")
-    elif INTERPRET:
+    if INTERPRET:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
         if PREC == "tf32":
@@ -97,30 +92,4 @@ def _dot(a, b, acc, PREC: tl.constexpr):
             acc = tl.dot(a, b, acc, input_precision=PREC)
         else:
             acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
-def _dot_split_a(a, b, acc, BF16: tl.constexpr):
-    """acc + a @ b in two passes, float32 ``a`` split into a head and a tail in bf16
-    (``BF16``) or tf32, ``b`` held exactly by that type: ``a`` keeps ~16 bits."""
-    b = b.to(tl.float32) if INTERPRET or not BF16 else b
-    if INTERPRET:
-        a_hi = _head(a, BF16)
-        a_lo = _tail(a - a_hi, BF16)
-    elif BF16:
-        a_hi = a.to(tl.bfloat16).to(tl.float32)
-        a_lo = (a - a_hi).to(tl.bfloat16).to(tl.float32)
-    else:
-        a_hi = _round_tf32(a, True)
-        a_lo = a - a_hi  # the MMA reads it truncated to tf32
-    if INTERPRET:
-        acc = tl.dot(a_lo, b, acc)
-        acc = tl.dot(a_hi, b, acc)
-    elif BF16:
-        acc = tl.dot(a_lo.to(tl.bfloat16), b, acc)
-        acc = tl.dot(a_hi.to(tl.bfloat16), b, acc)
-    else:
-        acc = tl.dot(a_lo, b, acc, input_precision="tf32")
-        acc = tl.dot(a_hi, b, acc, input_precision="tf32")
     return acc

@@ -7,8 +7,9 @@ returns, the backward's is allocated inside the backward operator):
   Σexp·d), 4 with label smoothing (also Σd); row partials (splits, planes, M) and, for the
   symmetric loss, one slab's column partials (slab row blocks, planes, N) and the running column
   summaries (planes, N), the grid of ``config.fwd_grid``;
-* the backward's dS chunk (``backward.backward_shares``): one R × C chunk, ``config.chunk_shape``,
-  read at call time (the chunk budget is ``config.BWD_WORKSPACE_BYTES``).
+* the backward's dS chunk (``backward.backward_shares``): one R × C chunk of ``config.chunk_shape``
+  at a time (a 16-bit head and tail, or float32 dS: 4 bytes an entry, within
+  ``config.BWD_WORKSPACE_BYTES``), with its residual slice sums for 16-bit features.
 
 :func:`workspace_bytes` reports their sum (a bound on the peak), for the GPU launch
 configuration. ``tests/backends/test_workspace.py`` counts what the operators actually allocate
@@ -23,8 +24,6 @@ from __future__ import annotations
 import torch
 
 from . import config as cfg
-
-DS_ELEMENT_BYTES = 4  # the backward's dS chunk is float32 (backward._dscore_kernel writes it)
 
 _SIZES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
@@ -48,22 +47,12 @@ def forward_bytes(m: int, n: int, elem_size: int, columns: bool, smoothing: bool
 
 
 def backward_bytes(m: int, n: int, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of the backward's workspace for M rows against N columns at its peak.
-
-    The backward layer states its own when it defines ``backward.workspace_bytes(m, n, dtype)``
-    (its dS chunk and whatever rides with it); otherwise this is the float32 dS chunk of
-    ``config.chunk_shape`` as ``backward_shares`` allocates it, counting that the previous
-    chunk is still referenced (by the launch's argument tuple) when the next one is allocated:
-    two chunks live at once whenever there is more than one."""
+    """Bytes of the backward's workspace for M rows against N columns at its peak: one dS chunk
+    (``backward.workspace_bytes``, which sizes it as ``backward_shares`` allocates it)."""
     from . import backward
 
-    own = getattr(backward, "workspace_bytes", None)
     with cfg.forced_launch("gpu"):
-        if own is not None:
-            return int(own(m, n, dtype))
-        rows, cols = cfg.chunk_shape(m, n)
-    chunks = -(-m // rows) * -(-n // cols)
-    return DS_ELEMENT_BYTES * rows * cols * min(2, chunks)
+        return int(backward.workspace_bytes(m, n, dtype))
 
 
 def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, label_smoothing: float = 0.0,
@@ -78,7 +67,8 @@ def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, l
     forward's tile height); ``label_smoothing``: ≠ 0 adds the Σd plane; ``device``: whose SM
     count sizes the grid (default: the current CUDA device, else an H100/H200's 132).
 
-    E.g. N = 262144, D = 768, bf16, γ = 0.5 on 132 SMs: 102 MiB of statistics + 2 × 256 MiB of dS.
+    E.g. N = 262144, D = 768, bf16, γ = 0.5 on 132 SMs: 105 MiB of statistics + one 256 MiB dS chunk
+    and its 16 MiB of residual sums.
     """
     if dtype not in _SIZES:
         raise ValueError(f"workspace_bytes: dtype must be one of {sorted(map(str, _SIZES))}, got {dtype}")
