@@ -69,6 +69,11 @@ def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, l
 
     E.g. N = 262144, D = 768, bf16, γ = 0.5 on 132 SMs: 105 MiB of statistics + one 256 MiB dS chunk
     and its 16 MiB of residual sums.
+
+    Returns: bytes (an int): the sum of the two workspaces, a bound on the peak (they are never live together).
+    Raises: ValueError for a dtype other than float16/bfloat16/float32, or n, d, local_rows < 1.
+    Source: the allocations of ``forward.forward_stats`` and ``backward.backward_shares``
+    (``tests/backends/test_workspace.py`` counts them).
     """
     if dtype not in _SIZES:
         raise ValueError(f"workspace_bytes: dtype must be one of {sorted(map(str, _SIZES))}, got {dtype}")
