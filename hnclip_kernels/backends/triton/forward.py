@@ -17,11 +17,11 @@ from .launch import launch, strides, wrap_triton
 from .tiles import (
     _block,
     _combine,
+    _gap_stats,
     _load2,
     _load_gamma,
     _load_partial,
     _logits_tile,
-    _gap_stats,
     _merge_stats,
     _pair_tiles,
     _store_partial,
