@@ -287,15 +287,17 @@ def test_traced_for_inductor_without_gpu():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    writes = {"_fwd_kernel": ["col_part_ptr", "row_part_ptr"], "_fold_kernel": ["acc_ptr"],
+    writes = {"_fwd_pair_kernel": ["col_part_ptr", "row_part_ptr"], "_fold_kernel": ["acc_ptr"],
               "_merge_kernel": ["delta_ptr", "dsum_ptr", "mean_neg_ptr"],
               "_dscore_kernel": ["w_ptr"]}
-    # one slab at N = 8: the forward walk, the fold of its column partials, the two merges
-    assert [k for k, *_ in out["fwd"]] == ["_fwd_kernel", "_fold_kernel", "_merge_kernel", "_merge_kernel"], out["fwd"]
+    # one slab at N = 8: the walk over tile pairs, the folds of its row blocks' and its splits'
+    # partials, the two merges (rows, columns)
+    assert [k for k, *_ in out["fwd"]] == ["_fwd_pair_kernel", "_fold_kernel", "_fold_kernel", "_merge_kernel",
+                                           "_merge_kernel"], out["fwd"]
     assert [k for k, *_ in out["bwd"]] == ["_dscore_kernel"], out["bwd"]  # the GEMMs: torch.mm / addmm
     for kernel, cloned, takes_gamma in out["fwd"] + out["bwd"]:
         assert cloned == writes[kernel], (kernel, cloned)
-        assert takes_gamma == (kernel in ("_fwd_kernel", "_dscore_kernel")), kernel  # γ: a tensor argument
+        assert takes_gamma == (kernel in ("_fwd_pair_kernel", "_dscore_kernel")), kernel  # γ: a tensor argument
     # triton_op finds the kernels the backward operator launches (torch hashes them into its cache keys)
     assert out["kernels"] == ["_dscore_kernel"], out["kernels"]
     # 9 chunks, one autotuned dS launch each (float32 features: W written whole, nothing accumulated)

@@ -106,6 +106,11 @@ def _cfg(num_warps, num_stages, **tiles):
 CANDIDATES = {
     "fwd": {2: [_cfg(8, 4, BLOCK_N=64), _cfg(8, 3, BLOCK_N=64)],
             4: [_cfg(4, 3, BLOCK_N=32), _cfg(8, 2, BLOCK_N=64)]},
+    # the symmetric walk over tile pairs: three float32 tiles (Z_IJ, Z_JIᵀ, G_IJ) when γ ≠ 0; sm_90a
+    # --quick: 128x64 at 8 warps spills 28-160 B, 128x32 at 4 warps 200-360 B; float32 64x32 spills
+    # 44-196 B with the margin (tf32x3), 64x16 at 4 warps is clean (255 registers)
+    "pair": {2: [_cfg(8, 3, BLOCK_N=32), _cfg(8, 4, BLOCK_N=32)],
+             4: [_cfg(4, 2, BLOCK_N=16)]},
     "dscore": {2: [_cfg(8, 3, BLOCK_M=64, BLOCK_N=128), _cfg(4, 4, BLOCK_M=128, BLOCK_N=64)],
                4: [_cfg(4, 3, BLOCK_M=64, BLOCK_N=32), _cfg(8, 2, BLOCK_M=64, BLOCK_N=64)]},
     # (the backward's GEMMs are torch's: cuBLAS on CUDA, see backward.py)
@@ -142,7 +147,7 @@ def heuristic(kernel: str, elem_size: int) -> Fixed:
     """The launch of mode "gpu" (first surviving candidate) or "interpret" (small fixed tiles)."""
     if launch_mode() == "interpret":
         t = INTERPRET_TILE
-        tiles = {"fwd": dict(BLOCK_N=t), "dscore": dict(BLOCK_M=t, BLOCK_N=t)}[kernel]
+        tiles = {"fwd": dict(BLOCK_N=t), "pair": dict(BLOCK_N=t), "dscore": dict(BLOCK_M=t, BLOCK_N=t)}[kernel]
         return Fixed(tiles, 1, 1)
     c = candidates(kernel, elem_size)[0]
     return Fixed(dict(c.kwargs), c.num_warps, c.num_stages)
@@ -170,6 +175,13 @@ def column_splits(row_blocks: int, n: int, device: torch.device) -> tuple[int, i
     want = max(1, min(col_blocks, triton.cdiv(2 * sm_count(device), row_blocks)))
     per_split = triton.cdiv(col_blocks, want) * align
     return triton.cdiv(n, per_split), per_split
+
+
+def split_width(width: int, splits: int) -> int:
+    """Columns per split when ``splits`` programs share ``width`` columns: a multiple of every
+    candidate BLOCK_N (the symmetric walk re-splits the columns right of each slab)."""
+    align = INTERPRET_TILE if launch_mode() == "interpret" else max_block_n("fwd")
+    return triton.cdiv(triton.cdiv(width, align), splits) * align
 
 
 def n_bucket(n: int) -> int:

@@ -17,11 +17,13 @@ from .launch import launch, strides, wrap_triton
 from .tiles import (
     _block,
     _combine,
+    _gap_stats,
     _load2,
     _load_gamma,
     _load_partial,
     _logits_tile,
     _merge_stats,
+    _pair_tiles,
     _store_partial,
     _tile_stats,
 )
@@ -99,31 +101,123 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _fold_kernel(part_ptr, n_parts, L, acc_ptr, FIRST: tl.constexpr, SMOOTHING: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """Fold ``n_parts`` summaries of each of L lines into the running summary, in order.
-    Grid: ⌈L / BLOCK⌉.
+def _fwd_pair_kernel(
+    v_ptr, t_ptr, stride_vm, stride_vd, stride_tm, stride_td,
+    rv_ptr, rt_ptr, pos_ptr, tau_ptr, gamma_ptr,
+    row_part_ptr, col_part_ptr,
+    N, D, block0, col0, cols_per_split, slab_rows, N_BUCKET,
+    SMOOTHING: tl.constexpr, HAS_MARGIN: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The symmetric loss's walk over tile pairs: Z = (v̂ t̂ᵀ + γ t̂ t̂ᵀ) / τ (N × N), the gaps
+    d = Z − Z_pos of every row and every column summarised as (max, Σexp, Σexp·d, Σd).
 
-    part_ptr (n_parts, planes, L) float32, a slab's column partials as ``_fwd_kernel`` stores
-    them; acc_ptr (planes, L) float32, the running summary: read (unless FIRST, the first slab)
-    and written. planes = 3 + SMOOTHING. No line is touched by two programs: no atomics.
+    Program (b, s) takes row block I = block0 + b (BLOCK_M rows) and walks the column tiles
+    (BLOCK_N wide) of split s that lie at or right of I's diagonal super-tile (columns
+    I·BLOCK_M on): the diagonal super-tile's tiles Z_IJ are formed alone (2 products each); every
+    tile right of it with its mirror Z_JIᵀ (``_pair_tiles``: 3 products for 2 tiles). So each
+    entry of Z is formed once: Z[i, j] with block(i) < block(j) as Z_IJ, with block(i) > block(j)
+    as the mirror of the program of block(j). Z_IJ serves the rows I (registers) and the columns
+    J (partials); Z_JIᵀ serves the rows J (partials, a reduction over axis 0) and the columns I
+    (registers, a reduction over axis 1). Positives Z_ii lie in the diagonal super-tiles only.
+
+    Lines: line c < N stands for column c's statistics, line N + r for row r's.
+    Inputs: v_ptr, t_ptr (N, D) features (strides ``stride_<v|t><m|d>``), rv_ptr, rt_ptr (N)
+        float32 inverse norms, pos_ptr (N) the positives Z_ii, tau_ptr/gamma_ptr 1-element τ, γ.
+    Outputs (float32, planes = 3 + SMOOTHING):
+        col_part_ptr (slab row blocks, planes, 2N): row block b's summary of the columns
+        c ≥ (block0 + b)·BLOCK_M (lines c) and of the rows c ≥ (block0 + b + 1)·BLOCK_M (lines
+        N + c) its tiles reach (the rest unwritten; the fold skips them);
+        row_part_ptr (splits, planes, 2·slab_rows): split s's summary of the slab's own lines,
+        local line l < slab_rows for column col0 + l, slab_rows + l for row col0 + l.
+    Scalars: N, D; block0 (the slab's first row block), col0 = block0·BLOCK_M (the slab's first
+        row and the first column its programs reach), cols_per_split (a multiple of BLOCK_N;
+        split s walks columns col0 + s·cols_per_split on), slab_rows (the slab's rows, within N),
+        N_BUCKET (an autotune key only).
+    Constexprs: as ``_fwd_kernel``; BLOCK_N divides BLOCK_M.
     """
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < L
-    acc = _load_partial(acc_ptr, L, offs, mask & (not FIRST), SMOOTHING)
-    base = part_ptr
-    for _ in range(0, n_parts):
-        acc = _merge_stats(acc, _load_partial(base, L, offs, mask, SMOOTHING))
-        base += (3 + SMOOTHING) * L  # pointer steps: no int32 product overflows
-    _store_partial(acc_ptr, L, offs, mask, acc, SMOOTHING)
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    pid_b = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    planes = 3 + SMOOTHING
+    inv_tau = 1.0 / tl.load(tau_ptr)
+    gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
+    v = (v_ptr, stride_vm, stride_vd)
+    t = (t_ptr, stride_tm, stride_td)
+    row0 = (block0 + pid_b) * BLOCK_M
+    offs_m, mask_m = _block(row0, N, BLOCK_M)
+    rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
+    pos_m = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
+    rows = (tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
+            tl.zeros((BLOCK_M,), tl.float32), tl.zeros((BLOCK_M,), tl.float32))
+    cols = rows
+    n_start = col0 + pid_s * cols_per_split
+    n_end = tl.minimum(n_start + cols_per_split, N)
+    part = col_part_ptr + pid_b.to(tl.int64) * planes * 2 * N
+    # the diagonal super-tile: its tiles hold the positives and are formed once each
+    for n0 in range(tl.maximum(n_start, row0), tl.minimum(n_end, row0 + BLOCK_M), BLOCK_N):
+        offs_n, mask_n = _block(n0, n_end, BLOCK_N)
+        rt_n = tl.load(rt_ptr + offs_n, mask=mask_n, other=0.0)
+        pos_n = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
+        z = _logits_tile(v, t, t, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
+                         D, gamma, inv_tau, HAS_MARGIN, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None])
+        rows = _merge_stats(rows, _gap_stats(z, pos_m, neg, 1))
+        _store_partial(part, 2 * N, offs_n, mask_n, _gap_stats(z, pos_n, neg, 0), SMOOTHING)
+    # right of it: tile pairs (no positives there)
+    for n0 in range(tl.maximum(n_start, row0 + BLOCK_M), n_end, BLOCK_N):
+        offs_n, mask_n = _block(n0, n_end, BLOCK_N)
+        rv_n, rt_n = _load2(rv_ptr, rt_ptr, offs_n, mask_n)
+        pos_n = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
+        z, zm = _pair_tiles(v, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
+                            D, gamma, inv_tau, HAS_MARGIN, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        neg = mask_m[:, None] & mask_n[None, :]
+        rows = _merge_stats(rows, _gap_stats(z, pos_m, neg, 1))  # rows I
+        _store_partial(part, 2 * N, offs_n, mask_n, _gap_stats(z, pos_n, neg, 0), SMOOTHING)  # columns J
+        cols = _merge_stats(cols, _gap_stats(zm, pos_m, neg, 1))  # columns I
+        _store_partial(part, 2 * N, N + offs_n, mask_n, _gap_stats(zm, pos_n, neg, 0), SMOOTHING)  # rows J
+    own = row_part_ptr + pid_s.to(tl.int64) * planes * 2 * slab_rows
+    _store_partial(own, 2 * slab_rows, offs_m - col0, mask_m, cols, SMOOTHING)
+    _store_partial(own, 2 * slab_rows, slab_rows + offs_m - col0, mask_m, rows, SMOOTHING)
 
 
 @triton.jit
-def _merge_kernel(part_ptr, n_parts, L, delta_ptr, mean_neg_ptr, dsum_ptr,
+def _fold_kernel(part_ptr, n_parts, H, acc_ptr, N, acc0, block0, block_rows, FIRST: tl.constexpr,
+                 SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
+    """Fold ``n_parts`` summaries of 2H lines into the running summaries of 2N lines, in order.
+    Grid: ⌈2H / BLOCK⌉.
+
+    part_ptr (n_parts, planes, 2H) float32 (as ``_fwd_pair_kernel`` stores them): local line
+    l < H is line acc0 + l of acc_ptr, line H + l is line N + acc0 + l; acc_ptr (planes, 2N)
+    float32, the running summaries (line c: column c, line N + c: row c), read (unless FIRST)
+    and written. Part p covers only the lines of columns c ≥ (block0 + p)·block_rows and of rows
+    c ≥ (block0 + p + 1)·block_rows (those its row block's tiles reach; the others are left out:
+    the empty summary, which changes nothing to the bit). planes =
+    3 + SMOOTHING. No line is touched by two programs: no atomics.
+    """
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < 2 * H
+    upper = offs >= H
+    c = acc0 + tl.where(upper, offs - H, offs)
+    line = c + tl.where(upper, N, 0)
+    acc = _load_partial(acc_ptr, 2 * N, line, mask & (not FIRST), SMOOTHING)
+    base = part_ptr
+    for p in range(0, n_parts):
+        covered = mask & (c >= (block0 + p + upper.to(tl.int32)) * block_rows)
+        acc = _merge_stats(acc, _load_partial(base, 2 * H, offs, covered, SMOOTHING))
+        base += (3 + SMOOTHING) * 2 * H  # pointer steps: no int32 product overflows
+    _store_partial(acc_ptr, 2 * N, line, mask, acc, SMOOTHING)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, n_parts, L, line0, plane_stride, delta_ptr, mean_neg_ptr, dsum_ptr,
                   SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
     """Combine ``n_parts`` summaries of each of L lines, in order. Grid: ⌈L / BLOCK⌉.
 
-    Input: part_ptr (n_parts, 3 + SMOOTHING, L) float32, as ``_fwd_kernel`` stores them.
+    Input: part_ptr float32, n_parts summaries of planes = 3 + SMOOTHING planes, ``plane_stride``
+        entries apart (a part: planes · plane_stride), line l of a plane at line0 + l: the row
+        partials (n_parts, planes, L) of ``_fwd_kernel`` (line0 0, plane_stride L), or one half of
+        the symmetric walk's summaries (1, planes, 2N) (line0 0 for the columns, N for the rows).
     Outputs (L each, float32): delta_ptr = LSE(d) (−inf without negatives), mean_neg_ptr =
         E_softmax[d], dsum_ptr = Σd (0 without SMOOTHING).
     Constexprs: SMOOTHING (the partials carry Σd), BLOCK lines per program.
@@ -135,14 +229,14 @@ def _merge_kernel(part_ptr, n_parts, L, delta_ptr, mean_neg_ptr, dsum_ptr,
     wsum = tl.zeros((BLOCK,), tl.float32)
     dsum = tl.zeros((BLOCK,), tl.float32)
     planes = 3 + SMOOTHING
-    base = part_ptr + offs
+    base = part_ptr + line0 + offs
     for _ in range(0, n_parts):
-        part = (tl.load(base, mask=mask, other=0.0), tl.load(base + L, mask=mask, other=0.0),
-                tl.load(base + 2 * L, mask=mask, other=0.0))
+        part = (tl.load(base, mask=mask, other=0.0), tl.load(base + plane_stride, mask=mask, other=0.0),
+                tl.load(base + 2 * plane_stride, mask=mask, other=0.0))
         top, sum_exp, wsum = _combine((top, sum_exp, wsum), part)
         if SMOOTHING:
-            dsum += tl.load(base + 3 * L, mask=mask, other=0.0)
-        base += planes * L  # pointer steps: the workspace passes 2^31 entries near N = 2^18
+            dsum += tl.load(base + 3 * plane_stride, mask=mask, other=0.0)
+        base += planes * plane_stride  # pointer steps: the workspace passes 2^31 entries near N = 2^18
     has_neg = sum_exp > 0.0
     delta = tl.where(has_neg, top + tl.log(tl.where(has_neg, sum_exp, 1.0)), float("-inf"))
     delta = tl.where(sum_exp != sum_exp, sum_exp, delta)  # a NaN anywhere in the line stays visible in the loss
@@ -156,28 +250,71 @@ def _merge_kernel(part_ptr, n_parts, L, delta_ptr, mean_neg_ptr, dsum_ptr,
 # the pruner, the operand width); every rerun rewrites the partials whole, so no restore_value
 _fwd_tuned = triton.autotune(cfg.all_candidates("fwd"), key=["D", "N_BUCKET", "HAS_MARGIN", "PREC", "COL_STATS", "SMOOTHING"],
                              prune_configs_by={"early_config_prune": cfg.pruner("fwd", "q_ptr")})(_fwd_kernel)
+# the symmetric walk's twin: key D, N bucket, HAS_MARGIN, PREC, SMOOTHING (the same candidates)
+_fwd_pair_tuned = triton.autotune(cfg.all_candidates("pair"), key=["D", "N_BUCKET", "HAS_MARGIN", "PREC", "SMOOTHING"],
+                                  prune_configs_by={"early_config_prune": cfg.pruner("pair", "v_ptr")})(_fwd_pair_kernel)
 
 
 def _kernel(name: str, tuned: bool):
-    """Kernel ``name`` ("fwd", "fold", "merge"), its autotuned twin when ``tuned``, through
+    """Kernel ``name`` ("fwd", "pair", "fold", "merge"), its autotuned twin when ``tuned``, through
     ``wrap_triton``; spelled out kernel by kernel (see :func:`.launch.launch`)."""
     if name == "fwd":
         return wrap_triton(_fwd_tuned) if tuned else wrap_triton(_fwd_kernel)
+    if name == "pair":
+        return wrap_triton(_fwd_pair_tuned) if tuned else wrap_triton(_fwd_pair_kernel)
     if name == "fold":
         return wrap_triton(_fold_kernel)
     return wrap_triton(_merge_kernel)
 
 
 # ------------------------------------------------------------------ host launcher
-def _merge(part: torch.Tensor, smoothing: bool):
-    """(delta, mean_neg, dsum) of each line from its partial summaries (n_parts, planes, L):
-    three separate tensors (an operator's outputs may not alias each other)."""
-    n_parts, _, length = part.shape
+def _merge(part: torch.Tensor, smoothing: bool, line0: int = 0, length: int | None = None):
+    """(delta, mean_neg, dsum) of lines line0 … line0 + length of the partial summaries
+    (n_parts, planes, L) (default: all L): three separate tensors (an operator's outputs may not
+    alias each other)."""
+    n_parts, _, plane = part.shape
+    length = plane if length is None else length
     delta, mean_neg, dsum = (torch.empty(length, device=part.device, dtype=torch.float32) for _ in range(3))
     block = 128 if cfg.launch_mode() != "interpret" else 64
-    _kernel("merge", False)[(triton.cdiv(length, block),)](part, n_parts, length, delta, mean_neg, dsum,
-                                                           SMOOTHING=smoothing, BLOCK=block)
+    _kernel("merge", False)[(triton.cdiv(length, block),)](part, n_parts, length, line0, plane, delta, mean_neg,
+                                                           dsum, SMOOTHING=smoothing, BLOCK=block)
     return delta, mean_neg, dsum
+
+
+def _symmetric_stats(ops, norms, pos, tau32, gamma32, has_margin: bool, smoothing: bool, precision):
+    """(rows, columns) ``epilogue.RowStats`` of the symmetric loss from ``_fwd_pair_kernel``'s
+    walk over tile pairs (see ``forward_stats``)."""
+    v, t = ops[0], ops[1]
+    n, d = v.shape
+    width = v.element_size()
+    block_m = cfg.fwd_block_m(width)
+    row_blocks, slab, splits, _ = cfg.fwd_grid(n, n, width, True, v.device)
+    planes = 4 if smoothing else 3
+    # running summaries: line c column c, line N + c row c
+    acc = torch.empty(1, planes, 2 * n, device=v.device, dtype=torch.float32)
+    fold_block = 128 if cfg.launch_mode() != "interpret" else 64
+    fold = _kernel("fold", False)
+    for block0 in range(0, row_blocks, slab):
+        blocks = min(slab, row_blocks - block0)
+        col0 = block0 * block_m
+        slab_rows = min(blocks * block_m, n - col0)
+        per_split = cfg.split_width(n - col0, splits)  # the slab's columns right of col0 among the splits
+        # fresh slab workspaces each time (the previous ones freed first): never views
+        col_part = torch.empty(blocks, planes, 2 * n, device=v.device, dtype=torch.float32)
+        row_part = torch.empty(splits, planes, 2 * slab_rows, device=v.device, dtype=torch.float32)
+        args = (v, t, *strides(v, t), norms[0], norms[1], pos, tau32, gamma32, row_part, col_part, n, d, block0, col0,
+                per_split, slab_rows, cfg.n_bucket(n))
+        launch(lambda tuned: _kernel("pair", tuned), "pair", width, lambda _, b=blocks: (b, splits), args,
+               SMOOTHING=smoothing, HAS_MARGIN=has_margin, PREC=cfg.dot_precision(v.dtype, precision),
+               BLOCK_M=block_m, BLOCK_K=cfg.score_block_k(width))
+        # in order: the slab's row blocks' partials (columns and rows right of col0), then its splits'
+        fold[(triton.cdiv(2 * n, fold_block),)](col_part, blocks, n, acc, n, 0, block0, block_m, FIRST=block0 == 0,
+                                                SMOOTHING=smoothing, BLOCK=fold_block)
+        fold[(triton.cdiv(2 * slab_rows, fold_block),)](row_part, splits, slab_rows, acc, n, col0, 0, 0, FIRST=False,
+                                                        SMOOTHING=smoothing, BLOCK=fold_block)
+        del args, col_part, row_part
+    return (epilogue.RowStats(pos, *_merge(acc, smoothing, n, n)),
+            epilogue.RowStats(pos, *_merge(acc, smoothing, 0, n)))
 
 
 def forward_stats(ops, norms, pos, tau32, gamma32, has_margin: bool, offset: int, smoothing: bool, precision,
@@ -189,40 +326,35 @@ def forward_stats(ops, norms, pos, tau32, gamma32, has_margin: bool, offset: int
     ``pos`` the positive logits; ``tau32``/``gamma32``: 1-element float32 tensors on the
     features' device; ``has_margin``: γ ≠ 0 (the kernels skip the margin product without it).
 
-    The row blocks are walked in slabs (``cfg.fwd_grid``: every row block at once for the
-    directional op; ≈ √(2 · SMs) row blocks per slab with column statistics, 12 on 132 SMs).
-    After each slab ``_fold_kernel`` folds its column partials into the running column
-    summaries, slab after slab in order: deterministic, and the workspace is O(N).
+    The directional op (no ``columns``): ``_fwd_kernel`` over (row blocks × column splits),
+    row partials (splits, planes, M) merged by ``_merge_kernel``.
 
-    Workspace (float32, planes = 3, or 4 with label smoothing): row partials (splits, planes, M),
-    and with ``columns`` one slab's column partials (slab row blocks, planes, N) plus the running
-    summaries (planes, N); :func:`.workspace.forward_bytes` states it, e.g. 102 MiB at N = 262144
-    with 16-bit features on 132 SMs. Nothing of size N × N or N² / BLOCK.
+    The symmetric loss (``columns``; ops (v, t, t, t)): ``_fwd_pair_kernel`` walks the tile pairs
+    (Z_IJ and Z_JIᵀ from 3 products sharing G_IJ = t_I t_Jᵀ; the diagonal super-tiles 2 per tile)
+    over the row blocks in slabs (``cfg.fwd_grid``: ≈ √(2 · SMs) row blocks, 12 × 22 programs on
+    132 SMs); each slab splits the columns right of its first row among the splits anew
+    (``cfg.split_width``). After each slab ``_fold_kernel`` folds its row blocks' partials and
+    then its splits' partials into running summaries of 2N lines (columns, then rows), slab
+    after slab in order: deterministic, no atomics, and the workspace is O(N).
+
+    Workspace (float32, planes = 3, or 4 with label smoothing): directional, the row partials;
+    symmetric, the running summaries (planes, 2N) and one slab's partials (slab row blocks,
+    planes, 2N) + (splits, planes, 2 · slab rows); :func:`.workspace.forward_bytes` states it,
+    e.g. 79 MiB at N = 262144 with 16-bit features on 132 SMs. Nothing of size N × N or N² / BLOCK.
     """
+    if columns:
+        return _symmetric_stats(ops, norms, pos, tau32, gamma32, has_margin, smoothing, precision)
     q, k, _, _ = ops
     m, d = q.shape
     n = k.shape[0]
     width = q.element_size()
-    row_blocks, slab, splits, per_split = cfg.fwd_grid(m, n, width, columns, q.device)
+    _, row_blocks, splits, per_split = cfg.fwd_grid(m, n, width, False, q.device)
     planes = 4 if smoothing else 3
     row_part = torch.empty(splits, planes, m, device=q.device, dtype=torch.float32)
-    col_acc = torch.empty(1, planes, n, device=q.device, dtype=torch.float32) if columns else None
-    fold_block = 128 if cfg.launch_mode() != "interpret" else 64
-    for block0 in range(0, row_blocks, slab):
-        blocks = min(slab, row_blocks - block0)
-        # a fresh slab workspace each time (the previous one freed first): never a view
-        col_part = torch.empty(blocks, planes, n, device=q.device, dtype=torch.float32) if columns else row_part
-        args = (*ops, *strides(*ops), *norms, pos, tau32, gamma32, row_part, col_part, m, n, d, offset,
-                block0, per_split, cfg.n_bucket(n))
-        launch(lambda tuned: _kernel("fwd", tuned), "fwd", width, lambda t, b=blocks: (b, splits), args,
-               COL_STATS=columns, SMOOTHING=smoothing, HAS_MARGIN=has_margin,
-               PREC=cfg.dot_precision(q.dtype, precision), BLOCK_M=cfg.fwd_block_m(width),
-               BLOCK_K=cfg.score_block_k(width))
-        if columns:
-            _kernel("fold", False)[(triton.cdiv(n, fold_block),)](col_part, blocks, n, col_acc, FIRST=block0 == 0,
-                                                                  SMOOTHING=smoothing, BLOCK=fold_block)
-        del args, col_part
-    rows = epilogue.RowStats(pos, *_merge(row_part, smoothing))
-    if not columns:
-        return rows
-    return rows, epilogue.RowStats(pos, *_merge(col_acc, smoothing))
+    args = (*ops, *strides(*ops), *norms, pos, tau32, gamma32, row_part, row_part, m, n, d, offset,
+            0, per_split, cfg.n_bucket(n))
+    launch(lambda tuned: _kernel("fwd", tuned), "fwd", width, lambda t: (row_blocks, splits), args,
+           COL_STATS=False, SMOOTHING=smoothing, HAS_MARGIN=has_margin,
+           PREC=cfg.dot_precision(q.dtype, precision), BLOCK_M=cfg.fwd_block_m(width),
+           BLOCK_K=cfg.score_block_k(width))
+    return epilogue.RowStats(pos, *_merge(row_part, smoothing))

@@ -147,3 +147,59 @@ def _merge_stats(first, second):
     m2, s2, w2, d2 = second
     m, s, w = _combine((m1, s1, w1), (m2, s2, w2))
     return m, s, w, d1 + d2
+
+
+@triton.jit
+def _pair_tiles(
+    v, t,
+    rows, cols,
+    D, gamma, inv_tau,
+    HAS_MARGIN: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The tile pair of the symmetric loss (Z = (v̂ t̂ᵀ + γ · t̂ t̂ᵀ) / τ) from 3 products over D
+    (2 without the margin): Z_IJ and Z_JIᵀ share the margin's G_IJ = t_I t_Jᵀ (G is symmetric).
+
+    Matrices ``(ptr, stride along rows, stride along D)``: v the images (N, D), t the texts
+    (N, D). Blocks ``(offsets, mask, r_v, r_t)``: rows I (BLOCK_M) and columns J (BLOCK_N).
+    Returns two (BLOCK_M, BLOCK_N) float32 tiles: z[i, j] = Z[i, j] and zm[i, j] = Z[j, i],
+    each scaled in the order of ``_logits_tile`` (the same Z to the bit, as a (J, I) tile
+    would form it, for the same reduction over D).
+    """
+    v_ptr, stride_vm, stride_vd = v
+    t_ptr, stride_tm, stride_td = t
+    offs_m, mask_m, rv_m, rt_m = rows
+    offs_n, mask_n, rv_n, rt_n = cols
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_mirror = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_margin = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        offs_d = k0 + tl.arange(0, BLOCK_K)
+        mask_d = offs_d < D
+        row_mask = mask_m[:, None] & mask_d[None, :]
+        col_mask = mask_d[:, None] & mask_n[None, :]
+        v_i = tl.load(v_ptr + offs_m[:, None] * stride_vm + offs_d[None, :] * stride_vd, mask=row_mask, other=0.0)
+        t_i = tl.load(t_ptr + offs_m[:, None] * stride_tm + offs_d[None, :] * stride_td, mask=row_mask, other=0.0)
+        t_j = tl.load(t_ptr + offs_d[:, None] * stride_td + offs_n[None, :] * stride_tm, mask=col_mask, other=0.0)
+        v_j = tl.load(v_ptr + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vm, mask=col_mask, other=0.0)
+        acc = _dot(v_i, t_j, acc, PREC)
+        acc_mirror = _dot(t_i, v_j, acc_mirror, PREC)
+        if HAS_MARGIN:
+            acc_margin = _dot(t_i, t_j, acc_margin, PREC)
+    z = acc * rv_m[:, None] * rt_n[None, :]
+    zm = acc_mirror * rv_n[None, :] * rt_m[:, None]
+    if HAS_MARGIN:
+        z += gamma * (acc_margin * rt_m[:, None] * rt_n[None, :])
+        zm += gamma * (acc_margin * rt_n[None, :] * rt_m[:, None])
+    return z * inv_tau, zm * inv_tau
+
+
+@triton.jit
+def _gap_stats(z, pos, neg, AXIS: tl.constexpr):
+    """``_tile_stats`` of the gaps d = z − pos over the negatives ``neg``, along AXIS; ``pos``
+    the positives of the lines reduced (rows for AXIS 1, columns for AXIS 0)."""
+    if AXIS == 1:
+        d = tl.where(neg, z - pos[:, None], float("-inf"))
+    else:
+        d = tl.where(neg, z - pos[None, :], float("-inf"))
+    return _tile_stats(d, neg, AXIS)

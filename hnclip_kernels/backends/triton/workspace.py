@@ -4,9 +4,10 @@ Two workspaces, never live together (the forward's is freed before the forward o
 returns, the backward's is allocated inside the backward operator):
 
 * the forward's partial statistics (``forward.forward_stats``): float32, planes = 3 (max, Σexp,
-  Σexp·d), 4 with label smoothing (also Σd); row partials (splits, planes, M) and, for the
-  symmetric loss, one slab's column partials (slab row blocks, planes, N) and the running column
-  summaries (planes, N), the grid of ``config.fwd_grid``;
+  Σexp·d), 4 with label smoothing (also Σd); for the directional op row partials (splits, planes,
+  M); for the symmetric loss, over 2N lines (the columns' and the rows' statistics), the running
+  summaries (planes, 2N) and one slab's partials: its row blocks' (slab row blocks, planes, 2N)
+  and its splits' (splits, planes, 2 · slab rows), the grid of ``config.fwd_grid``;
 * the backward's dS chunk (``backward.backward_shares``): one R × C chunk of ``config.chunk_shape``
   at a time (a 16-bit head and tail, or float32 dS: 4 bytes an entry, within
   ``config.BWD_WORKSPACE_BYTES``), with its residual slice sums for 16-bit features.
@@ -42,8 +43,12 @@ def forward_bytes(m: int, n: int, elem_size: int, columns: bool, smoothing: bool
     planes = 4 if smoothing else 3
     with cfg.forced_launch("gpu"):
         _, slab, splits, _ = cfg.fwd_grid(m, n, elem_size, columns, _device(device))
-    # row partials; with columns one slab's column partials and the running column summaries
-    return 4 * planes * (splits * m + ((slab + 1) * n if columns else 0))
+        block_m = cfg.fwd_block_m(elem_size)
+    if not columns:  # row partials
+        return 4 * planes * splits * m
+    # the symmetric walk (2N lines: columns and rows): the running summaries, and at the first
+    # (largest) slab its row blocks' partials and its splits' partials of the slab's own lines
+    return 4 * planes * (2 * n + slab * 2 * n + splits * 2 * min(slab * block_m, n))
 
 
 def backward_bytes(m: int, n: int, dtype: torch.dtype = torch.float32) -> int:
@@ -67,7 +72,7 @@ def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, l
     forward's tile height); ``label_smoothing``: ≠ 0 adds the Σd plane; ``device``: whose SM
     count sizes the grid (default: the current CUDA device, else an H100/H200's 132).
 
-    E.g. N = 262144, D = 768, bf16, γ = 0.5 on 132 SMs: 105 MiB of statistics + one 256 MiB dS chunk
+    E.g. N = 262144, D = 768, bf16, γ = 0.5 on 132 SMs: 79 MiB of statistics + one 256 MiB dS chunk
     and its 16 MiB of residual sums.
 
     Returns: bytes (an int): the sum of the two workspaces, a bound on the peak (they are never live together).
