@@ -25,5 +25,9 @@ def test_matches_torch_backend(dtype):
         loss = hn_clip_loss(*leaves, tau, gamma=2.0, label_smoothing=0.1, backend=backend)
         loss.backward()
         out[backend] = (loss, leaves[0].grad.float(), leaves[1].grad.float(), tau.grad.clone())
+    # float32: both backends' gradients are float32-accurate before any rounding. bf16: the Triton
+    # backward multiplies a float16 dS once (about 1e-4 before the final rounding), so a few % of
+    # the bf16 gradient elements land on the neighbouring value (one bf16 ulp is 7.8e-3 relative)
+    grad_tol = 1e-4 if dtype == torch.float32 else 2e-3
     for name, a, b in zip(("loss", "d img", "d txt", "d tau"), out["triton"], out["torch"]):
-        assert_close_rel(a, b, 1e-5 if name == "loss" else 1e-4, name)
+        assert_close_rel(a, b, 1e-5 if name == "loss" else (1e-4 if name == "d tau" else grad_tol), name)

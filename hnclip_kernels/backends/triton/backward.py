@@ -2,16 +2,26 @@
 
 ``_dscore_kernel`` forms each tile of Z once more and writes W = diag(a) · dS · diag(b)
 (dS = dL/dZ times τ, negatives only; a, b the inverse norms times exact powers of two) to the
-workspace, once: for bf16/fp16 features as a 16-bit head W̃ = round16(W) and a 16-bit tail
-W̃_lo = round16(W − W̃) (float32 W for float32 features). The GEMMs are torch's (cuBLAS on
-CUDA, float32 results from 16-bit operands): W̃ k + W̃_lo k and their transposes against q,
-accumulated over chunks; the O(N·D) epilogue divides the scales back out.
-``backward_shares`` launches them chunk by chunk.
+workspace, once, in the type the GEMMs read:
 
-Compensation. Let dS̃ be what the GEMMs see (W̃ + W̃_lo over a_i b_k), dS_ik = dS̃_ik + ε_ik dS_ik.
+* bf16 features: W̃ = float16(W), one pass. cuBLAS multiplies operands of one type, so each
+  chunk's feature rows are copied to float16 exactly: bf16's 8-bit significand fits float16's
+  11 bits once a row is scaled by an exact power of two s (every |x·s| < 1; 1/s folded into W's
+  scales). Entries below 2⁻¹⁷ of their row lose bits to float16's subnormals, below 2⁻²⁵ flush:
+  at most 2⁻²⁵ absolute an entry. 2 GEMMs a chunk (float16 × float16 → float32).
+* fp16 features: a float16 head W̃ and tail W̃_lo = float16(W − W̃), 4 GEMMs a chunk (a single
+  float16 pass measured 1.12–1.17× the two-pass error here: fp16 gradients are fine enough that
+  the dS rounding shows).
+* float32 features: float32 W and an IEEE-float32 GEMM (TF32 off), 2 GEMMs a chunk.
+
+The GEMMs are torch's (cuBLAS on CUDA, float32 results from 16-bit operands), accumulated over
+chunks; the O(N·D) epilogue divides the scales back out. ``backward_shares`` launches them
+chunk by chunk.
+
+Compensation. Let dS̃ be what the GEMMs see (W̃, or W̃ + W̃_lo, over a_i b_k), dS_ik = dS̃_ik + ε_ik dS_ik.
 Row i's share is Σ_k dS_ik k̂_k = Σ_k dS̃_ik k̂_k + Σ_k ε_ik dS_ik k̂_k. The kernel also writes,
 per row, ρ_i = Σ_k ε_ik dS_ik (= r_i − r̃_i, the row sums of dS and dS̃), summed in float32 from
-the exact per-element residuals W − W̃ − W̃_lo (not as a difference of the two sums, which would
+the exact per-element residuals (W − W̃, or W − W̃ − W̃_lo; not as a difference of the two sums, which would
 cancel), and the epilogue adds ρ_i k̂_p(i), p(i) = offset + i the row's positive. Then
     GEMM + ρ_i k̂_p(i) − exact = −Σ_k ε_ik dS_ik (k̂_k − k̂_p(i)):
 the rounding error of dS enters only through the keys' differences from the row's positive,
@@ -23,13 +33,14 @@ row, only in the directional op, is uncompensated). Residual sums are taken per 
 (32-row) slice of a tile into per-chunk partial buffers (each slot written by one program) and
 merged by ``torch.sum`` in a fixed order: no atomics, bit-reproducible.
 
-Why a tail. A head alone (one 16-bit dS, 2 GEMMs instead of 4) was measured: with the
-compensation the image gradient on near-duplicate captions improves as they approach, but
-the text gradient (whose rows, the images, are not near-duplicates) and any row with few
-negatives keep a 2⁻⁹-relative error (bf16): d txt 1.9e-3 against 1.7e-3 on the clusters of
-tests/backends/test_near_duplicates.py, and the README bound fails at N = 2 (3.75e-3 > 3.7e-3,
-test_triton_launch). The tail keeps today's accuracy; the compensation then only catches
-what the tail flushes (float16's range) and costs O(N·D).
+Why float16 for bf16. A bf16 dS alone (2⁻⁹ relative) was measured: with the compensation the
+image gradient on near-duplicate captions keeps its accuracy, but the text gradient (whose rows,
+the images, are not near-duplicates) and any row with few negatives keep the 2⁻⁹ error: d txt
+1.9e-3 against 1.7e-3 on tests/backends/test_near_duplicates.py's clusters, and the README
+bound failed at N = 2 (3.75e-3 > 3.7e-3). float16's 2⁻¹² is 8× finer: the same clusters give
+the two-pass errors to within 0.4% (d img 1.58–1.72e-3, d txt 1.63–1.71e-3), far below the
+final rounding to bf16. The float32 gradient before that rounding is then accurate to about
+1e-4 (not 1e-6): a few % of bf16 gradient elements round to the neighbouring value.
 
 Scales. W's norms are first brought near 1 by exact powers of two (``_pow2_unit``): with
 ‖q‖‖k‖ ~ 1e36 the plain r_q·r_k·dS falls below float32's normal range. For 16-bit W one more
@@ -48,7 +59,6 @@ from ...numerics import autocast_disabled
 from .. import epilogue
 from . import config as cfg
 from .launch import launch, strides, wrap_triton
-from .precision import INTERPRET, _round_bf16
 from .tiles import _block, _load2, _load_gamma, _logits_tile
 
 # the residual sums' slice: every dS tile (32, 64 or 128 wide) holds whole slices, so the
@@ -57,29 +67,19 @@ RESIDUAL_SLICE = 32
 
 
 @triton.jit
-def _round16(w, FP16: tl.constexpr):
-    """w rounded to bf16 (or fp16 with FP16) to nearest even, as float32."""
-    if FP16:
-        return w.to(tl.float16).to(tl.float32)
-    if INTERPRET:  # the interpreter's own float32 → bf16 conversion truncates
-        return _round_bf16(w)
-    return w.to(tl.bfloat16).to(tl.float32)
-
-
-@triton.jit
 def _dscore_kernel(
     q_ptr, k_ptr, mq_ptr, mk_ptr,
     stride_qm, stride_qd, stride_kn, stride_kd, stride_mqm, stride_mqd, stride_mkn, stride_mkd,
     rq_ptr, rk_ptr, r_mq_ptr, r_mk_ptr, pos_ptr, nll_ptr, g_ptr, tau_ptr, gamma_ptr,
-    nll_c_ptr, g_c_ptr, wq_ptr, wk_ptr,
+    nll_c_ptr, g_c_ptr, a_ptr, b_ptr,
     w_ptr, lo_ptr, stride_wm, stride_wn, res_r_ptr, stride_rr, res_c_ptr, stride_rc,
     row0, row_end, col0, col_end, D, offset,
-    SYMMETRIC: tl.constexpr, HAS_MARGIN: tl.constexpr, PREC: tl.constexpr, ROUND16: tl.constexpr,
+    SYMMETRIC: tl.constexpr, HAS_MARGIN: tl.constexpr, PREC: tl.constexpr, ROUND16: tl.constexpr, TAIL: tl.constexpr,
     SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """W[i − row0, k − col0] = a_i · dS_ik · b_k over one chunk [row0, row_end) × [col0, col_end),
-    a = r_q · wq, b = r_k · wk; with ROUND16 rounded to w_ptr's 16-bit type, and the residuals'
-    slice sums written.
+    """W[i − row0, k − col0] = a_i · dS_ik · b_k over one chunk [row0, row_end) × [col0, col_end);
+    with ROUND16 rounded to float16 (with TAIL also a float16 tail), and the residuals' slice
+    sums written.
 
     dS_ik = g_i P_ik over the negatives (P = exp(d − nll)); with SYMMETRIC (M = N,
     offset 0) plus g'_k P'_ki, the softmax of column k, so one tile serves i2t and t2i.
@@ -90,16 +90,19 @@ def _dscore_kernel(
     Per-row inputs of the backward (float32):
         nll_ptr (M): each row's LSE of the gaps (P's normaliser); g_ptr (M): upstream gradient;
         nll_c_ptr, g_c_ptr (N): the same of the key direction (read only with SYMMETRIC);
-        wq_ptr, wk_ptr: 1-element powers of two (see the module docstring: the norms brought
-        near 1, and for 16-bit W the fit c folded into wq).
-    Outputs: w_ptr, the chunk (row_end − row0, col_end − col0), float32 or 16-bit, strides
-        stride_wm, stride_wn. With ROUND16, E_ik = (W_ik − W̃_ik) / (a_i b_k) (= ε_ik dS_ik)
+        a_ptr (M), b_ptr (N): W's row and column scales (see the module docstring: the inverse
+        norms, over the exact float16 conversion's powers of two for bf16 features, times
+        powers of two that bring them near 1, and for 16-bit W the fit c in a).
+    Outputs: w_ptr, the chunk (row_end − row0, col_end − col0), float32 or float16, strides
+        stride_wm, stride_wn; with TAIL lo_ptr, the tail, alike. With ROUND16,
+        E_ik = (W_ik − W̃_ik − W̃_lo,ik) / (a_i b_k) (= ε_ik dS_ik; no W̃_lo without TAIL)
         summed over SLICE columns into res_r_ptr[slice, i − row0] (stride_rr between slices)
         and over SLICE rows into res_c_ptr[slice, k − col0] (stride_rc).
     Shapes and scalars: the chunk's bounds row0, row_end (≤ M), col0, col_end (≤ N); D;
         offset (row i's positive is column offset + i).
     Constexprs: SYMMETRIC (also the key direction's share), HAS_MARGIN (γ ≠ 0), PREC
-        (``precision._dot``), ROUND16 ("", "bf16" or "fp16": W's type), SLICE (the residual
+        (``precision._dot``), ROUND16 ("" or "fp16": W rounded to float16), TAIL (and a
+        float16 tail written: fp16 features), SLICE (the residual
         sums' slice, dividing both tile sides), BLOCK_M × BLOCK_N tiles, BLOCK_K the
         reduction step (the forward's: the same tiles to the bit).
     """
@@ -126,16 +129,20 @@ def _dscore_kernel(
         nll_c = tl.load(nll_c_ptr + offs_n, mask=mask_n, other=0.0)
         g_c = tl.load(g_c_ptr + offs_n, mask=mask_n, other=0.0)
         dscore += tl.exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf"))) * g_c[None, :]
-    # W_ik = a_i · dS_ik · b_k, the norms first brought near 1 by exact powers of two
-    a = rq * tl.load(wq_ptr)
-    b = rk * tl.load(wk_ptr)
+    # W_ik = a_i · dS_ik · b_k (a, b: the products' scales, see the module docstring)
+    a = tl.load(a_ptr + offs_m, mask=mask_m, other=0.0)
+    b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0)
     w = dscore * a[:, None] * b[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if ROUND16 != "":
-        w16 = _round16(w, ROUND16 == "fp16")
-        lo16 = _round16(w - w16, ROUND16 == "fp16")  # the tail: W ≈ W̃ + W̃_lo to ~16 bits
-        # ε_ik dS_ik, exact residual of both roundings, in dS's units; 0 off the chunk (a, b are 0 there)
-        err = tl.where(mask, ((w - w16) - lo16) / b[None, :] / a[:, None], 0.0)
+        w16 = w.to(tl.float16).to(tl.float32)  # round to nearest even
+        if TAIL:
+            lo16 = (w - w16).to(tl.float16).to(tl.float32)  # the tail: W ≈ W̃ + W̃_lo to ~22 bits
+            rest = (w - w16) - lo16
+        else:
+            rest = w - w16
+        # ε_ik dS_ik, exact residual of the rounding(s), in dS's units; 0 off the chunk (a, b are 0 there)
+        err = tl.where(mask, rest / b[None, :] / a[:, None], 0.0)
         row_part = tl.sum(tl.reshape(err, (BLOCK_M, BLOCK_N // SLICE, SLICE)), axis=2)  # (BLOCK_M, slices)
         col_part = tl.sum(tl.reshape(err, (BLOCK_M // SLICE, SLICE, BLOCK_N)), axis=1)  # (slices, BLOCK_N)
         slices_n = tl.arange(0, BLOCK_N // SLICE)
@@ -146,15 +153,16 @@ def _dscore_kernel(
                  mask=mask_m[:, None] & (col0 + (first_n + slices_n) * SLICE < col_end)[None, :])
         tl.store(res_c_ptr + (first_m + slices_m)[:, None] * stride_rc + (offs_n - col0)[None, :], col_part,
                  mask=(row0 + (first_m + slices_m) * SLICE < row_end)[:, None] & mask_n[None, :])
-        tl.store(lo_ptr + (offs_m - row0)[:, None] * stride_wm + (offs_n - col0)[None, :] * stride_wn,
-                 lo16.to(lo_ptr.dtype.element_ty), mask=mask)
+        if TAIL:
+            tl.store(lo_ptr + (offs_m - row0)[:, None] * stride_wm + (offs_n - col0)[None, :] * stride_wn,
+                     lo16.to(lo_ptr.dtype.element_ty), mask=mask)
         w = w16
     tl.store(w_ptr + (offs_m - row0)[:, None] * stride_wm + (offs_n - col0)[None, :] * stride_wn,
              w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
 # autotuned twin (GPU only; the interpreter and HNCLIP_AUTOTUNE=0 use cfg.heuristic)
-_dscore_tuned = triton.autotune(cfg.all_candidates("dscore"), key=["D", "HAS_MARGIN", "PREC", "SYMMETRIC", "ROUND16"],
+_dscore_tuned = triton.autotune(cfg.all_candidates("dscore"), key=["D", "HAS_MARGIN", "PREC", "SYMMETRIC", "ROUND16", "TAIL"],
                                 prune_configs_by={"early_config_prune": cfg.pruner("dscore", "q_ptr")})(_dscore_kernel)
 
 
@@ -179,6 +187,26 @@ def _pow2_fit(g: torch.Tensor, g_c: torch.Tensor) -> torch.Tensor:
     bound = (g.abs().max() + g_c.abs().max()).reshape(1)
     _, exponent = torch.frexp(bound)
     return torch.ldexp(torch.ones(1, device=g.device), 13 - exponent)
+
+
+def _f16_scales(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Per row of bf16 ``x`` (inverse norms ``r``) the power of two s (float32) with x·s exact in
+    float16: s = min(2^e_r, 2^−e_x), r ∈ [2^(e_r−1), 2^e_r), max|x_j| ∈ [2^(e_x−1), 2^e_x)
+    (2^e_r for a zero row). Every |x_j s| < 1, and r/s ∈ [½, 1) for a normalised row
+    (‖x‖·r = 1 ⇒ max|x_j| ≤ 1/r, so 2^e_r ≤ 2^−e_x)."""
+    _, e_r = torch.frexp(r)
+    s_r = torch.ldexp(torch.ones_like(r), e_r)
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=1, dtype=torch.float32)  # max|x_j|, no |x| temporary
+    _, e_x = torch.frexp(amax)
+    return torch.where(amax > 0, torch.minimum(s_r, torch.ldexp(torch.ones_like(r), -e_x)), s_r)
+
+
+def _to_f16(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x · s[:, None] in float16, exact (``_f16_scales``; entries below 2^−17 lose bits to
+    float16's subnormals, below 2^−25 flush), in a buffer of the backward's workspace."""
+    out = torch.empty(x.shape, device=x.device, dtype=torch.float16)
+    torch.mul(x, s[:, None], out=out)
+    return out
 
 
 @contextlib.contextmanager
@@ -216,14 +244,19 @@ def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None) -> torch.Ten
     return torch.mm(a, b) if acc is None else torch.addmm(acc, a, b)
 
 
-def workspace_bytes(m: int, n: int, dtype: torch.dtype) -> int:
+def workspace_bytes(m: int, n: int, d: int, dtype: torch.dtype) -> int:
     """Bytes :func:`backward_shares` allocates at its peak for M rows against N columns of
-    ``dtype`` features: one chunk of ``config.chunk_shape`` (the first, the largest), its 16-bit
-    head and tail (or float32 dS) and, for 16-bit features, the residual slice sums."""
+    ``dtype`` features of width D: one chunk of ``config.chunk_shape`` (the first, the largest):
+    float32 dS (float32 features), a float16 head and tail (fp16) or one float16 W (bf16), for
+    16-bit features the residual slice sums, and for bf16 the chunk's rows and columns of the
+    features in float16 (R·D + C·D)."""
     rows, cols = cfg.chunk_shape(m, n)
     if dtype == torch.float32:
         return 4 * rows * cols
-    return 4 * rows * cols + 4 * (triton.cdiv(cols, RESIDUAL_SLICE) * rows + triton.cdiv(rows, RESIDUAL_SLICE) * cols)
+    residuals = 4 * (triton.cdiv(cols, RESIDUAL_SLICE) * rows + triton.cdiv(rows, RESIDUAL_SLICE) * cols)
+    if dtype == torch.float16:
+        return 4 * rows * cols + residuals
+    return 2 * rows * cols + residuals + 2 * (rows + cols) * d
 
 
 def _rows(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -250,16 +283,24 @@ def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offs
     q, k, _, _ = ops
     m, d = q.shape
     n = k.shape[0]
-    round16 = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q.dtype, "")
+    round16 = q.dtype in (torch.bfloat16, torch.float16)
+    tail = q.dtype == torch.float16  # bf16: one float16 W against float16 copies of the features
     nll = epilogue.row_nll(stats)
     nll_c, g_c = (epilogue.row_nll(key_side[0]), key_side[1]) if key_side else (nll, g)
-    wq, wk = _pow2_unit(norms[0]), _pow2_unit(norms[1])
+    if round16 and not tail:
+        # the features' exact float16 copies x·s: W's scales carry 1/s (t = r/s, exact)
+        s_q, s_k = _f16_scales(q, norms[0]), _f16_scales(k, norms[1])
+        t_q, t_k = norms[0] / s_q, norms[1] / s_k
+    else:
+        t_q, t_k = norms[0], norms[1]
+    wq, wk = _pow2_unit(t_q), _pow2_unit(t_k)
     if round16:
         wq = wq * _pow2_fit(g, g_c if key_side else torch.zeros_like(g[:1]))
-    # what the products divide out of W = diag(r_q wq) dS diag(r_k wk): its own side's scale and
-    # the other side's power of two (all exact: powers of two)
-    rq, rk = norms[0] * wq * wk, norms[1] * wk * wq
-    w_dtype = q.dtype if round16 else torch.float32
+    a, b = t_q * wq, t_k * wk  # W = diag(a) dS diag(b)
+    # what the products divide out: W's own side's scale and the other side's power of two
+    # (a GEMM against x·s gives a_i·wk·Σ_k dS_ik k̂_k; the power-of-two products are exact)
+    rq, rk = a * wk, b * wq
+    w_dtype = torch.float16 if round16 else torch.float32
     rows, cols = cfg.chunk_shape(m, n)
     prec = cfg.dot_precision(q.dtype, precision)
     d_q_parts, d_k_parts = [], [None] * triton.cdiv(n, cols)
@@ -269,6 +310,9 @@ def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offs
         for row0 in range(0, m, rows):
             row_end = min(row0 + rows, m)
             acc_q = rho = None
+            q_rows = _rows(q, row0, row_end)
+            if round16 and not tail:
+                q_rows = _to_f16(q_rows, s_q[row0:row_end])  # this row block's float16 copy
             for j, col0 in enumerate(range(0, n, cols)):
                 col_end = min(col0 + cols, n)
                 r, c = row_end - row0, col_end - col0
@@ -277,28 +321,33 @@ def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offs
                 # write through a scatter
                 w = torch.empty(r, c, device=q.device, dtype=w_dtype)
                 if round16:
-                    lo = torch.empty(r, c, device=q.device, dtype=w_dtype)
+                    lo = torch.empty(r, c, device=q.device, dtype=w_dtype) if tail else w
                     res_r = torch.empty(triton.cdiv(c, RESIDUAL_SLICE), r, device=q.device, dtype=torch.float32)
                     res_c = torch.empty(triton.cdiv(r, RESIDUAL_SLICE), c, device=q.device, dtype=torch.float32)
                 else:  # not written without ROUND16: w stands in for the pointers
                     lo = res_r = res_c = w
-                args = (*ops, *strides(*ops), *norms, stats.pos, nll, g, tau32, gamma32, nll_c, g_c, wq, wk, w, lo,
+                args = (*ops, *strides(*ops), *norms, stats.pos, nll, g, tau32, gamma32, nll_c, g_c, a, b, w, lo,
                         *w.stride(), res_r, res_r.stride(0), res_c, res_c.stride(0),
                         row0, row_end, col0, col_end, d, offset)
                 launch(lambda tuned: _kernel("dscore", tuned), "dscore", q.element_size(),
                        lambda t, r=r, c=c: (triton.cdiv(r, t["BLOCK_M"]), triton.cdiv(c, t["BLOCK_N"])),
-                       args, SYMMETRIC=key_side is not None, HAS_MARGIN=has_margin, PREC=prec, ROUND16=round16,
+                       args, SYMMETRIC=key_side is not None, HAS_MARGIN=has_margin, PREC=prec,
+                       ROUND16="fp16" if round16 else "", TAIL=tail,
                        SLICE=RESIDUAL_SLICE, BLOCK_K=cfg.score_block_k(q.element_size()))
-                k_cols, q_rows = _rows(k, col0, col_end), _rows(q, row0, row_end)
+                k_cols = _rows(k, col0, col_end)
+                if round16 and not tail:
+                    k_cols = _to_f16(k_cols, s_k[col0:col_end])  # this column block's float16 copy
                 acc_q = _mm(w, k_cols, acc_q)
                 d_k_parts[j] = _mm(w.t(), q_rows, d_k_parts[j])
-                if round16:  # the tail's products (the head's are above)
+                if tail:  # the tail's products (the head's are above)
                     acc_q = _mm(lo, k_cols, acc_q)
-                    d_k_parts[j] = _mm(lo.t(), q_rows, d_k_parts[j])  # slice sums merged in a fixed order, then over chunks in chunk order
+                    d_k_parts[j] = _mm(lo.t(), q_rows, d_k_parts[j])
+                if round16:  # slice sums merged in a fixed order, then over chunks in chunk order
                     rho = res_r.sum(0) if rho is None else rho + res_r.sum(0)
                     s = res_c.sum(0)
                     sigma_parts[j] = s if sigma_parts[j] is None else sigma_parts[j] + s
-                del w, lo, res_r, res_c, args  # one chunk alive at a time
+                del w, lo, res_r, res_c, args, k_cols  # one chunk alive at a time
+            del q_rows
             d_q_parts.append(acc_q)
             rho_parts.append(rho)
     d_q = (d_q_parts[0] if len(d_q_parts) == 1 else torch.cat(d_q_parts)).div_(rq[:, None])
