@@ -271,10 +271,10 @@ def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offs
     ``ops``, ``norms``, ``tau32``, ``gamma32``, ``has_margin``: as :func:`.forward.forward_stats`;
     ``stats``: its row statistics, ``g`` the upstream gradient of each row.
     ``key_side = (stats, g)`` of the transposed direction makes it symmetric (M = N, offset 0).
-    dS is materialised one R × C chunk at a time (4·R·C ≤ ``cfg.BWD_WORKSPACE_BYTES``: e.g.
-    8192 × 8192 in 256 MiB, a 16-bit head and tail or a float32 dS) and multiplied by the
-    features in torch GEMMs (two per chunk for float32 features; four, head and tail, for
-    16-bit ones), each accumulated in float32 over the chunks (``torch.addmm``).
+    dS is materialised one R × C chunk at a time (``cfg.chunk_shape``: 4·R·C ≤
+    ``cfg.BWD_WORKSPACE_BYTES``, e.g. 8192 × 8192 for 256 MiB) and multiplied by the features in
+    torch GEMMs (two per chunk for float32 and bf16 features, four, head and tail, for fp16; see
+    the module docstring), each accumulated in float32 over the chunks (``torch.addmm``).
     Chunks run in a fixed order and cuBLAS runs a given GEMM the same way every time on one
     GPU (no split-K atomics in its default mode; with several streams, set
     CUBLAS_WORKSPACE_CONFIG=:4096:8 as ``torch.use_deterministic_algorithms`` asks):

@@ -33,9 +33,9 @@ import triton
 # the modes and their default live with the checks (validation.resolve_precision applies it)
 from ...validation import DEFAULT_FP32_PRECISION, FP32_PRECISIONS  # noqa: F401
 
-# Backward workspace: dS is materialised chunk by chunk (R rows × C columns: a 16-bit head and tail
-# for bf16/fp16 features, float32 for float32) and multiplied by the features in torch GEMMs; R × C
-# is chosen so that one chunk stays within this many bytes (plus its residual sums, R·C/4 bytes).
+# Backward workspace: dS is materialised chunk by chunk (R rows × C columns, at most 4 bytes an
+# entry: float32, or a float16 head and tail; bf16 features write one float16 dS, 2 bytes) and
+# multiplied by the features in torch GEMMs; 4·R·C stays within this many bytes.
 BWD_WORKSPACE_BYTES = 256 << 20
 
 SM_COUNT_IF_UNKNOWN = 132  # an H100/H200: the grid heuristics' target when no GPU can be asked
@@ -218,8 +218,8 @@ def fwd_grid(m: int, n: int, elem_size: int, columns: bool, device: torch.device
 
 
 def chunk_shape(m: int, n: int) -> tuple[int, int]:
-    """(R, C): the dS chunk of the backward, 4·R·C ≤ BWD_WORKSPACE_BYTES (4 bytes an entry: a
-    float32 dS, or a 16-bit head and a 16-bit tail), as square as M and N allow, sides multiples
+    """(R, C): the dS chunk of the backward, 4·R·C ≤ BWD_WORKSPACE_BYTES (at most 4 bytes an
+    entry: a float32 dS, or a float16 head and tail), as square as M and N allow, sides multiples
     of the largest tile."""
     align = INTERPRET_TILE if launch_mode() == "interpret" else 128
     budget = max(align * align, BWD_WORKSPACE_BYTES // 4)

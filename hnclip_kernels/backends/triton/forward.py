@@ -1,9 +1,11 @@
 """Forward: the logits' row (and column) statistics in one walk over the tiles of Z.
 
-``_fwd_kernel`` folds each tile it forms into partial summaries of its rows (over one
-column split) and, for the symmetric loss, of its columns (over one group of row blocks);
-``_merge_kernel`` combines the partials of each line in a fixed order (no atomics).
-``forward_stats`` launches both.
+``_fwd_kernel`` (a rank's directional op) folds each tile it forms into partial summaries of its
+rows over one column split. ``_fwd_pair_kernel`` (the single-process loss) walks tile pairs: a
+tile right of the diagonal and its mirror from 3 products sharing the margin's G_IJ, feeding
+the rows' and columns' statistics; ``_fold_kernel`` folds each slab's partials into running
+summaries. ``_merge_kernel`` combines the partials of each line in a fixed order (no atomics).
+``forward_stats`` launches them.
 """
 from __future__ import annotations
 
