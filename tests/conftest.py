@@ -4,6 +4,7 @@ TRITON_INTERPRET must be set before triton is first imported (torch does not imp
 """
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -16,3 +17,17 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "sm90: ahead-of-time sm_90a compile check of the Triton kernels "
                                        "(tests/tooling/test_sm90_compile.py, minutes when not cached); "
                                        "deselect with -m 'not sm90'")
+
+
+@pytest.fixture(params=["interpret", "gpu"])
+def launch(request, monkeypatch):
+    """Each Triton launch configuration under the interpreter: its own small tiles, then the
+    GPU's (``HNCLIP_TRITON_LAUNCH=gpu``: the tiles, warps and splits an H200 runs)."""
+    from hnclip_kernels.backends.triton import config as cfg
+
+    if request.param == "gpu":
+        monkeypatch.setenv("HNCLIP_TRITON_LAUNCH", "gpu")
+    else:
+        monkeypatch.delenv("HNCLIP_TRITON_LAUNCH", raising=False)
+    assert cfg.launch_mode() == request.param
+    return request.param

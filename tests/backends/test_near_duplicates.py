@@ -14,7 +14,6 @@ import torch
 from cases import TOL_F32_GRAD
 from helpers import hn_clip_loss_f64, rel_err
 from hnclip_kernels import hn_clip_loss
-from hnclip_kernels.backends.triton import config as cfg
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only: CPU tensors, launch modes")
 
@@ -77,16 +76,6 @@ def gradient_errors(img, txt, tau: float):
     hn_clip_loss_f64(*ref, ref_tau, GAMMA).backward()
     return tuple(rel_err(a, e) for a, e in ((leaves[0].grad, ref[0].grad), (leaves[1].grad, ref[1].grad),
                                               (t.grad, ref_tau.grad)))
-
-
-@pytest.fixture(params=["interpret", "gpu"])
-def launch(request, monkeypatch):
-    if request.param == "gpu":
-        monkeypatch.setenv("HNCLIP_TRITON_LAUNCH", "gpu")
-    else:
-        monkeypatch.delenv("HNCLIP_TRITON_LAUNCH", raising=False)
-    assert cfg.launch_mode() == request.param
-    return request.param
 
 
 @pytest.mark.parametrize("tau", TAUS)

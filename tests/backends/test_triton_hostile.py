@@ -16,19 +16,6 @@ from hnclip_kernels.backends.triton.ops import directional_nll_triton
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only: CPU tensors, launch modes")
 
-LAUNCHES = ["interpret", "gpu"]
-
-
-@pytest.fixture(params=LAUNCHES)
-def launch(request, monkeypatch):
-    if request.param == "gpu":
-        monkeypatch.setenv("HNCLIP_TRITON_LAUNCH", "gpu")
-    else:
-        monkeypatch.delenv("HNCLIP_TRITON_LAUNCH", raising=False)
-    assert cfg.launch_mode() == request.param
-    return request.param
-
-
 def _grads(img, txt, tau=0.07, backend="triton", **kw):
     leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt)]
     loss = hn_clip_loss(*leaves, tau, backend=backend, **kw)
