@@ -52,14 +52,14 @@ def forward_bytes(m: int, n: int, elem_size: int, columns: bool, smoothing: bool
     return 4 * planes * (2 * n + slab * 2 * n + splits * 2 * min(slab * block_m, n))
 
 
-def backward_bytes(m: int, n: int, d: int, dtype: torch.dtype = torch.float32) -> int:
+def backward_bytes(m: int, n: int, d: int, dtype: torch.dtype = torch.float32, symmetric: bool = False) -> int:
     """Bytes of the backward's workspace for M rows against N columns of width D at its peak:
     one dS chunk, and for bf16 the chunk's features in float16 (``backward.workspace_bytes``,
     which sizes it as ``backward_shares`` allocates it)."""
     from . import backward
 
     with cfg.forced_launch("gpu"):
-        return int(backward.workspace_bytes(m, n, d, dtype))
+        return int(backward.workspace_bytes(m, n, d, dtype, symmetric))
 
 
 def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, label_smoothing: float = 0.0,
@@ -88,4 +88,5 @@ def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, l
         raise ValueError(f"workspace_bytes: n, d and local_rows must be positive, got {n}, {d}, {local_rows}")
     columns = local_rows is None
     m = n if columns else int(local_rows)
-    return forward_bytes(m, n, _SIZES[dtype], columns, label_smoothing != 0.0, device) + backward_bytes(m, n, d, dtype)
+    return (forward_bytes(m, n, _SIZES[dtype], columns, label_smoothing != 0.0, device)
+            + backward_bytes(m, n, d, dtype, symmetric=columns))
