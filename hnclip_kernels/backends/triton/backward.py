@@ -18,6 +18,14 @@ The GEMMs are torch's (cuBLAS on CUDA, float32 results from 16-bit operands), ac
 chunks; the O(N·D) epilogue divides the scales back out. ``backward_shares`` launches them
 chunk by chunk.
 
+The single-process loss (SYMMETRIC) walks chunk pairs instead (``_dscore_pair_kernel``), as the
+forward walks tile pairs: square chunks, pairs (a, b ≥ a); each program forms a tile Z_IJ of
+chunk (a, b) and its mirror Z_JIᵀ from 3 products sharing the margin's G_IJ = t_I t_Jᵀ
+(``tiles._pair_tiles``, 2 without the margin) and writes W_IJ into chunk buffer ab and W_JI into
+buffer ba; a diagonal chunk pairs its tiles across its diagonal super-tiles. dS with the margin
+then costs 1.5 products a logit away from the diagonal instead of 2, and two chunk buffers are
+alive at once (``workspace_bytes``).
+
 Compensation. Let dS̃ be what the GEMMs see (W̃, or W̃ + W̃_lo, over a_i b_k), dS_ik = dS̃_ik + ε_ik dS_ik.
 Row i's share is Σ_k dS_ik k̂_k = Σ_k dS̃_ik k̂_k + Σ_k ε_ik dS_ik k̂_k. The kernel also writes,
 per row, ρ_i = Σ_k ε_ik dS_ik (= r_i − r̃_i, the row sums of dS and dS̃), summed in float32 from
@@ -385,7 +393,8 @@ def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offs
     ``stats``: its row statistics, ``g`` the upstream gradient of each row.
     ``key_side = (stats, g)`` of the transposed direction makes it symmetric (M = N, offset 0).
     dS is materialised one R × C chunk at a time (``cfg.chunk_shape``: 4·R·C ≤
-    ``cfg.BWD_WORKSPACE_BYTES``, e.g. 8192 × 8192 for 256 MiB) and multiplied by the features in
+    ``cfg.BWD_WORKSPACE_BYTES``, e.g. 8192 × 8192 for 256 MiB; with ``key_side`` one square chunk
+    pair at a time, W_ab and W_ba from the same tile pairs, ``_symmetric_shares``) and multiplied by the features in
     torch GEMMs (two per chunk for float32 and bf16 features, four, head and tail, for fp16; see
     the module docstring), each accumulated in float32 over the chunks (``torch.addmm``).
     Chunks run in a fixed order and cuBLAS runs a given GEMM the same way every time on one
