@@ -121,6 +121,11 @@ CANDIDATES = {
 }
 
 
+# the paired dS forms every logit in the forward's role (direct, mirror, diagonal super-tile: the
+# split precisions' mirror differs in the last bits, ``tiles._pair_tiles``), so its rows are the forward's
+assert all(c.kwargs["BLOCK_M"] == FWD_BLOCK_M[w] for w, cs in CANDIDATES["dscore_pair"].items() for c in cs)
+
+
 def all_candidates(kernel: str) -> list:
     return [c for width in sorted(CANDIDATES[kernel]) for c in CANDIDATES[kernel][width]]
 
