@@ -39,9 +39,11 @@ def test_saturated_gpu_launch(gpu_launch, gamma, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_backward_in_chunks(monkeypatch, dtype):
-    # an 8 KiB workspace: dS is materialised in 5 × 3 chunks, both gradients accumulated over them
+    # an 8 KiB workspace: dS is materialised in 5 × 5 square chunks (32 × 32), 15 chunk pairs, both
+    # gradients accumulated over them
     monkeypatch.setattr(cfg, "BWD_WORKSPACE_BYTES", 8192)
     assert cfg.chunk_shape(130, 130) == (32, 64)
+    assert cfg.chunk_shape(130, 130, square=True) == (32, 32)  # the symmetric loss: chunk pairs
     check_against_truth("triton", 130, 40, dtype, 0.5, 0.05, 0.1, "none", upstream=torch.linspace(0.5, 2, 130))
 
 

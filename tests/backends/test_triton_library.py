@@ -267,7 +267,7 @@ _TRACE = textwrap.dedent('''
                                ("bwd", launches(bwd, torch.ones(8), *inputs(8), *stats)))}
     out["kernels"] = sorted({getattr(k, "fn", k).__name__
                              for k in get_triton_kernels_for_op("hnclip::triton_symmetric_nll_backward")})
-    # a backward in 3 x 3 chunks, autotuned: one dS launch per chunk (the GEMMs are torch's)
+    # a backward in 3 x 3 chunks, autotuned: one dS launch per chunk pair (the GEMMs are torch's)
     from hnclip_kernels.backends.triton import config as cfg
     cfg.BWD_WORKSPACE_BYTES = 8192
     nodes = launches(bwd, torch.ones(300), *inputs(300), *[torch.rand(300) + 0.5 for _ in range(9)])
@@ -289,17 +289,20 @@ def test_traced_for_inductor_without_gpu():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     writes = {"_fwd_pair_kernel": ["col_part_ptr", "row_part_ptr"], "_fold_kernel": ["acc_ptr"],
               "_merge_kernel": ["delta_ptr", "dsum_ptr", "mean_neg_ptr"],
-              "_dscore_kernel": ["w_ptr"]}
+              "_dscore_pair_kernel": ["w_ptr"]}
     # one slab at N = 8: the walk over tile pairs, the folds of its row blocks' and its splits'
     # partials, the two merges (rows, columns)
     assert [k for k, *_ in out["fwd"]] == ["_fwd_pair_kernel", "_fold_kernel", "_fold_kernel", "_merge_kernel",
                                            "_merge_kernel"], out["fwd"]
-    assert [k for k, *_ in out["bwd"]] == ["_dscore_kernel"], out["bwd"]  # the GEMMs: torch.mm / addmm
+    assert [k for k, *_ in out["bwd"]] == ["_dscore_pair_kernel"], out["bwd"]  # the GEMMs: torch.mm / addmm
     for kernel, cloned, takes_gamma in out["fwd"] + out["bwd"]:
         assert cloned == writes[kernel], (kernel, cloned)
-        assert takes_gamma == (kernel in ("_fwd_pair_kernel", "_dscore_kernel")), kernel  # γ: a tensor argument
+        assert takes_gamma == (kernel in ("_fwd_pair_kernel", "_dscore_pair_kernel")), kernel  # γ: a tensor argument
     # triton_op finds the kernels the backward operator launches (torch hashes them into its cache keys)
-    assert out["kernels"] == ["_dscore_kernel"], out["kernels"]
-    # 9 chunks, one autotuned dS launch each (float32 features: W written whole, nothing accumulated)
+    # (the launcher's switch names both dS kernels: the chunk pairs' and the directional op's)
+    assert out["kernels"] == ["_dscore_kernel", "_dscore_pair_kernel"], out["kernels"]
+    # 3 x 3 square chunks, 6 chunk pairs (b >= a), one autotuned dS launch each (float32 features: W_ab
+    # and W_ba written whole, nothing accumulated; the traced autotuner keeps float32's one
+    # spill-free pair tile, 64 x 16)
     chunked = out["chunked"]
-    assert len(chunked) == 9 and all(name == "_dscore_kernel" and configs > 1 for name, configs in chunked), chunked
+    assert len(chunked) == 6 and all(name == "_dscore_pair_kernel" and configs >= 1 for name, configs in chunked), chunked

@@ -106,7 +106,7 @@ def test_symmetric_workspace_counted(gpu_launch_small, counter, dtype, eps):
     # the running summaries (2N lines)
     planes = 4 if eps else 3
     assert fwd == workspace.forward_bytes(n, n, dtype.itemsize, True, bool(eps)) and fwd % (4 * planes * 2) == 0
-    assert bwd == workspace.backward_bytes(n, n, d, dtype)
+    assert bwd == workspace.backward_bytes(n, n, d, dtype, symmetric=True)
     assert fwd + bwd == hnclip_kernels.workspace_bytes(n, d, dtype, gamma=0.5, label_smoothing=eps)
 
 

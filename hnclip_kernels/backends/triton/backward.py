@@ -18,6 +18,14 @@ The GEMMs are torch's (cuBLAS on CUDA, float32 results from 16-bit operands), ac
 chunks; the O(N·D) epilogue divides the scales back out. ``backward_shares`` launches them
 chunk by chunk.
 
+The single-process loss (SYMMETRIC) walks chunk pairs instead (``_dscore_pair_kernel``), as the
+forward walks tile pairs: square chunks, pairs (a, b ≥ a); each program forms a tile Z_IJ of
+chunk (a, b) and its mirror Z_JIᵀ from 3 products sharing the margin's G_IJ = t_I t_Jᵀ
+(``tiles._pair_tiles``, 2 without the margin) and writes W_IJ into chunk buffer ab and W_JI into
+buffer ba; a diagonal chunk pairs its tiles across its diagonal super-tiles. dS with the margin
+then costs 1.5 products a logit away from the diagonal instead of 2, and two chunk buffers are
+alive at once (``workspace_bytes``).
+
 Compensation. Let dS̃ be what the GEMMs see (W̃, or W̃ + W̃_lo, over a_i b_k), dS_ik = dS̃_ik + ε_ik dS_ik.
 Row i's share is Σ_k dS_ik k̂_k = Σ_k dS̃_ik k̂_k + Σ_k ε_ik dS_ik k̂_k. The kernel also writes,
 per row, ρ_i = Σ_k ε_ik dS_ik (= r_i − r̃_i, the row sums of dS and dS̃), summed in float32 from
@@ -59,7 +67,7 @@ from ...numerics import autocast_disabled
 from .. import epilogue
 from . import config as cfg
 from .launch import launch, strides, wrap_triton
-from .tiles import _block, _load2, _load_gamma, _logits_tile
+from .tiles import _block, _load2, _load_gamma, _logits_tile, _pair_tiles
 
 # the residual sums' slice: every dS tile (32, 64 or 128 wide) holds whole slices, so the
 # partial buffers' layout does not depend on the tile an autotuner picks
@@ -118,6 +126,20 @@ def _dscore_kernel(
                      (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
                      (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
                      D, gamma, inv_tau, HAS_MARGIN, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
+                            a_ptr, b_ptr, SYMMETRIC)
+    _store_w(w, a, b, mask, (offs_m, mask_m, row0, row_end, pid_m * (BLOCK_M // SLICE)),
+             (offs_n, mask_n, col0, col_end, pid_n * (BLOCK_N // SLICE)),
+             w_ptr, lo_ptr, stride_wm, stride_wn, res_r_ptr, stride_rr, res_c_ptr, stride_rc,
+             ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr, a_ptr, b_ptr,
+            SYMMETRIC: tl.constexpr):
+    """W = a_i · dS_ik · b_k (float32) of a tile z of logits (rows ``offs_m``, columns ``offs_n``;
+    row i's positive is column offset + i), with the row scales a, column scales b and the
+    tile's bounds mask (see ``_dscore_kernel``). Loads only: no pointer here is written."""
     neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
     pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
     nll = tl.load(nll_ptr + offs_m, mask=mask_m, other=0.0)
@@ -133,7 +155,18 @@ def _dscore_kernel(
     a = tl.load(a_ptr + offs_m, mask=mask_m, other=0.0)
     b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0)
     w = dscore * a[:, None] * b[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
+    return w, a, b, mask_m[:, None] & mask_n[None, :]
+
+
+@triton.jit
+def _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, stride_wm, stride_wn, res_r_ptr, stride_rr, res_c_ptr, stride_rc,
+             ROUND16: tl.constexpr, TAIL: tl.constexpr, SLICE: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store a W tile (``_w_tile``) at rows ``rows`` = (offsets, mask, the chunk's first row, its end,
+    the tile's first row slice) and columns ``cols`` alike of a chunk buffer: with ROUND16 rounded
+    to float16 (with TAIL also the tail), and the residuals' slice sums (see ``_dscore_kernel``)."""
+    offs_m, mask_m, row0, row_end, first_m = rows
+    offs_n, mask_n, col0, col_end, first_n = cols
     if ROUND16 != "":
         w16 = w.to(tl.float16).to(tl.float32)  # round to nearest even
         if TAIL:
@@ -147,8 +180,6 @@ def _dscore_kernel(
         col_part = tl.sum(tl.reshape(err, (BLOCK_M // SLICE, SLICE, BLOCK_N)), axis=1)  # (slices, BLOCK_N)
         slices_n = tl.arange(0, BLOCK_N // SLICE)
         slices_m = tl.arange(0, BLOCK_M // SLICE)
-        first_n = pid_n * (BLOCK_N // SLICE)
-        first_m = pid_m * (BLOCK_M // SLICE)
         tl.store(res_r_ptr + (first_n + slices_n)[None, :] * stride_rr + (offs_m - row0)[:, None], row_part,
                  mask=mask_m[:, None] & (col0 + (first_n + slices_n) * SLICE < col_end)[None, :])
         tl.store(res_c_ptr + (first_m + slices_m)[:, None] * stride_rc + (offs_n - col0)[None, :], col_part,
@@ -161,14 +192,91 @@ def _dscore_kernel(
              w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _dscore_pair_kernel(
+    v_ptr, t_ptr, stride_vm, stride_vd, stride_tm, stride_td,
+    rv_ptr, rt_ptr, pos_ptr, nll_ptr, g_ptr, tau_ptr, gamma_ptr, nll_c_ptr, g_c_ptr, a_ptr, b_ptr,
+    w_ptr, lo_ptr, res_r_ptr, res_c_ptr, mirror_w, mirror_r, mirror_c,
+    row0, row_end, col0, col_end, D,
+    HAS_MARGIN: tl.constexpr, PREC: tl.constexpr, ROUND16: tl.constexpr, TAIL: tl.constexpr,
+    SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The symmetric loss's dS over a chunk pair: chunk (a, b) = [row0, row_end) × [col0, col_end)
+    and its mirror (b, a), both W's (``_dscore_kernel`` with SYMMETRIC, offset 0) from the tile
+    pairs of ``tiles._pair_tiles`` (3 products a pair sharing the margin's G_IJ = t_I t_Jᵀ).
+
+    Program (I, J) takes the tile of rows I (BLOCK_M) and columns J (BLOCK_N) of chunk (a, b),
+    forms Z_IJ and Z_JIᵀ, and writes W_IJ into buffer ab and W_JI (transposed back) into buffer ba,
+    with the residual slice sums of both. A diagonal chunk (row0 = col0, a square chunk) is its
+    own mirror (mirror offsets 0): there tile rows I pair with the columns J right of their
+    diagonal super-tile (BLOCK_M × BLOCK_M), the super-tile's tiles are formed alone (the
+    positives; ``_logits_tile``), and programs left of it write nothing (their tiles are
+    mirrors). Every logit is formed as the forward forms it (the same BLOCK_K): bit-identical.
+    Grid: (⌈rows / BLOCK_M⌉, ⌈columns / BLOCK_N⌉) of chunk (a, b).
+
+    Inputs: v_ptr, t_ptr (N, D) features (strides ``stride_<v|t><m|d>``), rv_ptr, rt_ptr (N)
+        inverse norms, and pos_ptr … b_ptr as ``_dscore_kernel`` (q = v, k = t).
+    Outputs: w_ptr, one flat buffer: W_ab (R × C, row-major) at 0, W_ba (C × R) at mirror_w;
+        with TAIL lo_ptr alike; with ROUND16 res_r_ptr: ab's row slice sums (⌈C / SLICE⌉, R)
+        at 0, ba's (⌈R / SLICE⌉, C) at mirror_r; res_c_ptr: ab's column slice sums
+        (⌈R / SLICE⌉, C) at 0, ba's (⌈C / SLICE⌉, R) at mirror_c (R = row_end − row0,
+        C = col_end − col0). Diagonal chunk: the mirror offsets 0 (one buffer each).
+    Constexprs: as ``_dscore_kernel``; BLOCK_N divides BLOCK_M; chunk sides multiples of BLOCK_M.
+    """
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows_c = row_end - row0
+    cols_c = col_end - col0
+    offs_m, mask_m = _block(row0 + pid_m * BLOCK_M, row_end, BLOCK_M)
+    offs_n, mask_n = _block(col0 + pid_n * BLOCK_N, col_end, BLOCK_N)
+    rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
+    rv_n, rt_n = _load2(rv_ptr, rt_ptr, offs_n, mask_n)
+    inv_tau = 1.0 / tl.load(tau_ptr)
+    gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
+    v = (v_ptr, stride_vm, stride_vd)
+    t = (t_ptr, stride_tm, stride_td)
+    rows = (offs_m, mask_m, row0, row_end, pid_m * (BLOCK_M // SLICE))
+    cols = (offs_n, mask_n, col0, col_end, pid_n * (BLOCK_N // SLICE))
+    local_m = pid_m * BLOCK_M
+    local_n = pid_n * BLOCK_N
+    diagonal = row0 == col0
+    if diagonal & (local_n >= local_m) & (local_n < local_m + BLOCK_M):
+        # the diagonal super-tile: its tiles hold the positives and are formed alone, as the forward forms them
+        z = _logits_tile(v, t, t, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
+                         D, gamma, inv_tau, HAS_MARGIN, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
+                                a_ptr, b_ptr, True)
+        _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, cols_c, 1, res_r_ptr, rows_c, res_c_ptr, cols_c,
+                 ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
+    elif (row0 != col0) | (local_n >= local_m + BLOCK_M):
+        z, zm = _pair_tiles(v, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
+                            D, gamma, inv_tau, HAS_MARGIN, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
+                                a_ptr, b_ptr, True)
+        _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, cols_c, 1, res_r_ptr, rows_c, res_c_ptr, cols_c,
+                 ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
+        # the mirror: rows J, columns I of chunk (b, a), a C × R buffer
+        wm, am, bm, maskm = _w_tile(tl.trans(zm), offs_n, mask_n, offs_m, mask_m, 0, pos_ptr, nll_ptr, g_ptr,
+                                    nll_c_ptr, g_c_ptr, a_ptr, b_ptr, True)
+        _store_w(wm, am, bm, maskm, cols, rows, w_ptr + mirror_w, lo_ptr + mirror_w, rows_c, 1,
+                 res_r_ptr + mirror_r, cols_c, res_c_ptr + mirror_c, rows_c, ROUND16, TAIL, SLICE, BLOCK_N, BLOCK_M)
+
+
 # autotuned twin (GPU only; the interpreter and HNCLIP_AUTOTUNE=0 use cfg.heuristic)
 _dscore_tuned = triton.autotune(cfg.all_candidates("dscore"), key=["D", "HAS_MARGIN", "PREC", "SYMMETRIC", "ROUND16", "TAIL"],
                                 prune_configs_by={"early_config_prune": cfg.pruner("dscore", "q_ptr")})(_dscore_kernel)
+# the symmetric loss's chunk pairs: key D, HAS_MARGIN, PREC, ROUND16, TAIL
+_dscore_pair_tuned = triton.autotune(cfg.all_candidates("dscore_pair"), key=["D", "HAS_MARGIN", "PREC", "ROUND16", "TAIL"],
+                                     prune_configs_by={"early_config_prune": cfg.pruner("dscore_pair", "v_ptr")}
+                                     )(_dscore_pair_kernel)
 
 
 def _kernel(name: str, tuned: bool):
-    """Kernel ``name`` ("dscore"), its autotuned twin when ``tuned``, through ``wrap_triton``;
-    spelled out kernel by kernel (see :func:`.launch.launch`)."""
+    """Kernel ``name`` ("dscore", "dscore_pair"), its autotuned twin when ``tuned``, through
+    ``wrap_triton``; spelled out kernel by kernel (see :func:`.launch.launch`)."""
+    if name == "dscore_pair":
+        return wrap_triton(_dscore_pair_tuned) if tuned else wrap_triton(_dscore_pair_kernel)
     assert name == "dscore", name
     return wrap_triton(_dscore_tuned) if tuned else wrap_triton(_dscore_kernel)
 
@@ -244,19 +352,32 @@ def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None) -> torch.Ten
     return torch.mm(a, b) if acc is None else torch.addmm(acc, a, b)
 
 
-def workspace_bytes(m: int, n: int, d: int, dtype: torch.dtype) -> int:
+def _chunk_bytes(rows: int, cols: int, d: int, dtype: torch.dtype, buffers: int) -> int:
+    """Bytes of ``buffers`` (1, or 2 for a chunk pair) R × C dS buffers of ``dtype`` features with
+    their residual slice sums, and for bf16 the float16 copies of the rows and columns of the
+    features they meet (q and k of both chunks for a pair: 2·(R + C)·D; R·D + C·D for one)."""
+    if dtype == torch.float32:
+        return 4 * rows * cols * buffers
+    residuals = 4 * (triton.cdiv(cols, RESIDUAL_SLICE) * rows + triton.cdiv(rows, RESIDUAL_SLICE) * cols) * buffers
+    if dtype == torch.float16:
+        return 4 * rows * cols * buffers + residuals
+    return 2 * rows * cols * buffers + residuals + 2 * (rows + cols) * d * buffers
+
+
+def workspace_bytes(m: int, n: int, d: int, dtype: torch.dtype, symmetric: bool = False) -> int:
     """Bytes :func:`backward_shares` allocates at its peak for M rows against N columns of
     ``dtype`` features of width D: one chunk of ``config.chunk_shape`` (the first, the largest):
     float32 dS (float32 features), a float16 head and tail (fp16) or one float16 W (bf16), for
     16-bit features the residual slice sums, and for bf16 the chunk's rows and columns of the
-    features in float16 (R·D + C·D)."""
+    features in float16 (R·D + C·D). ``symmetric`` (the single-process loss, M = N, square
+    chunks): a chunk pair (a, b > a) holds two chunk buffers (W_ab and W_ba) at once, the
+    largest pair the first: R × min(R, N − R); a single chunk (N ≤ R) one."""
+    if symmetric:
+        rows, _ = cfg.chunk_shape(m, n, square=True)
+        single = _chunk_bytes(rows, rows, d, dtype, 1)
+        return single if n <= rows else max(single, _chunk_bytes(rows, min(rows, n - rows), d, dtype, 2))
     rows, cols = cfg.chunk_shape(m, n)
-    if dtype == torch.float32:
-        return 4 * rows * cols
-    residuals = 4 * (triton.cdiv(cols, RESIDUAL_SLICE) * rows + triton.cdiv(rows, RESIDUAL_SLICE) * cols)
-    if dtype == torch.float16:
-        return 4 * rows * cols + residuals
-    return 2 * rows * cols + residuals + 2 * (rows + cols) * d
+    return _chunk_bytes(rows, cols, d, dtype, 1)
 
 
 def _rows(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -272,7 +393,8 @@ def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offs
     ``stats``: its row statistics, ``g`` the upstream gradient of each row.
     ``key_side = (stats, g)`` of the transposed direction makes it symmetric (M = N, offset 0).
     dS is materialised one R × C chunk at a time (``cfg.chunk_shape``: 4·R·C ≤
-    ``cfg.BWD_WORKSPACE_BYTES``, e.g. 8192 × 8192 for 256 MiB) and multiplied by the features in
+    ``cfg.BWD_WORKSPACE_BYTES``, e.g. 8192 × 8192 for 256 MiB; with ``key_side`` one square chunk
+    pair at a time, W_ab and W_ba from the same tile pairs, ``_symmetric_shares``) and multiplied by the features in
     torch GEMMs (two per chunk for float32 and bf16 features, four, head and tail, for fp16; see
     the module docstring), each accumulated in float32 over the chunks (``torch.addmm``).
     Chunks run in a fixed order and cuBLAS runs a given GEMM the same way every time on one
@@ -301,8 +423,17 @@ def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offs
     # (a GEMM against x·s gives a_i·wk·Σ_k dS_ik k̂_k; the power-of-two products are exact)
     rq, rk = a * wk, b * wq
     w_dtype = torch.float16 if round16 else torch.float32
-    rows, cols = cfg.chunk_shape(m, n)
     prec = cfg.dot_precision(q.dtype, precision)
+    if key_side is not None:
+        d_q, d_k, rho, sigma = _symmetric_shares(ops, norms, stats.pos, nll, g, tau32, gamma32, nll_c, g_c, a, b,
+                                                 (s_q, s_k) if round16 and not tail else None, has_margin, prec,
+                                                 w_dtype, round16, tail)
+        d_q.div_(rq[:, None])
+        d_k.div_(rk[:, None])
+        if round16:
+            epilogue.add_rounding_compensation(d_q, d_k, rho, sigma, q, k, norms[0], norms[1], offset)
+        return d_q, d_k
+    rows, cols = cfg.chunk_shape(m, n)
     d_q_parts, d_k_parts = [], [None] * triton.cdiv(n, cols)
     rho_parts, sigma_parts = [], [None] * triton.cdiv(n, cols)
     # the GEMMs accumulate in float32 whatever autocast region the backward runs in
@@ -357,3 +488,73 @@ def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offs
         sigma = sigma_parts[0] if len(sigma_parts) == 1 else torch.cat(sigma_parts)
         epilogue.add_rounding_compensation(d_q, d_k, rho, sigma, q, k, norms[0], norms[1], offset)
     return d_q, d_k
+
+
+def _symmetric_shares(ops, norms, pos, nll, g, tau32, gamma32, nll_c, g_c, a, b, f16_scales, has_margin, prec,
+                      w_dtype, round16, tail):
+    """The symmetric loss's shares over chunk pairs (``_dscore_pair_kernel``): square chunks
+    (``cfg.chunk_shape(square=True)``), pairs (a, b ≥ a) in order; a pair b > a writes W_ab and
+    W_ba from the same tile pairs, a diagonal pair W_aa. Then the GEMMs of each buffer (as
+    ``backward_shares``), accumulated per chunk in pair order. Returns the unscaled float32
+    (d_q, d_k) and the residual sums (ρ, σ) (None without 16-bit features)."""
+    v, t = ops[0], ops[1]
+    n, d = v.shape
+    rows, _ = cfg.chunk_shape(n, n, square=True)
+    bounds = [(c0, min(c0 + rows, n)) for c0 in range(0, n, rows)]
+    d_q, d_k = [None] * len(bounds), [None] * len(bounds)
+    rho, sigma = [None] * len(bounds), [None] * len(bounds)
+    dev = v.device
+
+    def copies(start, end):  # the features of one chunk: float16 copies for bf16 (exact, see _f16_scales)
+        vr, tr = _rows(v, start, end), _rows(t, start, end)
+        if f16_scales is None:
+            return vr, tr
+        return _to_f16(vr, f16_scales[0][start:end]), _to_f16(tr, f16_scales[1][start:end])
+
+    def add(parts, i, x):
+        parts[i] = x if parts[i] is None else parts[i] + x
+
+    with _ieee_float32(dev), autocast_disabled(dev):
+        for ia, (row0, row_end) in enumerate(bounds):
+            q_a, k_a = copies(row0, row_end)
+            r = row_end - row0
+            for ib in range(ia, len(bounds)):
+                col0, col_end = bounds[ib]
+                c = col_end - col0
+                pair = ib > ia
+                q_b, k_b = copies(col0, col_end) if pair else (q_a, k_a)
+                # fresh buffers per chunk pair (the previous ones freed first): W_ab then W_ba, flat
+                w = torch.empty((2 if pair else 1) * r * c, device=dev, dtype=w_dtype)
+                if round16:
+                    lo = torch.empty(w.shape, device=dev, dtype=w_dtype) if tail else w
+                    sr, sc = triton.cdiv(r, RESIDUAL_SLICE), triton.cdiv(c, RESIDUAL_SLICE)
+                    # ab's row sums (sc, r) then ba's (sr, c); ab's column sums (sr, c) then ba's (sc, r)
+                    res_r = torch.empty(sc * r + (sr * c if pair else 0), device=dev, dtype=torch.float32)
+                    res_c = torch.empty(sr * c + (sc * r if pair else 0), device=dev, dtype=torch.float32)
+                else:  # not written without ROUND16: w stands in for the pointers
+                    lo = res_r = res_c = w
+                    sr = sc = 0
+                mirror = (r * c, sc * r, sr * c) if pair else (0, 0, 0)
+                args = (v, t, *strides(v, t), norms[0], norms[1], pos, nll, g, tau32, gamma32, nll_c, g_c, a, b,
+                        w, lo, res_r, res_c, *mirror, row0, row_end, col0, col_end, d)
+                launch(lambda tuned: _kernel("dscore_pair", tuned), "dscore_pair", v.element_size(),
+                       lambda tl_, r=r, c=c: (triton.cdiv(r, tl_["BLOCK_M"]), triton.cdiv(c, tl_["BLOCK_N"])),
+                       args, HAS_MARGIN=has_margin, PREC=prec, ROUND16="fp16" if round16 else "", TAIL=tail,
+                       SLICE=RESIDUAL_SLICE, BLOCK_K=cfg.score_block_k(v.element_size()))
+                for buf in [w, lo] if tail else [w]:  # W_ab (and its tail): rows a against columns b
+                    d_q[ia] = _mm(buf[:r * c].view(r, c), k_b, d_q[ia])
+                    d_k[ib] = _mm(buf[:r * c].view(r, c).t(), q_a, d_k[ib])
+                    if pair:  # W_ba: rows b against columns a
+                        d_q[ib] = _mm(buf[r * c:].view(c, r), k_a, d_q[ib])
+                        d_k[ia] = _mm(buf[r * c:].view(c, r).t(), q_b, d_k[ia])
+                del buf
+                if round16:  # slice sums merged in a fixed order, then over pairs in pair order
+                    add(rho, ia, res_r[:sc * r].view(sc, r).sum(0))
+                    add(sigma, ib, res_c[:sr * c].view(sr, c).sum(0))
+                    if pair:
+                        add(rho, ib, res_r[sc * r:].view(sr, c).sum(0))
+                        add(sigma, ia, res_c[sr * c:].view(sc, r).sum(0))
+                del w, lo, res_r, res_c, args, q_b, k_b  # one chunk pair alive at a time
+            del q_a, k_a
+    cat = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
+    return cat(d_q), cat(d_k), (cat(rho) if round16 else None), (cat(sigma) if round16 else None)

@@ -113,8 +113,17 @@ CANDIDATES = {
              4: [_cfg(4, 2, BLOCK_N=16)]},
     "dscore": {2: [_cfg(8, 3, BLOCK_M=64, BLOCK_N=128), _cfg(4, 4, BLOCK_M=128, BLOCK_N=64)],
                4: [_cfg(4, 3, BLOCK_M=64, BLOCK_N=32), _cfg(8, 2, BLOCK_M=64, BLOCK_N=64)]},
+    # the symmetric loss's chunk pairs (``backward._dscore_pair_kernel``): the pair forward's tiles
+    # (Z_IJ, Z_JIᵀ and G_IJ live together), BLOCK_N dividing BLOCK_M
+    "dscore_pair": {2: [_cfg(8, 3, BLOCK_M=128, BLOCK_N=32), _cfg(8, 4, BLOCK_M=128, BLOCK_N=32)],
+                    4: [_cfg(4, 2, BLOCK_M=64, BLOCK_N=16)]},
     # (the backward's GEMMs are torch's: cuBLAS on CUDA, see backward.py)
 }
+
+
+# the paired dS forms every logit in the forward's role (direct, mirror, diagonal super-tile: the
+# split precisions' mirror differs in the last bits, ``tiles._pair_tiles``), so its rows are the forward's
+assert all(c.kwargs["BLOCK_M"] == FWD_BLOCK_M[w] for w, cs in CANDIDATES["dscore_pair"].items() for c in cs)
 
 
 def all_candidates(kernel: str) -> list:
@@ -147,7 +156,8 @@ def heuristic(kernel: str, elem_size: int) -> Fixed:
     """The launch of mode "gpu" (first surviving candidate) or "interpret" (small fixed tiles)."""
     if launch_mode() == "interpret":
         t = INTERPRET_TILE
-        tiles = {"fwd": dict(BLOCK_N=t), "pair": dict(BLOCK_N=t), "dscore": dict(BLOCK_M=t, BLOCK_N=t)}[kernel]
+        tiles = {"fwd": dict(BLOCK_N=t), "pair": dict(BLOCK_N=t), "dscore": dict(BLOCK_M=t, BLOCK_N=t),
+                 "dscore_pair": dict(BLOCK_M=t, BLOCK_N=t)}[kernel]
         return Fixed(tiles, 1, 1)
     c = candidates(kernel, elem_size)[0]
     return Fixed(dict(c.kwargs), c.num_warps, c.num_stages)
@@ -217,12 +227,14 @@ def fwd_grid(m: int, n: int, elem_size: int, columns: bool, device: torch.device
     return row_blocks, slab, splits, per_split
 
 
-def chunk_shape(m: int, n: int) -> tuple[int, int]:
+def chunk_shape(m: int, n: int, square: bool = False) -> tuple[int, int]:
     """(R, C): the dS chunk of the backward, 4·R·C ≤ BWD_WORKSPACE_BYTES (at most 4 bytes an
     entry: a float32 dS, or a float16 head and tail), as square as M and N allow, sides multiples
-    of the largest tile."""
+    of the largest tile. ``square`` (the symmetric loss's chunk pairs, M = N): R = C."""
     align = INTERPRET_TILE if launch_mode() == "interpret" else 128
     budget = max(align * align, BWD_WORKSPACE_BYTES // 4)
     rows = min(m, max(align, int(budget ** 0.5) // align * align))
+    if square:
+        return rows, min(n, rows)
     cols = min(n, max(align, budget // rows // align * align))
     return rows, cols

@@ -164,7 +164,11 @@ def _pair_tiles(
     (N, D). Blocks ``(offsets, mask, r_v, r_t)``: rows I (BLOCK_M) and columns J (BLOCK_N).
     Returns two (BLOCK_M, BLOCK_N) float32 tiles: z[i, j] = Z[i, j] and zm[i, j] = Z[j, i],
     each scaled in the order of ``_logits_tile`` (the same Z to the bit, as a (J, I) tile
-    would form it, for the same reduction over D).
+    would form it, for the same reduction over D, with 16-bit or "ieee"/"tf32" operands). The
+    split precisions ("tf32x3", "bf16x3", "bf16x6") add the cross terms tail·head and head·tail
+    in operand order, so the mirror (t_I v_Jᵀ) may differ from ``_logits_tile``'s v_J t_Iᵀ in the
+    last bits: the forward and the backward's ``_dscore_pair_kernel`` therefore form every
+    logit in the same role (direct, mirror or diagonal super-tile), bit-identical to each other.
     """
     v_ptr, stride_vm, stride_vd = v
     t_ptr, stride_tm, stride_td = t

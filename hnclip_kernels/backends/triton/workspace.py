@@ -9,7 +9,7 @@ returns, the backward's is allocated inside the backward operator):
   summaries (planes, 2N) and one slab's partials: its row blocks' (slab row blocks, planes, 2N)
   and its splits' (splits, planes, 2 · slab rows), the grid of ``config.fwd_grid``;
 * the backward's dS chunk (``backward.backward_shares``): one R × C chunk of ``config.chunk_shape``
-  at a time (float32 dS, a float16 head and tail for fp16 features, one float16 dS and float16
+  at a time (for the symmetric loss one square chunk pair, W_ab and W_ba, at a time) (float32 dS, a float16 head and tail for fp16 features, one float16 dS and float16
   copies of the chunk's feature rows for bf16), with its residual slice sums for 16-bit
   features (``backward.workspace_bytes`` states it).
 
@@ -52,14 +52,14 @@ def forward_bytes(m: int, n: int, elem_size: int, columns: bool, smoothing: bool
     return 4 * planes * (2 * n + slab * 2 * n + splits * 2 * min(slab * block_m, n))
 
 
-def backward_bytes(m: int, n: int, d: int, dtype: torch.dtype = torch.float32) -> int:
+def backward_bytes(m: int, n: int, d: int, dtype: torch.dtype = torch.float32, symmetric: bool = False) -> int:
     """Bytes of the backward's workspace for M rows against N columns of width D at its peak:
     one dS chunk, and for bf16 the chunk's features in float16 (``backward.workspace_bytes``,
     which sizes it as ``backward_shares`` allocates it)."""
     from . import backward
 
     with cfg.forced_launch("gpu"):
-        return int(backward.workspace_bytes(m, n, d, dtype))
+        return int(backward.workspace_bytes(m, n, d, dtype, symmetric))
 
 
 def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, label_smoothing: float = 0.0,
@@ -74,8 +74,9 @@ def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, l
     forward's tile height); ``label_smoothing``: ≠ 0 adds the Σd plane; ``device``: whose SM
     count sizes the grid (default: the current CUDA device, else an H100/H200's 132).
 
-    E.g. N = 262144, D = 768, bf16, γ = 0.5 on 132 SMs: 79 MiB of statistics + 168 MiB of backward
-    (a 128 MiB float16 dS chunk, 16 MiB of residual sums, 24 MiB of float16 feature rows).
+    E.g. N = 262144, D = 768, bf16, γ = 0.5 on 132 SMs: 79 MiB of statistics + 336 MiB of backward
+    (a chunk pair: two 128 MiB float16 dS chunks, 32 MiB of residual sums, 48 MiB of float16
+    feature rows).
 
     Returns: bytes (an int): the sum of the two workspaces, a bound on the peak (they are never live together).
     Raises: ValueError for a dtype other than float16/bfloat16/float32, or n, d, local_rows < 1.
@@ -88,4 +89,5 @@ def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, l
         raise ValueError(f"workspace_bytes: n, d and local_rows must be positive, got {n}, {d}, {local_rows}")
     columns = local_rows is None
     m = n if columns else int(local_rows)
-    return forward_bytes(m, n, _SIZES[dtype], columns, label_smoothing != 0.0, device) + backward_bytes(m, n, d, dtype)
+    return (forward_bytes(m, n, _SIZES[dtype], columns, label_smoothing != 0.0, device)
+            + backward_bytes(m, n, d, dtype, symmetric=columns))
