@@ -13,6 +13,23 @@ from .precision import _dot
 
 
 @triton.jit
+def _row_block(mat, offs, mask, offs_d, mask_d):
+    """The (rows, BLOCK_K) block of ``mat`` = (ptr, stride along rows, stride along D) at rows
+    ``offs`` and features ``offs_d`` (zeros outside the masks): a dot's left operand."""
+    ptr, stride_r, stride_d = mat
+    return tl.load(ptr + offs[:, None] * stride_r + offs_d[None, :] * stride_d,
+                   mask=mask[:, None] & mask_d[None, :], other=0.0)
+
+
+@triton.jit
+def _col_block(mat, offs, mask, offs_d, mask_d):
+    """The (BLOCK_K, rows) block of ``mat`` read transposed: a dot's right operand."""
+    ptr, stride_r, stride_d = mat
+    return tl.load(ptr + offs_d[:, None] * stride_d + offs[None, :] * stride_r,
+                   mask=mask_d[:, None] & mask[None, :], other=0.0)
+
+
+@triton.jit
 def _logits_tile(
     q, k, margin_q, margin_k,
     rows, cols,
@@ -31,10 +48,6 @@ def _logits_tile(
     Scalars: D (feature width), gamma (γ, float32), inv_tau (1/τ).
     Constexprs: HAS_MARGIN (γ ≠ 0), PREC (see ``precision._dot``), tile sizes.
     """
-    q_ptr, stride_qm, stride_qd = q
-    k_ptr, stride_kn, stride_kd = k
-    mq_ptr, stride_mqm, stride_mqd = margin_q
-    mk_ptr, stride_mkn, stride_mkd = margin_k
     offs_m, mask_m, rq, r_mq = rows
     offs_n, mask_n, rk, r_mk = cols
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -42,17 +55,11 @@ def _logits_tile(
     for k0 in range(0, D, BLOCK_K):
         offs_d = k0 + tl.arange(0, BLOCK_K)
         mask_d = offs_d < D
-        row_mask = mask_m[:, None] & mask_d[None, :]
-        col_mask = mask_d[:, None] & mask_n[None, :]
-        q_blk = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=row_mask, other=0.0)
-        k_blk = tl.load(k_ptr + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn, mask=col_mask, other=0.0)
-        acc = _dot(q_blk, k_blk, acc, PREC)
+        acc = _dot(_row_block(q, offs_m, mask_m, offs_d, mask_d), _col_block(k, offs_n, mask_n, offs_d, mask_d),
+                   acc, PREC)
         if HAS_MARGIN:
-            mq_blk = tl.load(mq_ptr + offs_m[:, None] * stride_mqm + offs_d[None, :] * stride_mqd,
-                             mask=row_mask, other=0.0)
-            mk_blk = tl.load(mk_ptr + offs_d[:, None] * stride_mkd + offs_n[None, :] * stride_mkn,
-                             mask=col_mask, other=0.0)
-            acc_margin = _dot(mq_blk, mk_blk, acc_margin, PREC)
+            acc_margin = _dot(_row_block(margin_q, offs_m, mask_m, offs_d, mask_d),
+                              _col_block(margin_k, offs_n, mask_n, offs_d, mask_d), acc_margin, PREC)
     # the norms scale float32 tiles: the normalised vectors are never rounded to bf16
     z = acc * rq[:, None] * rk[None, :]
     if HAS_MARGIN:
@@ -170,8 +177,6 @@ def _pair_tiles(
     last bits: the forward and the backward's ``_dscore_pair_kernel`` therefore form every
     logit in the same role (direct, mirror or diagonal super-tile), bit-identical to each other.
     """
-    v_ptr, stride_vm, stride_vd = v
-    t_ptr, stride_tm, stride_td = t
     offs_m, mask_m, rv_m, rt_m = rows
     offs_n, mask_n, rv_n, rt_n = cols
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -180,12 +185,10 @@ def _pair_tiles(
     for k0 in range(0, D, BLOCK_K):
         offs_d = k0 + tl.arange(0, BLOCK_K)
         mask_d = offs_d < D
-        row_mask = mask_m[:, None] & mask_d[None, :]
-        col_mask = mask_d[:, None] & mask_n[None, :]
-        v_i = tl.load(v_ptr + offs_m[:, None] * stride_vm + offs_d[None, :] * stride_vd, mask=row_mask, other=0.0)
-        t_i = tl.load(t_ptr + offs_m[:, None] * stride_tm + offs_d[None, :] * stride_td, mask=row_mask, other=0.0)
-        t_j = tl.load(t_ptr + offs_d[:, None] * stride_td + offs_n[None, :] * stride_tm, mask=col_mask, other=0.0)
-        v_j = tl.load(v_ptr + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vm, mask=col_mask, other=0.0)
+        v_i = _row_block(v, offs_m, mask_m, offs_d, mask_d)
+        t_i = _row_block(t, offs_m, mask_m, offs_d, mask_d)
+        t_j = _col_block(t, offs_n, mask_n, offs_d, mask_d)
+        v_j = _col_block(v, offs_n, mask_n, offs_d, mask_d)
         acc = _dot(v_i, t_j, acc, PREC)
         acc_mirror = _dot(t_i, v_j, acc_mirror, PREC)
         if HAS_MARGIN:
