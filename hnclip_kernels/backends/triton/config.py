@@ -197,7 +197,7 @@ def split_width(width: int, splits: int) -> int:
 def n_bucket(n: int) -> int:
     """The autotune bucket of a batch of n columns: the power of two ≥ n (at least 1024).
 
-    The forward's autotune key is (D, N bucket, HAS_MARGIN, PREC, COL_STATS, SMOOTHING): a
+    The forward kernels' autotune key is (D, N bucket, HAS_MARGIN, PREC, SMOOTHING): a
     configuration tuned at N = 4096 is not reused at N = 262144, where the grid walks ~4000
     times more tiles per program; within a bucket the work per program differs by < 2×."""
     return max(1024, 1 << max(0, int(n) - 1).bit_length())

@@ -36,16 +36,15 @@ def _fwd_kernel(
     q_ptr, k_ptr, mq_ptr, mk_ptr,
     stride_qm, stride_qd, stride_kn, stride_kd, stride_mqm, stride_mqd, stride_mkn, stride_mkd,
     rq_ptr, rk_ptr, r_mq_ptr, r_mk_ptr, pos_ptr, tau_ptr, gamma_ptr,
-    row_part_ptr, col_part_ptr,
-    M, N, D, offset, block0, cols_per_split, N_BUCKET,
-    COL_STATS: tl.constexpr, SMOOTHING: tl.constexpr, HAS_MARGIN: tl.constexpr, PREC: tl.constexpr,
+    row_part_ptr,
+    M, N, D, offset, cols_per_split, N_BUCKET,
+    SMOOTHING: tl.constexpr, HAS_MARGIN: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One walk over the tiles of Z: each tile formed once serves the rows and the columns.
+    """One direction's walk over the tiles of Z (a rank's directional op): row statistics.
 
     For the gaps d = Z − Z_pos over the negatives, a row's summary is (max, Σexp, Σexp·d,
-    Σd) over this program's column split; a column's is the same over this row block.
-    Grid: (row blocks of one slab, column splits); program (b, s) walks row block block0 + b.
+    Σd) over this program's column split. Grid: (row blocks, column splits).
 
     Features (raw, any float dtype, row-major or strided):
         q_ptr (M, D) queries, k_ptr (N, D) keys, mq_ptr (M, D) / mk_ptr (N, D) the margin
@@ -55,18 +54,15 @@ def _fwd_kernel(
         rq_ptr (M), rk_ptr (N), r_mq_ptr (M), r_mk_ptr (N): inverse row norms;
         pos_ptr (M): the positive logit Z[i, offset + i]; tau_ptr, gamma_ptr: 1-element τ, γ.
     Outputs (float32, planes = 3 + SMOOTHING: max, Σexp, Σexp·d[, Σd]):
-        row_part_ptr (splits, planes, M): each split's summary of each row;
-        col_part_ptr (slab row blocks, planes, N): each row block's summary of each column
-        (written only with COL_STATS; ``forward_stats`` folds a slab's into the running ones).
+        row_part_ptr (splits, planes, M): each split's summary of each row.
     Shapes and scalars: M, N, D; offset (row i's positive is column offset + i);
-        block0 (the slab's first row block); cols_per_split (columns per program along axis 1,
+        cols_per_split (columns per program along axis 1,
         a multiple of BLOCK_N); N_BUCKET (``config.n_bucket(N)``: read by nothing, a key of the
         autotuner).
-    Constexprs: COL_STATS (symmetric loss, M = N, offset 0: also the columns' statistics),
-        SMOOTHING (label smoothing: also Σd), HAS_MARGIN (γ ≠ 0), PREC (``precision._dot``),
+    Constexprs: SMOOTHING (label smoothing: also Σd), HAS_MARGIN (γ ≠ 0), PREC (``precision._dot``),
         BLOCK_M × BLOCK_N tiles, BLOCK_K the reduction step over D.
     """
-    pid_b = tl.program_id(0)
+    pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     inv_tau = 1.0 / tl.load(tau_ptr)
     gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
@@ -74,7 +70,7 @@ def _fwd_kernel(
     k = (k_ptr, stride_kn, stride_kd)
     margin_q = (mq_ptr, stride_mqm, stride_mqd)
     margin_k = (mk_ptr, stride_mkn, stride_mkd)
-    offs_m, mask_m = _block((block0 + pid_b) * BLOCK_M, M, BLOCK_M)
+    offs_m, mask_m = _block(pid_m * BLOCK_M, M, BLOCK_M)
     rq, r_mq = _load2(rq_ptr, r_mq_ptr, offs_m, mask_m)
     pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
     run_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -93,11 +89,6 @@ def _fwd_kernel(
         t_max, t_sum, t_wsum, t_dsum = _tile_stats(d, neg, 1)
         run_max, run_sum, run_wsum = _combine((run_max, run_sum, run_wsum), (t_max, t_sum, t_wsum))
         run_dsum += t_dsum
-        if COL_STATS:  # symmetric loss (M = N, offset 0): column j's positive is Z_jj = pos_j
-            pos_c = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
-            d_c = tl.where(neg, z - pos_c[None, :], float("-inf"))
-            _store_partial(col_part_ptr + pid_b.to(tl.int64) * (3 + SMOOTHING) * N, N, offs_n, mask_n,
-                           _tile_stats(d_c, neg, 0), SMOOTHING)
     _store_partial(row_part_ptr + pid_s.to(tl.int64) * (3 + SMOOTHING) * M, M, offs_m, mask_m,
                    (run_max, run_sum, run_wsum, run_dsum), SMOOTHING)
 
@@ -248,9 +239,9 @@ def _merge_kernel(part_ptr, n_parts, L, line0, plane_stride, delta_ptr, mean_neg
 
 
 # autotuned twin (GPU only; the interpreter and HNCLIP_AUTOTUNE=0 use cfg.heuristic)
-# key: D, the N bucket (``cfg.n_bucket``), HAS_MARGIN, PREC, COL_STATS, SMOOTHING (and, through
+# key: D, the N bucket (``cfg.n_bucket``), HAS_MARGIN, PREC, SMOOTHING (and, through
 # the pruner, the operand width); every rerun rewrites the partials whole, so no restore_value
-_fwd_tuned = triton.autotune(cfg.all_candidates("fwd"), key=["D", "N_BUCKET", "HAS_MARGIN", "PREC", "COL_STATS", "SMOOTHING"],
+_fwd_tuned = triton.autotune(cfg.all_candidates("fwd"), key=["D", "N_BUCKET", "HAS_MARGIN", "PREC", "SMOOTHING"],
                              prune_configs_by={"early_config_prune": cfg.pruner("fwd", "q_ptr")})(_fwd_kernel)
 # the symmetric walk's twin: key D, N bucket, HAS_MARGIN, PREC, SMOOTHING (the same candidates)
 _fwd_pair_tuned = triton.autotune(cfg.all_candidates("pair"), key=["D", "N_BUCKET", "HAS_MARGIN", "PREC", "SMOOTHING"],
@@ -353,10 +344,10 @@ def forward_stats(ops, norms, pos, tau32, gamma32, has_margin: bool, offset: int
     _, row_blocks, splits, per_split = cfg.fwd_grid(m, n, width, False, q.device)
     planes = 4 if smoothing else 3
     row_part = torch.empty(splits, planes, m, device=q.device, dtype=torch.float32)
-    args = (*ops, *strides(*ops), *norms, pos, tau32, gamma32, row_part, row_part, m, n, d, offset,
-            0, per_split, cfg.n_bucket(n))
+    args = (*ops, *strides(*ops), *norms, pos, tau32, gamma32, row_part, m, n, d, offset, per_split,
+            cfg.n_bucket(n))
     launch(lambda tuned: _kernel("fwd", tuned), "fwd", width, lambda t: (row_blocks, splits), args,
-           COL_STATS=False, SMOOTHING=smoothing, HAS_MARGIN=has_margin,
+           SMOOTHING=smoothing, HAS_MARGIN=has_margin,
            PREC=cfg.dot_precision(q.dtype, precision), BLOCK_M=cfg.fwd_block_m(width),
            BLOCK_K=cfg.score_block_k(width))
     return epilogue.RowStats(pos, *_merge(row_part, smoothing))
