@@ -4,9 +4,12 @@
                               [--gammas 0,0.5] [--kinds loss,directional] [--csv PATH]
 
 What runs: one forward+backward of ``hn_clip_loss(img, txt, tau, gamma=g, backend="triton")``
-(kind "loss", N×N) and of the directional op of the distributed path,
+(kind "loss", N×N); of one direction of the distributed path,
 ``triton_directional()(q, k, query_txt=a, key_txt=b, tau=tau, offset=offset, gamma=g,
-label_smoothing=0.0, normalize=True)`` with M local rows against N columns (kind "directional"), τ a tensor that requires grad, as in training.
+label_smoothing=0.0, normalize=True)`` with M local rows against N columns (kind "directional");
+and of a distributed rank's op, both directions of its M local rows against N gathered columns
+in one call (``rank_nll_triton``, kind "rank", what ``HNClipLoss(local_loss=True)`` runs per
+rank); τ a tensor that requires grad, as in training.
 
 How: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1), under the GPU launch
 configuration: HNCLIP_TRITON_LAUNCH=gpu is set while a case runs, and the launcher then
@@ -24,8 +27,8 @@ uses the GPU tile sizes and warps even while interpreting. Two counters run toge
     ``custom_op``s, run with the mode popped), e.g. the backward's GEMMs.
 
 Units: one product is an M×N×D matrix product, 2·M·N·D flops (M = N for the loss). The useful
-work is 3 products: S = q kᵀ in the forward, dS·k and dSᵀ·q in the backward; "x_useful" is
-the total in products divided by 3. The margin's t tᵀ, tile recomputation, padding and any
+work is 3 products per direction: S = q kᵀ in the forward, dS·k and dSᵀ·q in the backward (6
+for kind "rank", two directions); "x_useful" is the total in products divided by that. The margin's t tᵀ, tile recomputation, padding and any
 torch matmul all count as overhead.
 """
 from __future__ import annotations
@@ -48,10 +51,11 @@ from triton.runtime import interpreter as _interpreter  # noqa: E402
 
 import hnclip_kernels  # noqa: E402
 from hnclip_kernels.backends import triton_directional  # noqa: E402
+from hnclip_kernels.backends.triton.ops import rank_nll_triton  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-KINDS = ("loss", "directional")
-USEFUL_PRODUCTS = 3  # q kᵀ forward; dS·k and dSᵀ·q backward
+KINDS = ("loss", "directional", "rank")
+USEFUL_PRODUCTS = 3  # q kᵀ forward; dS·k and dSᵀ·q backward (per direction; a rank's op has two)
 COLUMNS = ["kind", "n", "m", "d", "dtype", "gamma", "dot_flops", "torch_flops", "total_flops", "product_flops",
            "dot_products", "torch_products", "products", "useful_products", "x_useful", "dot_tiles"]
 
@@ -144,7 +148,8 @@ def count_products(n: int = 256, d: int = 512, dtype: str = "bfloat16", gamma: f
 
     kind "loss": hn_clip_loss on (n, d) img/txt (m is n). kind "directional": m query rows
     (default n // 4, the last of 4 ranks) against n keys, positives at offset n - m, the margin's
-    factors a, b the local and all text rows. One product is 2·m·n·d flops.
+    factors a, b the local and all text rows. kind "rank": the same rank's two directions in one
+    op (local images and texts, m rows, against all n). One product is 2·m·n·d flops.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -157,29 +162,37 @@ def count_products(n: int = 256, d: int = 512, dtype: str = "bfloat16", gamma: f
     if kind == "loss":
         img = torch.randn(n, d, generator=gen).to(dt).requires_grad_()
         txt = torch.randn(n, d, generator=gen).to(dt).requires_grad_()
-    else:
+    elif kind == "directional":
         offset = n - m  # the last rank's rows
         q = torch.randn(m, d, generator=gen).to(dt).requires_grad_()
         k = torch.randn(n, d, generator=gen).to(dt).requires_grad_()
         a, b = k.detach()[offset:offset + m].clone(), k.detach().clone()
         fn = triton_directional()
+    else:
+        offset = n - m
+        all_img, all_txt = (torch.randn(n, d, generator=gen).to(dt).requires_grad_() for _ in range(2))
+        img, txt = (x.detach()[offset:offset + m].clone().requires_grad_() for x in (all_img, all_txt))
     with gpu_launch(), count_matmul_flops() as count:
         if kind == "loss":
             loss = hnclip_kernels.hn_clip_loss(img, txt, tau, gamma=gamma, backend="triton")
-        else:
+        elif kind == "directional":
             loss = fn(q, k, query_txt=a, key_txt=b, tau=tau, offset=offset, gamma=gamma, label_smoothing=0.0,
                           normalize=True).sum()
+        else:
+            loss = rank_nll_triton(img, txt, all_img, all_txt, tau=tau, offset=offset, gamma=gamma,
+                                   label_smoothing=0.0, normalize=True).sum()
         loss.backward()
     if count.dot_flops == 0:
         raise RuntimeError("no tl.dot ran in Triton's interpreter: are the kernels interpreted (TRITON_INTERPRET=1 "
                            "before triton was first imported)?")
     unit = 2 * m * n * d
+    useful = USEFUL_PRODUCTS * (2 if kind == "rank" else 1)
     total = count.dot_flops + count.torch_flops
     return dict(
         kind=kind, n=n, m=m, d=d, dtype=dtype, gamma=float(gamma),
         dot_flops=count.dot_flops, torch_flops=count.torch_flops, total_flops=total, product_flops=unit,
         dot_products=count.dot_flops / unit, torch_products=count.torch_flops / unit, products=total / unit,
-        useful_products=USEFUL_PRODUCTS, x_useful=total / unit / USEFUL_PRODUCTS,
+        useful_products=useful, x_useful=total / unit / useful,
         dot_tiles=" ".join(f"{a}x{b}x{c}:{k}" for (a, b, c), k in sorted(count.dot_tiles.items())),
     )
 
@@ -192,7 +205,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m tools.work", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=256, help="columns N (and rows, for the loss)")
-    ap.add_argument("--m", type=int, default=None, help="directional: local rows M (default N // 4)")
+    ap.add_argument("--m", type=int, default=None, help="directional, rank: local rows M (default N // 4)")
     ap.add_argument("--dims", type=_csv_list(int), default=[512, 768], help="embedding dims D")
     ap.add_argument("--dtypes", type=_csv_list(str), default=["bfloat16"], help=",".join(DTYPES))
     ap.add_argument("--gammas", type=_csv_list(float), default=[0.0, 0.5], help="margin scales γ")
@@ -221,7 +234,7 @@ def main(argv=None) -> list:
     args = parse_args(argv)
     rows = [count_products(args.n, d, dtype, gamma, kind, args.m)
             for kind in args.kinds for dtype in args.dtypes for d in args.dims for gamma in args.gammas]
-    print("matmul work of one forward+backward, in M×N×D products (2·M·N·D flops; useful work = 3); "
+    print("matmul work of one forward+backward, in M×N×D products (2·M·N·D flops; useful work = 3 a direction); "
           f"Triton interpreter under {LAUNCH_ENV}=gpu")
     print(format_table(rows))
     if args.csv:

@@ -9,7 +9,9 @@ Three backends compute the same loss (arXiv 2608.18521, Eq. 2):
 Each exposes two ops. The *symmetric* op is the single-process loss (N images against N
 texts, both directions from the same logit tiles). The *directional* op is one direction of
 a distributed rank (M query rows against N gathered key columns, positive of row i at column
-``offset + i``), with the keyword-only protocol of
+``offset + i``); a rank's two directions run through :func:`rank_losses` (one fused op on
+Triton, sharing the margin's product; two directional calls elsewhere). The directional op has
+the keyword-only protocol of
 :func:`hnclip_kernels.backends.pytorch.reference.directional_nll_torch`::
 
     fn(queries, keys, *, query_txt, key_txt, tau, offset, gamma, label_smoothing, normalize,
@@ -134,6 +136,28 @@ def symmetric_losses(img: torch.Tensor, txt: torch.Tensor, tau: torch.Tensor, op
         return hn_clip_pairs_cpp(img, txt, **kwargs)
     i2t = directional_nll_torch(img, txt, query_txt=txt, key_txt=txt, offset=0, **kwargs)
     t2i = directional_nll_torch(txt, img, query_txt=txt, key_txt=txt, offset=0, **kwargs)
+    if not return_stats:
+        return 0.5 * (i2t + t2i)
+    return 0.5 * (i2t[0] + t2i[0]), (i2t[1], t2i[1])
+
+
+def rank_losses(img: torch.Tensor, txt: torch.Tensor, all_img: torch.Tensor, all_txt: torch.Tensor,
+                tau: torch.Tensor, offset: int, options, return_stats: bool = False):
+    """A distributed rank's ½(i2t_i + t2i_i) for its M local rows (shape (M,)) against the N
+    gathered columns, local row i's positive at column ``offset + i``, on the backend of resolved
+    ``options``; with ``return_stats`` also ``(i2t, t2i)``, both directions' detached ``RowStats``.
+
+    Triton: one op forms both directions' tiles from 3 products (the margin's t tᵀ_all once).
+    torch and cpp: two calls of the directional op."""
+    kwargs = dict(tau=tau, gamma=options.gamma, label_smoothing=options.label_smoothing,
+                  normalize=options.normalize, offset=int(offset), return_stats=return_stats)
+    if options.backend == "triton":
+        from .triton.ops import rank_nll_triton
+
+        return rank_nll_triton(img, txt, all_img, all_txt, **kwargs, precision=options.precision)
+    fn = directional_fn(options.backend, options.precision)
+    i2t = fn(img, all_txt, query_txt=txt, key_txt=all_txt, **kwargs)
+    t2i = fn(txt, all_img, query_txt=txt, key_txt=all_txt, **kwargs)
     if not return_stats:
         return 0.5 * (i2t + t2i)
     return 0.5 * (i2t[0] + t2i[0]), (i2t[1], t2i[1])

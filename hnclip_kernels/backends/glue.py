@@ -7,7 +7,7 @@ a backward implementation with their fake (meta) versions; :func:`fused_op` regi
 * the autograd formula (``torch.library.register_autograd``): the forward saves its tensor
   inputs and its outputs after the first (statistics, non-differentiable), and the backward
   operator gets ``(grad, *saved, *non-tensor inputs, need_features_grad)`` and returns
-  (d first input, d second input, dτ);
+  (d first input, d second input, dτ) (a rank's op: the gradients of its four features, dτ);
 * a raising formula on the backward operator: a second derivative is one ``RuntimeError``
   naming backend="torch" (:mod:`.first_order`);
 * a vmap rule for both operators: one call per batch entry, results stacked;
@@ -82,9 +82,9 @@ def _autograd_rules(backend: str, backward_name: str, feature_inputs: Sequence[i
             grad = torch.zeros(saved[0].shape[0], dtype=compute_dtype(saved[0].dtype), device=saved[0].device)
         need_features = any(needs[i] for i in feature_inputs)
         op = getattr(torch.ops.hnclip, backward_name)
-        d_first, d_second, d_tau = first_order_call(backend, op, grad, *saved, *ctx.statics, need_features)
+        results = first_order_call(backend, op, grad, *saved, *ctx.statics, need_features)
         grads = [None] * len(needs)
-        for i, d in zip((*feature_inputs, tau_input), (d_first, d_second, d_tau)):
+        for i, d in zip((*feature_inputs, tau_input), results):
             grads[i] = d if needs[i] else None
         return tuple(grads)
 
@@ -119,17 +119,18 @@ def _looped(op):
 
 
 def fused_op(backend: str, name: str, *, forward: Callable, forward_fake: Callable, backward: Callable,
-             backward_fake: Callable, tau_input: int, device_types: Optional[str] = None,
-             use_triton_op: bool = False) -> type:
+             backward_fake: Callable, tau_input: int, feature_inputs: Sequence[int] = (0, 1),
+             device_types: Optional[str] = None, use_triton_op: bool = False) -> type:
     """Register ``hnclip::<name>`` (``forward``) and ``hnclip::<name>_backward`` (``backward``)
     with their fakes, autograd formulas and vmap rules; return the ``torch.func``-capable
     Function of the forward operator (for :func:`call`).
 
-    ``tau_input``: the position of τ among the forward's inputs (the features are inputs 0
-    and 1, the only other inputs with gradients)."""
+    ``tau_input``: the position of τ among the forward's inputs; ``feature_inputs``: the
+    features with gradients (inputs 0 and 1; a rank's op: its local and gathered features,
+    0 … 3). The backward operator returns their gradients in that order, then dτ."""
     fwd = _operator(name, forward, forward_fake, device_types, use_triton_op)
     bwd = _operator(f"{name}_backward", backward, backward_fake, device_types, use_triton_op)
-    setup_context, autograd_backward = _autograd_rules(backend, f"{name}_backward", (0, 1), tau_input)
+    setup_context, autograd_backward = _autograd_rules(backend, f"{name}_backward", tuple(feature_inputs), tau_input)
     torch.library.register_autograd(f"hnclip::{name}", autograd_backward, setup_context=setup_context)
     # the backward is not differentiable again: a second derivative is one clear error naming backend="torch"
     torch.library.register_autograd(f"hnclip::{name}_backward", raising_backward(backend))

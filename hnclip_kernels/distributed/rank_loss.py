@@ -5,7 +5,7 @@ from typing import Union
 
 import torch
 
-from ..backends import directional_fn, symmetric_losses
+from ..backends import rank_losses, symmetric_losses
 from ..options import LossOptions, as_tau_tensor
 
 
@@ -27,8 +27,9 @@ def rank_hn_clip_loss(
     ``local_loss=True`` (and ``world_size > 1``): rank rows only. i2t rows are the local
     images against all N texts, t2i rows the local texts against all N images, positive of
     local row i at global column ``offset + i`` (``offset`` = this rank's first global row),
-    margins from the local texts against all texts (global margins); two calls of the
-    backend's directional op. Returns ``(W / N) · Σ_i ½(i2t_i + t2i_i)``: the mean over ranks
+    margins from the local texts against all texts (global margins); one fused op for both
+    directions on Triton (the margin's product shared), two directional calls on the others
+    (``backends.rank_losses``). Returns ``(W / N) · Σ_i ½(i2t_i + t2i_i)``: the mean over ranks
     of this value is the global mean loss (equal sizes: the mean of local rows).
 
     ``local_loss=False`` or ``world_size == 1``: the full global batch on this rank, all N
@@ -49,13 +50,9 @@ def rank_hn_clip_loss(
         rows, stats = out if return_stats else (out, None)
         loss = rows.mean()
         return (loss, (*stats, all_image_features.shape[0])) if return_stats else loss
-    fn = directional_fn(options.backend, options.precision)
-    kwargs = dict(tau=tau_t, gamma=options.gamma, label_smoothing=options.label_smoothing,
-                  normalize=options.normalize, offset=int(offset), return_stats=return_stats)
-    i2t = fn(image_features, all_text_features, query_txt=text_features, key_txt=all_text_features, **kwargs)
-    t2i = fn(text_features, all_image_features, query_txt=text_features, key_txt=all_text_features, **kwargs)
-    (i2t, i2t_stats), (t2i, t2i_stats) = (i2t, t2i) if return_stats else ((i2t, None), (t2i, None))
-    rows = 0.5 * (i2t + t2i)
+    out = rank_losses(image_features, text_features, all_image_features, all_text_features, tau_t, offset, options,
+                      return_stats)
+    rows, (i2t_stats, t2i_stats) = out if return_stats else (out, (None, None))
     n_total = all_image_features.shape[0]
     if n_total == world_size * image_features.shape[0]:
         loss = rows.mean()  # equal sizes: exactly ClipLoss's mean of the local rows

@@ -267,6 +267,21 @@ _TRACE = textwrap.dedent('''
                                ("bwd", launches(bwd, torch.ones(8), *inputs(8), *stats)))}
     out["kernels"] = sorted({getattr(k, "fn", k).__name__
                              for k in get_triton_kernels_for_op("hnclip::triton_symmetric_nll_backward")})
+    # a distributed rank's op: 4 local rows of 8 gathered ones, both directions in one walk
+    def rank_fwd(*a):
+        return torch.ops.hnclip.triton_rank_nll(*a, 2, True, True, True, "tf32x3")
+
+    def rank_bwd(*a):
+        return torch.ops.hnclip.triton_rank_nll_backward(*a, 2, True, True, True, "tf32x3", True)
+
+    v, t, tau, g, e = inputs(8)
+    rank_in = (v[2:6].clone(), t[2:6].clone(), v, t, tau, g, e)
+    rank_stats = [torch.rand(n) + 0.5 for n in (4, 4, 8, 8, 8, 8, 8, 8)]
+    out["rank_fwd"] = [[getattr(kernel_of(node), "fn", kernel_of(node)).__name__, sorted(node.kwargs["tensors_to_clone"]),
+                        "gamma_ptr" in node.kwargs["kwargs"]] for node in launches(rank_fwd, *rank_in)]
+    out["rank_bwd"] = [[getattr(kernel_of(node), "fn", kernel_of(node)).__name__, sorted(node.kwargs["tensors_to_clone"]),
+                        "gamma_ptr" in node.kwargs["kwargs"]] for node in launches(rank_bwd, torch.ones(4), *rank_in,
+                                                                                     *rank_stats)]
     # a backward in 3 x 3 chunks, autotuned: one dS launch per chunk pair (the GEMMs are torch's)
     from hnclip_kernels.backends.triton import config as cfg
     cfg.BWD_WORKSPACE_BYTES = 8192
@@ -299,8 +314,15 @@ def test_traced_for_inductor_without_gpu():
         assert cloned == writes[kernel], (kernel, cloned)
         assert takes_gamma == (kernel in ("_fwd_pair_kernel", "_dscore_pair_kernel")), kernel  # γ: a tensor argument
     # triton_op finds the kernels the backward operator launches (torch hashes them into its cache keys)
-    # (the launcher's switch names both dS kernels: the chunk pairs' and the directional op's)
-    assert out["kernels"] == ["_dscore_kernel", "_dscore_pair_kernel"], out["kernels"]
+    # (the launcher's switch names every dS kernel: the chunk pairs', the directional op's, the rank op's)
+    assert out["kernels"] == ["_dscore_kernel", "_dscore_pair_kernel", "_dscore_rank_kernel"], out["kernels"]
+    # the rank op: one walk for both directions, one merge of their 2M lines; one dS launch (one chunk)
+    writes.update({"_fwd_rank_kernel": ["row_part_ptr"], "_dscore_rank_kernel": ["w_ptr"]})
+    assert [k for k, *_ in out["rank_fwd"]] == ["_fwd_rank_kernel", "_merge_kernel"], out["rank_fwd"]
+    assert [k for k, *_ in out["rank_bwd"]] == ["_dscore_rank_kernel"], out["rank_bwd"]
+    for kernel, cloned, takes_gamma in out["rank_fwd"] + out["rank_bwd"]:
+        assert cloned == writes[kernel], (kernel, cloned)
+        assert takes_gamma == (kernel != "_merge_kernel"), kernel
     # 3 x 3 square chunks, 6 chunk pairs (b >= a), one autotuned dS launch each (float32 features: W_ab
     # and W_ba written whole, nothing accumulated; the traced autotuner keeps float32's one
     # spill-free pair tile, 64 x 16)

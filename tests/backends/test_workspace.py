@@ -81,6 +81,8 @@ def counter(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(tops, "forward_stats", phased("fwd", tops.forward_stats))
     monkeypatch.setattr(tops, "backward_shares", phased("bwd", tops.backward_shares))
+    monkeypatch.setattr(tops, "rank_stats", phased("fwd", tops.rank_stats))
+    monkeypatch.setattr(tops, "rank_shares", phased("bwd", tops.rank_shares))
     return c
 
 
@@ -110,17 +112,20 @@ def test_symmetric_workspace_counted(gpu_launch_small, counter, dtype, eps):
     assert fwd + bwd == hnclip_kernels.workspace_bytes(n, d, dtype, gamma=0.5, label_smoothing=eps)
 
 
-def test_directional_workspace_counted(gpu_launch_small, counter):
-    from hnclip_kernels.backends import directional_fn
-
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rank_workspace_counted(gpu_launch_small, counter, dtype):
+    """A distributed rank's op (both directions in one walk and one dS chunk walk): what it
+    allocates is ``workspace_bytes(n, d, dtype, local_rows=m)``, several ragged backward chunks."""
     m, n, d, offset = 130, 300, 32, 100
-    q, k = (x.requires_grad_(True) for x in make_pair(n, d, torch.bfloat16, seed=2))
-    fn = directional_fn("triton")
-    loss = fn(q[offset:offset + m], k, query_txt=k[offset:offset + m], key_txt=k, tau=torch.tensor(0.05), offset=offset,
-              gamma=0.5, label_smoothing=0.0, normalize=True)
+    all_img, all_txt = (x.requires_grad_(True) for x in make_pair(n, d, dtype, seed=2))
+    img, txt = all_img[offset:offset + m], all_txt[offset:offset + m]
+    loss = tops.rank_nll_triton(img, txt, all_img, all_txt, tau=torch.tensor(0.05), offset=offset, gamma=0.5,
+                                label_smoothing=0.0, normalize=True)
     loss.sum().backward()
     fwd, bwd = counter.peak("fwd"), counter.peak("bwd")
-    assert fwd + bwd == hnclip_kernels.workspace_bytes(n, d, torch.bfloat16, local_rows=m) > 0
+    assert fwd == workspace.forward_bytes(m, n, dtype.itemsize, False, False) > 0
+    assert bwd == workspace.backward_bytes(m, n, d, dtype) > 0
+    assert fwd + bwd == hnclip_kernels.workspace_bytes(n, d, dtype, local_rows=m)
 
 
 def test_workspace_is_linear_in_n():
@@ -131,7 +136,7 @@ def test_workspace_is_linear_in_n():
     fwd = {n: workspace.forward_bytes(n, n, 2, True, False) for n in ws}
     assert fwd[262144] <= 2 * fwd[131072] <= 4 * fwd[65536]
     assert fwd[262144] <= 128 << 20
-    # a rank's directional op: row partials only
+    # a rank's op (both directions): row partials only, and one chunk of two dS buffers
     assert hnclip_kernels.workspace_bytes(262144, 768, torch.bfloat16, local_rows=32768) <= 1 << 30
 
 

@@ -82,6 +82,17 @@ def test_loss_matmul_work_within_budget(d, gamma, budget):
     assert_work_within(count_products(n=256, d=d, dtype="bfloat16", gamma=gamma, kind="loss"), budget)
 
 
+@pytest.mark.parametrize("gamma, budget", [(0.5, 1.67), (0.0, 1.34)], ids=["margin", "infonce"])
+def test_rank_matmul_work_within_budget(gamma, budget):
+    # a distributed rank's two directions (M = 128 local rows against N = 512, bf16, GPU tiles) in one
+    # op: forward 3 products (v tᵀ_all, t v_allᵀ and the shared margin t tᵀ_all; 2 without it), dS the
+    # same 3, and 4 torch GEMMs (each direction's dS against its keys and its queries): 10 (8) of the
+    # useful 6, 1.67x (1.33x); two directional ops took 12 (2x) with the margin
+    case = count_products(n=512, d=512, dtype="bfloat16", gamma=gamma, kind="rank", m=128)
+    assert case["torch_products"] == 4.0, case
+    assert_work_within(case, budget)
+
+
 def test_torch_gemms_inside_the_operators_are_counted():
     case = count_products(n=256, d=512, dtype="bfloat16", gamma=0.5, kind="loss")
     assert case["torch_products"] == 2.0, case  # the backward's 2 GEMMs, run by torch in the custom op

@@ -67,7 +67,7 @@ from ...numerics import autocast_disabled
 from .. import epilogue
 from . import config as cfg
 from .launch import launch, strides, wrap_triton
-from .tiles import _block, _load2, _load_gamma, _logits_tile, _pair_tiles
+from .tiles import _block, _load2, _load_gamma, _logits_tile, _pair_tiles, _rank_tiles
 
 # the residual sums' slice: every dS tile (32, 64 or 128 wide) holds whole slices, so the
 # partial buffers' layout does not depend on the tile an autotuner picks
@@ -263,6 +263,57 @@ def _dscore_pair_kernel(
                  res_r_ptr + mirror_r, cols_c, res_c_ptr + mirror_c, rows_c, ROUND16, TAIL, SLICE, BLOCK_N, BLOCK_M)
 
 
+@triton.jit
+def _dscore_rank_kernel(
+    v_ptr, t_ptr, va_ptr, ta_ptr,
+    stride_vm, stride_vd, stride_tm, stride_td, stride_van, stride_vad, stride_tan, stride_tad,
+    rv_ptr, rt_ptr, rva_ptr, rta_ptr, pos_ptr, nll_ptr, g_ptr, tau_ptr, gamma_ptr, a_ptr, b_ptr,
+    w_ptr, lo_ptr, res_r_ptr, res_c_ptr, second_w, second_r, second_c,
+    M, N, row0, row_end, col0, col_end, D, offset,
+    HAS_MARGIN: tl.constexpr, PREC: tl.constexpr, ROUND16: tl.constexpr, TAIL: tl.constexpr,
+    SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """A distributed rank's dS of both directions over one chunk [row0, row_end) × [col0, col_end)
+    of its M local rows against the N gathered columns: each program forms the i2t and t2i
+    tiles from 3 products sharing G (``tiles._rank_tiles``) and writes both W's
+    (``_dscore_kernel`` without SYMMETRIC, one per direction), with their residual slice sums.
+    Grid: (⌈rows / BLOCK_M⌉, ⌈columns / BLOCK_N⌉) of the chunk.
+
+    Inputs: the features and inverse norms as ``forward._fwd_rank_kernel``; per line (2M: i2t
+        rows, then t2i rows) pos_ptr, nll_ptr, g_ptr and the row scales a_ptr; per direction's
+        columns (2N: i2t's keys t_all, then t2i's keys v_all) the column scales b_ptr.
+    Outputs: w_ptr, one flat buffer: the i2t W (R × C, row-major) at 0 and the t2i W at
+        second_w; with TAIL lo_ptr alike; with ROUND16 res_r_ptr (⌈C / SLICE⌉, R) and res_c_ptr
+        (⌈R / SLICE⌉, C), the t2i direction's at second_r / second_c (R = row_end − row0,
+        C = col_end − col0).
+    Scalars and constexprs: M, N; the rest as ``_dscore_kernel``.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows_c = row_end - row0
+    cols_c = col_end - col0
+    offs_m, mask_m = _block(row0 + pid_m * BLOCK_M, row_end, BLOCK_M)
+    offs_n, mask_n = _block(col0 + pid_n * BLOCK_N, col_end, BLOCK_N)
+    rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
+    rv_n, rt_n = _load2(rva_ptr, rta_ptr, offs_n, mask_n)
+    inv_tau = 1.0 / tl.load(tau_ptr)
+    gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
+    z, zt = _rank_tiles((v_ptr, stride_vm, stride_vd), (t_ptr, stride_tm, stride_td),
+                        (va_ptr, stride_van, stride_vad), (ta_ptr, stride_tan, stride_tad),
+                        (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
+                        D, gamma, inv_tau, HAS_MARGIN, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    rows = (offs_m, mask_m, row0, row_end, pid_m * (BLOCK_M // SLICE))
+    cols = (offs_n, mask_n, col0, col_end, pid_n * (BLOCK_N // SLICE))
+    w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, nll_ptr, g_ptr,
+                            a_ptr, b_ptr, False)
+    _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, cols_c, 1, res_r_ptr, rows_c, res_c_ptr, cols_c,
+             ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
+    w, a, b, mask = _w_tile(zt, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr + M, nll_ptr + M, g_ptr + M,
+                            nll_ptr + M, g_ptr + M, a_ptr + M, b_ptr + N, False)
+    _store_w(w, a, b, mask, rows, cols, w_ptr + second_w, lo_ptr + second_w, cols_c, 1, res_r_ptr + second_r, rows_c,
+             res_c_ptr + second_c, cols_c, ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
+
+
 # autotuned twin (GPU only; the interpreter and HNCLIP_AUTOTUNE=0 use cfg.heuristic)
 _dscore_tuned = triton.autotune(cfg.all_candidates("dscore"), key=["D", "HAS_MARGIN", "PREC", "SYMMETRIC", "ROUND16", "TAIL"],
                                 prune_configs_by={"early_config_prune": cfg.pruner("dscore", "q_ptr")})(_dscore_kernel)
@@ -272,11 +323,19 @@ _dscore_pair_tuned = triton.autotune(cfg.all_candidates("dscore_pair"), key=["D"
                                      )(_dscore_pair_kernel)
 
 
+# a rank's two directions: key D, HAS_MARGIN, PREC, ROUND16, TAIL
+_dscore_rank_tuned = triton.autotune(cfg.all_candidates("dscore_rank"), key=["D", "HAS_MARGIN", "PREC", "ROUND16", "TAIL"],
+                                     prune_configs_by={"early_config_prune": cfg.pruner("dscore_rank", "v_ptr")}
+                                     )(_dscore_rank_kernel)
+
+
 def _kernel(name: str, tuned: bool):
-    """Kernel ``name`` ("dscore", "dscore_pair"), its autotuned twin when ``tuned``, through
+    """Kernel ``name`` ("dscore", "dscore_pair", "dscore_rank"), its autotuned twin when ``tuned``, through
     ``wrap_triton``; spelled out kernel by kernel (see :func:`.launch.launch`)."""
     if name == "dscore_pair":
         return wrap_triton(_dscore_pair_tuned) if tuned else wrap_triton(_dscore_pair_kernel)
+    if name == "dscore_rank":
+        return wrap_triton(_dscore_rank_tuned) if tuned else wrap_triton(_dscore_rank_kernel)
     assert name == "dscore", name
     return wrap_triton(_dscore_tuned) if tuned else wrap_triton(_dscore_kernel)
 
@@ -352,31 +411,38 @@ def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None) -> torch.Ten
     return torch.mm(a, b) if acc is None else torch.addmm(acc, a, b)
 
 
-def _chunk_bytes(rows: int, cols: int, d: int, dtype: torch.dtype, buffers: int) -> int:
-    """Bytes of ``buffers`` (1, or 2 for a chunk pair) R × C dS buffers of ``dtype`` features with
-    their residual slice sums, and for bf16 the float16 copies of the rows and columns of the
-    features they meet (q and k of both chunks for a pair: 2·(R + C)·D; R·D + C·D for one)."""
+def _chunk_bytes(rows: int, cols: int, d: int, dtype: torch.dtype, buffers: int, copies: int | None = None) -> int:
+    """Bytes of ``buffers`` R × C dS buffers of ``dtype`` features with their residual slice
+    sums, and for bf16 the float16 copies of the feature rows they meet: ``copies`` (default
+    ``buffers``) blocks of R rows and as many of C columns (q and k of both chunks for a pair:
+    2·(R + C)·D; a rank's two directions keep both row blocks and one column block: 2·R·D + C·D)."""
     if dtype == torch.float32:
         return 4 * rows * cols * buffers
     residuals = 4 * (triton.cdiv(cols, RESIDUAL_SLICE) * rows + triton.cdiv(rows, RESIDUAL_SLICE) * cols) * buffers
     if dtype == torch.float16:
         return 4 * rows * cols * buffers + residuals
-    return 2 * rows * cols * buffers + residuals + 2 * (rows + cols) * d * buffers
+    if copies is None:
+        return 2 * rows * cols * buffers + residuals + 2 * (rows + cols) * d * buffers
+    return 2 * rows * cols * buffers + residuals + 2 * copies
 
 
-def workspace_bytes(m: int, n: int, d: int, dtype: torch.dtype, symmetric: bool = False) -> int:
-    """Bytes :func:`backward_shares` allocates at its peak for M rows against N columns of
-    ``dtype`` features of width D: one chunk of ``config.chunk_shape`` (the first, the largest):
-    float32 dS (float32 features), a float16 head and tail (fp16) or one float16 W (bf16), for
-    16-bit features the residual slice sums, and for bf16 the chunk's rows and columns of the
-    features in float16 (R·D + C·D). ``symmetric`` (the single-process loss, M = N, square
-    chunks): a chunk pair (a, b > a) holds two chunk buffers (W_ab and W_ba) at once, the
-    largest pair the first: R × min(R, N − R); a single chunk (N ≤ R) one."""
+def workspace_bytes(m: int, n: int, d: int, dtype: torch.dtype, symmetric: bool = False, rank: bool = False) -> int:
+    """Bytes :func:`backward_shares` (or :func:`rank_shares`) allocates at its peak for M rows
+    against N columns of ``dtype`` features of width D: one chunk of ``config.chunk_shape`` (the
+    first, the largest): float32 dS (float32 features), a float16 head and tail (fp16) or one
+    float16 W (bf16), for 16-bit features the residual slice sums, and for bf16 the chunk's rows
+    and columns of the features in float16 (R·D + C·D). ``symmetric`` (the single-process loss,
+    M = N, square chunks): a chunk pair (a, b > a) holds two chunk buffers (W_ab and W_ba) at
+    once, the largest pair the first: R × min(R, N − R); a single chunk (N ≤ R) one. ``rank`` (a
+    rank's two directions): two chunk buffers, both directions' row blocks in float16 and one
+    column block at a time."""
     if symmetric:
         rows, _ = cfg.chunk_shape(m, n, square=True)
         single = _chunk_bytes(rows, rows, d, dtype, 1)
         return single if n <= rows else max(single, _chunk_bytes(rows, min(rows, n - rows), d, dtype, 2))
     rows, cols = cfg.chunk_shape(m, n)
+    if rank:
+        return _chunk_bytes(rows, cols, d, dtype, 2, copies=(2 * rows + cols) * d)
     return _chunk_bytes(rows, cols, d, dtype, 1)
 
 
@@ -384,6 +450,25 @@ def _rows(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """x[start:end], or x itself when that is all of it (a traced operator then writes the
     tensor, not a view of it: no scatter back into a base)."""
     return x if (start, end) == (0, x.shape[0]) else x[start:end]
+
+
+def _w_scales(q, k, r_q, r_k, g, g_c, round16: bool, tail: bool):
+    """W = diag(a) dS diag(b)'s scales for rows ``q`` against columns ``k`` (inverse norms r_q,
+    r_k; ``g``/``g_c`` the rows' and the columns' upstream gradients bounding |dS|):
+    (a, b, rq, rk, f16): rq, rk what the products divide out (W's own side's scale and the other
+    side's power of two: a GEMM against x·s gives a_i·wk·Σ_k dS_ik k̂_k; the power-of-two
+    products are exact), f16 the exact float16 conversions' scales (s_q, s_k) of bf16 features
+    (None otherwise; W's scales then carry 1/s, t = r/s exactly)."""
+    if round16 and not tail:
+        f16 = _f16_scales(q, r_q), _f16_scales(k, r_k)
+        t_q, t_k = r_q / f16[0], r_k / f16[1]
+    else:
+        f16, t_q, t_k = None, r_q, r_k
+    wq, wk = _pow2_unit(t_q), _pow2_unit(t_k)
+    if round16:
+        wq = wq * _pow2_fit(g, g_c)
+    a, b = t_q * wq, t_k * wk
+    return a, b, a * wk, b * wq, f16
 
 
 def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offset: int, precision, key_side=None):
@@ -403,91 +488,136 @@ def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offs
     deterministic.
     """
     q, k, _, _ = ops
-    m, d = q.shape
-    n = k.shape[0]
     round16 = q.dtype in (torch.bfloat16, torch.float16)
     tail = q.dtype == torch.float16  # bf16: one float16 W against float16 copies of the features
     nll = epilogue.row_nll(stats)
-    nll_c, g_c = (epilogue.row_nll(key_side[0]), key_side[1]) if key_side else (nll, g)
-    if round16 and not tail:
-        # the features' exact float16 copies x·s: W's scales carry 1/s (t = r/s, exact)
-        s_q, s_k = _f16_scales(q, norms[0]), _f16_scales(k, norms[1])
-        t_q, t_k = norms[0] / s_q, norms[1] / s_k
-    else:
-        t_q, t_k = norms[0], norms[1]
-    wq, wk = _pow2_unit(t_q), _pow2_unit(t_k)
-    if round16:
-        wq = wq * _pow2_fit(g, g_c if key_side else torch.zeros_like(g[:1]))
-    a, b = t_q * wq, t_k * wk  # W = diag(a) dS diag(b)
-    # what the products divide out: W's own side's scale and the other side's power of two
-    # (a GEMM against x·s gives a_i·wk·Σ_k dS_ik k̂_k; the power-of-two products are exact)
-    rq, rk = a * wk, b * wq
-    w_dtype = torch.float16 if round16 else torch.float32
     prec = cfg.dot_precision(q.dtype, precision)
-    if key_side is not None:
-        d_q, d_k, rho, sigma = _symmetric_shares(ops, norms, stats.pos, nll, g, tau32, gamma32, nll_c, g_c, a, b,
-                                                 (s_q, s_k) if round16 and not tail else None, has_margin, prec,
-                                                 w_dtype, round16, tail)
-        d_q.div_(rq[:, None])
-        d_k.div_(rk[:, None])
-        if round16:
-            epilogue.add_rounding_compensation(d_q, d_k, rho, sigma, q, k, norms[0], norms[1], offset)
+    if key_side is None:
+        (d_q, d_k), = _chunked_shares(ops, norms, ((q, k, norms[0], norms[1]),), stats.pos, nll, g, tau32, gamma32,
+                                      has_margin, offset, prec)
         return d_q, d_k
+    nll_c, g_c = epilogue.row_nll(key_side[0]), key_side[1]
+    a, b, rq, rk, f16 = _w_scales(q, k, norms[0], norms[1], g, g_c, round16, tail)
+    w_dtype = torch.float16 if round16 else torch.float32
+    d_q, d_k, rho, sigma = _symmetric_shares(ops, norms, stats.pos, nll, g, tau32, gamma32, nll_c, g_c, a, b, f16,
+                                             has_margin, prec, w_dtype, round16, tail)
+    d_q.div_(rq[:, None])
+    d_k.div_(rk[:, None])
+    if round16:
+        epilogue.add_rounding_compensation(d_q, d_k, rho, sigma, q, k, norms[0], norms[1], offset)
+    return d_q, d_k
+
+
+def rank_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offset: int, precision):
+    """A distributed rank's two directions' negatives' shares (times τ), float32:
+    ((dL/dv̂ (M, D), dL/dt̂_all (N, D)) of i2t, (dL/dt̂ (M, D), dL/dv̂_all (N, D)) of t2i).
+
+    ``ops`` = (v, t, v_all, t_all) and ``norms`` as :func:`.forward.rank_stats`, ``stats`` = (i2t,
+    t2i) its statistics of each direction's M rows, ``g`` (M) the rows' upstream gradient (each
+    direction's).
+    One ``_dscore_rank_kernel`` launch per chunk writes both directions' W (the margin's G formed
+    once per tile), then each direction's GEMMs run as :func:`backward_shares` runs them, on the
+    same chunks: each direction's shares are the directional op's to the bit (the tiles' own
+    shapes aside)."""
+    v, t, v_all, t_all = ops
+    dirs = ((v, t_all, norms[0], norms[3]), (t, v_all, norms[1], norms[2]))
+    prec = cfg.dot_precision(v.dtype, precision)
+    # per direction, as its directional op forms them (torch's vectorised softplus rounds a loop's tail apart)
+    pos, nll = (torch.cat(pair) for pair in zip(*((s.pos, epilogue.row_nll(s)) for s in stats)))
+    return _chunked_shares(ops, norms, dirs, pos, nll, torch.cat((g, g)), tau32, gamma32, has_margin, offset, prec)
+
+
+def _chunked_shares(ops, norms, dirs, pos, nll, g, tau32, gamma32, has_margin: bool, offset: int, prec: str):
+    """The chunk walk of the directional op (one direction, ``_dscore_kernel``) and of a rank's
+    pair (two, ``_dscore_rank_kernel``): ``dirs`` holds each direction's (rows q (M, D), columns
+    k (N, D), their inverse norms); ``pos``, ``nll``, ``g`` hold M lines per direction. Chunks of
+    ``cfg.chunk_shape(M, N)``, row blocks outer, each chunk's buffers holding every direction's W;
+    per direction two GEMMs a chunk (four with fp16's tail), accumulated in chunk order.
+    Returns each direction's (d_q, d_k), scaled back, with the rounding compensation."""
+    q0 = dirs[0][0]
+    m, d = q0.shape
+    n = dirs[0][1].shape[0]
+    dev = q0.device
+    round16 = q0.dtype in (torch.bfloat16, torch.float16)
+    tail = q0.dtype == torch.float16
+    w_dtype = torch.float16 if round16 else torch.float32
+    zero = torch.zeros_like(g[:1])
+    scales = [_w_scales(q, k, r_q, r_k, g[i * m:(i + 1) * m], zero, round16, tail)
+              for i, (q, k, r_q, r_k) in enumerate(dirs)]
+    a = scales[0][0] if len(dirs) == 1 else torch.cat([sc[0] for sc in scales])
+    b = scales[0][1] if len(dirs) == 1 else torch.cat([sc[1] for sc in scales])
     rows, cols = cfg.chunk_shape(m, n)
-    d_q_parts, d_k_parts = [], [None] * triton.cdiv(n, cols)
-    rho_parts, sigma_parts = [], [None] * triton.cdiv(n, cols)
+    n_dirs, col_chunks = len(dirs), triton.cdiv(n, cols)
+    d_q_parts = [[] for _ in dirs]
+    d_k_parts = [[None] * col_chunks for _ in dirs]
+    rho_parts = [[] for _ in dirs]
+    sigma_parts = [[None] * col_chunks for _ in dirs]
     # the GEMMs accumulate in float32 whatever autocast region the backward runs in
-    with _ieee_float32(q.device), autocast_disabled(q.device):
+    with _ieee_float32(dev), autocast_disabled(dev):
         for row0 in range(0, m, rows):
             row_end = min(row0 + rows, m)
-            acc_q = rho = None
-            q_rows = _rows(q, row0, row_end)
-            if round16 and not tail:
-                q_rows = _to_f16(q_rows, s_q[row0:row_end])  # this row block's float16 copy
+            acc_q, rho = [None] * n_dirs, [None] * n_dirs
+            q_rows = []
+            for (q, _, _, _), sc in zip(dirs, scales):
+                q_rows.append(_rows(q, row0, row_end) if sc[4] is None else _to_f16(_rows(q, row0, row_end),
+                                                                                     sc[4][0][row0:row_end]))
             for j, col0 in enumerate(range(0, n, cols)):
                 col_end = min(col0 + cols, n)
                 r, c = row_end - row0, col_end - col0
+                sr, sc_ = triton.cdiv(r, RESIDUAL_SLICE), triton.cdiv(c, RESIDUAL_SLICE)
                 # a fresh workspace per chunk, the previous one freed first (the allocator hands its
                 # memory back): never a view into a shared buffer, which a traced operator would
-                # write through a scatter
-                w = torch.empty(r, c, device=q.device, dtype=w_dtype)
+                # write through a scatter. Direction i's W at i·R·C.
+                w = torch.empty(n_dirs * r * c, device=dev, dtype=w_dtype)
                 if round16:
-                    lo = torch.empty(r, c, device=q.device, dtype=w_dtype) if tail else w
-                    res_r = torch.empty(triton.cdiv(c, RESIDUAL_SLICE), r, device=q.device, dtype=torch.float32)
-                    res_c = torch.empty(triton.cdiv(r, RESIDUAL_SLICE), c, device=q.device, dtype=torch.float32)
+                    lo = torch.empty(w.shape, device=dev, dtype=w_dtype) if tail else w
+                    res_r = torch.empty(n_dirs * sc_ * r, device=dev, dtype=torch.float32)  # (sc, r) each
+                    res_c = torch.empty(n_dirs * sr * c, device=dev, dtype=torch.float32)  # (sr, c) each
                 else:  # not written without ROUND16: w stands in for the pointers
                     lo = res_r = res_c = w
-                args = (*ops, *strides(*ops), *norms, stats.pos, nll, g, tau32, gamma32, nll_c, g_c, a, b, w, lo,
-                        *w.stride(), res_r, res_r.stride(0), res_c, res_c.stride(0),
-                        row0, row_end, col0, col_end, d, offset)
-                launch(lambda tuned: _kernel("dscore", tuned), "dscore", q.element_size(),
-                       lambda t, r=r, c=c: (triton.cdiv(r, t["BLOCK_M"]), triton.cdiv(c, t["BLOCK_N"])),
-                       args, SYMMETRIC=key_side is not None, HAS_MARGIN=has_margin, PREC=prec,
-                       ROUND16="fp16" if round16 else "", TAIL=tail,
-                       SLICE=RESIDUAL_SLICE, BLOCK_K=cfg.score_block_k(q.element_size()))
-                k_cols = _rows(k, col0, col_end)
-                if round16 and not tail:
-                    k_cols = _to_f16(k_cols, s_k[col0:col_end])  # this column block's float16 copy
-                acc_q = _mm(w, k_cols, acc_q)
-                d_k_parts[j] = _mm(w.t(), q_rows, d_k_parts[j])
-                if tail:  # the tail's products (the head's are above)
-                    acc_q = _mm(lo, k_cols, acc_q)
-                    d_k_parts[j] = _mm(lo.t(), q_rows, d_k_parts[j])
-                if round16:  # slice sums merged in a fixed order, then over chunks in chunk order
-                    rho = res_r.sum(0) if rho is None else rho + res_r.sum(0)
-                    s = res_c.sum(0)
-                    sigma_parts[j] = s if sigma_parts[j] is None else sigma_parts[j] + s
-                del w, lo, res_r, res_c, args, k_cols  # one chunk alive at a time
+                consts = dict(HAS_MARGIN=has_margin, PREC=prec, ROUND16="fp16" if round16 else "", TAIL=tail,
+                              SLICE=RESIDUAL_SLICE, BLOCK_K=cfg.score_block_k(q0.element_size()))
+                if n_dirs == 1:
+                    args = (*ops, *strides(*ops), *norms, pos, nll, g, tau32, gamma32, nll, g, a, b, w, lo, c, 1,
+                            res_r, r, res_c, c, row0, row_end, col0, col_end, d, offset)
+                    name, consts = "dscore", dict(consts, SYMMETRIC=False)
+                else:
+                    second = (r * c, sc_ * r, sr * c) if round16 else (r * c, 0, 0)
+                    args = (*ops, *strides(*ops), *norms, pos, nll, g, tau32, gamma32, a, b, w, lo, res_r, res_c,
+                            *second, m, n, row0, row_end, col0, col_end, d, offset)
+                    name = "dscore_rank"
+                launch(lambda tuned, name=name: _kernel(name, tuned), name, q0.element_size(),
+                       lambda t_, r=r, c=c: (triton.cdiv(r, t_["BLOCK_M"]), triton.cdiv(c, t_["BLOCK_N"])),
+                       args, **consts)
+                for i, (_, k, _, _) in enumerate(dirs):
+                    k_cols = _rows(k, col0, col_end)
+                    if scales[i][4] is not None:
+                        k_cols = _to_f16(k_cols, scales[i][4][1][col0:col_end])  # this column block's float16 copy
+                    for buf in [w, lo] if tail else [w]:  # the head, then the tail's products
+                        w_i = buf[i * r * c:(i + 1) * r * c].view(r, c)
+                        acc_q[i] = _mm(w_i, k_cols, acc_q[i])
+                        d_k_parts[i][j] = _mm(w_i.t(), q_rows[i], d_k_parts[i][j])
+                    if round16:  # slice sums merged in a fixed order, then over chunks in chunk order
+                        s = res_r[i * sc_ * r:(i + 1) * sc_ * r].view(sc_, r).sum(0)
+                        rho[i] = s if rho[i] is None else rho[i] + s
+                        s = res_c[i * sr * c:(i + 1) * sr * c].view(sr, c).sum(0)
+                        sigma_parts[i][j] = s if sigma_parts[i][j] is None else sigma_parts[i][j] + s
+                    del k_cols, buf, w_i
+                del w, lo, res_r, res_c, args  # one chunk alive at a time
             del q_rows
-            d_q_parts.append(acc_q)
-            rho_parts.append(rho)
-    d_q = (d_q_parts[0] if len(d_q_parts) == 1 else torch.cat(d_q_parts)).div_(rq[:, None])
-    d_k = (d_k_parts[0] if len(d_k_parts) == 1 else torch.cat(d_k_parts)).div_(rk[:, None])
-    if round16:
-        rho = rho_parts[0] if len(rho_parts) == 1 else torch.cat(rho_parts)
-        sigma = sigma_parts[0] if len(sigma_parts) == 1 else torch.cat(sigma_parts)
-        epilogue.add_rounding_compensation(d_q, d_k, rho, sigma, q, k, norms[0], norms[1], offset)
-    return d_q, d_k
+            for i in range(n_dirs):
+                d_q_parts[i].append(acc_q[i])
+                rho_parts[i].append(rho[i])
+    cat = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
+    out = []
+    for i, (q, k, r_q, r_k) in enumerate(dirs):
+        d_q = cat(d_q_parts[i]).div_(scales[i][2][:, None])
+        d_k = cat(d_k_parts[i]).div_(scales[i][3][:, None])
+        if round16:
+            epilogue.add_rounding_compensation(d_q, d_k, cat(rho_parts[i]), cat(sigma_parts[i]), q, k, r_q, r_k,
+                                               offset)
+        out.append((d_q, d_k))
+    return out
 
 
 def _symmetric_shares(ops, norms, pos, nll, g, tau32, gamma32, nll_c, g_c, a, b, f16_scales, has_margin, prec,

@@ -111,11 +111,18 @@ CANDIDATES = {
     # 44-196 B with the margin (tf32x3), 64x16 at 4 warps is clean (255 registers)
     "pair": {2: [_cfg(8, 3, BLOCK_N=32), _cfg(8, 4, BLOCK_N=32)],
              4: [_cfg(4, 2, BLOCK_N=16)]},
+    # a rank's two directions (``forward._fwd_rank_kernel``): three float32 tiles (Z, Z', G) like
+    # the pair walk, the forward's BLOCK_M
+    "rank": {2: [_cfg(8, 3, BLOCK_N=32), _cfg(8, 4, BLOCK_N=32)],
+             4: [_cfg(4, 2, BLOCK_N=16)]},
     "dscore": {2: [_cfg(8, 3, BLOCK_M=64, BLOCK_N=128), _cfg(4, 4, BLOCK_M=128, BLOCK_N=64)],
                4: [_cfg(4, 3, BLOCK_M=64, BLOCK_N=32), _cfg(8, 2, BLOCK_M=64, BLOCK_N=64)]},
     # the symmetric loss's chunk pairs (``backward._dscore_pair_kernel``): the pair forward's tiles
     # (Z_IJ, Z_JIᵀ and G_IJ live together), BLOCK_N dividing BLOCK_M
     "dscore_pair": {2: [_cfg(8, 3, BLOCK_M=128, BLOCK_N=32), _cfg(8, 4, BLOCK_M=128, BLOCK_N=32)],
+                    4: [_cfg(4, 2, BLOCK_M=64, BLOCK_N=16)]},
+    # a rank's two directions' dS (``backward._dscore_rank_kernel``): the rank walk's tiles
+    "dscore_rank": {2: [_cfg(8, 3, BLOCK_M=128, BLOCK_N=32), _cfg(8, 4, BLOCK_M=128, BLOCK_N=32)],
                     4: [_cfg(4, 2, BLOCK_M=64, BLOCK_N=16)]},
     # (the backward's GEMMs are torch's: cuBLAS on CUDA, see backward.py)
 }
@@ -156,8 +163,9 @@ def heuristic(kernel: str, elem_size: int) -> Fixed:
     """The launch of mode "gpu" (first surviving candidate) or "interpret" (small fixed tiles)."""
     if launch_mode() == "interpret":
         t = INTERPRET_TILE
-        tiles = {"fwd": dict(BLOCK_N=t), "pair": dict(BLOCK_N=t), "dscore": dict(BLOCK_M=t, BLOCK_N=t),
-                 "dscore_pair": dict(BLOCK_M=t, BLOCK_N=t)}[kernel]
+        tiles = {"fwd": dict(BLOCK_N=t), "pair": dict(BLOCK_N=t), "rank": dict(BLOCK_N=t),
+                 "dscore": dict(BLOCK_M=t, BLOCK_N=t), "dscore_pair": dict(BLOCK_M=t, BLOCK_N=t),
+                 "dscore_rank": dict(BLOCK_M=t, BLOCK_N=t)}[kernel]
         return Fixed(tiles, 1, 1)
     c = candidates(kernel, elem_size)[0]
     return Fixed(dict(c.kwargs), c.num_warps, c.num_stages)

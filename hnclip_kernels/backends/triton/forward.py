@@ -26,6 +26,7 @@ from .tiles import (
     _logits_tile,
     _merge_stats,
     _pair_tiles,
+    _rank_tiles,
     _store_partial,
     _tile_stats,
 )
@@ -91,6 +92,59 @@ def _fwd_kernel(
         run_dsum += t_dsum
     _store_partial(row_part_ptr + pid_s.to(tl.int64) * (3 + SMOOTHING) * M, M, offs_m, mask_m,
                    (run_max, run_sum, run_wsum, run_dsum), SMOOTHING)
+
+
+@triton.jit
+def _fwd_rank_kernel(
+    v_ptr, t_ptr, va_ptr, ta_ptr,
+    stride_vm, stride_vd, stride_tm, stride_td, stride_van, stride_vad, stride_tan, stride_tad,
+    rv_ptr, rt_ptr, rva_ptr, rta_ptr, pos_ptr, tau_ptr, gamma_ptr,
+    row_part_ptr,
+    M, N, D, offset, cols_per_split, N_BUCKET,
+    SMOOTHING: tl.constexpr, HAS_MARGIN: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """A distributed rank's two directions in one walk: the row statistics of i2t
+    (Z = (v̂ t̂_allᵀ + γ G) / τ) and t2i (Z' = (t̂ v̂_allᵀ + γ G) / τ), G = t̂ t̂_allᵀ formed once
+    per tile (``tiles._rank_tiles``: 3 products for 2 tiles). Grid: (row blocks, column splits),
+    as ``_fwd_kernel``; each direction's summaries are ``_fwd_kernel``'s to the bit.
+
+    Features (raw, any float dtype, strided): v_ptr, t_ptr (M, D) the local images and texts,
+        va_ptr, ta_ptr (N, D) the gathered ones; strides ``stride_<matrix><axis>``.
+    Per-row inputs (float32): rv_ptr, rt_ptr (M), rva_ptr, rta_ptr (N) inverse norms;
+        pos_ptr (2M): the positives, i2t rows then t2i rows (Z[i, offset + i]); tau_ptr,
+        gamma_ptr 1-element τ, γ.
+    Outputs (float32, planes = 3 + SMOOTHING): row_part_ptr (splits, planes, 2M): line i the
+        i2t row i, line M + i the t2i row i.
+    Scalars and constexprs: as ``_fwd_kernel``.
+    """
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    inv_tau = 1.0 / tl.load(tau_ptr)
+    gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
+    v = (v_ptr, stride_vm, stride_vd)
+    t = (t_ptr, stride_tm, stride_td)
+    v_all = (va_ptr, stride_van, stride_vad)
+    t_all = (ta_ptr, stride_tan, stride_tad)
+    offs_m, mask_m = _block(pid_m * BLOCK_M, M, BLOCK_M)
+    rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
+    pos_i2t, pos_t2i = _load2(pos_ptr, pos_ptr + M, offs_m, mask_m)
+    i2t = (tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
+           tl.zeros((BLOCK_M,), tl.float32), tl.zeros((BLOCK_M,), tl.float32))
+    t2i = i2t
+    n_start = pid_s * cols_per_split
+    n_end = tl.minimum(n_start + cols_per_split, N)
+    for n0 in range(n_start, n_end, BLOCK_N):
+        offs_n, mask_n = _block(n0, n_end, BLOCK_N)
+        rv_n, rt_n = _load2(rva_ptr, rta_ptr, offs_n, mask_n)
+        z, zt = _rank_tiles(v, t, v_all, t_all, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
+                            D, gamma, inv_tau, HAS_MARGIN, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
+        i2t = _merge_stats(i2t, _gap_stats(z, pos_i2t, neg, 1))
+        t2i = _merge_stats(t2i, _gap_stats(zt, pos_t2i, neg, 1))
+    part = row_part_ptr + pid_s.to(tl.int64) * (3 + SMOOTHING) * 2 * M
+    _store_partial(part, 2 * M, offs_m, mask_m, i2t, SMOOTHING)
+    _store_partial(part, 2 * M, M + offs_m, mask_m, t2i, SMOOTHING)
 
 
 @triton.jit
@@ -243,16 +297,21 @@ def _merge_kernel(part_ptr, n_parts, L, line0, plane_stride, delta_ptr, mean_neg
 # the pruner, the operand width); every rerun rewrites the partials whole, so no restore_value
 _fwd_tuned = triton.autotune(cfg.all_candidates("fwd"), key=["D", "N_BUCKET", "HAS_MARGIN", "PREC", "SMOOTHING"],
                              prune_configs_by={"early_config_prune": cfg.pruner("fwd", "q_ptr")})(_fwd_kernel)
+# a rank's two directions: key D, N bucket, HAS_MARGIN, PREC, SMOOTHING
+_fwd_rank_tuned = triton.autotune(cfg.all_candidates("rank"), key=["D", "N_BUCKET", "HAS_MARGIN", "PREC", "SMOOTHING"],
+                                  prune_configs_by={"early_config_prune": cfg.pruner("rank", "v_ptr")})(_fwd_rank_kernel)
 # the symmetric walk's twin: key D, N bucket, HAS_MARGIN, PREC, SMOOTHING (the same candidates)
 _fwd_pair_tuned = triton.autotune(cfg.all_candidates("pair"), key=["D", "N_BUCKET", "HAS_MARGIN", "PREC", "SMOOTHING"],
                                   prune_configs_by={"early_config_prune": cfg.pruner("pair", "v_ptr")})(_fwd_pair_kernel)
 
 
 def _kernel(name: str, tuned: bool):
-    """Kernel ``name`` ("fwd", "pair", "fold", "merge"), its autotuned twin when ``tuned``, through
+    """Kernel ``name`` ("fwd", "rank", "pair", "fold", "merge"), its autotuned twin when ``tuned``, through
     ``wrap_triton``; spelled out kernel by kernel (see :func:`.launch.launch`)."""
     if name == "fwd":
         return wrap_triton(_fwd_tuned) if tuned else wrap_triton(_fwd_kernel)
+    if name == "rank":
+        return wrap_triton(_fwd_rank_tuned) if tuned else wrap_triton(_fwd_rank_kernel)
     if name == "pair":
         return wrap_triton(_fwd_pair_tuned) if tuned else wrap_triton(_fwd_pair_kernel)
     if name == "fold":
@@ -350,4 +409,27 @@ def forward_stats(ops, norms, pos, tau32, gamma32, has_margin: bool, offset: int
            SMOOTHING=smoothing, HAS_MARGIN=has_margin,
            PREC=cfg.dot_precision(q.dtype, precision), BLOCK_M=cfg.fwd_block_m(width),
            BLOCK_K=cfg.score_block_k(width))
+    return epilogue.RowStats(pos, *_merge(row_part, smoothing))
+
+
+def rank_stats(ops, norms, pos, tau32, gamma32, has_margin: bool, offset: int, smoothing: bool, precision):
+    """A distributed rank's i2t and t2i row statistics, one ``epilogue.RowStats`` of 2M lines
+    (i2t rows, then t2i rows), from one walk (``_fwd_rank_kernel``: the margin's G formed once per tile for both).
+
+    ``ops`` = (v, t, v_all, t_all): the local (M, D) and gathered (N, D) features, ``norms`` their
+    float32 inverse row norms, ``pos`` (2M) the positives (i2t rows, then t2i rows); the rest
+    as :func:`forward_stats`. Grid and workspace: the directional op's (row partials of 2M
+    lines: (splits, planes, 2M))."""
+    v, _, v_all, _ = ops
+    m, d = v.shape
+    n = v_all.shape[0]
+    width = v.element_size()
+    _, row_blocks, splits, per_split = cfg.fwd_grid(m, n, width, False, v.device)
+    planes = 4 if smoothing else 3
+    row_part = torch.empty(splits, planes, 2 * m, device=v.device, dtype=torch.float32)
+    args = (*ops, *strides(*ops), *norms, pos, tau32, gamma32, row_part, m, n, d, offset, per_split,
+            cfg.n_bucket(n))
+    launch(lambda tuned: _kernel("rank", tuned), "rank", width, lambda t: (row_blocks, splits), args,
+           SMOOTHING=smoothing, HAS_MARGIN=has_margin, PREC=cfg.dot_precision(v.dtype, precision),
+           BLOCK_M=cfg.fwd_block_m(width), BLOCK_K=cfg.score_block_k(width))
     return epilogue.RowStats(pos, *_merge(row_part, smoothing))

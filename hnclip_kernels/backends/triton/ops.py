@@ -13,7 +13,12 @@ operators share (autograd formula, raising second derivative, vmap rule, ``torch
 * ``triton_directional_nll(q, k, a, b, tau, gamma, label_smoothing, offset, has_margin,
   smoothing, normalize, precision)`` → (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum): what
   a rank of the distributed loss runs;
-* their ``*_backward`` operators → (dL/dq, dL/dk, dL/dτ) in the inputs' dtypes.
+* ``triton_rank_nll(img, txt, all_img, all_txt, tau, gamma, label_smoothing, offset, has_margin,
+  smoothing, normalize, precision)`` → (rows, rv, rt, rv_all, rt_all, pos, delta, mean_neg, dsum):
+  a distributed rank's two directions in one op (rows ½(i2t_i + t2i_i), the statistics over 2M
+  lines, i2t then t2i), the margin's G = t tᵀ_all formed once per tile for both;
+* their ``*_backward`` operators → (dL/dq, dL/dk, dL/dτ) in the inputs' dtypes (the rank op: the
+  gradients of its four features, then dL/dτ).
 
 τ, γ and ε are tensors (γ and ε 0-dim float64, :func:`..glue.hyperparameter`), so a schedule
 of any of them reuses a compiled graph; ``has_margin`` (γ ≠ 0) and ``smoothing`` (ε ≠ 0) are the
@@ -44,14 +49,15 @@ from torch import Tensor
 
 from ...validation import check_directional, resolve_precision
 from .. import epilogue, glue
-from .backward import backward_shares
-from .forward import forward_stats
+from .backward import backward_shares, rank_shares
+from .forward import forward_stats, rank_stats
 from .launch import USE_TRITON_OP
 
 # ------------------------------------------------------------------ operators
 _SymOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 _DirOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 _Grads = Tuple[Tensor, Tensor, Tensor]
+_RankGrads = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 def _scalar32(x: Tensor, like: Tensor) -> Tensor:
@@ -148,6 +154,71 @@ def _directional_grads_fake(grad, q, k, a, b, tau, *rest):
     return q.new_empty(q.shape), k.new_empty(k.shape), tau.new_empty(tau.shape)
 
 
+def _rank_nll(img: Tensor, txt: Tensor, all_img: Tensor, all_txt: Tensor, tau: Tensor, gamma: Tensor,
+              label_smoothing: Tensor, offset: int, has_margin: bool, smoothing: bool, normalize: bool,
+              precision: str) -> _DirOut:
+    """A rank's per-row losses ½(i2t_i + t2i_i) (M,) and what the backward needs:
+    (rows, rv, rt, rv_all, rt_all, pos, delta, mean_neg, dsum), the last four over 2M lines
+    (i2t rows, then t2i rows). Each direction's values are its directional op's to the bit
+    (the same positives, tiles and partial order)."""
+    norms = tuple(epilogue.inv_norms(x, normalize) for x in (img, txt, all_img, all_txt))
+    tau32, gamma32 = _scalar32(tau, img), _scalar32(gamma, img)
+    inv_tau = 1.0 / tau32
+    m = img.shape[0]
+    pos = torch.cat((
+        epilogue.positive_logits(epilogue.scaled(img, norms[0]), epilogue.scaled(all_txt, norms[3]), offset, inv_tau),
+        epilogue.positive_logits(epilogue.scaled(txt, norms[1]), epilogue.scaled(all_img, norms[2]), offset, inv_tau)))
+    stats = rank_stats((img, txt, all_img, all_txt), norms, pos, tau32, gamma32, has_margin, offset, smoothing,
+                       precision)
+    # each direction's losses from its own slice: torch's vectorised softplus rounds an element
+    # differently in a loop's tail, and the directional op's tails are M long
+    eps, n = label_smoothing if smoothing else 0.0, all_img.shape[0]
+    i2t, t2i = (epilogue.RowStats(*(x[sl] for x in stats)) for sl in (slice(0, m), slice(m, 2 * m)))
+    return (0.5 * (epilogue.row_losses(i2t, n, eps) + epilogue.row_losses(t2i, n, eps)), *norms, *stats)
+
+
+def _rank_nll_fake(img, txt, all_img, all_txt, tau, gamma, label_smoothing, offset, has_margin, smoothing, normalize,
+                   precision):
+    m, n = img.shape[0], all_img.shape[0]
+    sizes = (m, m, m, n, n, 2 * m, 2 * m, 2 * m, 2 * m)
+    return tuple(img.new_empty((size,), dtype=torch.float32) for size in sizes)
+
+
+def _rank_nll_backward(
+    grad: Tensor, img: Tensor, txt: Tensor, all_img: Tensor, all_txt: Tensor, tau: Tensor, gamma: Tensor,
+    label_smoothing: Tensor, rv: Tensor, rt: Tensor, rv_all: Tensor, rt_all: Tensor, pos: Tensor, delta: Tensor,
+    mean_neg: Tensor, dsum: Tensor, offset: int, has_margin: bool, smoothing: bool, normalize: bool, precision: str,
+    need_features: bool,
+) -> _RankGrads:
+    """(dL/dimg, dL/dtxt, dL/dall_img, dL/dall_txt in their dtypes, dL/dτ in τ's dtype and shape):
+    i2t gives img and all_txt theirs, t2i txt and all_img (the margin is a constant)."""
+    m = img.shape[0]
+    i2t = epilogue.RowStats(pos[:m], delta[:m], mean_neg[:m], dsum[:m])
+    t2i = epilogue.RowStats(pos[m:], delta[m:], mean_neg[m:], dsum[m:])
+    tau32, gamma32 = _scalar32(tau, img), _scalar32(gamma, img)
+    inv_tau = 1.0 / tau32
+    g = 0.5 * grad.float().contiguous()  # each direction's row gets half
+    ops, norms = (img, txt, all_img, all_txt), (rv, rt, rv_all, rt_all)
+    if need_features:
+        (d_v, d_ta), (d_t, d_va) = rank_shares(ops, norms, (i2t, t2i), g, tau32, gamma32, has_margin, offset,
+                                               precision)
+    else:  # only τ wants a gradient: it needs the statistics alone
+        d_v, d_t, d_va, d_ta = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in ops)
+    eps = label_smoothing if smoothing else 0.0
+    d_img, d_all_txt, dz_i2t = epilogue.finish_directional(i2t, g, img, all_txt, rv, rt_all, d_v, d_ta, offset,
+                                                           inv_tau, eps, normalize)
+    d_txt, d_all_img, dz_t2i = epilogue.finish_directional(t2i, g, txt, all_img, rt, rv_all, d_t, d_va, offset,
+                                                           inv_tau, eps, normalize)
+    # dτ as autograd would sum the two directional ops' (each in τ's dtype)
+    d_tau = epilogue.tau_grad(dz_i2t, inv_tau, tau.dtype, tau.shape) + epilogue.tau_grad(dz_t2i, inv_tau, tau.dtype,
+                                                                                          tau.shape)
+    return d_img, d_txt, d_all_img, d_all_txt, d_tau
+
+
+def _rank_grads_fake(grad, img, txt, all_img, all_txt, tau, *rest):
+    return tuple(x.new_empty(x.shape) for x in (img, txt, all_img, all_txt, tau))
+
+
 # torch.func-capable Functions of the forward operators (see ..glue)
 HNClipTriton = glue.fused_op(
     "triton", "triton_symmetric_nll", forward=_symmetric_nll, forward_fake=_symmetric_nll_fake,
@@ -157,6 +228,9 @@ HNClipDirectionalTriton = glue.fused_op(
     "triton", "triton_directional_nll", forward=_directional_nll, forward_fake=_directional_nll_fake,
     backward=_directional_nll_backward, backward_fake=_directional_grads_fake, tau_input=4,
     use_triton_op=USE_TRITON_OP)
+HNClipRankTriton = glue.fused_op(
+    "triton", "triton_rank_nll", forward=_rank_nll, forward_fake=_rank_nll_fake, backward=_rank_nll_backward,
+    backward_fake=_rank_grads_fake, tau_input=4, feature_inputs=(0, 1, 2, 3), use_triton_op=USE_TRITON_OP)
 
 
 # ------------------------------------------------------------------ public wrappers
@@ -201,3 +275,29 @@ def hn_clip_pairs_triton(img, txt, *, tau, gamma, label_smoothing, normalize, re
         return out[0]
     pos = out[3]
     return out[0], (epilogue.RowStats(pos, *out[4:7]), epilogue.RowStats(pos, *out[7:10]))
+
+
+def rank_nll_triton(img, txt, all_img, all_txt, *, tau, offset, gamma, label_smoothing, normalize,
+                    return_stats=False, precision=None):
+    """A distributed rank's per-row losses ½(i2t_i + t2i_i), shape (M,), in one fused op
+    (``hnclip::triton_rank_nll``; composes as :func:`directional_nll_triton` does).
+
+    ``img``, ``txt`` (M, D): the rank's local features; ``all_img``, ``all_txt`` (N, D): the
+    gathered batch, local row i's positive at column ``offset + i``. i2t row i: Z_ij =
+    (v̂_i t̂_all,j + γ t̂_i t̂_all,j) / τ; t2i row i: (t̂_i v̂_all,j + γ t̂_i t̂_all,j) / τ (arXiv
+    2608.18521, Eq. 2, the margins of the local captions against all captions): the same as
+    two calls of :func:`directional_nll_triton` (``0.5 * (i2t + t2i)``), each value to the bit,
+    with the margin's product formed once for both. ``return_stats``: also ``(i2t, t2i)``, the
+    detached ``epilogue.RowStats`` of each direction. Raises ``ValueError``/``TypeError`` as
+    :func:`hnclip_kernels.validation.check_directional` does for either direction."""
+    check_directional(img, all_txt, txt, all_txt, offset)
+    check_directional(txt, all_img, txt, all_txt, offset)
+    gamma_t, eps_t, has_margin, smoothing, precision = _scalar_args(gamma, label_smoothing, precision, img)
+    out = glue.call(HNClipRankTriton, torch.ops.hnclip.triton_rank_nll, img, txt, all_img, all_txt, tau, gamma_t,
+                    eps_t, int(offset), has_margin, smoothing, bool(normalize), precision)
+    if not return_stats:
+        return out[0]
+    m = img.shape[0]
+    pos, delta, mean_neg, dsum = out[5:9]
+    return out[0], (epilogue.RowStats(pos[:m], delta[:m], mean_neg[:m], dsum[:m]),
+                    epilogue.RowStats(pos[m:], delta[m:], mean_neg[m:], dsum[m:]))

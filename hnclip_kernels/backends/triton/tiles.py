@@ -157,6 +157,37 @@ def _merge_stats(first, second):
 
 
 @triton.jit
+def _three_products(
+    v_rows, t_rows, v_cols, t_cols,
+    offs_m, mask_m, offs_n, mask_n,
+    D, HAS_MARGIN: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The raw float32 products over D of rows I against columns J that two tiles sharing a
+    margin need: (v_I t_Jᵀ, t_I v_Jᵀ, t_I t_Jᵀ), the last only with HAS_MARGIN (else zeros).
+
+    Matrices ``(ptr, stride along rows, stride along D)``: v_rows, t_rows hold rows I, v_cols,
+    t_cols columns J (the same matrices for the symmetric loss; a rank's local and gathered
+    features for its directional pair). Each product in the operand order of ``_logits_tile``'s
+    q kᵀ, so a tile scaled from it is the tile ``_logits_tile`` forms, to the bit."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_mirror = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_margin = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        offs_d = k0 + tl.arange(0, BLOCK_K)
+        mask_d = offs_d < D
+        v_i = _row_block(v_rows, offs_m, mask_m, offs_d, mask_d)
+        t_i = _row_block(t_rows, offs_m, mask_m, offs_d, mask_d)
+        t_j = _col_block(t_cols, offs_n, mask_n, offs_d, mask_d)
+        v_j = _col_block(v_cols, offs_n, mask_n, offs_d, mask_d)
+        acc = _dot(v_i, t_j, acc, PREC)
+        acc_mirror = _dot(t_i, v_j, acc_mirror, PREC)
+        if HAS_MARGIN:
+            acc_margin = _dot(t_i, t_j, acc_margin, PREC)
+    return acc, acc_mirror, acc_margin
+
+
+@triton.jit
 def _pair_tiles(
     v, t,
     rows, cols,
@@ -179,26 +210,45 @@ def _pair_tiles(
     """
     offs_m, mask_m, rv_m, rt_m = rows
     offs_n, mask_n, rv_n, rt_n = cols
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_mirror = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_margin = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        offs_d = k0 + tl.arange(0, BLOCK_K)
-        mask_d = offs_d < D
-        v_i = _row_block(v, offs_m, mask_m, offs_d, mask_d)
-        t_i = _row_block(t, offs_m, mask_m, offs_d, mask_d)
-        t_j = _col_block(t, offs_n, mask_n, offs_d, mask_d)
-        v_j = _col_block(v, offs_n, mask_n, offs_d, mask_d)
-        acc = _dot(v_i, t_j, acc, PREC)
-        acc_mirror = _dot(t_i, v_j, acc_mirror, PREC)
-        if HAS_MARGIN:
-            acc_margin = _dot(t_i, t_j, acc_margin, PREC)
+    acc, acc_mirror, acc_margin = _three_products(v, t, v, t, offs_m, mask_m, offs_n, mask_n, D, HAS_MARGIN, PREC,
+                                                  BLOCK_M, BLOCK_N, BLOCK_K)
     z = acc * rv_m[:, None] * rt_n[None, :]
     zm = acc_mirror * rv_n[None, :] * rt_m[:, None]
     if HAS_MARGIN:
         z += gamma * (acc_margin * rt_m[:, None] * rt_n[None, :])
         zm += gamma * (acc_margin * rt_n[None, :] * rt_m[:, None])
     return z * inv_tau, zm * inv_tau
+
+
+@triton.jit
+def _rank_tiles(
+    v, t, v_all, t_all,
+    rows, cols,
+    D, gamma, inv_tau,
+    HAS_MARGIN: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """A distributed rank's two directions over one tile from 3 products (2 without the
+    margin): i2t Z_IJ = (v̂_I t̂_Jᵀ + γ G_IJ) / τ and t2i Z'_IJ = (t̂_I v̂_Jᵀ + γ G_IJ) / τ share
+    G_IJ = t̂_I t̂_Jᵀ, the local captions against the gathered ones.
+
+    Matrices ``(ptr, stride along rows, stride along D)``: v, t the local features (M, D),
+    v_all, t_all the gathered ones (N, D). Blocks ``(offsets, mask, r_v, r_t)``: local rows I
+    (BLOCK_M), gathered columns J (BLOCK_N). Returns the two (BLOCK_M, BLOCK_N) float32 tiles,
+    each as ``_logits_tile`` forms it for that direction's directional op (i2t: q = v, k = t_all;
+    t2i: q = t, k = v_all; margin factors t, t_all), to the bit.
+    """
+    offs_m, mask_m, rv_m, rt_m = rows
+    offs_n, mask_n, rv_n, rt_n = cols
+    acc, acc_t2i, acc_margin = _three_products(v, t, v_all, t_all, offs_m, mask_m, offs_n, mask_n, D, HAS_MARGIN,
+                                               PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    z = acc * rv_m[:, None] * rt_n[None, :]
+    zt = acc_t2i * rt_m[:, None] * rv_n[None, :]
+    if HAS_MARGIN:
+        margin = gamma * (acc_margin * rt_m[:, None] * rt_n[None, :])
+        z += margin
+        zt += margin
+    return z * inv_tau, zt * inv_tau
 
 
 @triton.jit

@@ -4,12 +4,13 @@ Two workspaces, never live together (the forward's is freed before the forward o
 returns, the backward's is allocated inside the backward operator):
 
 * the forward's partial statistics (``forward.forward_stats``): float32, planes = 3 (max, Σexp,
-  Σexp·d), 4 with label smoothing (also Σd); for the directional op row partials (splits, planes,
-  M); for the symmetric loss, over 2N lines (the columns' and the rows' statistics), the running
+  Σexp·d), 4 with label smoothing (also Σd); for a distributed rank's op (both directions of its
+  M local rows in one walk) row partials (splits, planes, 2M); for the symmetric loss, over 2N lines (the columns' and the rows' statistics), the running
   summaries (planes, 2N) and one slab's partials: its row blocks' (slab row blocks, planes, 2N)
   and its splits' (splits, planes, 2 · slab rows), the grid of ``config.fwd_grid``;
-* the backward's dS chunk (``backward.backward_shares``): one R × C chunk of ``config.chunk_shape``
-  at a time (for the symmetric loss one square chunk pair, W_ab and W_ba, at a time) (float32 dS, a float16 head and tail for fp16 features, one float16 dS and float16
+* the backward's dS chunk (``backward.backward_shares``, ``backward.rank_shares``): one R × C chunk
+  of ``config.chunk_shape`` at a time (for the symmetric loss one square chunk pair, W_ab and W_ba,
+  at a time; for a rank both directions' W of one chunk) (float32 dS, a float16 head and tail for fp16 features, one float16 dS and float16
   copies of the chunk's feature rows for bf16), with its residual slice sums for 16-bit
   features (``backward.workspace_bytes`` states it).
 
@@ -39,14 +40,15 @@ def _device(device) -> torch.device:
 
 
 def forward_bytes(m: int, n: int, elem_size: int, columns: bool, smoothing: bool, device=None) -> int:
-    """Bytes of the forward's partial statistics: M query rows against N columns, ``columns``
-    for the symmetric loss (also the columns' statistics), features of ``elem_size`` bytes."""
+    """Bytes of the forward's partial statistics: M local rows against N columns, ``columns``
+    for the symmetric loss (also the columns' statistics; else a rank's two directions, 2M
+    lines), features of ``elem_size`` bytes."""
     planes = 4 if smoothing else 3
     with cfg.forced_launch("gpu"):
         _, slab, splits, _ = cfg.fwd_grid(m, n, elem_size, columns, _device(device))
         block_m = cfg.fwd_block_m(elem_size)
-    if not columns:  # row partials
-        return 4 * planes * splits * m
+    if not columns:  # row partials of both directions
+        return 4 * planes * splits * 2 * m
     # the symmetric walk (2N lines: columns and rows): the running summaries, and at the first
     # (largest) slab its row blocks' partials and its splits' partials of the slab's own lines
     return 4 * planes * (2 * n + slab * 2 * n + splits * 2 * min(slab * block_m, n))
@@ -54,12 +56,13 @@ def forward_bytes(m: int, n: int, elem_size: int, columns: bool, smoothing: bool
 
 def backward_bytes(m: int, n: int, d: int, dtype: torch.dtype = torch.float32, symmetric: bool = False) -> int:
     """Bytes of the backward's workspace for M rows against N columns of width D at its peak:
-    one dS chunk, and for bf16 the chunk's features in float16 (``backward.workspace_bytes``,
-    which sizes it as ``backward_shares`` allocates it)."""
+    one dS chunk (both directions' for a rank, not ``symmetric``), and for bf16 the chunk's
+    features in float16 (``backward.workspace_bytes``, which sizes it as ``backward_shares`` /
+    ``rank_shares`` allocate it)."""
     from . import backward
 
     with cfg.forced_launch("gpu"):
-        return int(backward.workspace_bytes(m, n, d, dtype, symmetric))
+        return int(backward.workspace_bytes(m, n, d, dtype, symmetric, rank=not symmetric))
 
 
 def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, label_smoothing: float = 0.0,
@@ -68,9 +71,9 @@ def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, l
     backward, in the GPU launch configuration: the forward's partial statistics plus the
     backward's dS chunk (see the module docstring).
 
-    ``n``: the batch (the symmetric loss), or the gathered columns of the distributed directional
-    op when ``local_rows`` (a rank's M) is given; ``d``, ``gamma``: the layout depends on neither
-    today (kept so a caller states the whole problem); ``dtype``: the features' dtype (the
+    ``n``: the batch (the symmetric loss), or the gathered columns of a distributed rank's op
+    (its M local rows against N columns, both directions) when ``local_rows`` (the rank's M) is
+    given; ``d``, ``gamma``: the layout depends on neither today (kept so a caller states the whole problem); ``dtype``: the features' dtype (the
     forward's tile height); ``label_smoothing``: ≠ 0 adds the Σd plane; ``device``: whose SM
     count sizes the grid (default: the current CUDA device, else an H100/H200's 132).
 
