@@ -9,8 +9,9 @@ Run it with TRITON_INTERPRET unset. What it does:
 1. Drives, on CPU tensors, forward + backward of the public single-process loss
    ``hn_clip_loss(img, txt, tau, gamma=, label_smoothing=, backend="triton")`` (N rows) and of
    the directional op of the distributed path, ``hnclip_kernels.backends.triton_directional()``,
-   for one rank: M local query rows against N gathered keys, positives at offset M + i
-   (see ``drive_single`` / ``drive_directional``). The backend refuses CPU tensors unless
+   for one rank: M local query rows against N gathered keys, positives at offset M + i, and
+   of that rank's op for both directions (``rank_nll_triton``, what the distributed loss runs)
+   (see ``drive_single`` / ``drive_directional`` / ``drive_rank``). The backend refuses CPU tensors unless
    Triton is interpreting, so ``hnclip_kernels.backends._triton_interpreting`` is patched to
    return True; the launcher's own choices (tiles, precision, autotune candidates) still
    see real ``JITFunction`` / ``Autotuner`` objects, i.e. the GPU configuration.
@@ -49,7 +50,7 @@ A launcher that raises on CPU tensors, or launches nothing, is a problem too.
 Table (one line per distinct compiled kernel; --json has everything, constexprs included):
 kernel; cfg (i/k: autotune candidate i of the k left after pruning); flags (bool constexprs
 that are True); ints=1 (int arguments specialised to the constant 1, e.g. a unit stride);
-from (single: hn_clip_loss, dir: the directional op); the input dtype, D and gamma values that
+from (single: hn_clip_loss, dir: the directional op, rank: a rank's two directions); the input dtype, D and gamma values that
 led to it; blocks (BLOCK_* constexprs); prec (*PREC constexprs); warps/stages; registers per
 thread; spill store/load bytes; shared memory bytes; MMA instructions (shape.operand type);
 tf32 (a tf32 MMA is present); status; key (the bind key, to find the kernel in --json).
@@ -114,6 +115,19 @@ def drive_directional(m, n, d, dtype, gamma, eps, offset):
     tau = torch.tensor(0.07, requires_grad=True)
     rows = op(img, all_txt.requires_grad_(), query_txt=txt, key_txt=all_txt, tau=tau, offset=offset, gamma=gamma,
               label_smoothing=eps, normalize=True)
+    rows.sum().backward()
+
+
+def drive_rank(m, n, d, dtype, gamma, eps, offset):
+    """One rank's two directions in one op, as ``distributed.rank_hn_clip_loss`` calls them on
+    Triton (``backends.rank_losses``): m local rows against the n gathered ones."""
+    from hnclip_kernels.backends.triton.ops import rank_nll_triton
+
+    all_img, all_txt = _features(n, d, dtype)
+    img, txt = (x[offset:offset + m].clone().requires_grad_() for x in (all_img, all_txt))
+    tau = torch.tensor(0.07, requires_grad=True)
+    rows = rank_nll_triton(img, txt, all_img.requires_grad_(), all_txt.requires_grad_(), tau=tau, offset=offset,
+                           gamma=gamma, label_smoothing=eps, normalize=True)
     rows.sum().backward()
 
 
@@ -381,7 +395,9 @@ def capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars=False, 
         dtype = DTYPES[dt]
         for src, thunk in (("single", lambda d=d, dtype=dtype, gm=gm, eps=eps: drive_single(n, d, dtype, gm, eps)),
                            ("dir", lambda d=d, dtype=dtype, gm=gm, eps=eps: drive_directional(local_m, n, d, dtype, gm,
-                                                                                              eps, local_m))):
+                                                                                              eps, local_m)),
+                           ("rank", lambda d=d, dtype=dtype, gm=gm, eps=eps: drive_rank(local_m, n, d, dtype, gm, eps,
+                                                                                        local_m))):
             case = f"{src} {dt} D={d} gamma={gm} label_smoothing={eps}"
             try:
                 with triton_on_cpu(), capture_launches() as launches:

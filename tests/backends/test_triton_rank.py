@@ -61,16 +61,23 @@ def _run(kind, leaves, tau, offset, gamma, eps, weights, normalize=True):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("gamma,eps,strided", [(0.0, 0.0, False), (0.5, 0.0, True), (0.5, 0.1, False)])
-def test_rank_op_equals_two_directional_ops_bitwise(monkeypatch, dtype, gamma, eps, strided):
-    # several ragged backward chunks (32 × 32 in the interpreter: 2 × 4 of them) and column splits
+def test_rank_op_equals_two_directional_ops_bitwise(launch, monkeypatch, dtype, gamma, eps, strided):
+    # several ragged backward chunks (the interpreter's 32 × 32: 2 × 4 of them; the GPU's 128 × 128:
+    # 1 × 2) and column splits; on the GPU's tiles too (the rank walk's 128 × 64 are _fwd_kernel's)
     monkeypatch.setattr(cfg, "BWD_WORKSPACE_BYTES", 1)
-    m, n, d, offset = 40, 100, 24, 37
+    m, n, d, offset = 40, 160, 24, 97
     all_img, all_txt = _global(n, d, dtype, seed=3)
     weights = torch.linspace(-0.5, 1.5, m)
     fused = _run("rank", _leaves(all_img, all_txt, m, offset, strided), 0.05, offset, gamma, eps, weights)
     pair = _run("directional", _leaves(all_img, all_txt, m, offset, strided), 0.05, offset, gamma, eps, weights)
     for name, x, y in zip(NAMES, fused, pair):
-        assert x.dtype == y.dtype and torch.equal(x, y), f"{name}: max |Δ| {(x.float() - y.float()).abs().max():.3g}"
+        assert x.dtype == y.dtype
+        if launch == "gpu" and dtype == torch.float32:
+            # float32's rank walk takes 64 × 16 tiles (three float32 accumulators), _fwd_kernel 64 × 32:
+            # the online LSEs merge their tiles in another order
+            assert_close_rel(x, y, 2e-6, name)
+        else:
+            assert torch.equal(x, y), f"{name}: max |Δ| {(x.float() - y.float()).abs().max():.3g}"
 
 
 def test_rank_op_statistics_are_the_directional_ops():

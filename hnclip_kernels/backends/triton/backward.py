@@ -75,6 +75,16 @@ RESIDUAL_SLICE = 32
 
 
 @triton.jit
+def _chunk_tile(row0, row_end, col0, col_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile of a dS chunk [row0, row_end) × [col0, col_end) (grid: the chunk's
+    tiles): its rows and columns ``(offsets, mask)`` and the chunk's sides R and C. No pointer
+    goes in (see ``tiles._block``): the offsets reach the stores."""
+    offs_m, mask_m = _block(row0 + tl.program_id(0) * BLOCK_M, row_end, BLOCK_M)
+    offs_n, mask_n = _block(col0 + tl.program_id(1) * BLOCK_N, col_end, BLOCK_N)
+    return (offs_m, mask_m), (offs_n, mask_n), row_end - row0, col_end - col0
+
+
+@triton.jit
 def _dscore_kernel(
     q_ptr, k_ptr, mq_ptr, mk_ptr,
     stride_qm, stride_qd, stride_kn, stride_kd, stride_mqm, stride_mqd, stride_mkn, stride_mkd,
@@ -116,12 +126,11 @@ def _dscore_kernel(
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    offs_m, mask_m = _block(row0 + pid_m * BLOCK_M, row_end, BLOCK_M)
-    offs_n, mask_n = _block(col0 + pid_n * BLOCK_N, col_end, BLOCK_N)
-    rq, r_mq = _load2(rq_ptr, r_mq_ptr, offs_m, mask_m)
-    rk, r_mk = _load2(rk_ptr, r_mk_ptr, offs_n, mask_n)
+    (offs_m, mask_m), (offs_n, mask_n), _, _ = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
     inv_tau = 1.0 / tl.load(tau_ptr)
     gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
+    rq, r_mq = _load2(rq_ptr, r_mq_ptr, offs_m, mask_m)
+    rk, r_mk = _load2(rk_ptr, r_mk_ptr, offs_n, mask_n)
     z = _logits_tile((q_ptr, stride_qm, stride_qd), (k_ptr, stride_kn, stride_kd),
                      (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
                      (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
@@ -226,14 +235,11 @@ def _dscore_pair_kernel(
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rows_c = row_end - row0
-    cols_c = col_end - col0
-    offs_m, mask_m = _block(row0 + pid_m * BLOCK_M, row_end, BLOCK_M)
-    offs_n, mask_n = _block(col0 + pid_n * BLOCK_N, col_end, BLOCK_N)
-    rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
-    rv_n, rt_n = _load2(rv_ptr, rt_ptr, offs_n, mask_n)
+    (offs_m, mask_m), (offs_n, mask_n), rows_c, cols_c = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
     inv_tau = 1.0 / tl.load(tau_ptr)
     gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
+    rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
+    rv_n, rt_n = _load2(rv_ptr, rt_ptr, offs_n, mask_n)
     v = (v_ptr, stride_vm, stride_vd)
     t = (t_ptr, stride_tm, stride_td)
     rows = (offs_m, mask_m, row0, row_end, pid_m * (BLOCK_M // SLICE))
@@ -290,14 +296,11 @@ def _dscore_rank_kernel(
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rows_c = row_end - row0
-    cols_c = col_end - col0
-    offs_m, mask_m = _block(row0 + pid_m * BLOCK_M, row_end, BLOCK_M)
-    offs_n, mask_n = _block(col0 + pid_n * BLOCK_N, col_end, BLOCK_N)
-    rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
-    rv_n, rt_n = _load2(rva_ptr, rta_ptr, offs_n, mask_n)
+    (offs_m, mask_m), (offs_n, mask_n), rows_c, cols_c = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
     inv_tau = 1.0 / tl.load(tau_ptr)
     gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
+    rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
+    rv_n, rt_n = _load2(rva_ptr, rta_ptr, offs_n, mask_n)
     z, zt = _rank_tiles((v_ptr, stride_vm, stride_vd), (t_ptr, stride_tm, stride_td),
                         (va_ptr, stride_van, stride_vad), (ta_ptr, stride_tan, stride_tad),
                         (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),

@@ -112,17 +112,21 @@ CANDIDATES = {
     "pair": {2: [_cfg(8, 3, BLOCK_N=32), _cfg(8, 4, BLOCK_N=32)],
              4: [_cfg(4, 2, BLOCK_N=16)]},
     # a rank's two directions (``forward._fwd_rank_kernel``): three float32 tiles (Z, Z', G) like
-    # the pair walk, the forward's BLOCK_M
-    "rank": {2: [_cfg(8, 3, BLOCK_N=32), _cfg(8, 4, BLOCK_N=32)],
+    # the pair walk, the forward's BLOCK_M; only row statistics, so 128 x 64 fits (sm_90a, D 512-1024,
+    # γ and ε on and off: 236-250 registers, no spills; 128 x 32: 168-197) and tiles as ``_fwd_kernel``
+    "rank": {2: [_cfg(8, 3, BLOCK_N=64), _cfg(8, 3, BLOCK_N=32), _cfg(8, 4, BLOCK_N=32)],
              4: [_cfg(4, 2, BLOCK_N=16)]},
     "dscore": {2: [_cfg(8, 3, BLOCK_M=64, BLOCK_N=128), _cfg(4, 4, BLOCK_M=128, BLOCK_N=64)],
                4: [_cfg(4, 3, BLOCK_M=64, BLOCK_N=32), _cfg(8, 2, BLOCK_M=64, BLOCK_N=64)]},
     # the symmetric loss's chunk pairs (``backward._dscore_pair_kernel``): the pair forward's tiles
     # (Z_IJ, Z_JIᵀ and G_IJ live together), BLOCK_N dividing BLOCK_M
+    # (128 x 64 spills 8 B with fp16's tail and the margin: 255 registers)
     "dscore_pair": {2: [_cfg(8, 3, BLOCK_M=128, BLOCK_N=32), _cfg(8, 4, BLOCK_M=128, BLOCK_N=32)],
                     4: [_cfg(4, 2, BLOCK_M=64, BLOCK_N=16)]},
-    # a rank's two directions' dS (``backward._dscore_rank_kernel``): the rank walk's tiles
-    "dscore_rank": {2: [_cfg(8, 3, BLOCK_M=128, BLOCK_N=32), _cfg(8, 4, BLOCK_M=128, BLOCK_N=32)],
+    # a rank's two directions' dS (``backward._dscore_rank_kernel``): 128 x 64 first (wgmma m64n64;
+    # sm_90a, D 512-1024: 184-222 registers, no spills), 128 x 32 (112-130) after it
+    "dscore_rank": {2: [_cfg(8, 3, BLOCK_M=128, BLOCK_N=64), _cfg(8, 3, BLOCK_M=128, BLOCK_N=32),
+                        _cfg(8, 4, BLOCK_M=128, BLOCK_N=32)],
                     4: [_cfg(4, 2, BLOCK_M=64, BLOCK_N=16)]},
     # (the backward's GEMMs are torch's: cuBLAS on CUDA, see backward.py)
 }
