@@ -127,6 +127,29 @@ def format_targets(rows: list, targets=CPU_TARGETS, dtype="float32", d=512, mode
     return "\n".join(lines)
 
 
+def cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def load_note(when: str, load=None, n_cores=None) -> str:
+    """The 1/5/15-minute load averages ``when`` the sweep runs, with a warning above the core count
+    (other processes then take CPU time from the timed ones: slower cells, spurious FAILs)."""
+    if load is None:
+        if not hasattr(os, "getloadavg"):
+            return f"load average {when}: unknown on this platform"
+        load = os.getloadavg()
+    n_cores = cores() if n_cores is None else n_cores
+    line = f"load average {when}: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {n_cores} cores"
+    if max(load[0], load[1]) > n_cores:
+        line += (f"\nWARNING: the load average is above the {n_cores} cores: other processes share the CPU, so "
+                 "the times (and the PASS/FAIL targets) are not those of an idle machine; rerun when it is idle")
+    return line
+
+
 def plot(rows: list, out_dir: str, prefix: str, provider_order: list) -> list:
     """time_vs_n and memory_vs_n PNGs: a panel per (dtype, D) and mode, a line per provider."""
     import matplotlib
@@ -153,6 +176,7 @@ def plot(rows: list, out_dir: str, prefix: str, provider_order: list) -> list:
             ax.set_xscale("log", base=2)
             if metric == "peak_mem_mb":
                 ax.set_yscale("symlog", linthresh=1.0)  # RSS growth of a tiny cell can be 0
+                ax.set_ylim(bottom=0)  # memory is never negative: no empty lower half
             else:
                 ax.set_yscale("log")
             ax.set(title=f"{dtype}, D={d}, {mode}", xlabel="N (batch)", ylabel=label)

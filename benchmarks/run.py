@@ -223,6 +223,8 @@ def main(argv=None) -> int:
     if args.device == "cuda":
         rows += sweep(args, runnable, deadline)
     else:
+        load_before = report.load_note("before the sweep")
+        print(load_before, file=sys.stderr, flush=True)
         rows += run_cpu(args, argv, runnable, deadline)
     meta = dict(device=args.device, device_name=_device_name(args.device), matmul_tflops=matmul,
                 threads=args.threads if args.device == "cpu" else torch.get_num_threads(),
@@ -235,6 +237,8 @@ def main(argv=None) -> int:
     print(report.format_table(rows, order, REFERENCE[args.device]))
     if args.device == "cpu":
         print(report.format_targets(rows))
+        print(load_before)  # beside the targets it qualifies (also on stderr before the sweep)
+        print(report.load_note("after the sweep"))
     os.makedirs(args.out, exist_ok=True)
     csv_path = os.path.join(args.out, f"{args.device}_results.csv")
     report.write_csv(rows, csv_path)

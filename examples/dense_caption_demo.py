@@ -23,8 +23,8 @@ occur are then renumbered in order (0, the padding, stays 0; the end-of-text tok
 largest, which open_clip's argmax pooling needs), so the text model's vocabulary is ~60 rows
 instead of 49408.
 
-    python examples/dense_caption_demo.py --quick     # ~2 minutes on 2 cores
-    python examples/dense_caption_demo.py             # ~10 minutes
+    python examples/dense_caption_demo.py --quick     # about 45 s on 2 idle cores, 1 minute loaded
+    python examples/dense_caption_demo.py             # 3 minutes on 2 idle cores, up to 10 loaded
 
 Writes ``history.csv`` (one row per run and epoch), ``steps.csv`` (the loss of every step),
 ``summary.csv``, ``table.md`` and ``curves.png`` under ``--out`` and prints the table.

@@ -115,6 +115,8 @@ class HNClipLoss(nn.Module):
         return_stats: bool = False,
     ):
         super().__init__()
+        _check_positional_flags(local_loss=local_loss, gather_with_grad=gather_with_grad, cache_labels=cache_labels,
+                                use_horovod=use_horovod, rank=rank, world_size=world_size)
         if use_horovod:
             raise ValueError("HNClipLoss does not support horovod (use_horovod=True); launch with "
                              "torchrun / torch.distributed (NCCL on GPUs, gloo on CPU) instead")
@@ -214,6 +216,18 @@ class HNClipLoss(nn.Module):
             self.last_stats = (report_from_row_stats(i2t, t2i, label_smoothing=self.label_smoothing, n_keys=n_keys)
                                if readable else None)
         return {"contrastive_loss": loss} if output_dict else loss
+
+
+def _check_positional_flags(*, rank, world_size, **flags) -> None:
+    """ClipLoss's constructor arguments are positional: ``HNClipLoss(0.0)`` would mean
+    ``local_loss=0.0`` with the default γ, not γ = 0. Flags must be bools, rank and size ints."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}; the options of the loss are "
+                            f"keyword-only (HNClipLoss(gamma=0.0), not HNClipLoss(0.0))")
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {value!r}")
 
 
 def _read_logit_scale(logit_scale):

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from . import validation as _validation
 from .backends.epilogue import RowStats
-from .loss import hn_clip_loss
+from .loss import _warn_if_tau_looks_like_logit_scale, hn_clip_loss
 from .numerics import NORM_EPS, compute_dtype
 from .options import LossOptions
 
@@ -255,6 +255,10 @@ def saturation_report(
         the row statistics come from the chunked pass in float32 (float64 for float64 features),
         and the naive losses from float32 logits however the features arrive.
 
+    Warns:
+        RuntimeWarning (once per process, shared with ``hn_clip_loss``): τ > 1, almost always
+        open_clip's ``logit_scale`` passed in place of τ = 1 / logit_scale.
+
     Raises:
         TypeError / ValueError naming the argument, as ``hn_clip_loss`` does, and for
         ``threshold`` ≤ 0 or non-finite, ``chunk_rows`` < 1 or not an int, N < 2, meta tensors.
@@ -270,6 +274,7 @@ def saturation_report(
         raise ValueError(f"img and txt have N = {n} pair; saturation_report needs N >= 2 (a row needs negatives)")
     tau_value = _validation.check_tau(tau, img.device, img.dtype, float(gamma))
     gamma = float(gamma)
+    _warn_if_tau_looks_like_logit_scale(tau_value, "saturation_report")  # once: hn_clip_loss below stays quiet
 
     with torch.no_grad():
         loss = float(hn_clip_loss(img, txt, tau_value, gamma=gamma, normalize=normalize, backend=backend))

@@ -10,11 +10,13 @@ from .numerics import autocast_disabled
 from .options import LossOptions, as_tau_tensor
 
 
-def _warn_if_tau_looks_like_logit_scale(tau_value: Optional[float]) -> None:
+def _warn_if_tau_looks_like_logit_scale(tau_value: Optional[float], caller: str = "hn_clip_loss") -> None:
+    """Warn once when τ > 1, naming ``caller``, at the line that called ``caller`` (which must call
+    this function directly)."""
     if tau_value is None or tau_value <= 1.0:
         return
-    # stacklevel 4: warn_once, this function, hn_clip_loss, then the line that called it
-    warn_once("tau>1", f"hn_clip_loss got tau = {tau_value:g} > 1: tau is the temperature, and a value above 1 "
+    # stacklevel 4: warn_once, this function, the caller, then the line that called it
+    warn_once("tau>1", f"{caller} got tau = {tau_value:g} > 1: tau is the temperature, and a value above 1 "
                        f"is almost always open_clip's logit_scale passed by mistake (1/tau = {1.0 / tau_value:g} "
                        "would then be the temperature). Pass tau = 1 / logit_scale.exp() (or 1 / logit_scale "
                        "if it is already exponentiated). This warning is shown once.", stacklevel=4)
@@ -39,7 +41,8 @@ def hn_clip_loss(
     normalize: bool = True,
     backend: str = "auto",
     precision: Optional[str] = None,
-) -> torch.Tensor:
+    return_stats: bool = False,
+):
     """HN-CLIP contrastive loss with adaptive similarity margins (arXiv 2608.18521, Eq. 2).
 
     With v = img, t = txt (L2-normalised row-wise when ``normalize``)::
@@ -70,9 +73,15 @@ def hn_clip_loss(
             below float32 accuracy in the saturated regime); see the README's "Precision"
             table. 16-bit features and the other backends ignore it (they are exact in
             float32 accumulation already).
+        return_stats: also return a :class:`hnclip_kernels.diagnostics.SaturationReport` of the
+            batch (``loss``, ``saturated_rows``, ``effective_negatives``), made from the row
+            statistics the forward saved (a few O(N) reductions and one host sync; None for meta
+            tensors and under ``torch.compile``). :func:`~hnclip_kernels.diagnostics.saturation_report`
+            fills the fields that need the logits again.
 
     Returns:
-        float32 loss (float64 for float64 inputs): a scalar, or shape (N,) for "none".
+        float32 loss (float64 for float64 inputs): a scalar, or shape (N,) for "none";
+        ``(loss, report)`` with ``return_stats``.
         Gradients reach ``img``/``txt`` in their own dtype and ``tau`` in its dtype.
         Second derivatives (a backward through a gradient taken with ``create_graph=True``)
         are exact on backend="torch"; the fused backends ("cpp", "triton") raise a
@@ -85,8 +94,8 @@ def hn_clip_loss(
 
     Raises:
         TypeError: non-tensor or integer features, dtype mismatch, non-real ``tau``/``gamma``/
-            ``label_smoothing``, non-bool ``normalize``, non-string ``precision``, float64
-            with backend="triton".
+            ``label_smoothing``, non-bool ``normalize``/``return_stats``, non-string ``precision``,
+            float64 with backend="triton".
         ValueError: non-2-D features, shape or device mismatch, N = 0 or D = 0, τ ≤ 0,
             non-finite or so small that the logit gaps (2 + γ)/τ (or, with ``normalize=False``,
             the features' norms) overflow float32, γ < 0 or non-finite, ε
@@ -95,8 +104,19 @@ def hn_clip_loss(
     """
     options = LossOptions(gamma=gamma, label_smoothing=label_smoothing, reduction=reduction, normalize=normalize,
                           backend=backend, precision=precision).bind(img, txt, tau)
+    if not isinstance(return_stats, bool):
+        raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
     _warn_if_tau_looks_like_logit_scale(options.tau_value)
     # autocast would run the reference's matmuls in bf16: accumulation here is float32 by design
     with autocast_disabled(img.device):
-        rows = symmetric_losses(img, txt, as_tau_tensor(tau, img), options)
-    return reduce_rows(rows, reduction)
+        out = symmetric_losses(img, txt, as_tau_tensor(tau, img), options, return_stats)
+    if not return_stats:
+        return reduce_rows(out, reduction)
+    from .diagnostics import report_from_row_stats  # diagnostics imports this module
+
+    rows, (i2t, t2i) = out
+    # a report is host floats: none for meta tensors (no values) or inside a compiled graph
+    readable = not torch.compiler.is_compiling() and img.device.type != "meta"
+    report = (report_from_row_stats(i2t, t2i, label_smoothing=options.label_smoothing, n_keys=img.shape[0])
+              if readable else None)
+    return reduce_rows(rows, reduction), report

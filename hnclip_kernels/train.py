@@ -3,13 +3,20 @@
 Usage (every argument but the ``--hn-*`` flags goes to ``open_clip_train.main`` unchanged)::
 
     python -m hnclip_kernels.train [open_clip_train arguments] \\
-        [--hn-gamma 0.5] [--hn-label-smoothing 0.0] [--hn-backend auto]
+        [--hn-gamma 0.5] [--hn-label-smoothing 0.0] [--hn-backend auto] [--hn-log-stats]
     torchrun --nproc_per_node 8 -m hnclip_kernels.train -- --local-loss --gather-with-grad ...
 
 Flags:
     --hn-gamma G            margin scale γ ≥ 0 (default 0.5; 0 reproduces open_clip's ClipLoss)
     --hn-label-smoothing E  ε in [0, 1) (default 0.0)
-    --hn-backend B          "auto", "torch", "triton" or "cpp" (default "auto")
+    --hn-backend B          "auto", "torch", "triton" or "cpp" (default "auto"); checked against the
+                            device the run uses (open_clip's ``--device``, CPU without CUDA)
+    --hn-log-stats          log rank 0's saturation statistics (loss, saturated rows, effective
+                            negatives; ``HNClipLoss(return_stats=True)``) every ``--log-every-n-steps``
+
+A CSV dataset's header is checked before anything is built: open_clip reads tab-separated files
+with the columns ``filepath`` and ``title`` unless ``--csv-separator``, ``--csv-img-key`` and
+``--csv-caption-key`` say otherwise.
 
 Where open_clip 3.x builds a plain ``ClipLoss`` (``open_clip.create_loss``, from
 ``open_clip/factory.py``, imported by name into ``open_clip_train.main``; patched there for the
@@ -22,8 +29,9 @@ rejects, so CPU ``device_ids`` are dropped (GPU runs are untouched). Under torch
 after the module name when passing ``--logs`` (torchrun's parser takes it for ``--logs-specs``).
 
 Errors:
-    SystemExit(2) with an argparse message, before anything is built: a bad ``--hn-*`` value,
-        or a run whose loss is not ClipLoss (``--siglip``, ``--distill-model``, CoCa models,
+    SystemExit(2) with an argparse message, before anything is built: a bad or unknown ``--hn-*``
+        flag, a backend that cannot run on the run's device, a CSV whose header lacks the image or
+        caption column, or a run whose loss is not ClipLoss (``--siglip``, ``--distill-model``, CoCa models,
         ``--horovod``); use ``python -m open_clip_train.main`` for those.
     MissingTrainExtra (an ImportError) naming ``pip install "open_clip_torch[training]"`` when
         open_clip_train or its dependencies (webdataset, pandas, ...) cannot be imported; run
@@ -32,11 +40,14 @@ Errors:
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
+import os
 import sys
 
 import torch
 
+from .backends import resolve_backend
 from .clip_loss import HNClipLoss
 
 _PROG = "python -m hnclip_kernels.train"
@@ -52,7 +63,74 @@ def _parser() -> argparse.ArgumentParser:
                    help="label smoothing ε in [0, 1) (default 0)")
     p.add_argument("--hn-backend", default="auto", metavar="B",
                    help='"auto" (default), "torch", "triton" or "cpp"')
+    p.add_argument("--hn-log-stats", action="store_true",
+                   help="log rank 0's saturated rows and effective negatives every --log-every-n-steps")
     return p
+
+
+def _reject_unknown_hn_flags(parser, rest) -> None:
+    """A mistyped ``--hn-*`` flag would reach open_clip's parser and fail under its usage text."""
+    known = [a for action in parser._actions for a in action.option_strings]
+    for token in rest:
+        flag = token.split("=", 1)[0]
+        if flag.startswith(("--hn-", "--hn_")):
+            close = difflib.get_close_matches(flag.replace("_", "-"), known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            parser.error(f"unrecognized HN-CLIP flag {flag}{hint} (the flags are {', '.join(known)})")
+
+
+def _run_device(args) -> str:
+    """The device type open_clip_train will train on: ``--device``, CPU when CUDA is missing."""
+    kind = str(args.device).split(":", 1)[0]
+    return "cpu" if kind == "cuda" and not torch.cuda.is_available() else kind
+
+
+def _check_backend_device(parser, backend: str, args) -> None:
+    kind = _run_device(args)
+    if kind not in ("cpu", "cuda"):
+        return  # other accelerators: the loss itself says what it can run
+    try:
+        resolve_backend(backend, torch.empty(0, device=kind))
+    except (TypeError, ValueError) as exc:
+        parser.error(f"argument --hn-backend: {backend!r} cannot run on this run's device ({kind}): {exc}")
+
+
+def _check_csv_header(parser, args) -> None:
+    """open_clip's CSV reader fails with a bare ``KeyError: 'filepath'`` on a header it cannot split."""
+    for flag, path in (("--train-data", args.train_data), ("--val-data", args.val_data)):
+        is_csv = args.dataset_type == "csv" or (args.dataset_type == "auto" and str(path).endswith((".csv", ".tsv")))
+        if not path or not is_csv or not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as fh:
+            header = fh.readline().rstrip("\r\n").split(args.csv_separator)
+        missing = [key for key in (args.csv_img_key, args.csv_caption_key) if key not in header]
+        if missing:
+            parser.error(f"argument {flag}: {path}'s header, split on --csv-separator {args.csv_separator!r}, is "
+                         f"{header}: no column {', '.join(repr(k) for k in missing)}. open_clip reads tab-separated "
+                         "files with columns 'filepath' (image path) and 'title' (caption) by default: pass "
+                         "--csv-separator ',' for a comma-separated file, --csv-img-key/--csv-caption-key for "
+                         "other column names")
+
+
+class StatsLoggingHNClipLoss(HNClipLoss):
+    """``HNClipLoss(return_stats=True)`` that logs rank 0's report every ``log_every`` calls
+    (one call per step; with ``--accum-freq`` k, k calls per step)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, return_stats=True, **kwargs)
+        self.log_every, self.calls = 1, 0
+
+    def _get_name(self):  # the run's log names the loss as without the flag (with return_stats=True)
+        return "HNClipLoss"
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        if self.rank == 0 and self.last_stats is not None and self.calls % self.log_every == 0:
+            r = self.last_stats
+            logging.info(f"HN-CLIP stats (call {self.calls}, rank 0's {r.rows} directional rows): loss {r.loss:.6g} "
+                         f"saturated_rows {r.saturated_rows:.4f} effective_negatives {r.effective_negatives:.3f}")
+        self.calls += 1
+        return out
 
 
 class MissingTrainExtra(ImportError):
@@ -90,6 +168,7 @@ def main(argv=None):
     if argv[:1] == ["--"]:  # torchrun ... -m hnclip_kernels.train -- ARGS, where torchrun keeps it
         argv = argv[1:]
     hn, rest = parser.parse_known_args(argv)
+    _reject_unknown_hn_flags(parser, rest)
     kwargs = dict(gamma=hn.hn_gamma, label_smoothing=hn.hn_label_smoothing, backend=hn.hn_backend)
     for name, value in kwargs.items():  # each flag is checked before anything is built
         try:
@@ -100,10 +179,13 @@ def main(argv=None):
         parser.print_help()
         print()  # open_clip's own help follows
     oc_main, ClipLoss, parse_args = _import_open_clip_train()
-    why = _not_clip_loss(parse_args(rest))
+    oc_args = parse_args(rest)
+    why = _not_clip_loss(oc_args)
     if why is not None:
         parser.error(f"HN-CLIP replaces only open_clip's ClipLoss, not the loss of {why}; "
                      "run python -m open_clip_train.main for that")
+    _check_backend_device(parser, hn.hn_backend, oc_args)
+    _check_csv_header(parser, oc_args)
 
     original = oc_main.create_loss
 
@@ -111,8 +193,11 @@ def main(argv=None):
         loss = original(args)
         if type(loss) is not ClipLoss:  # not reached for the runs checked above; guards new losses
             raise ValueError(f"HN-CLIP replaces only open_clip's ClipLoss, got {type(loss).__name__}")
-        loss = HNClipLoss(local_loss=args.local_loss, gather_with_grad=args.gather_with_grad,
-                          cache_labels=True, rank=args.rank, world_size=args.world_size, **kwargs)
+        loss_cls = StatsLoggingHNClipLoss if hn.hn_log_stats else HNClipLoss
+        loss = loss_cls(local_loss=args.local_loss, gather_with_grad=args.gather_with_grad,
+                        cache_labels=True, rank=args.rank, world_size=args.world_size, **kwargs)
+        if hn.hn_log_stats:
+            loss.log_every = max(1, int(args.log_every_n_steps))
         logging.info(f"Contrastive loss: {loss}")
         return loss
 

@@ -93,7 +93,7 @@ def runs(data, tmp_path_factory):
     return {
         "stock": _run(oc_main.main, _argv(data, logs, "stock")),
         "gamma0": _run(hn_train.main, _argv(data, logs, "gamma0") + ["--hn-gamma", "0"]),
-        "gamma05": _run(hn_train.main, _argv(data, logs, "gamma05") + ["--hn-gamma", "0.5"]),
+        "gamma05": _run(hn_train.main, _argv(data, logs, "gamma05") + ["--hn-gamma", "0.5", "--hn-log-stats"]),
     }, logs
 
 
@@ -120,6 +120,22 @@ def test_gamma_half_trains(runs):
     assert (runs[1] / "gamma05" / "checkpoints" / "epoch_1.pt").is_file()
 
 
+def test_log_stats_logs_saturation_every_step(runs):
+    """--hn-log-stats with --log-every-n-steps 1: one line per step, the loss it logs is the step's."""
+    loss, values = runs[0]["gamma05"]
+    assert loss.return_stats and loss.last_stats is not None
+    log = (runs[1] / "gamma05" / "out.log").read_text()
+    lines = [line for line in log.splitlines() if "HN-CLIP stats" in line]
+    assert len(lines) == STEPS, lines
+    logged = [float(line.split(" loss ")[1].split()[0]) for line in lines]
+    np.testing.assert_allclose(logged, values, rtol=1e-5)
+    for line in lines:
+        saturated = float(line.split("saturated_rows ")[1].split()[0])
+        effective = float(line.split("effective_negatives ")[1].split()[0])
+        assert 0.0 <= saturated <= 1.0 and 1.0 <= effective <= 3.0  # 4 pairs: 3 negatives a row
+    assert not runs[0]["gamma0"][0].return_stats
+
+
 @pytest.mark.parametrize("flag, value, words", [
     ("--hn-gamma", "-1", "gamma (margin scale) must be >= 0"),
     ("--hn-gamma", "nan", "gamma must be finite"),
@@ -133,6 +149,46 @@ def test_bad_hn_flags_fail_before_training(monkeypatch, capsys, flag, value, wor
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}: " in err and words in err
+
+
+@pytest.mark.parametrize("typo, suggestion", [("--hn-gama", "--hn-gamma"), ("--hn_backend=cpp", "--hn-backend"),
+                                              ("--hn-stats", "--hn-log-stats")])
+def test_mistyped_hn_flag_is_reported_by_name(monkeypatch, capsys, typo, suggestion):
+    monkeypatch.setattr(oc_main, "main", lambda argv: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as exc:
+        hn_train.main(["--model", "ViT-B-32", typo, "0.5"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"unrecognized HN-CLIP flag {typo.split('=')[0]}; did you mean {suggestion}?" in err
+    assert err.startswith("usage: python -m hnclip_kernels.train")  # our usage, not open_clip's
+
+
+def test_triton_backend_without_cuda_is_an_argparse_error(monkeypatch, capsys):
+    """What a CPU-only machine sees (the suite itself interprets Triton: that is switched off here)."""
+    import hnclip_kernels.backends as backends
+
+    monkeypatch.setattr(oc_main, "main", lambda argv: pytest.fail("training started"))
+    monkeypatch.setattr(backends, "_triton_interpreting", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        hn_train.main(["--model", "ViT-B-32", "--device", "cpu", "--hn-backend", "triton"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --hn-backend: 'triton' cannot run on this run's device (cpu)" in err
+    assert "backend='cpp' / 'torch'" in err
+
+
+def test_comma_csv_without_separator_flag_is_an_argparse_error(data, monkeypatch, capsys):
+    """open_clip alone fails with KeyError: 'filepath' at the first batch on a comma-separated file."""
+    monkeypatch.setattr(oc_main, "main", lambda argv: pytest.fail("training started"))
+    argv = _argv(data, data, "x")
+    i = argv.index("--csv-separator")
+    del argv[i:i + 2]
+    with pytest.raises(SystemExit) as exc:
+        hn_train.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --train-data:" in err and "['filepath,title']" in err
+    assert "tab-separated" in err and "--csv-separator ','" in err
 
 
 @pytest.mark.parametrize("extra, words", [

@@ -1,0 +1,8 @@
+"""Integrations of the HN-CLIP loss with other training frameworks.
+
+- :mod:`hnclip_kernels.integrations.transformers`: Hugging Face ``transformers`` CLIP models
+  (``clip_model_loss``, ``HNClipTrainer``); needs the ``[hf]`` extra.
+
+open_clip needs no module here: :class:`hnclip_kernels.HNClipLoss` is its drop-in, and
+``python -m hnclip_kernels.train`` runs its trainer.
+"""

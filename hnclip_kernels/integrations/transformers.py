@@ -1,0 +1,229 @@
+"""HN-CLIP for Hugging Face ``transformers`` CLIP models, without an N×N logit matrix.
+
+``CLIPModel.forward`` normalises the projected embeddings and builds ``logits_per_text``
+(N×N) in every call, with or without ``return_loss``, and its loss is plain InfoNCE on that
+matrix, each rank seeing only its own batch. :func:`clip_model_loss` instead takes the
+embeddings from ``get_image_features`` / ``get_text_features`` and τ = 1 / exp(logit_scale)
+and runs :class:`hnclip_kernels.HNClipLoss` on them (fused kernels: no N×N tensor; under
+``torch.distributed`` local rows against the gathered batch). :class:`HNClipTrainer` is a
+``transformers.Trainer`` whose ``compute_loss`` is :func:`clip_model_loss`.
+
+Needs the ``[hf]`` extra (``pip install "hnclip-kernels[hf]"``: ``transformers[torch]`` 5.x).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    import transformers
+    from transformers.models.clip.modeling_clip import CLIPOutput
+except ImportError as exc:  # pragma: no cover - the [hf] extra is part of [test]
+    raise ImportError('hnclip_kernels.integrations.transformers needs transformers 5.x: '
+                      'pip install "hnclip-kernels[hf]" (or "transformers[torch]>=5,<6")') from exc
+
+from ..clip_loss import HNClipLoss
+from ..distributed.gather import HAS_DISTRIBUTED, dist
+
+__all__ = ["clip_model_loss", "HNClipTrainer"]
+
+_MISSING = object()
+
+
+def _pooled(output) -> torch.Tensor:
+    """The projected embedding: transformers 5 returns a ModelOutput whose ``pooler_output`` it
+    is, 4.x returned the tensor itself."""
+    if isinstance(output, torch.Tensor):
+        return output
+    return output.pooler_output
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The CLIP model inside DDP / FSDP / accelerate wrappers (their ``.module``) or ``torch.compile``."""
+    inner = model
+    while True:
+        if isinstance(inner, nn.DataParallel):
+            raise ValueError("clip_model_loss does not support torch.nn.DataParallel (its replicas cannot run the "
+                             "embedding pass): launch one process per GPU with torchrun (DistributedDataParallel)")
+        nxt = getattr(inner, "module", None)
+        if not isinstance(nxt, nn.Module):
+            nxt = getattr(inner, "_orig_mod", None)
+        if not isinstance(nxt, nn.Module):
+            return inner
+        inner = nxt
+
+
+def _check_clip(clip) -> None:
+    missing = [name for name in ("get_image_features", "get_text_features", "logit_scale") if not hasattr(clip, name)]
+    if missing:
+        raise TypeError(f"model must be a transformers CLIPModel (or a model with get_image_features, "
+                        f"get_text_features and logit_scale), got {type(clip).__name__} without {', '.join(missing)}")
+    if getattr(clip, "logit_bias", None) is not None:
+        raise TypeError(f"model {type(clip).__name__} has a logit_bias (a SigLIP-style sigmoid loss); HN-CLIP is a "
+                        "softmax (InfoNCE) loss and has no bias term")
+
+
+def _features(clip, input_ids, pixel_values, attention_mask):
+    """(image embeddings, text embeddings, s = exp(logit_scale)), as ``CLIPModel.forward`` forms
+    them before its normalisation and N×N product."""
+    image = _pooled(clip.get_image_features(pixel_values=pixel_values))
+    text = _pooled(clip.get_text_features(input_ids=input_ids, attention_mask=attention_mask))
+    return image, text, clip.logit_scale.exp()
+
+
+def _embeddings(model, input_ids, pixel_values, attention_mask):
+    clip = _unwrap(model)
+    _check_clip(clip)
+    if clip is model:
+        return _features(clip, input_ids, pixel_values, attention_mask)
+    # A wrapper's own forward must run: DDP arms its gradient all-reduce there, FSDP gathers the
+    # parameters there. So the wrapped model's forward is the embedding pass for this one call.
+    saved = clip.__dict__.get("forward", _MISSING)  # accelerate may have set an instance forward
+
+    def embedding_forward(input_ids, pixel_values, attention_mask=None):
+        return _features(clip, input_ids, pixel_values, attention_mask)
+
+    clip.forward = embedding_forward
+    try:
+        return model(input_ids=input_ids, pixel_values=pixel_values, attention_mask=attention_mask)
+    finally:
+        if saved is _MISSING:
+            del clip.forward
+        else:
+            clip.forward = saved
+
+
+def _distributed_layout():
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    if HAS_DISTRIBUTED and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _loss_module(gamma, label_smoothing, false_negative_threshold, backend) -> HNClipLoss:
+    rank, world_size = _distributed_layout()
+    options = dict(gamma=gamma, label_smoothing=label_smoothing, backend=backend, normalize=True)
+    if false_negative_threshold is not None:  # passed on only when set: the core validates it
+        options["false_negative_threshold"] = false_negative_threshold
+    # local rows against the gathered batch, gradients through the gather: with DDP's averaging
+    # every parameter's gradient is the single-process gradient on the global batch
+    return HNClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world_size, **options)
+
+
+def clip_model_loss(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    pixel_values: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    *,
+    gamma: float = 0.5,
+    label_smoothing: float = 0.0,
+    false_negative_threshold: Optional[float] = None,
+    backend: str = "auto",
+    return_outputs: bool = False,
+):
+    """HN-CLIP loss (arXiv 2608.18521, Eq. 2) of a ``transformers`` CLIP batch, never forming N×N logits.
+
+    Runs ``model.get_image_features(pixel_values)`` and ``model.get_text_features(input_ids,
+    attention_mask)`` (the projected embeddings ``CLIPModel.forward`` normalises), L2-normalises
+    them inside the loss and takes τ = 1 / exp(``model.logit_scale``), as ``CLIPModel`` scales its
+    logits. At γ = 0 (and ε = 0) on one process it equals ``model(..., return_loss=True).loss`` in
+    value and in every parameter's gradient, up to float32 rounding.
+
+    Under ``torch.distributed`` (default process group initialised) it is a collective: every
+    rank calls it with its own batch (sizes may differ) and gets its share of the global loss,
+    local rows against the gathered columns with gradients through the gather
+    (``HNClipLoss(local_loss=True, gather_with_grad=True)``), so the DDP-averaged gradient of
+    every parameter equals the single-process gradient on the concatenated global batch, and
+    the mean of the ranks' losses is the global loss.
+
+    Args:
+        model: a ``transformers.CLIPModel`` (or a model with ``get_image_features``,
+            ``get_text_features`` and a ``logit_scale`` parameter, the log of 1/τ), bare or
+            wrapped in DDP / FSDP / accelerate (the wrapper's forward runs, so its gradient
+            synchronisation does); ``torch.nn.DataParallel`` is refused.
+        input_ids: (N, L) token ids; ``attention_mask`` (N, L) or None.
+        pixel_values: (N, 3, H, W) images, as the CLIP processor returns them.
+        gamma: margin scale γ ≥ 0 (0.5, the paper's value; 0 is InfoNCE).
+        label_smoothing: ε in [0, 1), ``cross_entropy`` semantics.
+        false_negative_threshold: None (default) or a caption-cosine threshold; passed to the
+            core loss only when set (see :class:`hnclip_kernels.HNClipLoss`).
+        backend: "auto", "torch", "cpp" or "triton" (``hn_clip_loss``'s ``backend``).
+        return_outputs: also return a ``CLIPOutput`` with the L2-normalised ``image_embeds`` and
+            ``text_embeds`` (N, D) and ``loss`` (its ``logits_*`` fields are None).
+
+    Returns:
+        The float32 scalar loss (this rank's share under ``torch.distributed``), or
+        ``(loss, CLIPOutput)`` with ``return_outputs``.
+
+    Raises:
+        TypeError: a model without the CLIP embedding methods, or with a ``logit_bias`` (SigLIP).
+        ValueError: ``torch.nn.DataParallel``; and every error of :class:`hnclip_kernels.HNClipLoss`
+            (bad options at once, bad features or τ at the loss).
+    """
+    loss_fn = _loss_module(gamma, label_smoothing, false_negative_threshold, backend)  # bad options fail first
+    image, text, scale = _embeddings(model, input_ids, pixel_values, attention_mask)
+    loss = loss_fn(image, text, scale)
+    if not return_outputs:
+        return loss
+    return loss, CLIPOutput(loss=loss, image_embeds=F.normalize(image, dim=-1), text_embeds=F.normalize(text, dim=-1))
+
+
+_BATCH_KEYS = ("input_ids", "pixel_values", "attention_mask")
+_IGNORED_KEYS = ("return_loss",)  # what a CLIP data collator may add for CLIPModel.forward
+
+
+class HNClipTrainer(transformers.Trainer):
+    """``transformers.Trainer`` training a CLIP model with the HN-CLIP loss (:func:`clip_model_loss`).
+
+    Takes every ``Trainer`` argument plus the loss's keyword options::
+
+        trainer = HNClipTrainer(model=model, args=args, train_dataset=ds, data_collator=collate,
+                                gamma=0.5, label_smoothing=0.0, false_negative_threshold=None,
+                                backend="auto")
+
+    Batches are dicts with ``input_ids``, ``pixel_values`` and optionally ``attention_mask``
+    (``return_loss`` is ignored; any other key raises ``ValueError``, it would be silently
+    unused). Under ``torchrun`` each rank's loss is its share of the global batch's
+    (:func:`clip_model_loss`), so DDP's averaged gradients are the global batch's. Evaluation
+    reports the same loss; its predictions are the normalised ``(image_embeds, text_embeds)``.
+    Mixed precision (``bf16=True``/``fp16=True``) runs the embedding pass under accelerate's
+    autocast; the loss itself accumulates in float32.
+    """
+
+    # compute_loss returns a per-batch mean: the Trainer divides it by the accumulation steps
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, *args, gamma: float = 0.5, label_smoothing: float = 0.0,
+                 false_negative_threshold: Optional[float] = None, backend: str = "auto", **kwargs):
+        # bad options fail here, where they are written, not at the first step
+        _loss_module(gamma, label_smoothing, false_negative_threshold, backend)
+        self.hn_options = dict(gamma=gamma, label_smoothing=label_smoothing,
+                               false_negative_threshold=false_negative_threshold, backend=backend)
+        super().__init__(*args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        unknown = sorted(set(inputs) - set(_BATCH_KEYS) - set(_IGNORED_KEYS))
+        if unknown:
+            raise ValueError(f"HNClipTrainer batches hold {', '.join(_BATCH_KEYS)}; got also {', '.join(unknown)} "
+                             "(drop them in the data collator)")
+        for key in ("input_ids", "pixel_values"):
+            if inputs.get(key) is None:
+                raise ValueError(f"HNClipTrainer batches need {key!r}; got keys {sorted(inputs)}")
+        with self.accelerator.autocast():
+            return clip_model_loss(model, inputs["input_ids"], inputs["pixel_values"], inputs.get("attention_mask"),
+                                   return_outputs=return_outputs, **self.hn_options)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # Trainer.prediction_step calls model(**inputs) for a CLIPModel without labels: N×N
+        # logits and no loss. Evaluate with the training loss instead.
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        loss = loss.detach()
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, (outputs.image_embeds.detach(), outputs.text_embeds.detach()), None

@@ -1,0 +1,277 @@
+"""``hnclip_kernels.integrations.transformers`` on a tiny ``CLIPConfig`` (CPU, no download).
+
+Bounds: each test builds a 2-layer CLIP of width 32 in well under a second; the Trainer runs 6
+steps of batch 8 (a few seconds); the 2-process gloo run spawns two interpreters that import
+torch and transformers (about 15–30 s on 2 loaded cores, killed after 120 s).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+transformers = pytest.importorskip("transformers")
+
+from helpers import hn_clip_loss_f64, rel_err  # noqa: E402
+from hnclip_kernels import HNClipLoss  # noqa: E402
+from hnclip_kernels.backends import cpp_directional  # noqa: E402
+from hnclip_kernels.integrations.transformers import HNClipTrainer, clip_model_loss  # noqa: E402
+
+N, L, VOCAB = 11, 7, 99  # N differs from every model dimension, so an (N, N) shape is the logits
+BOS, EOS, PAD = 97, 98, 0
+HAS_CPP = cpp_directional() is not None
+FUSED = ["cpp", "triton"] if HAS_CPP else ["triton"]
+# k_proj biases: softmax is invariant to a constant per query, so their exact gradient is 0 and
+# both sides hold float32 rounding noise (~1e-8); they are checked against the whole gradient's norm
+ZERO_GRAD = "self_attn.k_proj.bias"
+
+
+def tiny_config():
+    from transformers import CLIPConfig
+
+    return CLIPConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=16, bos_token_id=BOS, eos_token_id=EOS,
+                         pad_token_id=PAD),
+        vision_config=dict(image_size=30, patch_size=6, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                           num_attention_heads=2),
+        projection_dim=24,
+    )
+
+
+def tiny_model(seed=0):
+    from transformers import CLIPModel
+
+    torch.manual_seed(seed)
+    return CLIPModel(tiny_config()).eval()
+
+
+def batch(n=N, seed=1):
+    """Token ids with BOS … EOS and padding of varied lengths (the pooled EOS moves), and images."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, BOS, (n, L), generator=g)
+    lengths = torch.randint(3, L + 1, (n,), generator=g)
+    mask = (torch.arange(L)[None] < lengths[:, None]).long()
+    ids[:, 0] = BOS
+    ids[torch.arange(n), lengths - 1] = EOS
+    ids[mask == 0] = PAD
+    return ids, torch.randn(n, 3, 30, 30, generator=g), mask
+
+
+def grads(model):
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def assert_grads_close(got, want, tol):
+    total = torch.cat([g.reshape(-1) for g in want.values()]).norm().item()
+    for name, expected in want.items():
+        if ZERO_GRAD in name:
+            assert (got[name] - expected).norm().item() <= 1e-6 * total, name
+        else:
+            err = rel_err(got[name], expected)
+            assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("backend", ["torch", *FUSED])
+def test_gamma0_equals_clip_model_loss_and_every_gradient(backend):
+    """γ = 0, one process: the loss and every parameter's gradient are CLIPModel(return_loss=True)'s."""
+    model = tiny_model()
+    ids, pixels, mask = batch()
+    ref, ours = copy.deepcopy(model), copy.deepcopy(model)
+    expected = ref(input_ids=ids, pixel_values=pixels, attention_mask=mask, return_loss=True).loss
+    expected.backward()
+    loss = clip_model_loss(ours, ids, pixels, mask, gamma=0.0, backend=backend)
+    loss.backward()
+    assert loss.dtype == torch.float32 and loss.ndim == 0
+    assert abs(loss.item() - expected.item()) <= 1e-5 * expected.item()
+    assert ours.logit_scale.grad.item() != 0
+    assert_grads_close(grads(ours), grads(ref), 1e-5)
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_margin_and_smoothing_match_float64_formula(backend):
+    """γ = 0.5, ε = 0.1: the loss and every gradient of a float64 evaluation of Eq. 2 on the model."""
+    model = tiny_model()
+    ids, pixels, mask = batch()
+    ref = copy.deepcopy(model).double()
+    img = ref.get_image_features(pixel_values=pixels.double()).pooler_output
+    txt = ref.get_text_features(input_ids=ids, attention_mask=mask).pooler_output
+    expected = hn_clip_loss_f64(img, txt, ref.logit_scale.exp().reciprocal(), gamma=0.5, label_smoothing=0.1)
+    expected.backward()
+    loss = clip_model_loss(model, ids, pixels, mask, gamma=0.5, label_smoothing=0.1, backend=backend)
+    loss.backward()
+    assert rel_err(loss, expected) <= 1e-5
+    assert_grads_close(grads(model), grads(ref), 1e-4)
+
+
+class ShapeRecorder(TorchDispatchMode):
+    """Every tensor shape an aten op returns while active (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in torch.utils._pytree.tree_leaves(out):
+            if isinstance(x, torch.Tensor):
+                self.shapes.add(tuple(x.shape))
+        return out
+
+
+def _square(shapes):
+    return sorted(s for s in shapes if list(s).count(N) >= 2)
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_no_n_by_n_tensor_is_allocated(backend):
+    model = tiny_model()
+    ids, pixels, mask = batch()
+    with ShapeRecorder() as stock:  # the recorder sees CLIPModel's logits: the check can fail
+        model(input_ids=ids, pixel_values=pixels, attention_mask=mask, return_loss=True).loss.backward()
+    assert (N, N) in stock.shapes
+    model.zero_grad()
+    with ShapeRecorder() as ours:
+        clip_model_loss(model, ids, pixels, mask, backend=backend).backward()
+    assert (N, 24) in ours.shapes  # the projected embeddings went through the recorder
+    assert _square(ours.shapes) == []
+
+
+def test_return_outputs_holds_normalised_embeddings():
+    model = tiny_model()
+    ids, pixels, mask = batch()
+    loss, out = clip_model_loss(model, ids, pixels, mask, return_outputs=True)
+    stock = model(input_ids=ids, pixel_values=pixels, attention_mask=mask)
+    assert out.loss is loss and out.logits_per_image is None
+    torch.testing.assert_close(out.image_embeds, stock.image_embeds)
+    torch.testing.assert_close(out.text_embeds, stock.text_embeds)
+
+
+def test_bad_models_and_options_raise():
+    ids, pixels, mask = batch()
+    with pytest.raises(TypeError, match="get_image_features"):
+        clip_model_loss(torch.nn.Linear(2, 2), ids, pixels)
+    with pytest.raises(ValueError, match="DataParallel"):
+        clip_model_loss(torch.nn.DataParallel(tiny_model()), ids, pixels)
+    with pytest.raises(ValueError, match="gamma"):
+        clip_model_loss(tiny_model(), ids, pixels, gamma=-1.0)
+    with pytest.raises(ValueError, match="backend"):
+        HNClipTrainer(model=tiny_model(), backend="cuda")
+
+
+def test_false_negative_threshold_reaches_the_core_loss_only_when_set(monkeypatch):
+    seen = []
+    original = HNClipLoss.__init__
+
+    def init(self, *args, **kwargs):
+        seen.append(kwargs)
+        original(self, *args, **{k: v for k, v in kwargs.items() if k != "false_negative_threshold"})
+
+    monkeypatch.setattr(HNClipLoss, "__init__", init)
+    ids, pixels, mask = batch()
+    clip_model_loss(tiny_model(), ids, pixels, mask)
+    clip_model_loss(tiny_model(), ids, pixels, mask, false_negative_threshold=0.95)
+    assert "false_negative_threshold" not in seen[0] and seen[1]["false_negative_threshold"] == 0.95
+
+
+class PairData(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.ids, self.pixels, self.mask = batch(n, seed=3)
+
+    def __len__(self):
+        return self.ids.shape[0]
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "pixel_values": self.pixels[i], "attention_mask": self.mask[i]}
+
+
+def test_trainer_trains_with_finite_decreasing_loss(tmp_path):
+    """6 steps on one repeated batch of 8 pairs (the loss must fall), CPU, nothing written but tmp_path."""
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=8,
+                             per_device_eval_batch_size=8, learning_rate=3e-3, warmup_steps=0, logging_steps=1,
+                             save_strategy="no", report_to="none", use_cpu=True, seed=0,
+                             dataloader_num_workers=0, disable_tqdm=True)
+    trainer = HNClipTrainer(model=tiny_model().train(), args=args, train_dataset=PairData(8),
+                            eval_dataset=PairData(8), gamma=0.5, backend="cpp" if HAS_CPP else "torch")
+    trainer.train()
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0] and sum(b < a for a, b in zip(losses, losses[1:])) >= 4, losses
+    metrics = trainer.evaluate()
+    model = trainer.model.eval()
+    ids, pixels, mask = PairData(8).ids, PairData(8).pixels, PairData(8).mask
+    with torch.no_grad():
+        expected = clip_model_loss(model, ids, pixels, mask, gamma=0.5).item()
+    assert abs(metrics["eval_loss"] - expected) <= 1e-5 * expected
+
+
+# ----------------------------------------------------------------------------- two gloo processes
+
+SIZES = (5, 6)  # unequal local batches: the global batch is the N = 11 of the tests above
+
+
+def _worker(rank, world, init_method, q):
+    try:
+        torch.set_num_threads(1)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                             timeout=timedelta(seconds=60))
+        ddp = torch.nn.parallel.DistributedDataParallel(tiny_model())  # the wrapper path of clip_model_loss
+        ids, pixels, mask = batch()
+        rows = slice(sum(SIZES[:rank]), sum(SIZES[:rank + 1]))
+        loss = clip_model_loss(ddp, ids[rows], pixels[rows], mask[rows], gamma=0.5, label_smoothing=0.1)
+        loss.backward()  # DDP averages the gradients over the two ranks
+        # numpy arrays travel by value (a tensor would be shared memory that dies with this process)
+        q.put((rank, loss.item(), {k: g.numpy() for k, g in grads(ddp.module).items()}, None))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put((rank, None, None, traceback.format_exc()))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_two_gloo_processes_equal_the_global_batch(tmp_path):
+    """2 ranks of 5 and 6 pairs under DDP: mean loss and averaged gradients = one process on all 11."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    init = f"file://{tmp_path / 'pg'}"
+    procs = [ctx.Process(target=_worker, args=(r, 2, init, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, time.monotonic() + 120
+    try:
+        while len(results) < 2 and time.monotonic() < deadline:
+            try:
+                rank, loss, grad, tb = q.get(timeout=1.0)
+                results[rank] = (loss, None if grad is None else {k: torch.from_numpy(g) for k, g in grad.items()}, tb)
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs) and q.empty():
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert sorted(results) == [0, 1], f"ranks reported: {sorted(results)} (hang or crash)"
+    for rank, (_, _, tb) in results.items():
+        assert tb is None, f"rank {rank}:\n{tb}"
+    model = tiny_model()
+    expected = clip_model_loss(model, *batch(), gamma=0.5, label_smoothing=0.1)
+    expected.backward()
+    mean_loss = sum(results[r][0] for r in (0, 1)) / 2
+    assert abs(mean_loss - expected.item()) <= 1e-5 * expected.item()
+    assert_grads_close(results[0][1], grads(model), 1e-5)
+    assert_grads_close(results[1][1], grads(model), 1e-5)
+    assert results[0][0] != results[1][0]  # each rank has its own share, not the global loss
