@@ -5,6 +5,7 @@ from typing import Optional, Union
 
 import torch
 
+from . import validation
 from .backends import symmetric_losses, warn_once
 from .numerics import autocast_disabled
 from .options import LossOptions, as_tau_tensor
@@ -93,6 +94,7 @@ def hn_clip_loss(
             outside [0, 1), unknown ``reduction``/``backend``/``precision``, a backend that cannot run on
             these tensors. Under ``torch.compile`` value checks are skipped (no graph breaks).
     """
+    tau = validation.plain_number(tau)
     options = LossOptions(gamma=gamma, label_smoothing=label_smoothing, reduction=reduction, normalize=normalize,
                           backend=backend, precision=precision).bind(img, txt, tau)
     _warn_if_tau_looks_like_logit_scale(options.tau_value)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ...numerics import compute_dtype, matmul_nt, normalized
 from ...validation import check_directional
-from ..epilogue import RowStats
+from ..epilogue import RowStats, smooths
 
 
 def directional_nll_torch(
@@ -64,9 +64,15 @@ def directional_nll_torch(
     delta = logits - pos[:, None]  # Z_ik - Z_i,pos: exactly 0 at the positive
     is_pos = torch.zeros_like(delta, dtype=torch.bool)
     is_pos[rows, pos_cols] = True
-    lse_neg = torch.logsumexp(delta.masked_fill(is_pos, float("-inf")), dim=1)
+    if n > 1:
+        lse_neg = torch.logsumexp(delta.masked_fill(is_pos, float("-inf")), dim=1)
+    else:
+        # no negatives (N = 1): the LSE of an empty set, -inf, with a backward that is empty too;
+        # logsumexp over an all -inf row would form 0·exp(-inf - -inf) = NaN in its backward,
+        # which autograd's anomaly mode reports (the gradient is 0 either way)
+        lse_neg = torch.logsumexp(delta[:, :0], dim=1)
     nll = F.softplus(lse_neg)
-    if label_smoothing != 0.0:
+    if smooths(label_smoothing):  # a tensor ε (under torch.compile) is taken to be non-zero
         nll = nll - (label_smoothing / n) * delta.sum(dim=1)
     if not return_stats:
         return nll
