@@ -100,7 +100,7 @@ def _boundary_values(mantissa_bits: int) -> np.ndarray:
         f32_step = math.ldexp(1.0, e - 23)
         half = math.copysign(step / 2, base)
         for offset in (-f32_step, 0.0, f32_step):
-            values.append(grid + half + math.copysign(offset, base))
+            values.append(grid + half + offset * math.copysign(1.0, base))
     return np.array(values, dtype=np.float32)
 
 
