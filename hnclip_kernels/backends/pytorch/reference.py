@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...numerics import compute_dtype, matmul_nt, normalized
+from ...numerics import compute_dtype, ieee_float32, matmul_nt, normalized
 from ...validation import check_directional
 from ..epilogue import RowStats, smooths
 
@@ -57,7 +57,8 @@ def directional_nll_torch(
     m, n = q.shape[0], k.shape[0]
     rows = torch.arange(m, device=q.device)
     pos_cols = rows + offset
-    margin = a @ b.T
+    with ieee_float32(a.device):  # never TF32 (open_clip's trainer allows it); matmul_nt does the same
+        margin = a @ b.T
     margin[rows, pos_cols] = 0.0  # the positive carries no margin
     logits = (matmul_nt(q, k) + gamma * margin) / tau.to(dt)
     pos = logits[rows, pos_cols]
