@@ -212,3 +212,33 @@ def test_replicated_dtensor_names_the_argument_and_full_tensor():
     assert len(results) == 3 * len(ALL_BACKENDS) and all(line.startswith("OK ") for line in results), proc.stdout
     values = {float(line.split()[-1]) for line in lines if line.startswith("VALUE")}
     assert len(values) == len(ALL_BACKENDS) or max(values) - min(values) < 1e-5 * max(values), values
+
+
+@pytest.mark.parametrize("backend", [b for b in ALL_BACKENDS if b != "triton"])
+def test_hnclip_loss_float_logit_scale_compile_fullgraph(backend):
+    # found by the harness: a Python-float logit_scale under torch.compile(fullgraph=True) failed in
+    # Dynamo on math.isfinite of the symbolic float ("torch.* op returned non-Tensor")
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    img, txt = make_pair(5, 8, seed=0)
+    loss = HNClipLoss(gamma=0.5, backend=backend, normalize=True)
+    step = torch.compile(lambda a, b, s: loss(a, b, s), fullgraph=True, backend=counter)
+    for scale in (20.0, 25.0, 30.0):
+        assert_close_rel(step(img, txt, scale), hn_clip_loss_f64(img, txt, 1 / scale, 0.5), 1e-5, f"s = {scale}")
+    assert counter.frame_count <= 2
+
+
+@pytest.mark.parametrize("form", ["tensor0", "tensor1", "bf16"])
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_tensor_gamma_and_smoothing(backend, form):
+    # found by the harness: a tensor γ or ε raised TypeError on every backend, though the operators take tensors
+    make = {"tensor0": lambda v: torch.tensor(v), "tensor1": lambda v: torch.tensor([v]),
+            "bf16": lambda v: torch.tensor(v, dtype=torch.bfloat16)}[form]
+    gamma, eps = make(0.5), make(0.125)
+    img, txt = make_pair(5, 8, seed=1)
+    got = hn_clip_loss(img, txt, 0.07, gamma=gamma, label_smoothing=eps, backend=backend)
+    assert_close_rel(got, hn_clip_loss_f64(img, txt, 0.07, float(gamma), float(eps)), 1e-5, "loss")
+    with pytest.raises(TypeError, match="gamma"):
+        hn_clip_loss(img, txt, 0.07, gamma=torch.ones(2), backend=backend)
