@@ -1,6 +1,7 @@
 """``HNClipLoss``: a drop-in replacement for ``open_clip.loss.ClipLoss`` computing HN-CLIP."""
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from typing import Union
@@ -8,6 +9,7 @@ from typing import Union
 import torch
 from torch import nn
 
+from . import validation
 from .backends import symmetric_losses
 from .distributed import rank_loss
 from .numerics import autocast_disabled
@@ -74,7 +76,10 @@ class HNClipLoss(nn.Module):
             pass True for raw embeddings.
         precision: the Triton backend's tensor-core input precision for float32 features
             (see :func:`hnclip_kernels.hn_clip_loss`); None is its default, "tf32x3".
-        group: process group to gather over (default: the global group).
+        group: process group to gather over (default: the global group). ``copy.deepcopy``
+            (and ``torch.optim.swa_utils.AveragedModel``) share it with the copy; pickling
+            leaves it out: an unpickled loss uses the default group if it had none, else raises
+            at its first ``forward`` with ``world_size > 1`` until ``loss.group`` is set again.
         return_stats: after every ``forward``, put a
             :class:`hnclip_kernels.diagnostics.SaturationReport` of this rank's rows in
             ``self.last_stats``, computed from the row statistics the loss kernels already
@@ -143,6 +148,30 @@ class HNClipLoss(nn.Module):
         self.return_stats = return_stats
         self.last_stats = None
 
+    # A process group cannot be copied or pickled ("cannot pickle ... ProcessGroup"), yet EMA/SWA
+    # (``AveragedModel``) deep-copy the model, and checkpoints pickle it.
+    def __deepcopy__(self, memo):
+        """A deep copy that shares ``group`` (a process group is a handle on the job's
+        communicator, not state of the loss: every copy talks to the same ranks)."""
+        group = self.__dict__.get("group")
+        if group is not None:
+            memo[id(group)] = group
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            object.__setattr__(new, key, copy.deepcopy(value, memo))
+        return new
+
+    def __getstate__(self):
+        """Pickled state without ``group``: the default group (``group=None``) stays the default
+        group after unpickling; any other group is dropped, and the first ``forward`` with
+        ``world_size > 1`` raises until ``loss.group`` is set again in the new process."""
+        state = super().__getstate__().copy()
+        group = state.get("group")
+        state["group"] = None
+        state["_group_dropped"] = group is not None and not _is_default_group(group)
+        return state
+
     def extra_repr(self) -> str:
         return (f"local_loss={self.local_loss}, gather_with_grad={self.gather_with_grad}, "
                 f"rank={self.rank}, world_size={self.world_size}, gamma={self.gamma}, "
@@ -176,7 +205,9 @@ class HNClipLoss(nn.Module):
             image_features, text_features: (n, D) local features of this rank, row i paired.
             logit_scale: open_clip's already-exponentiated scale s = 1/τ (``model(...)``'s
                 third output, i.e. ``model.logit_scale.exp()``); a tensor requiring grad
-                receives ds. A Python float is accepted too.
+                receives ds in its own dtype. τ = 1/s is formed in float32 (float64 for
+                float64 s or features), also for a 16-bit s (``--precision pure_bf16``).
+                A Python float or NumPy scalar is accepted too.
             logit_bias: must be None (SigLIP-style biases are not part of HN-CLIP).
             output_dict: return ``{"contrastive_loss": loss}`` instead of the scalar.
 
@@ -186,6 +217,7 @@ class HNClipLoss(nn.Module):
         if logit_bias is not None:
             raise ValueError("HNClipLoss does not take a logit_bias (HN-CLIP has no bias term); "
                              "use a model without init_logit_bias or open_clip's SigLipLoss")
+        logit_scale = validation.plain_number(logit_scale)
         scale_value, problem = _read_logit_scale(logit_scale)
         tau_value = None if scale_value is None else 1.0 / scale_value  # τ's one host read is s's
         if problem is not None:
@@ -195,7 +227,10 @@ class HNClipLoss(nn.Module):
             # all-ranks check inside, which raises on every rank; this rank then names logit_scale
             tau, tau_value = float("nan"), None
         else:
-            tau = logit_scale.reciprocal() if isinstance(logit_scale, torch.Tensor) else 1.0 / float(logit_scale)
+            tau = _tau_from_scale(logit_scale, image_features)
+        if self.world_size > 1 and self.group is None and self.__dict__.get("_group_dropped", False):
+            raise ValueError("this HNClipLoss was unpickled without its process group (process groups cannot be "
+                             "pickled): set loss.group to the group of this process before the first forward")
         if self.world_size == 1:
             loss = self._single_process(image_features, text_features, tau, tau_value)
         else:
@@ -230,6 +265,26 @@ def _check_positional_flags(*, rank, world_size, **flags) -> None:
             raise TypeError(f"{name} must be an int, got {value!r}")
 
 
+def _is_default_group(group) -> bool:
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return False
+    return group is dist.group.WORLD or group is dist.distributed_c10d._get_default_group()
+
+
+def _tau_from_scale(logit_scale, like):
+    """τ = 1/s, formed in float32 or better: float64 for a float64 s or float64 features.
+
+    Under ``--precision pure_bf16``/``pure_fp16`` the model's ``logit_scale`` is 16-bit, and a
+    16-bit 1/s is a different temperature (s = 100 in bf16 gives τ = 0.01000977, the loss of a
+    saturated batch 3% off). Upcasting s first keeps τ = 1/s of the scale as given; ds still
+    comes back in s's own dtype (autograd through the cast)."""
+    if not isinstance(logit_scale, torch.Tensor):
+        return 1.0 / float(logit_scale)
+    wide = logit_scale.dtype == torch.float64 or (isinstance(like, torch.Tensor) and like.dtype == torch.float64)
+    return logit_scale.to(torch.float64 if wide else torch.float32).reciprocal()
+
+
 def _read_logit_scale(logit_scale):
     """(s as a host float or None where it cannot be read, the error naming ``logit_scale`` (not
     the τ = 1/s it becomes) or None if it is valid). Reads a tensor s once (one host sync)."""
@@ -242,6 +297,8 @@ def _read_logit_scale(logit_scale):
         value = float(logit_scale.detach())
     elif isinstance(logit_scale, bool) or not isinstance(logit_scale, numbers.Real):
         return None, TypeError(f"logit_scale must be a tensor or a float, got {type(logit_scale).__name__}")
+    elif torch.compiler.is_compiling():
+        return None, None  # a symbolic float under torch.compile: no value to check (eager calls check it)
     else:
         value = float(logit_scale)
     if not math.isfinite(value) or value <= 0:

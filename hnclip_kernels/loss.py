@@ -5,6 +5,7 @@ from typing import Optional, Union
 
 import torch
 
+from . import validation
 from .backends import symmetric_losses, warn_once
 from .numerics import autocast_disabled
 from .options import LossOptions, as_tau_tensor
@@ -63,6 +64,9 @@ def hn_clip_loss(
             A tensor τ is read once on the host to validate it (one device sync).
         gamma: margin scale γ ≥ 0 (default 0.5, the paper's value).
         label_smoothing: ε in [0, 1), ``torch.nn.functional.cross_entropy`` semantics.
+            τ, γ and ε may also be NumPy scalars or one-element floating tensors (γ and ε get
+            no gradient); under ``torch.compile`` these are graph inputs like Python floats.
+            A 16-bit τ tensor computes in float32; dτ comes back in its dtype.
         reduction: "mean" (scalar), "sum" (scalar) or "none" ((N,), entry k = ½(i2t_k + t2i_k)).
         normalize: L2-normalise inside (autograd through it); False trusts the caller.
         backend: "auto" (Triton on CUDA, the C++ kernel on CPU when built, else torch),
@@ -93,15 +97,16 @@ def hn_clip_loss(
         passed in place of τ = 1 / logit_scale. Not under ``torch.compile``.
 
     Raises:
-        TypeError: non-tensor or integer features, dtype mismatch, non-real ``tau``/``gamma``/
-            ``label_smoothing``, non-bool ``normalize``/``return_stats``, non-string ``precision``,
-            float64 with backend="triton".
+        TypeError: non-tensor, DTensor (pass ``.full_tensor()``) or integer features, dtype
+            mismatch, non-real ``tau``/``gamma``/``label_smoothing``, non-bool
+            ``normalize``/``return_stats``, non-string ``precision``, float64 with backend="triton".
         ValueError: non-2-D features, shape or device mismatch, N = 0 or D = 0, τ ≤ 0,
             non-finite or so small that the logit gaps (2 + γ)/τ (or, with ``normalize=False``,
             the features' norms) overflow float32, γ < 0 or non-finite, ε
             outside [0, 1), unknown ``reduction``/``backend``/``precision``, a backend that cannot run on
             these tensors. Under ``torch.compile`` value checks are skipped (no graph breaks).
     """
+    tau = validation.plain_number(tau)
     options = LossOptions(gamma=gamma, label_smoothing=label_smoothing, reduction=reduction, normalize=normalize,
                           backend=backend, precision=precision).bind(img, txt, tau)
     if not isinstance(return_stats, bool):

@@ -1,5 +1,5 @@
-"""Numerics shared by every backend: the norm clamp, the accumulation dtype, autocast off, and
-a float32 ``a @ bᵀ`` whose backward keeps autocast off too."""
+"""Numerics shared by every backend: the norm clamp, the accumulation dtype, autocast off, IEEE
+float32 matmuls (no TF32), and a float32 ``a @ bᵀ`` whose backward keeps both."""
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +24,7 @@ class _MatmulNTCompiled(torch.autograd.Function):
 
     @staticmethod
     def forward(a, b):
-        with autocast_disabled(a.device):
+        with autocast_disabled(a.device), ieee_float32(a.device):
             return a @ b.transpose(-1, -2)
 
     @staticmethod
@@ -51,6 +51,27 @@ class _MatmulNT(_MatmulNTCompiled):
         if t_b is not None:
             out = matmul_nt(a, t_b) if out is None else out + matmul_nt(a, t_b)
         return out
+
+
+@contextlib.contextmanager
+def ieee_float32(device: torch.device):
+    """float32 matmuls in IEEE float32, never TF32, within the block (on CUDA; the CPU's are).
+
+    open_clip's trainer sets ``torch.backends.cuda.matmul.allow_tf32 = True``; TF32 products
+    (10-bit mantissa) would cost the torch backend its float32 accuracy (README, "Numerical
+    guarantees"). Eager only: under ``torch.compile`` a global flag cannot be switched inside
+    the graph, and the flags in force when it compiles apply."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    name, ieee = ("fp32_precision", "ieee") if hasattr(matmul, "fp32_precision") else ("allow_tf32", False)
+    saved = getattr(matmul, name)
+    setattr(matmul, name, ieee)
+    try:
+        yield
+    finally:
+        setattr(matmul, name, saved)
 
 
 def autocast_disabled(device: torch.device):

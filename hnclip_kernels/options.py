@@ -20,6 +20,7 @@ from typing import Optional, Union
 import torch
 
 from . import validation
+from .numerics import compute_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,8 @@ class LossOptions:
     tau_value: Optional[float] = None
 
     def __post_init__(self):
+        for name in ("gamma", "label_smoothing"):  # NumPy scalars, one-element tensors: validation.hyperparameter
+            object.__setattr__(self, name, validation.hyperparameter(name, getattr(self, name)))
         validation.check_options(self.gamma, self.label_smoothing, self.reduction, self.backend, self.normalize)
         validation.check_precision(self.precision)
 
@@ -97,7 +100,11 @@ def as_tau_tensor(tau: Union[float, torch.Tensor], like: torch.Tensor) -> torch.
     """τ as a 0-dim tensor on ``like``'s device (a tensor τ keeps its dtype and autograd; a
     number becomes the compute dtype of ``like``)."""
     if isinstance(tau, torch.Tensor):
-        return tau.to(device=like.device).reshape(())
+        # a 16-bit τ computes in float32 (its gradient still comes back in its own dtype), so
+        # no product or quotient with it is rounded to 16 bits on the way
+        dtype = tau.dtype if tau.dtype in (torch.float32, torch.float64) else compute_dtype(like.dtype)
+        return tau.to(device=like.device, dtype=dtype).reshape(())
+    tau = validation.plain_number(tau)
     # arithmetic, not torch.tensor(float(tau)): under torch.compile a changing τ stays a symbolic
     # float instead of being specialised into a new graph at every value of a schedule
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32

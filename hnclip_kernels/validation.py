@@ -7,9 +7,15 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import Optional, Union
 
 import torch
+
+try:
+    import numpy as _np
+except ImportError:  # pragma: no cover - torch runs without NumPy
+    _np = None
 
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("auto", "torch", "triton", "cpp")
@@ -31,6 +37,10 @@ def check_features(img: torch.Tensor, txt: torch.Tensor, img_name: str = "img", 
     for name, x in ((img_name, img), (txt_name, txt)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of shape (N, D), got {type(x).__name__}")
+        if _is_dtensor(x):
+            raise TypeError(f"{name} is a DTensor (placements {tuple(x.placements)}); the loss takes plain tensors: "
+                            f"pass {name}.full_tensor() (its global value as a plain tensor; gradients flow back to "
+                            f"the DTensor)")
         if x.dim() != 2:
             raise ValueError(f"{name} must be 2-D (N, D), got shape {tuple(x.shape)}; flatten or reshape it first")
         if x.dtype not in FLOAT_DTYPES:
@@ -51,8 +61,45 @@ def check_features(img: torch.Tensor, txt: torch.Tensor, img_name: str = "img", 
         raise ValueError(f"{img_name} ({img.device}) and {txt_name} ({txt.device}) must be on the same device; move one of them")
 
 
+def plain_number(x):
+    """A NumPy scalar (``np.float32(0.5)``, ``np.int64(1)``) as the Python number it holds; anything
+    else unchanged. Done at the entry points, so that the rest of the package, and Dynamo under
+    ``torch.compile(fullgraph=True)``, only ever see Python numbers (Dynamo cannot trace the
+    ``numbers.Real`` check of a NumPy scalar, and NumPy floats would not become symbolic floats)."""
+    if _np is not None and isinstance(x, (_np.generic, _np.ndarray)) and x.ndim == 0:
+        # Dynamo traces a NumPy scalar as a 0-dim array backed by a tensor, a graph input: as a
+        # 0-dim tensor it stays one (no recompile per value), which is what the operators take
+        return torch.as_tensor(x) if torch.compiler.is_compiling() else x.item()
+    return x
+
+
+def hyperparameter(name: str, x):
+    """γ or ε as the loss carries it: a Python number, or (under ``torch.compile``, where it is
+    a graph input) a detached 0-dim tensor. NumPy scalars and one-element floating tensors are
+    accepted: eagerly they become Python floats (a tensor is read once on the host)."""
+    x = plain_number(x)
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1 or not x.is_floating_point():
+            raise TypeError(f"{name} must be a real number or a one-element floating tensor, got a {x.dtype} "
+                            f"tensor of shape {tuple(x.shape)}")
+        if torch.compiler.is_compiling() or x.device.type == "meta":
+            return x.detach().reshape(())
+        return float(x.detach())
+    return x
+
+
+def _is_dtensor(x) -> bool:
+    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (without importing that module: if it
+    was never imported, no DTensor exists). Its operators need a sharding rule for every op,
+    which the loss's custom operators do not have."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(x, dtensor)
+
+
 def _real(name: str, x) -> float:
     """A Python/NumPy real number as a float, or TypeError/ValueError naming ``name``."""
+    x = plain_number(x)
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number (float), got {type(x).__name__}")
     try:
@@ -209,9 +256,13 @@ def check_options(gamma: float, label_smoothing: float, reduction: str, backend:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    values = {name: _real(name, x) for name, x in (("gamma", gamma), ("label_smoothing", label_smoothing))}
-    if torch.compiler.is_compiling():
-        return  # the floats may be symbolic under torch.compile; eager calls check them
+    pairs = (("gamma", gamma), ("label_smoothing", label_smoothing))
+    if torch.compiler.is_compiling():  # symbolic floats or traced tensors: eager calls check the values
+        for name, x in pairs:
+            if not isinstance(x, torch.Tensor):
+                _real(name, x)
+        return
+    values = {name: _real(name, x) for name, x in pairs}
     for name, x in values.items():
         if not math.isfinite(x):
             raise ValueError(f"{name} must be finite, got {x}")

@@ -21,7 +21,9 @@
 #   info     nvidia-smi and versions (python, torch, triton, open_clip, inf_cl, ...) -> versions.txt
 #   imports  every module of hnclip_kernels (backends/ included) from source without the built _C,
 #            and which benchmark providers can run
-#   tests    GPU_TEST_LEVEL=quick python -m pytest tests/backends/test_gpu.py -q -x -k "not test_library_", with
+#   tests    GPU_TEST_LEVEL=quick python -m pytest tests/backends/test_gpu.py tests/backends/test_gpu_flavours.py
+#            -q -x -k "not test_library_" (test_gpu_flavours.py: TF32 allowed, reduced-precision reductions
+#            allowed and autocast, each within the float32 / 16-bit bounds; about 20 s), with
 #            HNCLIP_AUTOTUNE=0 (one launch configuration per shape instead of autotuning each) and
 #            pytest-xdist (-n 4) when installed; expected 1.5 to 4 minutes on an H200, mostly Triton compiles
 #   compile  the same for tests/backends/test_gpu.py -k test_library_: the hnclip::triton_* operators under
@@ -318,11 +320,14 @@ fi
 xdist=()
 ((workers > 0)) && xdist=(-n "$workers")
 
-# gpu_pytest NAME SELECTION: tests/backends/test_gpu.py -k SELECTION as step NAME (its JUnit XML in logs/)
+# the GPU test files: the matrix and operators, and the GPU-only call flavours (global matmul flags, autocast)
+GPU_TEST_FILES=(tests/backends/test_gpu.py tests/backends/test_gpu_flavours.py)
+
+# gpu_pytest NAME SELECTION: GPU_TEST_FILES -k SELECTION as step NAME (its JUnit XML in logs/)
 gpu_pytest() {
     local name=$1 selection=$2 result detail
     # shellcheck disable=SC2086  # GPU_TEST_PYTEST_ARGS is a list of words
-    run "$name" env HNCLIP_AUTOTUNE="${HNCLIP_AUTOTUNE:-0}" "$PY" -m pytest tests/backends/test_gpu.py -q -p no:cacheprovider \
+    run "$name" env HNCLIP_AUTOTUNE="${HNCLIP_AUTOTUNE:-0}" "$PY" -m pytest "${GPU_TEST_FILES[@]}" -q -p no:cacheprovider \
         -k "$selection" --durations=15 --junitxml="$LOGDIR/$name-junit.xml" "${xdist[@]}" ${GPU_TEST_PYTEST_ARGS--x}
     result=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error|deselected)|no tests ran' "$LOG" | tail -n 1 | tr -d '=')
     detail="level $GPU_TEST_LEVEL, workers $workers: ${result:-no pytest summary line}"

@@ -50,6 +50,16 @@ def hyperparameter(x, like: Tensor) -> Tensor:
     return torch.zeros((), dtype=torch.float64, device=like.device) + x
 
 
+def _savable(x: Tensor) -> Tensor:
+    """``x``, or a copy of it where autograd cannot save it: a tensor made under
+    ``torch.inference_mode`` (a frozen tower's features, LiT-style) raises "Inference tensors
+    cannot be saved for backward" when saved; the torch backend trains with them, so the fused
+    backends save a normal copy instead (one copy of that input, only in that case)."""
+    if x.is_inference() and not torch.is_inference_mode_enabled():
+        return x.clone()
+    return x
+
+
 def _operator(name: str, fn: Callable, fake: Callable, device_types: Optional[str], use_triton_op: bool):
     """``fn`` as the operator ``hnclip::<name>`` (no mutated arguments).
 
@@ -72,7 +82,7 @@ def _autograd_rules(backend: str, backward_name: str, feature_inputs: Sequence[i
         saved = output[1:]
         ctx.mark_non_differentiable(*saved)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*(x for x in inputs if isinstance(x, Tensor)), *saved)
+        ctx.save_for_backward(*(_savable(x) for x in inputs if isinstance(x, Tensor)), *saved)
         ctx.statics = tuple(x for x in inputs if not isinstance(x, Tensor))
 
     def backward(ctx, grad, *_statistics):

@@ -35,6 +35,7 @@ from typing import Optional, Union
 
 import torch
 
+from .. import validation
 from ..numerics import autocast_disabled
 from ..options import LossOptions
 from .consensus import collective_check, local_checks
@@ -86,6 +87,7 @@ def distributed_hn_clip_loss(
         return LossOptions(gamma=gamma, label_smoothing=label_smoothing, normalize=normalize, backend=backend,
                            precision=precision)
 
+    tau = validation.plain_number(tau)
     return rank_loss(image_features, text_features, tau, options, local_loss=local_loss,
                      gather_with_grad=gather_with_grad, rank=rank, world_size=world_size, group=group,
                      return_stats=return_stats)

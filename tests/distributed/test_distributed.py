@@ -336,6 +336,10 @@ def _error_checks(rank, world, failures):
         "normalize differs": lambda: loss(base, base, normalize=rank == world - 1),
         "local_loss differs": lambda: HNClipLoss(local_loss=rank != 0, gather_with_grad=True, rank=rank,
                                                  world_size=world, backend="torch")(base, base, s),
+        "gather_with_grad differs": lambda: HNClipLoss(local_loss=True, gather_with_grad=rank != 0, rank=rank,
+                                                       world_size=world, backend="torch")(base, base, s),
+        # the precision is compared even where the backend ignores it: the ranks asked for different losses
+        "precision differs": lambda: loss(base, base, precision="ieee" if rank == 1 else None),
     }
     for name, call in differing.items():
         msg = _expect_error_everywhere(rank, failures, name, call)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...numerics import compute_dtype, matmul_nt, normalized
+from ...numerics import compute_dtype, ieee_float32, matmul_nt, normalized
 from ...validation import check_directional
-from ..epilogue import RowStats
+from ..epilogue import RowStats, smooths
 
 
 def directional_nll_torch(
@@ -57,16 +57,23 @@ def directional_nll_torch(
     m, n = q.shape[0], k.shape[0]
     rows = torch.arange(m, device=q.device)
     pos_cols = rows + offset
-    margin = a @ b.T
+    with ieee_float32(a.device):  # never TF32 (open_clip's trainer allows it); matmul_nt does the same
+        margin = a @ b.T
     margin[rows, pos_cols] = 0.0  # the positive carries no margin
     logits = (matmul_nt(q, k) + gamma * margin) / tau.to(dt)
     pos = logits[rows, pos_cols]
     delta = logits - pos[:, None]  # Z_ik - Z_i,pos: exactly 0 at the positive
     is_pos = torch.zeros_like(delta, dtype=torch.bool)
     is_pos[rows, pos_cols] = True
-    lse_neg = torch.logsumexp(delta.masked_fill(is_pos, float("-inf")), dim=1)
+    if n > 1:
+        lse_neg = torch.logsumexp(delta.masked_fill(is_pos, float("-inf")), dim=1)
+    else:
+        # no negatives (N = 1): the LSE of an empty set, -inf, with a backward that is empty too;
+        # logsumexp over an all -inf row would form 0·exp(-inf - -inf) = NaN in its backward,
+        # which autograd's anomaly mode reports (the gradient is 0 either way)
+        lse_neg = torch.logsumexp(delta[:, :0], dim=1)
     nll = F.softplus(lse_neg)
-    if label_smoothing != 0.0:
+    if smooths(label_smoothing):  # a tensor ε (under torch.compile) is taken to be non-zero
         nll = nll - (label_smoothing / n) * delta.sum(dim=1)
     if not return_stats:
         return nll
