@@ -68,10 +68,12 @@ def _check_clip(clip) -> None:
 
 def _features(clip, input_ids, pixel_values, attention_mask):
     """(image embeddings, text embeddings, s = exp(logit_scale)), as ``CLIPModel.forward`` forms
-    them before its normalisation and N×N product."""
+    them before its normalisation and N×N product; s in float32 or better (a bf16 model's
+    exp(logit_scale) in bf16 would be another temperature: s = 100 rounds to 100.5)."""
     image = _pooled(clip.get_image_features(pixel_values=pixel_values))
     text = _pooled(clip.get_text_features(input_ids=input_ids, attention_mask=attention_mask))
-    return image, text, clip.logit_scale.exp()
+    scale = clip.logit_scale
+    return image, text, scale.to(torch.promote_types(scale.dtype, torch.float32)).exp()
 
 
 def _embeddings(model, input_ids, pixel_values, attention_mask):

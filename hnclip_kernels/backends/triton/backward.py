@@ -57,13 +57,11 @@ power of two c (``_pow2_fit``) brings the bound |W_ik| ≤ c·(max|g| + max|g'|)
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
-from ...numerics import autocast_disabled
+from ...numerics import autocast_disabled, ieee_float32
 from .. import epilogue
 from . import config as cfg
 from .launch import launch, strides, wrap_triton
@@ -379,29 +377,6 @@ def _to_f16(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@contextlib.contextmanager
-def _ieee_float32(device: torch.device):
-    """float32 matmuls in IEEE float32 (never TF32) within the block, on CUDA. The CPU's are."""
-    if device.type != "cuda":
-        yield
-        return
-    matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):
-        saved = matmul.fp32_precision
-        matmul.fp32_precision = "ieee"
-        try:
-            yield
-        finally:
-            matmul.fp32_precision = saved
-    else:
-        saved = matmul.allow_tf32
-        matmul.allow_tf32 = False
-        try:
-            yield
-        finally:
-            matmul.allow_tf32 = saved
-
-
 def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None) -> torch.Tensor:
     """(acc +) a @ b with a float32 result. 16-bit operands on CUDA: cuBLAS's float32-output
     GEMM (``out_dtype``); elsewhere (CPU, the interpreter) upcast first, the same products
@@ -556,7 +531,7 @@ def _chunked_shares(ops, norms, dirs, pos, nll, g, tau32, gamma32, has_margin: b
     rho_parts = [[] for _ in dirs]
     sigma_parts = [[None] * col_chunks for _ in dirs]
     # the GEMMs accumulate in float32 whatever autocast region the backward runs in
-    with _ieee_float32(dev), autocast_disabled(dev):
+    with ieee_float32(dev), autocast_disabled(dev):
         for row0 in range(0, m, rows):
             row_end = min(row0 + rows, m)
             acc_q, rho = [None] * n_dirs, [None] * n_dirs
@@ -647,7 +622,7 @@ def _symmetric_shares(ops, norms, pos, nll, g, tau32, gamma32, nll_c, g_c, a, b,
     def add(parts, i, x):
         parts[i] = x if parts[i] is None else parts[i] + x
 
-    with _ieee_float32(dev), autocast_disabled(dev):
+    with ieee_float32(dev), autocast_disabled(dev):
         for ia, (row0, row_end) in enumerate(bounds):
             q_a, k_a = copies(row0, row_end)
             r = row_end - row0
