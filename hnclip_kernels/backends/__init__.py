@@ -13,7 +13,7 @@ a distributed rank (M query rows against N gathered key columns, positive of row
 :func:`hnclip_kernels.backends.pytorch.reference.directional_nll_torch`::
 
     fn(queries, keys, *, query_txt, key_txt, tau, offset, gamma, label_smoothing, normalize,
-       return_stats=False)
+       return_stats=False, false_negative_threshold=None)
 
 The fused backends are imported lazily: triton is optional, and the C++ extension may not
 have been built.
@@ -120,6 +120,8 @@ def symmetric_losses(img: torch.Tensor, txt: torch.Tensor, tau: torch.Tensor, op
     ``(i2t, t2i)``, both directions' detached ``RowStats``."""
     kwargs = dict(tau=tau, gamma=options.gamma, label_smoothing=options.label_smoothing,
                   normalize=options.normalize, return_stats=return_stats)
+    if options.false_negative_threshold is not None:  # absent otherwise: each op's default, None
+        kwargs["false_negative_threshold"] = options.false_negative_threshold
     if options.backend == "triton":
         from .triton.ops import hn_clip_pairs_triton  # one fused op for both directions
 

@@ -72,7 +72,7 @@ def _symmetric_nll(img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_s
     i2t, t2i = forward_stats((img, txt, txt, txt), (rv, rt, rt, rt), pos, tau32, gamma32, has_margin, 0,
                               smoothing, precision, columns=True)
     pairs = epilogue.pair_losses(i2t, t2i, img.shape[0], label_smoothing if smoothing else 0.0)
-    return (pairs, rv, rt, pos, *i2t[1:], *t2i[1:])
+    return (pairs, rv, rt, pos, *i2t[1:4], *t2i[1:4])
 
 
 def _symmetric_nll_fake(img, txt, tau, gamma, label_smoothing, has_margin, smoothing, normalize, precision):
