@@ -115,7 +115,7 @@ def _directional_nll(q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor, ga
     inv_tau = 1.0 / tau32
     pos = epilogue.positive_logits(epilogue.scaled(q, norms[0]), epilogue.scaled(k, norms[1]), offset, inv_tau)
     stats = forward_stats((q, k, a, b), norms, pos, tau32, gamma32, has_margin, offset, smoothing, precision)
-    return (epilogue.row_losses(stats, k.shape[0], label_smoothing if smoothing else 0.0), *norms, *stats)
+    return (epilogue.row_losses(stats, k.shape[0], label_smoothing if smoothing else 0.0), *norms, *stats[:4])
 
 
 def _directional_nll_fake(q, k, a, b, tau, gamma, label_smoothing, offset, has_margin, smoothing, normalize,
