@@ -3,13 +3,16 @@
 Usage (every argument but the ``--hn-*`` flags goes to ``open_clip_train.main`` unchanged)::
 
     python -m hnclip_kernels.train [open_clip_train arguments] \\
-        [--hn-gamma 0.5] [--hn-label-smoothing 0.0] [--hn-backend auto]
+        [--hn-gamma 0.5] [--hn-label-smoothing 0.0] [--hn-backend auto] [--hn-false-negative-threshold C]
     torchrun --nproc_per_node 8 -m hnclip_kernels.train -- --local-loss --gather-with-grad ...
 
 Flags:
     --hn-gamma G            margin scale γ ≥ 0 (default 0.5; 0 reproduces open_clip's ClipLoss)
     --hn-label-smoothing E  ε in [0, 1) (default 0.0)
     --hn-backend B          "auto", "torch", "triton" or "cpp" (default "auto")
+    --hn-false-negative-threshold C
+                            mask pairs whose captions have cosine >= C in (-1, 1] as false
+                            negatives (default: none; not in the paper; see hn_clip_loss)
 
 Where open_clip 3.x builds a plain ``ClipLoss`` (``open_clip.create_loss``, from
 ``open_clip/factory.py``, imported by name into ``open_clip_train.main``; patched there for the
@@ -52,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="label smoothing ε in [0, 1) (default 0)")
     p.add_argument("--hn-backend", default="auto", metavar="B",
                    help='"auto" (default), "torch", "triton" or "cpp"')
+    p.add_argument("--hn-false-negative-threshold", type=float, default=None, metavar="C",
+                   help="caption cosine in (-1, 1] at and above which a pair is masked as a false negative "
+                        "(default: no masking; e.g. 0.95 for near-duplicate captions)")
     return p
 
 
@@ -90,7 +96,8 @@ def main(argv=None):
     if argv[:1] == ["--"]:  # torchrun ... -m hnclip_kernels.train -- ARGS, where torchrun keeps it
         argv = argv[1:]
     hn, rest = parser.parse_known_args(argv)
-    kwargs = dict(gamma=hn.hn_gamma, label_smoothing=hn.hn_label_smoothing, backend=hn.hn_backend)
+    kwargs = dict(gamma=hn.hn_gamma, label_smoothing=hn.hn_label_smoothing, backend=hn.hn_backend,
+                  false_negative_threshold=hn.hn_false_negative_threshold)
     for name, value in kwargs.items():  # each flag is checked before anything is built
         try:
             HNClipLoss(**{name: value})

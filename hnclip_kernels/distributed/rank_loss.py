@@ -52,6 +52,8 @@ def rank_hn_clip_loss(
     fn = directional_fn(options.backend, options.precision)
     kwargs = dict(tau=tau_t, gamma=options.gamma, label_smoothing=options.label_smoothing,
                   normalize=options.normalize, offset=int(offset), return_stats=return_stats)
+    if options.false_negative_threshold is not None:  # local captions against all gathered captions
+        kwargs["false_negative_threshold"] = options.false_negative_threshold
     i2t = fn(image_features, all_text_features, query_txt=text_features, key_txt=all_text_features, **kwargs)
     t2i = fn(text_features, all_image_features, query_txt=text_features, key_txt=all_text_features, **kwargs)
     (i2t, i2t_stats), (t2i, t2i_stats) = (i2t, t2i) if return_stats else ((i2t, None), (t2i, None))
