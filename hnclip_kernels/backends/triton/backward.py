@@ -67,7 +67,7 @@ from ...numerics import autocast_disabled
 from .. import epilogue
 from . import config as cfg
 from .launch import launch, strides, wrap_triton
-from .tiles import _block, _load2, _load_gamma, _load_threshold, _logits_keep_tile, _pair_keep_tiles
+from .tiles import _block, _kept, _load2, _load_gamma, _load_threshold, _logits_masked_tile, _pair_masked_tiles
 
 # the residual sums' slice: every dS tile (32, 64 or 128 wide) holds whole slices, so the
 # partial buffers' layout does not depend on the tile an autotuner picks
@@ -82,7 +82,7 @@ def _dscore_kernel(
     nll_c_ptr, g_c_ptr, a_ptr, b_ptr, thr_ptr, s_ptr, s_c_ptr,
     w_ptr, lo_ptr, stride_wm, stride_wn, res_r_ptr, stride_rr, res_c_ptr, stride_rc,
     row0, row_end, col0, col_end, D, offset,
-    SYMMETRIC: tl.constexpr, HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
+    SYMMETRIC: tl.constexpr, HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr,
     ROUND16: tl.constexpr, TAIL: tl.constexpr,
     SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -103,8 +103,9 @@ def _dscore_kernel(
         norms, over the exact float16 conversion's powers of two for bf16 features, times
         powers of two that bring them near 1, and for 16-bit W the fit c in a).
     False-negative masking (MASK): thr_ptr the 1-element threshold; s_ptr (M), s_c_ptr (N,
-        with SYMMETRIC) each row's ε/n_i: dS_ik = g_i (P_ik − s_i) (+ g'_k (P'_ki − s'_k)) on the
-        entries kept (caption cosine < thr), 0 on the masked ones.
+        with SYMMETRIC) each row's ε/n_i (read with SHIFT: MASK and label smoothing):
+        dS_ik = g_i (P_ik − s_i) (+ g'_k (P'_ki − s'_k)) on the entries kept (caption cosine <
+        thr), 0 on the masked ones.
     Outputs: w_ptr, the chunk (row_end − row0, col_end − col0), float32 or float16, strides
         stride_wm, stride_wn; with TAIL lo_ptr, the tail, alike. With ROUND16,
         E_ik = (W_ik − W̃_ik − W̃_lo,ik) / (a_i b_k) (= ε_ik dS_ik; no W̃_lo without TAIL)
@@ -127,12 +128,12 @@ def _dscore_kernel(
     inv_tau = 1.0 / tl.load(tau_ptr)
     gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
     thr = _load_threshold(thr_ptr, MASK)
-    z, keep = _logits_keep_tile((q_ptr, stride_qm, stride_qd), (k_ptr, stride_kn, stride_kd),
-                                (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
-                                (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
-                                D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    z = _logits_masked_tile((q_ptr, stride_qm, stride_qd), (k_ptr, stride_kn, stride_kd),
+                            (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
+                            (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
+                            D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
-                            a_ptr, b_ptr, SYMMETRIC, keep, s_ptr, s_c_ptr, MASK)
+                            a_ptr, b_ptr, SYMMETRIC, s_ptr, s_c_ptr, MASK, SHIFT)
     _store_w(w, a, b, mask, (offs_m, mask_m, row0, row_end, pid_m * (BLOCK_M // SLICE)),
              (offs_n, mask_n, col0, col_end, pid_n * (BLOCK_N // SLICE)),
              w_ptr, lo_ptr, stride_wm, stride_wn, res_r_ptr, stride_rr, res_c_ptr, stride_rc,
@@ -141,18 +142,21 @@ def _dscore_kernel(
 
 @triton.jit
 def _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr, a_ptr, b_ptr,
-            SYMMETRIC: tl.constexpr, keep, s_ptr, s_c_ptr, MASK: tl.constexpr):
+            SYMMETRIC: tl.constexpr, s_ptr, s_c_ptr, MASK: tl.constexpr, SHIFT: tl.constexpr):
     """W = a_i · dS_ik · b_k (float32) of a tile z of logits (rows ``offs_m``, columns ``offs_n``;
     row i's positive is column offset + i), with the row scales a, column scales b and the
-    tile's bounds mask (see ``_dscore_kernel``). With MASK (false-negative masking) only the
-    entries ``keep`` holds are negatives, each less its row's (and column's) smoothing share
-    s = ε/n (``s_ptr``, ``s_c_ptr``). Loads only: no pointer here is written."""
+    tile's bounds mask (see ``_dscore_kernel``). With MASK (false-negative masking: z from
+    ``tiles._logits_masked_tile``, masked entries −inf) only the kept entries are negatives, each
+    less its row's (and column's) smoothing share s = ε/n (``s_ptr``, ``s_c_ptr``; only with
+    SHIFT, label smoothing: without it a masked tile costs what an unmasked one does, the
+    fp16 128x64 dS is at 255 registers). Loads only: no pointer here is written."""
     neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
     pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
     nll = tl.load(nll_ptr + offs_m, mask=mask_m, other=0.0)
     g = tl.load(g_ptr + offs_m, mask=mask_m, other=0.0)
     if MASK:
-        neg = neg & keep
+        neg = neg & _kept(z)
+    if SHIFT:
         s = tl.load(s_ptr + offs_m, mask=mask_m, other=0.0)
         p = tl.exp(tl.where(neg, z - pos[:, None] - nll[:, None], float("-inf")))
         dscore = tl.where(neg, p - s[:, None], 0.0) * g[:, None]
@@ -163,7 +167,7 @@ def _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, 
         pos_c = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
         nll_c = tl.load(nll_c_ptr + offs_n, mask=mask_n, other=0.0)
         g_c = tl.load(g_c_ptr + offs_n, mask=mask_n, other=0.0)
-        if MASK:
+        if SHIFT:
             s_c = tl.load(s_c_ptr + offs_n, mask=mask_n, other=0.0)
             p_c = tl.exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf")))
             dscore += tl.where(neg, p_c - s_c[None, :], 0.0) * g_c[None, :]
@@ -217,7 +221,8 @@ def _dscore_pair_kernel(
     thr_ptr, s_ptr, s_c_ptr,
     w_ptr, lo_ptr, res_r_ptr, res_c_ptr, mirror_w, mirror_r, mirror_c,
     row0, row_end, col0, col_end, D,
-    HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, ROUND16: tl.constexpr, TAIL: tl.constexpr,
+    HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr, ROUND16: tl.constexpr,
+    TAIL: tl.constexpr,
     SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The symmetric loss's dS over a chunk pair: chunk (a, b) = [row0, row_end) × [col0, col_end)
@@ -264,31 +269,31 @@ def _dscore_pair_kernel(
     diagonal = row0 == col0
     if diagonal & (local_n >= local_m) & (local_n < local_m + BLOCK_M):
         # the diagonal super-tile: its tiles hold the positives and are formed alone, as the forward forms them
-        z, keep = _logits_keep_tile(v, t, t, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
-                                    D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        z = _logits_masked_tile(v, t, t, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
+                                D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
-                                a_ptr, b_ptr, True, keep, s_ptr, s_c_ptr, MASK)
+                                a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
         _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, cols_c, 1, res_r_ptr, rows_c, res_c_ptr, cols_c,
                  ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
     elif (row0 != col0) | (local_n >= local_m + BLOCK_M):
-        z, zm, keep = _pair_keep_tiles(v, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
-                                       D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        z, zm = _pair_masked_tiles(v, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
+                                   D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
-                                a_ptr, b_ptr, True, keep, s_ptr, s_c_ptr, MASK)
+                                a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
         _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, cols_c, 1, res_r_ptr, rows_c, res_c_ptr, cols_c,
                  ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
         # the mirror: rows J, columns I of chunk (b, a), a C × R buffer
         wm, am, bm, maskm = _w_tile(tl.trans(zm), offs_n, mask_n, offs_m, mask_m, 0, pos_ptr, nll_ptr, g_ptr,
-                                    nll_c_ptr, g_c_ptr, a_ptr, b_ptr, True, tl.trans(keep), s_ptr, s_c_ptr, MASK)
+                                    nll_c_ptr, g_c_ptr, a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
         _store_w(wm, am, bm, maskm, cols, rows, w_ptr + mirror_w, lo_ptr + mirror_w, rows_c, 1,
                  res_r_ptr + mirror_r, cols_c, res_c_ptr + mirror_c, rows_c, ROUND16, TAIL, SLICE, BLOCK_N, BLOCK_M)
 
 
 # autotuned twin (GPU only; the interpreter and HNCLIP_AUTOTUNE=0 use cfg.heuristic)
-_dscore_tuned = triton.autotune(cfg.all_candidates("dscore"), key=["D", "HAS_MARGIN", "MASK", "PREC", "SYMMETRIC", "ROUND16", "TAIL"],
+_dscore_tuned = triton.autotune(cfg.all_candidates("dscore"), key=["D", "HAS_MARGIN", "MASK", "SHIFT", "PREC", "SYMMETRIC", "ROUND16", "TAIL"],
                                 prune_configs_by={"early_config_prune": cfg.pruner("dscore", "q_ptr")})(_dscore_kernel)
 # the symmetric loss's chunk pairs: key D, HAS_MARGIN, PREC, ROUND16, TAIL
-_dscore_pair_tuned = triton.autotune(cfg.all_candidates("dscore_pair"), key=["D", "HAS_MARGIN", "MASK", "PREC", "ROUND16", "TAIL"],
+_dscore_pair_tuned = triton.autotune(cfg.all_candidates("dscore_pair"), key=["D", "HAS_MARGIN", "MASK", "SHIFT", "PREC", "ROUND16", "TAIL"],
                                      prune_configs_by={"early_config_prune": cfg.pruner("dscore_pair", "v_ptr")}
                                      )(_dscore_pair_kernel)
 
@@ -408,7 +413,7 @@ def _rows(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
 
 
 def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offset: int, precision, key_side=None,
-                    thr32=None, shifts=None):
+                    thr32=None, shifts=None, smoothing: bool = False):
     """Negatives' shares (times τ) of dL/dq̂ (M, D) and dL/dk̂ (N, D), float32.
 
     ``ops``, ``norms``, ``tau32``, ``gamma32``, ``has_margin``: as :func:`.forward.forward_stats`;
@@ -416,7 +421,8 @@ def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offs
     ``key_side = (stats, g)`` of the transposed direction makes it symmetric (M = N, offset 0).
     ``thr32`` (false-negative masking: a 1-element float32 threshold, or None) with ``shifts``
     = (ε/n_i of the rows, of the key side's rows; ``epilogue.smoothing_shift``): the masked
-    entries get no dS, the kept ones dS_ik = g_i (P_ik − ε/n_i).
+    entries get no dS, the kept ones dS_ik = g_i (P_ik − ε/n_i) (the shifts read only with
+    ``smoothing``, ε ≠ 0).
     dS is materialised one R × C chunk at a time (``cfg.chunk_shape``: 4·R·C ≤
     ``cfg.BWD_WORKSPACE_BYTES``, e.g. 8192 × 8192 for 256 MiB; with ``key_side`` one square chunk
     pair at a time, W_ab and W_ba from the same tile pairs, ``_symmetric_shares``) and multiplied by the features in
@@ -450,12 +456,13 @@ def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offs
     w_dtype = torch.float16 if round16 else torch.float32
     prec = cfg.dot_precision(q.dtype, precision)
     masked = thr32 is not None
+    shift = masked and smoothing
     # the kernels' masking pointers: read only with MASK (τ's tensor stands in for them otherwise)
     masking = (thr32, shifts[0], shifts[1]) if masked else (tau32, tau32, tau32)
     if key_side is not None:
         d_q, d_k, rho, sigma = _symmetric_shares(ops, norms, stats.pos, nll, g, tau32, gamma32, nll_c, g_c, a, b,
                                                  (s_q, s_k) if round16 and not tail else None, has_margin, prec,
-                                                 w_dtype, round16, tail, masking, masked)
+                                                 w_dtype, round16, tail, masking, masked, shift)
         d_q.div_(rq[:, None])
         d_k.div_(rk[:, None])
         if round16:
@@ -490,7 +497,7 @@ def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offs
                         row0, row_end, col0, col_end, d, offset)
                 launch(lambda tuned: _kernel("dscore", tuned), "dscore", q.element_size(),
                        lambda t, r=r, c=c: (triton.cdiv(r, t["BLOCK_M"]), triton.cdiv(c, t["BLOCK_N"])),
-                       args, SYMMETRIC=key_side is not None, HAS_MARGIN=has_margin, MASK=masked, PREC=prec,
+                       args, SYMMETRIC=key_side is not None, HAS_MARGIN=has_margin, MASK=masked, SHIFT=shift, PREC=prec,
                        ROUND16="fp16" if round16 else "", TAIL=tail,
                        SLICE=RESIDUAL_SLICE, BLOCK_K=cfg.score_block_k(q.element_size()))
                 k_cols = _rows(k, col0, col_end)
@@ -519,7 +526,7 @@ def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offs
 
 
 def _symmetric_shares(ops, norms, pos, nll, g, tau32, gamma32, nll_c, g_c, a, b, f16_scales, has_margin, prec,
-                      w_dtype, round16, tail, masking, masked):
+                      w_dtype, round16, tail, masking, masked, shift):
     """The symmetric loss's shares over chunk pairs (``_dscore_pair_kernel``): square chunks
     (``cfg.chunk_shape(square=True)``), pairs (a, b ≥ a) in order; a pair b > a writes W_ab and
     W_ba from the same tile pairs, a diagonal pair W_aa. Then the GEMMs of each buffer (as
@@ -567,7 +574,7 @@ def _symmetric_shares(ops, norms, pos, nll, g, tau32, gamma32, nll_c, g_c, a, b,
                         *masking, w, lo, res_r, res_c, *mirror, row0, row_end, col0, col_end, d)
                 launch(lambda tuned: _kernel("dscore_pair", tuned), "dscore_pair", v.element_size(),
                        lambda tl_, r=r, c=c: (triton.cdiv(r, tl_["BLOCK_M"]), triton.cdiv(c, tl_["BLOCK_N"])),
-                       args, HAS_MARGIN=has_margin, MASK=masked, PREC=prec, ROUND16="fp16" if round16 else "", TAIL=tail,
+                       args, HAS_MARGIN=has_margin, MASK=masked, SHIFT=shift, PREC=prec, ROUND16="fp16" if round16 else "", TAIL=tail,
                        SLICE=RESIDUAL_SLICE, BLOCK_K=cfg.score_block_k(v.element_size()))
                 for buf in [w, lo] if tail else [w]:  # W_ab (and its tail): rows a against columns b
                     d_q[ia] = _mm(buf[:r * c].view(r, c), k_b, d_q[ia])

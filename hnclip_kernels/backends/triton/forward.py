@@ -21,14 +21,15 @@ from .tiles import (
     _combine,
     _count,
     _gap_stats,
+    _kept,
     _load2,
     _load_count,
     _load_gamma,
     _load_partial,
     _load_threshold,
-    _logits_keep_tile,
+    _logits_masked_tile,
     _merge_stats,
-    _pair_keep_tiles,
+    _pair_masked_tiles,
     _store_count,
     _store_partial,
     _tile_stats,
@@ -91,11 +92,11 @@ def _fwd_kernel(
     for n0 in range(n_start, n_end, BLOCK_N):
         offs_n, mask_n = _block(n0, n_end, BLOCK_N)
         rk, r_mk = _load2(rk_ptr, r_mk_ptr, offs_n, mask_n)
-        z, keep = _logits_keep_tile(q, k, margin_q, margin_k, (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
-                                    D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        z = _logits_masked_tile(q, k, margin_q, margin_k, (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
+                                D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
         if MASK:
-            neg = neg & keep
+            neg = neg & _kept(z)
             run_kept += _count(neg, 1)
         d = tl.where(neg, z - pos[:, None], float("-inf"))
         t_max, t_sum, t_wsum, t_dsum = _tile_stats(d, neg, 1)
@@ -172,11 +173,11 @@ def _fwd_pair_kernel(
         offs_n, mask_n = _block(n0, n_end, BLOCK_N)
         rt_n = tl.load(rt_ptr + offs_n, mask=mask_n, other=0.0)
         pos_n = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
-        z, keep = _logits_keep_tile(v, t, t, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
-                                    D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        z = _logits_masked_tile(v, t, t, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
+                                D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None])
         if MASK:
-            neg = neg & keep
+            neg = neg & _kept(z)
             rows_kept += _count(neg, 1)
             _store_count(part, 2 * N, offs_n, mask_n, _count(neg, 0), SMOOTHING)
         rows = _merge_stats(rows, _gap_stats(z, pos_m, neg, 1))
@@ -186,11 +187,11 @@ def _fwd_pair_kernel(
         offs_n, mask_n = _block(n0, n_end, BLOCK_N)
         rv_n, rt_n = _load2(rv_ptr, rt_ptr, offs_n, mask_n)
         pos_n = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
-        z, zm, keep = _pair_keep_tiles(v, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
-                                       D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        z, zm = _pair_masked_tiles(v, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
+                                   D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         neg = mask_m[:, None] & mask_n[None, :]
         if MASK:  # one caption pair for z and zm: the same entries leave both
-            neg = neg & keep
+            neg = neg & _kept(z)
             rows_kept += _count(neg, 1)  # rows I (in z)
             cols_kept += _count(neg, 1)  # columns I (in zm)
             _store_count(part, 2 * N, offs_n, mask_n, _count(neg, 0), SMOOTHING)  # columns J

@@ -110,7 +110,7 @@ def _symmetric_nll_backward(
     if need_vt:
         masking = {}
         if masked:
-            masking = dict(thr32=_scalar32(threshold, img),
+            masking = dict(thr32=_scalar32(threshold, img), smoothing=smoothing,
                            shifts=(epilogue.smoothing_shift(i2t, eps), epilogue.smoothing_shift(t2i, eps)))
         d_v, d_t = backward_shares((img, txt, txt, txt), (rv, rt, rt, rt), i2t, g, tau32, gamma32, has_margin, 0,
                                     precision, key_side=(t2i, g), **masking)
@@ -162,7 +162,7 @@ def _directional_nll_backward(
         masking = {}
         if masked:
             shift = epilogue.smoothing_shift(stats, eps)
-            masking = dict(thr32=_scalar32(threshold, q), shifts=(shift, shift))
+            masking = dict(thr32=_scalar32(threshold, q), shifts=(shift, shift), smoothing=smoothing)
         d_q, d_k = backward_shares((q, k, a, b), (rq, rk, ra, rb), stats, g, tau32, gamma32, has_margin, offset,
                                     precision, **masking)
     else:  # only τ wants a gradient: it needs the row statistics alone

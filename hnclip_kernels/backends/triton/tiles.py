@@ -1,11 +1,11 @@
 """Tile helpers shared by the forward and backward kernels: forming a tile of logits,
 loading γ, block offsets, a tile's statistics, the online-LSE combine, partial stores and loads.
 
-False-negative masking (MASK, a threshold c): ``_logits_keep_tile`` / ``_pair_keep_tiles`` form the
-caption tile G = m_q m_kᵀ where the margin is formed (also at γ = 0) and return, beside the
-logits, the bool tile ``keep`` of the entries whose float32 caption cosine is below c
-(``_caption_keep``); a kernel ands it into its negatives. ``_logits_tile`` / ``_pair_tiles`` are
-the same tiles without it. Kept-negative counts travel in one more plane after a summary's
+False-negative masking (MASK, a threshold c): ``_logits_masked_tile`` / ``_pair_masked_tiles``
+form the caption tile G = m_q m_kᵀ where the margin is formed (also at γ = 0) and return the
+logits with the entries whose float32 caption cosine is ≥ c (``_caption_keep``) at −inf; a kernel
+ands ``_kept(z)`` into its negatives (a −inf logit, not a bool tile beside it: registers).
+``_logits_tile`` / ``_pair_tiles`` are the same tiles without it. Kept-negative counts travel in one more plane after a summary's
 (``_store_count`` / ``_load_count``).
 
 Matrices travel as tuples ``(ptr, stride_row, stride_col)``, blocks of rows (or columns)
@@ -45,22 +45,21 @@ def _logits_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """(BLOCK_M, BLOCK_N) float32 tile of Z = (q̂ k̂ᵀ + γ · m̂_q m̂_kᵀ) / τ, dots accumulated in
-    float32 over D: ``_logits_keep_tile`` without false-negative masking (its arguments)."""
-    z, _ = _logits_keep_tile(q, k, margin_q, margin_k, rows, cols, D, gamma, inv_tau, 0.0, HAS_MARGIN, False, PREC,
-                             BLOCK_M, BLOCK_N, BLOCK_K)
-    return z
+    float32 over D: ``_logits_masked_tile`` without false-negative masking (its arguments)."""
+    return _logits_masked_tile(q, k, margin_q, margin_k, rows, cols, D, gamma, inv_tau, 0.0, HAS_MARGIN, False, PREC,
+                               BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _logits_keep_tile(
+def _logits_masked_tile(
     q, k, margin_q, margin_k,
     rows, cols,
     D, gamma, inv_tau, thr,
     HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """(z, keep): the (BLOCK_M, BLOCK_N) float32 tile of Z = (q̂ k̂ᵀ + γ · m̂_q m̂_kᵀ) / τ, dots
-    accumulated in float32 over D, and the bool tile of the entries a row keeps.
+    """The (BLOCK_M, BLOCK_N) float32 tile of Z = (q̂ k̂ᵀ + γ · m̂_q m̂_kᵀ) / τ, dots accumulated in
+    float32 over D, with MASK its false negatives at −inf.
 
     Matrices, each ``(ptr, stride along rows, stride along D)``:
         q, k: the query (M, D) and key (N, D) features;
@@ -72,10 +71,11 @@ def _logits_keep_tile(
     Constexprs: HAS_MARGIN (γ ≠ 0), MASK (false-negative masking), PREC (see ``precision._dot``),
         tile sizes.
 
-    ``keep``: the tile's bounds, and with MASK only the entries whose caption cosine, the
-    margin's own float32 product ``(m_q·m_k) · r_margin_q · r_margin_k`` (``_caption_keep``), is
-    below ``thr`` (the positive is the caller's to exclude). Without the margin (γ = 0) the
-    caption product is formed for MASK only.
+    With MASK an entry whose caption cosine, the margin's own float32 product
+    ``(m_q·m_k) · r_margin_q · r_margin_k`` (``_caption_keep``), is at or above ``thr`` comes
+    back as −inf: a kernel drops it from its negatives with ``_kept`` (no bool tile stays live
+    beside the logits: registers). Without the margin (γ = 0) the caption product is formed for
+    MASK only. (The positive's entry may come back −inf too: callers exclude it by index.)
     """
     offs_m, mask_m, rq, r_mq = rows
     offs_n, mask_n, rk, r_mk = cols
@@ -91,14 +91,13 @@ def _logits_keep_tile(
                               _col_block(margin_k, offs_n, mask_n, offs_d, mask_d), acc_margin, PREC)
     # the norms scale float32 tiles: the normalised vectors are never rounded to bf16
     z = acc * rq[:, None] * rk[None, :]
-    keep = mask_m[:, None] & mask_n[None, :]
     if HAS_MARGIN or MASK:
         cosine = acc_margin * r_mq[:, None] * r_mk[None, :]
         if HAS_MARGIN:
             z += gamma * cosine
         if MASK:
-            keep = keep & _caption_keep(cosine, thr)
-    return z * inv_tau, keep
+            z = tl.where(_caption_keep(cosine, thr), z, float("-inf"))
+    return z * inv_tau
 
 
 @triton.jit
@@ -106,6 +105,13 @@ def _caption_keep(cosine, thr):
     """Which entries stay negatives under false-negative masking: caption cosine < thr (both
     float32; an entry at or above the threshold is masked, a NaN cosine is masked too)."""
     return cosine < thr
+
+
+@triton.jit
+def _kept(z):
+    """The entries of a tile from ``_logits_masked_tile`` / ``_pair_masked_tiles`` that masking
+    kept (not −inf; a NaN logit counts as kept, so it shows in the loss)."""
+    return z != float("-inf")
 
 
 @triton.jit
@@ -232,14 +238,13 @@ def _pair_tiles(
     HAS_MARGIN: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """``_pair_keep_tiles`` without false-negative masking: (z, zm)."""
-    z, zm, _ = _pair_keep_tiles(v, t, rows, cols, D, gamma, inv_tau, 0.0, HAS_MARGIN, False, PREC,
-                                BLOCK_M, BLOCK_N, BLOCK_K)
-    return z, zm
+    """``_pair_masked_tiles`` without false-negative masking: (z, zm)."""
+    return _pair_masked_tiles(v, t, rows, cols, D, gamma, inv_tau, 0.0, HAS_MARGIN, False, PREC,
+                              BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _pair_keep_tiles(
+def _pair_masked_tiles(
     v, t,
     rows, cols,
     D, gamma, inv_tau, thr,
@@ -260,10 +265,10 @@ def _pair_keep_tiles(
     last bits: the forward and the backward's ``_dscore_pair_kernel`` therefore form every
     logit in the same role (direct, mirror or diagonal super-tile), bit-identical to each other.
 
-    And ``keep``, the bool tile of the bounds, with MASK (false-negative masking at ``thr``)
-    less the entries whose caption cosine G_IJ[i, j] · r_t,i · r_t,j (z's margin product) is at
-    or above ``thr``: one tile for z and zm alike (zm[i, j] is the same caption pair), so the
-    mask off the diagonal super-tiles is symmetric to the bit.
+    With MASK (false-negative masking at ``thr``) the entries whose caption cosine
+    G_IJ[i, j] · r_t,i · r_t,j (z's margin product) is at or above ``thr`` come back as −inf in z
+    and in zm alike (zm[i, j] is the same caption pair: one comparison for both), so the mask
+    off the diagonal super-tiles is symmetric to the bit; ``_kept`` reads it back.
     """
     offs_m, mask_m, rv_m, rt_m = rows
     offs_n, mask_n, rv_n, rt_n = cols
@@ -283,13 +288,14 @@ def _pair_keep_tiles(
             acc_margin = _dot(t_i, t_j, acc_margin, PREC)
     z = acc * rv_m[:, None] * rt_n[None, :]
     zm = acc_mirror * rv_n[None, :] * rt_m[:, None]
-    keep = mask_m[:, None] & mask_n[None, :]
     if HAS_MARGIN:
         z += gamma * (acc_margin * rt_m[:, None] * rt_n[None, :])
         zm += gamma * (acc_margin * rt_n[None, :] * rt_m[:, None])
     if MASK:
-        keep = keep & _caption_keep(acc_margin * rt_m[:, None] * rt_n[None, :], thr)
-    return z * inv_tau, zm * inv_tau, keep
+        keep = _caption_keep(acc_margin * rt_m[:, None] * rt_n[None, :], thr)
+        z = tl.where(keep, z, float("-inf"))
+        zm = tl.where(keep, zm, float("-inf"))
+    return z * inv_tau, zm * inv_tau
 
 
 @triton.jit
