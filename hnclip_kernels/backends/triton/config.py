@@ -127,10 +127,10 @@ assert all(c.kwargs["BLOCK_M"] == FWD_BLOCK_M[w] for w, cs in CANDIDATES["dscore
 
 
 # False-negative masking with label smoothing (the dS kernels' SHIFT constexpr, one more float32
-# operand per tile): sm_90a spills 4 B for the 16-bit directional dS at 128x64 / 4 warps (255
-# registers without it), so the autotuner drops that candidate there (python
-# /work/shared/tools/compile_sm90.py --override MASK=True,SHIFT=True shows the spill)
-SHIFT_SPILLS = {"dscore": {2: [_cfg(4, 4, BLOCK_M=128, BLOCK_N=64)]}}
+# operand per tile): sm_90a spills 4 B for the fp16 directional dS (head and tail) at 128x64 / 4
+# warps (255 registers without it; bf16 fits), so the autotuner drops that candidate there
+# (compile_sm90.py --override MASK=True,SHIFT=True shows the spill). By feature dtype.
+SHIFT_SPILLS = {"dscore": {torch.float16: [_cfg(4, 4, BLOCK_M=128, BLOCK_N=64)]}}
 
 
 def all_candidates(kernel: str) -> list:
@@ -149,7 +149,7 @@ def pruner(kernel: str, width_arg: str):
         x = named_args.get(width_arg, kwargs.get(width_arg))
         allowed = candidates(kernel, x.element_size())
         if kwargs.get("SHIFT"):
-            spills = SHIFT_SPILLS.get(kernel, {}).get(x.element_size(), [])
+            spills = SHIFT_SPILLS.get(kernel, {}).get(x.dtype, [])
             allowed = [c for c in allowed if not any(_same(c, bad) for bad in spills)] or allowed
         return [c for c in configs if c in allowed] or allowed
     return prune
