@@ -26,13 +26,25 @@ RowSweep<T, kMode> row_sweep(const Tensor& qh, const Tensor& kh, const Tensor& a
   return sw;
 }
 
+// False-negative masking on a sweep: the captions' normalised factors and the threshold
+template <typename T, Sweep kMode>
+void mask_sweep(RowSweep<T, kMode>& sw, const Tensor& a, const Tensor& b, const Tensor& ra, const Tensor& rb,
+                const c10::optional<double>& threshold, const at::TensorOptions& opts) {
+  if (!threshold.has_value()) return;
+  sw.masked = true;
+  sw.GL = scaled_rows<T>(a, ra, opts);
+  sw.GR = scaled_rows<T>(b, rb, opts);
+  sw.thr = static_cast<T>(*threshold);
+}
+
 // The forward's sweep: statistics into (delta, mean_neg, dsum), shares into the accumulators
 template <typename T, Sweep kMode>
-void forward_sweep(RowSweep<T, kMode> sw, Tensor& delta, Tensor& mean_neg, Tensor& dsum, const Tensor& row_acc,
-                   const Tensor& col_acc) {
+void forward_sweep(RowSweep<T, kMode> sw, Tensor& delta, Tensor& mean_neg, Tensor& dsum, Tensor& kept,
+                   const Tensor& row_acc, const Tensor& col_acc) {
   sw.delta = delta.data_ptr<T>();
   sw.mean_neg = mean_neg.data_ptr<T>();
   sw.dsum = dsum.data_ptr<T>();
+  if (sw.masked) sw.kept = kept.data_ptr<T>();
   if constexpr (kMode == Sweep::kShares) {
     sw.row_acc = row_acc;
     sw.col_acc = col_acc;
@@ -42,9 +54,10 @@ void forward_sweep(RowSweep<T, kMode> sw, Tensor& delta, Tensor& mean_neg, Tenso
 
 }  // namespace
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd(
     const Tensor& q_hat, const Tensor& k_hat, const Tensor& a, const Tensor& b, const Tensor& ra,
-    const Tensor& rb, const Tensor& pos, const Tensor& inv_tau, int64_t offset, double gamma, bool need_grad) {
+    const Tensor& rb, const Tensor& pos, const Tensor& inv_tau, int64_t offset, double gamma, bool need_grad,
+    c10::optional<double> threshold, double eps) {
   at::NoGradGuard no_grad;  // kernel scratch only; autograd lives in hnclip_kernels/backends/cpp/ops.py
   const auto dt = q_hat.scalar_type();
   const int64_t M = q_hat.size(0), N = k_hat.size(0), D = q_hat.size(1);
@@ -52,25 +65,30 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd(
   const Tensor qh = q_hat.contiguous(), kh = k_hat.contiguous();
   const Tensor pos_c = pos.to(dt).contiguous();
   Tensor delta = at::empty({M}, opts), mean_neg = at::empty({M}, opts), dsum = at::empty({M}, opts);
+  Tensor kept = at::empty({threshold.has_value() ? M : 0}, opts);
   Tensor row_acc = at::empty({need_grad ? M : 0, D}, opts);
   Tensor col_acc = at::empty({need_grad ? N : 0, D}, opts);
   AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_directional_fwd", [&] {
     if (need_grad) {
-      forward_sweep(row_sweep<scalar_t, Sweep::kShares>(qh, kh, a, b, ra, rb, pos_c, inv_tau, offset, gamma), delta,
-                    mean_neg, dsum, row_acc, col_acc);
+      auto sw = row_sweep<scalar_t, Sweep::kShares>(qh, kh, a, b, ra, rb, pos_c, inv_tau, offset, gamma);
+      mask_sweep(sw, a, b, ra, rb, threshold, opts);
+      sw.eps = static_cast<scalar_t>(eps);
+      forward_sweep(sw, delta, mean_neg, dsum, kept, row_acc, col_acc);
     } else {
-      forward_sweep(row_sweep<scalar_t, Sweep::kStats>(qh, kh, a, b, ra, rb, pos_c, inv_tau, offset, gamma), delta,
-                    mean_neg, dsum, row_acc, col_acc);
+      auto sw = row_sweep<scalar_t, Sweep::kStats>(qh, kh, a, b, ra, rb, pos_c, inv_tau, offset, gamma);
+      mask_sweep(sw, a, b, ra, rb, threshold, opts);
+      forward_sweep(sw, delta, mean_neg, dsum, kept, row_acc, col_acc);
     }
   });
-  return {delta, mean_neg, dsum, row_acc, col_acc};
+  return {delta, mean_neg, dsum, kept, row_acc, col_acc};
 }
 
 // Negatives' share of dL/dq̂ and dL/dk̂ (times τ) for upstream row gradients g.
 std::tuple<Tensor, Tensor> directional_bwd(const Tensor& q_hat, const Tensor& k_hat, const Tensor& a,
                                            const Tensor& b, const Tensor& ra, const Tensor& rb, const Tensor& pos,
                                            const Tensor& inv_tau, const Tensor& delta, const Tensor& row_acc,
-                                           const Tensor& col_acc, const Tensor& g, int64_t offset, double gamma) {
+                                           const Tensor& col_acc, const Tensor& g, int64_t offset, double gamma,
+                                           c10::optional<double> threshold, const Tensor& shift) {
   at::NoGradGuard no_grad;
   const auto dt = q_hat.scalar_type();
   const int64_t M = q_hat.size(0), N = k_hat.size(0), D = q_hat.size(1);
@@ -101,6 +119,9 @@ std::tuple<Tensor, Tensor> directional_bwd(const Tensor& q_hat, const Tensor& k_
     // statistics came from; strips of w_i P_ik into the key gradient (per-group accumulators) and,
     // when the forward kept no shares, into the query gradient too
     auto sw = row_sweep<scalar_t, Sweep::kBackward>(qh, kh, a, b, ra, rb, pos_c, inv_tau, offset, gamma);
+    mask_sweep(sw, a, b, ra, rb, threshold, opts);
+    const Tensor shift_c = threshold.has_value() ? shift.to(dt).contiguous() : shift;
+    if (threshold.has_value()) sw.shift = shift_c.data_ptr<scalar_t>();
     sw.nll_in = nll.data_ptr<scalar_t>();
     sw.weight = gp;
     if (!d_q.defined()) {

@@ -98,6 +98,24 @@ Tensor cat_scaled(const Tensor& base, const Tensor& x, const Tensor& inv, double
   return out;
 }
 
+// x · inv (row-wise) as a new contiguous (rows, D) tensor of T: the normalised margin factor â or b̂,
+// rounded as the Python side's x.to(dt) * inv[:, None] (the captions' cosines of the masking)
+template <typename T>
+Tensor scaled_rows(const Tensor& x, const Tensor& inv, const at::TensorOptions& opts) {
+  const int64_t rows = x.size(0), D = x.size(1);
+  Tensor out = at::empty({rows, D}, opts);
+  const Tensor ic = inv.to(opts.dtype()).contiguous();
+  const T* ip = ic.const_data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, kRowsGrain, [&](int64_t r0, int64_t r1) {
+    for_each_as<T>(x, r0, r1, [&](int64_t i, int64_t d, T v) {
+      op[i * D + d] = v * ip[i];
+      return true;
+    });
+  });
+  return out;
+}
+
 // x · scale as a new contiguous tensor (x contiguous in T)
 template <typename T>
 Tensor times(const Tensor& x, T scale) {

@@ -22,11 +22,12 @@ inline T softplus(T x) {  // log(1 + e^x) without overflow; −inf → 0, NaN �
   return x > T(0) ? x + std::log1p(std::exp(-x)) : std::log1p(std::exp(x));
 }
 
-// Online log-sum-exp state of one row: running max, Σe, Σe·d (both relative to m), Σd.
+// Online log-sum-exp state of one row: running max, Σe, Σe·d (both relative to m), Σd, and with
+// false-negative masking the number of kept columns.
 template <typename T>
 struct LseState {
   T m = -std::numeric_limits<T>::infinity();
-  T acc[3] = {T(0), T(0), T(0)};  // Σe, Σe·d, Σd
+  T acc[4] = {T(0), T(0), T(0), T(0)};  // Σe, Σe·d, Σd, #kept (masked sweeps only)
 };
 
 // The merge step: the state (m, se, sw) takes in terms whose largest gap is m_in. It moves onto
@@ -71,6 +72,21 @@ void update_row(const T* z, int64_t n, int64_t excl, T p, LseState<T>& st) {
   if (n2 > 0) seg_sums(z + n1 + 1, n2, p, safe, st.acc);
 }
 
+// update_row over the columns the row keeps: g[0..n) the caption cosines of the same columns,
+// column j kept when g[j] < thr (and j != excl)
+template <typename T>
+void update_row_masked(const T* z, const T* g, int64_t n, int64_t excl, T p, T thr, LseState<T>& st) {
+  const int64_t n1 = (excl >= 0 && excl < n) ? excl : n;  // [0, n1) and [n1 + 1, n)
+  const int64_t n2 = n1 < n ? n - n1 - 1 : 0;
+  if (n1 + n2 == 0) return;
+  T tmax = -std::numeric_limits<T>::infinity();
+  if (n1 > 0) tmax = std::max(tmax, seg_max_masked(z, g, n1, p, thr));
+  if (n2 > 0) tmax = std::max(tmax, seg_max_masked(z + n1 + 1, g + n1 + 1, n2, p, thr));
+  const T safe = lse_rebase(st.m, st.acc[0], st.acc[1], tmax);
+  if (n1 > 0) seg_sums_masked(z, g, n1, p, safe, thr, st.acc);
+  if (n2 > 0) seg_sums_masked(z + n1 + 1, g + n1 + 1, n2, p, safe, thr, st.acc);
+}
+
 // delta = LSE of the gaps, mean_neg = Σ softmax(d)·d, dsum = Σ d
 template <typename T>
 void finish_row(const LseState<T>& st, T* delta, T* mean_neg, T* dsum) {
@@ -87,10 +103,10 @@ void finish_row(const LseState<T>& st, T* delta, T* mean_neg, T* dsum) {
 }
 
 template <typename T>
-struct ColStats {  // online LSE state of every column: max, Σe, Σe·d (relative to max), Σd
-  std::vector<T> m, se, sw, sd;
-  explicit ColStats(int64_t n)
-      : m(n, -std::numeric_limits<T>::infinity()), se(n, T(0)), sw(n, T(0)), sd(n, T(0)) {}
+struct ColStats {  // online LSE state of every column: max, Σe, Σe·d (relative to max), Σd[, #kept]
+  std::vector<T> m, se, sw, sd, sc;
+  explicit ColStats(int64_t n, bool masked = false)
+      : m(n, -std::numeric_limits<T>::infinity()), se(n, T(0)), sw(n, T(0)), sd(n, T(0)), sc(masked ? n : 0, T(0)) {}
 };
 
 // Fold a (rows × nb) tile (leading dimension ld), columns [n0, n0 + nb), into the column
@@ -133,6 +149,56 @@ void col_update(const T* z, int64_t ld, int64_t rows, int64_t nb, int64_t diag, 
     se[j] += ts[j];
     sw[j] += tw[j];
     sd[j] += td[j];
+  }
+}
+
+// col_update over the columns' kept entries: g the caption-cosine tile (same layout as z), an
+// entry kept when g < thr. scratch: 6·nb.
+template <typename T>
+void col_update_masked(const T* z, const T* g, int64_t ld, int64_t rows, int64_t nb, int64_t diag, const T* pc,
+                       ColStats<T>& cs, int64_t n0, T thr, T* scratch) {
+  T* tmax = scratch;
+  T* safe = scratch + nb;
+  T* ts = scratch + 2 * nb;
+  T* tw = scratch + 3 * nb;
+  T* td = scratch + 4 * nb;
+  T* tc = scratch + 5 * nb;
+  std::fill(tmax, tmax + nb, -std::numeric_limits<T>::infinity());
+  auto segments = [&](int64_t r, int64_t& n1, int64_t& n2) {
+    const int64_t excl = diag + r;
+    n1 = (excl >= 0 && excl < nb) ? excl : nb;
+    n2 = n1 < nb ? nb - n1 - 1 : 0;
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t n1, n2;
+    segments(r, n1, n2);
+    const T* zr = z + r * ld;
+    const T* gr = g + r * ld;
+    if (n1 > 0) col_max_masked(zr, gr, pc, n1, tmax, thr);
+    if (n2 > 0) col_max_masked(zr + n1 + 1, gr + n1 + 1, pc + n1 + 1, n2, tmax + n1 + 1, thr);
+  }
+  T* m = cs.m.data() + n0;
+  T* se = cs.se.data() + n0;
+  T* sw = cs.sw.data() + n0;
+  T* sd = cs.sd.data() + n0;
+  T* sc = cs.sc.data() + n0;
+  for (int64_t j = 0; j < nb; ++j) safe[j] = lse_rebase(m[j], se[j], sw[j], tmax[j]);
+  std::fill(ts, ts + 4 * nb, T(0));
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t n1, n2;
+    segments(r, n1, n2);
+    const T* zr = z + r * ld;
+    const T* gr = g + r * ld;
+    if (n1 > 0) col_sums_masked(zr, gr, pc, safe, n1, ts, tw, td, tc, thr);
+    if (n2 > 0)
+      col_sums_masked(zr + n1 + 1, gr + n1 + 1, pc + n1 + 1, safe + n1 + 1, n2, ts + n1 + 1, tw + n1 + 1,
+                      td + n1 + 1, tc + n1 + 1, thr);
+  }
+  for (int64_t j = 0; j < nb; ++j) {
+    se[j] += ts[j];
+    sw[j] += tw[j];
+    sd[j] += td[j];
+    sc[j] += tc[j];
   }
 }
 

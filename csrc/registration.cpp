@@ -42,38 +42,45 @@ void check_symmetric(const Tensor& vh, const Tensor& th, const Tensor& pos) {
 }
 
 // The registered entry points: check, then run the kernel.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd_op(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd_op(
     const Tensor& q_hat, const Tensor& k_hat, const Tensor& a, const Tensor& b, const Tensor& ra,
-    const Tensor& rb, const Tensor& pos, const Tensor& inv_tau, int64_t offset, double gamma, bool need_grad) {
+    const Tensor& rb, const Tensor& pos, const Tensor& inv_tau, int64_t offset, double gamma, bool need_grad,
+    c10::optional<double> threshold, double eps) {
   check_inputs(q_hat, k_hat, a, b, ra, rb, pos, offset);
-  return directional_fwd(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad);
+  return directional_fwd(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, eps);
 }
 
 std::tuple<Tensor, Tensor> directional_bwd_op(const Tensor& q_hat, const Tensor& k_hat, const Tensor& a,
                                               const Tensor& b, const Tensor& ra, const Tensor& rb, const Tensor& pos,
                                               const Tensor& inv_tau, const Tensor& delta, const Tensor& row_acc,
-                                              const Tensor& col_acc, const Tensor& g, int64_t offset, double gamma) {
+                                              const Tensor& col_acc, const Tensor& g, int64_t offset, double gamma,
+                                              c10::optional<double> threshold, const Tensor& shift) {
   check_inputs(q_hat, k_hat, a, b, ra, rb, pos, offset);
   const int64_t M = q_hat.size(0);
   TORCH_CHECK(delta.numel() == M && g.numel() == M, "hnclip: delta and g need M entries");
-  return directional_bwd(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma);
+  TORCH_CHECK(!threshold.has_value() || shift.numel() == M, "hnclip: shift needs M entries with a threshold");
+  return directional_bwd(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma,
+                         threshold, shift);
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symmetric_fwd_op(const Tensor& v_hat, const Tensor& t_hat,
-                                                                            const Tensor& pos, const Tensor& inv_tau,
-                                                                            double gamma) {
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symmetric_fwd_op(
+    const Tensor& v_hat, const Tensor& t_hat, const Tensor& pos, const Tensor& inv_tau, double gamma,
+    c10::optional<double> threshold) {
   check_symmetric(v_hat, t_hat, pos);
-  return symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma);
+  return symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma, threshold);
 }
 
 std::tuple<Tensor, Tensor> symmetric_bwd_op(const Tensor& v_hat, const Tensor& t_hat, const Tensor& pos,
                                             const Tensor& inv_tau, const Tensor& delta_r, const Tensor& delta_c,
-                                            const Tensor& g, double gamma) {
+                                            const Tensor& g, double gamma, c10::optional<double> threshold,
+                                            const Tensor& shift_r, const Tensor& shift_c) {
   check_symmetric(v_hat, t_hat, pos);
   const int64_t N = v_hat.size(0);
   TORCH_CHECK(delta_r.numel() == N && delta_c.numel() == N && g.numel() == N,
               "hnclip: delta_r, delta_c and g need N entries");
-  return symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma);
+  TORCH_CHECK(!threshold.has_value() || (shift_r.numel() == N && shift_c.numel() == N),
+              "hnclip: shift_r and shift_c need N entries with a threshold");
+  return symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma, threshold, shift_r, shift_c);
 }
 
 }  // namespace
@@ -81,18 +88,19 @@ std::tuple<Tensor, Tensor> symmetric_bwd_op(const Tensor& v_hat, const Tensor& t
 TORCH_LIBRARY(hnclip, m) {
   m.def(
       "cpp_raw_directional_fwd(Tensor q_hat, Tensor k_hat, Tensor a, Tensor b, Tensor ra, Tensor rb, Tensor pos, "
-      "Tensor inv_tau, int offset, float gamma, bool need_grad) "
-      "-> (Tensor delta, Tensor mean_neg, Tensor dsum, Tensor row_acc, Tensor col_acc)");
+      "Tensor inv_tau, int offset, float gamma, bool need_grad, float? threshold, float eps) "
+      "-> (Tensor delta, Tensor mean_neg, Tensor dsum, Tensor kept, Tensor row_acc, Tensor col_acc)");
   m.def(
       "cpp_raw_directional_bwd(Tensor q_hat, Tensor k_hat, Tensor a, Tensor b, Tensor ra, Tensor rb, Tensor pos, "
-      "Tensor inv_tau, Tensor delta, Tensor row_acc, Tensor col_acc, Tensor g, int offset, float gamma) "
-      "-> (Tensor d_q_neg, Tensor d_k_neg)");
+      "Tensor inv_tau, Tensor delta, Tensor row_acc, Tensor col_acc, Tensor g, int offset, float gamma, "
+      "float? threshold, Tensor shift) -> (Tensor d_q_neg, Tensor d_k_neg)");
   m.def(
-      "cpp_raw_symmetric_fwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, float gamma) "
-      "-> (Tensor delta_r, Tensor mean_neg_r, Tensor dsum_r, Tensor delta_c, Tensor mean_neg_c, Tensor dsum_c)");
+      "cpp_raw_symmetric_fwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, float gamma, float? threshold) "
+      "-> (Tensor delta_r, Tensor mean_neg_r, Tensor dsum_r, Tensor kept_r, Tensor delta_c, Tensor mean_neg_c, "
+      "Tensor dsum_c, Tensor kept_c)");
   m.def(
       "cpp_raw_symmetric_bwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, Tensor delta_r, Tensor delta_c, "
-      "Tensor g, float gamma) -> (Tensor d_v_neg, Tensor d_t_neg)");
+      "Tensor g, float gamma, float? threshold, Tensor shift_r, Tensor shift_c) -> (Tensor d_v_neg, Tensor d_t_neg)");
 }
 
 TORCH_LIBRARY_IMPL(hnclip, CPU, m) {

@@ -42,6 +42,13 @@ struct RowSweep {
   const T* nll_in = nullptr;  // kBackward: the saved nll = softplus(delta)
   const T* weight = nullptr;  // kBackward: per-row factor of P (the upstream gradient)
   Tensor row_acc, col_acc;    // kShares, kBackward: col_acc always, row_acc when defined
+  // false-negative masking (masked): the captions' factors GL = â, GR = b̂ (G = GL GRᵀ), the
+  // threshold, kStats/kShares: kept counts out and ε (kShares: P − ε/n_i); kBackward: shift = ε/n_i
+  bool masked = false;
+  Tensor GL, GR;
+  T thr = T(0), eps = T(0);
+  T* kept = nullptr;
+  const T* shift = nullptr;
 
   void run() {
     const int64_t M = L.size(0), N = R.size(0), D = kh.size(1);
@@ -68,6 +75,10 @@ struct RowSweep {
   // key accumulator) null for kStats
   void block(const TileGrid& grid, int64_t i0, int64_t rows, Tensor* strip, Tensor& scratch, Tensor* part,
              bool first_in_group) {
+    if (masked) {
+      block_masked(grid, i0, rows, strip, scratch, part, first_in_group);
+      return;
+    }
     constexpr bool kForward = kMode != Sweep::kBackward;
     const int64_t N = grid.N;
     T* bp = kMode != Sweep::kStats ? strip->data_ptr<T>() : nullptr;  // leading dimension N
@@ -110,7 +121,64 @@ struct RowSweep {
       }
     }
   }
+
+  // block() with false-negative masking (below)
+  void block_masked(const TileGrid& grid, int64_t i0, int64_t rows, Tensor* strip, Tensor& scratch, Tensor* part,
+                    bool first_in_group);
 };
+
+template <typename T, Sweep kMode>
+void RowSweep<T, kMode>::block_masked(const TileGrid& grid, int64_t i0, int64_t rows, Tensor* strip,
+                                      Tensor& scratch, Tensor* part, bool first_in_group) {
+  constexpr bool kForward = kMode != Sweep::kBackward;
+  const int64_t N = grid.N;
+  T* bp = kMode != Sweep::kStats ? strip->data_ptr<T>() : nullptr;
+  Tensor gscratch = grid.scratch(scratch.options());
+  Tensor gstrip = kMode == Sweep::kShares ? at::empty({rows, std::max<int64_t>(N, 1)}, scratch.options()) : Tensor();
+  T* gsp = kMode == Sweep::kShares ? gstrip.data_ptr<T>() : nullptr;
+  std::vector<LseState<T>> st(kForward ? rows : 0);
+  sweep_strip_masked<T>(grid, L, R, GL, GR, i0, rows, scratch, gscratch,
+                        [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z, const T* g) {
+    if constexpr (kForward) {
+      update_row_masked<T>(z, g, nb, offset + i - n0, pos[i], thr, st[r]);
+      if constexpr (kMode == Sweep::kShares) {
+        std::memcpy(bp + r * N + n0, z, static_cast<size_t>(nb) * sizeof(T));
+        std::memcpy(gsp + r * N + n0, g, static_cast<size_t>(nb) * sizeof(T));
+      }
+    } else {  // w_i (P_ik − ε/n_i) on the kept columns
+      seg_prob_masked(z, g, bp + r * N + n0, nb, pos[i], nll_in[i], weight[i], shift[i], thr);
+    }
+  });
+  if constexpr (kForward) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = i0 + r;
+      finish_row<T>(st[r], delta + i, mean_neg + i, dsum + i);
+      kept[i] = st[r].acc[3];
+      if constexpr (kMode == Sweep::kShares) {  // P_ik − ε/n_i, upstream 1
+        T* zr = bp + r * N;
+        const T s = eps == T(0) ? T(0) : eps / (kept[i] + T(1));
+        seg_prob_masked(zr, gsp + r * N, zr, N, pos[i], softplus<T>(delta[i]), T(1), s, thr);
+      }
+    }
+  }
+  if constexpr (kMode != Sweep::kStats) {
+    for (int64_t r = 0; r < rows; ++r) {  // 0 at the positive
+      const int64_t pc = offset + i0 + r;
+      if (pc >= 0 && pc < N) bp[r * N + pc] = T(0);
+    }
+    const Tensor probs = strip->narrow(0, 0, rows);
+    if (row_acc.defined()) {
+      Tensor out = row_acc.narrow(0, i0, rows);
+      at::mm_out(out, probs, kh);
+    }
+    const Tensor qi = qh.narrow(0, i0, rows);
+    if (first_in_group) {
+      at::mm_out(*part, probs.t(), qi);
+    } else {
+      part->addmm_(probs.t(), qi);
+    }
+  }
+}
 
 // ---------------------------------------------------------------------------------------
 // Symmetric single-process kernels: N images against N texts, positives on the diagonal.
@@ -188,6 +256,96 @@ void symmetric_grads(const Tensor& L, const Tensor& R, const Tensor& vh, const T
     T* bp = strip.data_ptr<T>();
     sweep_strip<T>(grid, L, R, i0, rows, scratch, [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z) {
       sym_prob(z, bp + r * N + n0, nb, pos[i], nll_r[i], g[i], pos + n0, nll_c + n0, g + n0);
+    });
+    for (int64_t r = 0; r < rows; ++r) bp[r * N + i0 + r] = T(0);
+    const Tensor ds = strip.narrow(0, 0, rows);
+    Tensor dv = d_v.narrow(0, i0, rows);
+    at::mm_out(dv, ds, R);
+    const Tensor vi = vh.narrow(0, i0, rows);
+    if (first) {
+      at::mm_out(part, ds.t(), vi);
+    } else {
+      part.addmm_(ds.t(), vi);
+    }
+  });
+}
+
+// symmetric_stats with false-negative masking: the caption tile G = t̂_I t̂_Kᵀ is formed beside
+// each logit tile (same grid), and kept_r / kept_c count each row's / column's kept negatives.
+template <typename T>
+void symmetric_stats_masked(const Tensor& L, const Tensor& R, const T* pos, T thr, T* delta_r, T* mean_r, T* dsum_r,
+                            T* kept_r, T* delta_c, T* mean_c, T* dsum_c, T* kept_c) {
+  const int64_t N = R.size(0);
+  if (N == 0) return;
+  const TileGrid grid(N, N);
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t groups = std::min(threads, grid.tiles);
+  const int64_t bn = grid.bn;
+  std::vector<ColStats<T>> cols;
+  cols.reserve(groups);
+  for (int64_t g = 0; g < groups; ++g) cols.emplace_back(N, true);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    Tensor scratch = grid.scratch(L.options());
+    Tensor gscratch = grid.scratch(L.options());
+    const T* sp = scratch.data_ptr<T>();
+    const T* gp = gscratch.data_ptr<T>();
+    std::vector<T> col_scratch(6 * bn);
+    std::vector<LseState<T>> st(grid.tr);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t first = g * grid.tiles / groups, last = (g + 1) * grid.tiles / groups;
+      for (int64_t t = first; t < last; ++t) {
+        const int64_t i0 = t * grid.tr, rows = grid.rows_of(t);
+        std::fill(st.begin(), st.end(), LseState<T>());
+        for (int64_t n0 = 0; n0 < N; n0 += bn) {
+          const int64_t nb = std::min(bn, N - n0);
+          form_tile(L, R, i0, rows, n0, nb, scratch);
+          form_tile(R, R, i0, rows, n0, nb, gscratch);  // the captions' cosines t̂_i · t̂_k
+          for (int64_t r = 0; r < rows; ++r) {
+            update_row_masked<T>(sp + r * bn, gp + r * bn, nb, i0 + r - n0, pos[i0 + r], thr, st[r]);
+          }
+          col_update_masked<T>(sp, gp, bn, rows, nb, i0 - n0, pos + n0, cols[g], n0, thr, col_scratch.data());
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          finish_row<T>(st[r], delta_r + i0 + r, mean_r + i0 + r, dsum_r + i0 + r);
+          kept_r[i0 + r] = st[r].acc[3];
+        }
+      }
+    }
+  });
+  at::parallel_for(0, N, 1024, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      LseState<T> st;
+      st.m = cols[0].m[j];
+      st.acc[0] = cols[0].se[j];
+      st.acc[1] = cols[0].sw[j];
+      st.acc[2] = cols[0].sd[j];
+      T count = cols[0].sc[j];
+      for (int64_t g = 1; g < groups; ++g) {
+        lse_merge(st.m, st.acc[0], st.acc[1], st.acc[2], cols[g].m[j], cols[g].se[j], cols[g].sw[j], cols[g].sd[j]);
+        count += cols[g].sc[j];
+      }
+      finish_row<T>(st, delta_c + j, mean_c + j, dsum_c + j);
+      kept_c[j] = count;
+    }
+  });
+}
+
+// symmetric_grads with false-negative masking: ds_ij = g_i (P_ij − s_i) + g_j (P'_ji − s'_j) on the
+// kept entries (s = ε / n: the smoothing share of each direction's row), 0 on the masked ones
+template <typename T>
+void symmetric_grads_masked(const Tensor& L, const Tensor& R, const Tensor& vh, const T* pos, const T* nll_r,
+                            const T* nll_c, const T* g, const T* s_r, const T* s_c, T thr, Tensor& d_v, Tensor& d_t) {
+  const int64_t N = R.size(0), D = R.size(1);
+  if (N == 0) return;
+  const TileGrid grid(N, N);
+  grouped_strips<T>(grid, D, d_t, L.options(),
+                    [&](int64_t i0, int64_t rows, Tensor& strip, Tensor& scratch, Tensor& part, bool first) {
+    T* bp = strip.data_ptr<T>();
+    Tensor gscratch = grid.scratch(L.options());
+    sweep_strip_masked<T>(grid, L, R, R, R, i0, rows, scratch, gscratch,
+                          [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z, const T* gt) {
+      sym_prob_masked(z, gt, bp + r * N + n0, nb, pos[i], nll_r[i], g[i], s_r[i], pos + n0, nll_c + n0, g + n0,
+                      s_c + n0, thr);
     });
     for (int64_t r = 0; r < rows; ++r) bp[r * N + i0 + r] = T(0);
     const Tensor ds = strip.narrow(0, 0, rows);

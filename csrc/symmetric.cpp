@@ -21,9 +21,9 @@ Tensor softplus_of(const Tensor& x, at::ScalarType dt) {
 }  // namespace
 
 // Row (i2t) and column (t2i) statistics of the single-process loss from one product.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symmetric_fwd(const Tensor& v_hat, const Tensor& t_hat,
-                                                                         const Tensor& pos, const Tensor& inv_tau,
-                                                                         double gamma) {
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symmetric_fwd(
+    const Tensor& v_hat, const Tensor& t_hat, const Tensor& pos, const Tensor& inv_tau, double gamma,
+    c10::optional<double> threshold) {
   at::NoGradGuard no_grad;
   const auto dt = v_hat.scalar_type();
   const int64_t N = v_hat.size(0);
@@ -32,19 +32,29 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symmetric_fwd(const T
   const Tensor pos_c = pos.to(dt).contiguous();
   Tensor dr = at::empty({N}, opts), mr = at::empty({N}, opts), sr = at::empty({N}, opts);
   Tensor dc = at::empty({N}, opts), mc = at::empty({N}, opts), sc = at::empty({N}, opts);
+  const int64_t K = threshold.has_value() ? N : 0;
+  Tensor kr = at::empty({K}, opts), kc = at::empty({K}, opts);
   AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_symmetric_fwd", [&] {
     const Tensor L = margin_left<scalar_t>(vh, th, gamma, inv_tau.to(dt).item<scalar_t>());
+    if (threshold.has_value()) {
+      symmetric_stats_masked<scalar_t>(L, th, pos_c.data_ptr<scalar_t>(), static_cast<scalar_t>(*threshold),
+                                       dr.data_ptr<scalar_t>(), mr.data_ptr<scalar_t>(), sr.data_ptr<scalar_t>(),
+                                       kr.data_ptr<scalar_t>(), dc.data_ptr<scalar_t>(), mc.data_ptr<scalar_t>(),
+                                       sc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>());
+      return;
+    }
     symmetric_stats<scalar_t>(L, th, pos_c.data_ptr<scalar_t>(), dr.data_ptr<scalar_t>(), mr.data_ptr<scalar_t>(),
                               sr.data_ptr<scalar_t>(), dc.data_ptr<scalar_t>(), mc.data_ptr<scalar_t>(),
                               sc.data_ptr<scalar_t>());
   });
-  return {dr, mr, sr, dc, mc, sc};
+  return {dr, mr, sr, kr, dc, mc, sc, kc};
 }
 
 // Negatives' shares of dL/dv̂ and dL/dt̂ (times τ), both directions, for pair weights g.
 std::tuple<Tensor, Tensor> symmetric_bwd(const Tensor& v_hat, const Tensor& t_hat, const Tensor& pos,
                                          const Tensor& inv_tau, const Tensor& delta_r, const Tensor& delta_c,
-                                         const Tensor& g, double gamma) {
+                                         const Tensor& g, double gamma, c10::optional<double> threshold,
+                                         const Tensor& shift_r, const Tensor& shift_c) {
   at::NoGradGuard no_grad;
   const auto dt = v_hat.scalar_type();
   const int64_t N = v_hat.size(0), D = v_hat.size(1);
@@ -55,6 +65,13 @@ std::tuple<Tensor, Tensor> symmetric_bwd(const Tensor& v_hat, const Tensor& t_ha
   Tensor d_v = at::empty({N, D}, opts), d_t = at::empty({N, D}, opts);
   AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_symmetric_bwd", [&] {
     const Tensor L = margin_left<scalar_t>(vh, th, gamma, inv_tau.to(dt).item<scalar_t>());
+    if (threshold.has_value()) {
+      const Tensor s_r = shift_r.to(dt).contiguous(), s_c = shift_c.to(dt).contiguous();
+      symmetric_grads_masked<scalar_t>(L, th, vh, pos_c.data_ptr<scalar_t>(), nll_r.data_ptr<scalar_t>(),
+                                       nll_c.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), s_r.data_ptr<scalar_t>(),
+                                       s_c.data_ptr<scalar_t>(), static_cast<scalar_t>(*threshold), d_v, d_t);
+      return;
+    }
     symmetric_grads<scalar_t>(L, th, vh, pos_c.data_ptr<scalar_t>(), nll_r.data_ptr<scalar_t>(),
                               nll_c.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), d_v, d_t);
   });

@@ -77,6 +77,28 @@ inline void sweep_strip(const TileGrid& grid, const Tensor& L, const Tensor& R, 
   }
 }
 
+// sweep_strip with false-negative masking: each logit tile's caption-cosine tile G = GL GRᵀ
+// (the normalised captions' product) is formed beside it on the same grid into gscratch, and
+// row_fn(r, i, n0, nb, z, g) gets both rows.
+template <typename T, typename RowFn>
+inline void sweep_strip_masked(const TileGrid& grid, const Tensor& L, const Tensor& R, const Tensor& GL,
+                               const Tensor& GR, int64_t i0, int64_t rows, Tensor& scratch, Tensor& gscratch,
+                               RowFn&& row_fn) {
+  const T* sp = scratch.data_ptr<T>();
+  const T* gp = gscratch.data_ptr<T>();
+  for (int64_t r0 = 0; r0 < rows; r0 += grid.tr) {
+    const int64_t tr = std::min(grid.tr, rows - r0);
+    for (int64_t n0 = 0; n0 < grid.N; n0 += grid.bn) {
+      const int64_t nb = std::min(grid.bn, grid.N - n0);
+      form_tile(L, R, i0 + r0, tr, n0, nb, scratch);
+      form_tile(GL, GR, i0 + r0, tr, n0, nb, gscratch);
+      for (int64_t r = r0; r < r0 + tr; ++r) {
+        row_fn(r, i0 + r, n0, nb, sp + (r - r0) * grid.bn, gp + (r - r0) * grid.bn);
+      }
+    }
+  }
+}
+
 // Runs body(i0, rows, strip, scratch, part, first_in_group) over strips of whole tile-rows
 // (about kStripRows rows each, at least one per group when there are enough tile-rows), split
 // into contiguous groups. strip is (>= rows, N), scratch a tile. Each group adds into its own

@@ -80,6 +80,10 @@ class HNClipLoss(nn.Module):
             (and ``torch.optim.swa_utils.AveragedModel``) share it with the copy; pickling
             leaves it out: an unpickled loss uses the default group if it had none, else raises
             at its first ``forward`` with ``world_size > 1`` until ``loss.group`` is set again.
+        false_negative_threshold: None, or a caption cosine in (−1, 1] at and above which a pair
+            i ≠ j is masked as a false negative in both directions (not in the paper; see
+            :func:`hnclip_kernels.hn_clip_loss`). Distributed, the mask compares this rank's
+            captions against all gathered captions, so a duplicate on another rank is masked too.
         return_stats: after every ``forward``, put a
             :class:`hnclip_kernels.diagnostics.SaturationReport` of this rank's rows in
             ``self.last_stats``, computed from the row statistics the loss kernels already
@@ -92,7 +96,8 @@ class HNClipLoss(nn.Module):
             not put in ``output_dict``, because open_clip's training loop sums every value
             of that dict into the total loss.
 
-    ``gamma``, ``label_smoothing``, ``backend``, ``normalize`` and ``precision`` are checked at
+    ``gamma``, ``label_smoothing``, ``backend``, ``normalize``, ``precision`` and
+    ``false_negative_threshold`` are checked at
     construction: a bad value raises ``TypeError``/``ValueError`` there, not at the first forward.
 
     Unequal local batch sizes (e.g. the last batch of an epoch) are exact: sizes are
@@ -118,6 +123,7 @@ class HNClipLoss(nn.Module):
         group=None,
         precision=None,
         return_stats: bool = False,
+        false_negative_threshold=None,
     ):
         super().__init__()
         _check_positional_flags(local_loss=local_loss, gather_with_grad=gather_with_grad, cache_labels=cache_labels,
@@ -130,7 +136,7 @@ class HNClipLoss(nn.Module):
                              f"world_size={world_size}")
         # bad options fail here, where they are written, not at the first forward
         self.options = LossOptions(gamma=gamma, label_smoothing=label_smoothing, normalize=normalize, backend=backend,
-                                   precision=precision)
+                                   precision=precision, false_negative_threshold=false_negative_threshold)
         self.local_loss = local_loss
         self.gather_with_grad = gather_with_grad
         self.cache_labels = cache_labels
@@ -143,6 +149,7 @@ class HNClipLoss(nn.Module):
         self.normalize = normalize
         self.group = group
         self.precision = precision
+        self.false_negative_threshold = false_negative_threshold
         if not isinstance(return_stats, bool):
             raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
         self.return_stats = return_stats
@@ -176,7 +183,8 @@ class HNClipLoss(nn.Module):
         return (f"local_loss={self.local_loss}, gather_with_grad={self.gather_with_grad}, "
                 f"rank={self.rank}, world_size={self.world_size}, gamma={self.gamma}, "
                 f"label_smoothing={self.label_smoothing}, backend={self.backend!r}, "
-                f"normalize={self.normalize}, precision={self.precision!r}, return_stats={self.return_stats}")
+                f"normalize={self.normalize}, precision={self.precision!r}, return_stats={self.return_stats}, "
+                f"false_negative_threshold={self.false_negative_threshold}")
 
     def _single_process(self, image_features, text_features, tau, tau_value):
         """The loss on one process: the fused symmetric op of :func:`hnclip_kernels.hn_clip_loss`,

@@ -24,6 +24,11 @@ gaps d_k = Z_rk − Z_rp over the negatives k ≠ p and
 
 δ, μ (and Σ_k d_k) are exactly the statistics the fused kernels save per row
 (:class:`hnclip_kernels.backends.epilogue.RowStats`: ``delta``, ``mean_neg``, ``dsum``).
+
+**False-negative masking** (``false_negative_threshold``, not in the paper): the sums over k ≠ p
+run over the row's kept negatives only (a row whose negatives are all masked has δ = −inf, loss
+0 and 0 effective negatives), and ``masked_pairs`` reports how many entries of the logits the
+mask removed (the kernels' ``kept`` counts give it at no extra pass).
 """
 from __future__ import annotations
 
@@ -59,6 +64,11 @@ class SaturationReport:
       the row's N − 1 negatives: 1 when one hard negative takes all the negatives' mass,
       N − 1 when they share it evenly (0 for a row without negatives, N = 1).
     * ``rows``: the number of directional rows, 2N. ``threshold``: the threshold used.
+    * ``masked_pairs``: with false-negative masking, the number of entries (i, j), i ≠ j, of the
+      logits the mask removed, ½ Σ over the 2N directional rows of the row's masked negatives
+      (each masked entry leaves one i2t and one t2i row: a pair of duplicate captions counts 2,
+      (i, j) and (j, i)); on a rank of a distributed job, its own rows' entries. None without
+      masking.
 
     Only from :func:`saturation_report`'s materialising pass (``None`` from
     :func:`report_from_row_stats`):
@@ -86,6 +96,7 @@ class SaturationReport:
     lost_positive_rows_fp32: Optional[float] = None
     hardest_margin_mean: Optional[float] = None
     hardest_margin_max: Optional[float] = None
+    masked_pairs: Optional[int] = None
 
     def as_dict(self) -> dict:
         """The fields as a plain dict (for loggers, CSV writers)."""
@@ -111,20 +122,26 @@ def _check_chunk_rows(chunk_rows) -> int:
 
 def _stats_fields(i2t: RowStats, t2i: RowStats, threshold: float, label_smoothing: float = 0.0,
                   n_keys: Optional[int] = None) -> dict:
-    """loss, saturated_rows, effective_negatives and rows from both directions' statistics."""
+    """loss, saturated_rows, effective_negatives, rows (and masked_pairs with false-negative
+    masking, from the ``kept`` counts and ``n_keys``) from both directions' statistics."""
     delta = torch.cat([i2t.delta.reshape(-1), t2i.delta.reshape(-1)]).double()
     mean_neg = torch.cat([i2t.mean_neg.reshape(-1), t2i.mean_neg.reshape(-1)]).double()
+    masked = i2t.kept is not None and t2i.kept is not None
+    kept = torch.cat([i2t.kept.reshape(-1), t2i.kept.reshape(-1)]).double() if masked else None
     nll = F.softplus(delta)
     losses = nll
     if label_smoothing != 0.0:
         dsum = torch.cat([i2t.dsum.reshape(-1), t2i.dsum.reshape(-1)]).double()
-        losses = nll - (label_smoothing / n_keys) * dsum
+        losses = nll - (label_smoothing / (n_keys if kept is None else kept + 1.0)) * dsum
     # H = δ − μ ≥ 0; the clamp only removes rounding below 0. No negatives (δ = −inf): 0.
     entropy = (delta - mean_neg).clamp_min(0.0)
     eff = torch.where(delta == float("-inf"), torch.zeros_like(entropy), entropy.exp())
-    values = torch.stack([losses.mean(), (nll < threshold).double().mean(), eff.mean()]).tolist()  # one sync
+    parts = [losses.mean(), (nll < threshold).double().mean(), eff.mean()]
+    if masked:
+        parts.append(0.5 * (n_keys - 1.0 - kept).sum())
+    values = torch.stack(parts).tolist()  # one sync
     return dict(loss=values[0], saturated_rows=values[1], effective_negatives=values[2], rows=int(delta.numel()),
-                threshold=threshold)
+                threshold=threshold, masked_pairs=int(round(values[3])) if masked else None)
 
 
 def report_from_row_stats(i2t: RowStats, t2i: RowStats, *, threshold: float = 1e-3,
@@ -141,13 +158,18 @@ def report_from_row_stats(i2t: RowStats, t2i: RowStats, *, threshold: float = 1e
 
     ``label_smoothing`` ε (with ``n_keys``, the number of key columns N) makes ``loss`` the
     smoothed loss the model trains on; ``saturated_rows`` always counts the cross-entropy
-    without smoothing, softplus(δ).
+    without smoothing, softplus(δ). Statistics of a false-negative-masked loss (``kept`` set in
+    both) also fill ``masked_pairs`` (``n_keys`` needed).
     """
     thr = _check_threshold(threshold)
     ls = _validation._real("label_smoothing", label_smoothing)
     if not 0.0 <= ls < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    if ls != 0.0:
+    if getattr(i2t, "kept", None) is not None and getattr(t2i, "kept", None) is not None:
+        if isinstance(n_keys, bool) or not isinstance(n_keys, numbers.Integral) or n_keys < 1:
+            raise ValueError(f"n_keys (the number of key columns N) must be a positive int for statistics of a "
+                             f"false-negative-masked loss (they count the masked pairs), got {n_keys!r}")
+    elif ls != 0.0:
         if isinstance(n_keys, bool) or not isinstance(n_keys, numbers.Integral) or n_keys < 1:
             raise ValueError(f"n_keys (the number of key columns N) must be a positive int when label_smoothing "
                              f"is not 0, got {n_keys!r}")
@@ -180,7 +202,8 @@ def _normalised(x: torch.Tensor, dtype: torch.dtype, normalize: bool) -> torch.T
 
 def _chunk_logits(q: torch.Tensor, k: torch.Tensor, a: torch.Tensor, t_all: torch.Tensor, start: int,
                   gamma: float, tau: float) -> tuple:
-    """(logits, margin) of query rows [start, start + m): (q kᵀ + γ·a tᵀ·[k ≠ pos]) / τ and a tᵀ."""
+    """(logits, margin) of query rows [start, start + m): (q kᵀ + γ·a tᵀ·[k ≠ pos]) / τ and a tᵀ
+    (the caption cosines, which false-negative masking compares with its threshold)."""
     m = q.shape[0]
     margin = a @ t_all.T
     rows = torch.arange(m, device=q.device)
@@ -190,27 +213,46 @@ def _chunk_logits(q: torch.Tensor, k: torch.Tensor, a: torch.Tensor, t_all: torc
     return logits, margin
 
 
-def _direction_chunk(logits: torch.Tensor, margin: torch.Tensor, start: int, gamma: float):
-    """δ, μ, Σd and the hardest negative's margin γ·a·t_h for each row of one chunk."""
+def _false_negatives(margin: torch.Tensor, start: int, fn_threshold: Optional[float]):
+    """The masked entries of a chunk (caption cosine ≥ the threshold, off the positives), or None."""
+    if fn_threshold is None:
+        return None
+    rows = torch.arange(margin.shape[0], device=margin.device)
+    masked = margin >= fn_threshold
+    masked[rows, rows + start] = False
+    return masked
+
+
+def _direction_chunk(logits: torch.Tensor, margin: torch.Tensor, start: int, gamma: float, masked=None):
+    """δ, μ, Σd and the hardest negative's margin γ·a·t_h for each row of one chunk (over the
+    kept negatives with false-negative masking ``masked``; 0 for a row without any)."""
     m = logits.shape[0]
     rows = torch.arange(m, device=logits.device)
     pos_cols = rows + start
     gaps = logits - logits[rows, pos_cols][:, None]
     is_pos = torch.zeros_like(gaps, dtype=torch.bool)
     is_pos[rows, pos_cols] = True
-    neg = gaps.masked_fill(is_pos, float("-inf"))
+    dropped = is_pos if masked is None else is_pos | masked
+    neg = gaps.masked_fill(dropped, float("-inf"))
     delta = torch.logsumexp(neg, dim=1)
     probs = torch.softmax(neg, dim=1)
-    mean_neg = (probs * gaps.masked_fill(is_pos, 0.0)).sum(dim=1)
-    dsum = gaps.masked_fill(is_pos, 0.0).sum(dim=1)
+    if masked is not None:  # a row whose negatives are all masked: no probabilities (not NaN)
+        probs = probs.masked_fill((delta == float("-inf"))[:, None], 0.0)
+    mean_neg = (probs * gaps.masked_fill(dropped, 0.0)).sum(dim=1)
+    dsum = gaps.masked_fill(dropped, 0.0).sum(dim=1)
     hardest = neg.argmax(dim=1)  # the first maximum on ties, as torch.argmax documents
     hard_margin = gamma * margin[rows, hardest]
+    if masked is not None:
+        hard_margin = hard_margin.masked_fill(delta == float("-inf"), 0.0)
     return delta, mean_neg, dsum, hard_margin
 
 
-def _naive_chunk(logits32: torch.Tensor, start: int):
+def _naive_chunk(logits32: torch.Tensor, start: int, masked=None):
     """Per-row float32 and bfloat16 ``F.cross_entropy`` values and whether the float32 gradient
-    on the positive logit is exactly zero (autograd's own backward of cross_entropy)."""
+    on the positive logit is exactly zero (autograd's own backward of cross_entropy); masked
+    entries (false-negative masking) at −inf, as a hand-written masked loss would put them."""
+    if masked is not None:
+        logits32 = logits32.masked_fill(masked, float("-inf"))
     m = logits32.shape[0]
     target = torch.arange(start, start + m, device=logits32.device)
     ce16 = F.cross_entropy(logits32.to(torch.bfloat16), target, reduction="none")
@@ -234,6 +276,7 @@ def saturation_report(
     normalize: bool = True,
     backend: str = "auto",
     chunk_rows: int = 1024,
+    false_negative_threshold: Optional[float] = None,
 ) -> SaturationReport:
     """Measure how saturated a batch is and what naive cross-entropy makes of it.
 
@@ -248,6 +291,11 @@ def saturation_report(
         chunk_rows: rows of Z (and of Zᵀ) materialised at a time by the pass that computes the
             other fields; peak memory is about ten float32 (chunk_rows, N) buffers on top of
             the features (N = 65536 at the default 1024: about 2.7 GB; lower it for larger N).
+        false_negative_threshold: None, or the loss's false-negative masking (see
+            :func:`hnclip_kernels.hn_clip_loss`): every field is then over the kept negatives
+            (the naive losses put the masked logits at −inf) and ``masked_pairs`` counts the
+            entries removed (the float32 caption cosines of the chunked pass, float64 for
+            float64 features, against the threshold).
 
     Returns:
         A :class:`SaturationReport` with every field filled (formulas in its docstring;
@@ -261,10 +309,13 @@ def saturation_report(
 
     Raises:
         TypeError / ValueError naming the argument, as ``hn_clip_loss`` does, and for
-        ``threshold`` ≤ 0 or non-finite, ``chunk_rows`` < 1 or not an int, N < 2, meta tensors.
+        ``threshold`` ≤ 0 or non-finite, ``chunk_rows`` < 1 or not an int, N < 2, meta tensors,
+        ``false_negative_threshold`` not None or a float in (−1, 1].
     """
     _validation.check_features(img, txt)
-    LossOptions(gamma=gamma, backend=backend, normalize=normalize)  # raises for a bad option
+    LossOptions(gamma=gamma, backend=backend, normalize=normalize,
+                false_negative_threshold=false_negative_threshold)  # raises for a bad option
+    fn_thr = None if false_negative_threshold is None else float(false_negative_threshold)
     thr = _check_threshold(threshold)
     chunk = _check_chunk_rows(chunk_rows)
     if img.device.type == "meta":
@@ -277,7 +328,8 @@ def saturation_report(
     _warn_if_tau_looks_like_logit_scale(tau_value, "saturation_report")  # once: hn_clip_loss below stays quiet
 
     with torch.no_grad():
-        loss = float(hn_clip_loss(img, txt, tau_value, gamma=gamma, normalize=normalize, backend=backend))
+        loss = float(hn_clip_loss(img, txt, tau_value, gamma=gamma, normalize=normalize, backend=backend,
+                                  false_negative_threshold=fn_thr))
 
         dt = compute_dtype(img.dtype)
         v, t = _normalised(img, dt, normalize), _normalised(txt, dt, normalize)
@@ -288,17 +340,19 @@ def saturation_report(
 
         per_dir = {}
         for name, (q, k, q32, k32) in (("i2t", (v, t, v32, t32)), ("t2i", (t, v, t32, v32))):
-            parts = {key: [] for key in ("delta", "mean_neg", "dsum", "hard", "ce32", "ce16", "lost")}
+            parts = {key: [] for key in ("delta", "mean_neg", "dsum", "hard", "ce32", "ce16", "lost", "masked")}
             for start in range(0, n, chunk):
                 stop = min(start + chunk, n)
                 logits, margin = _chunk_logits(q[start:stop], k, t[start:stop], t, start, gamma, tau_value)
-                delta, mean_neg, dsum, hard = _direction_chunk(logits, margin, start, gamma)
+                masked = _false_negatives(margin, start, fn_thr)
+                delta, mean_neg, dsum, hard = _direction_chunk(logits, margin, start, gamma, masked)
                 del margin
                 if dt != torch.float32:
                     logits, _ = _chunk_logits(q32[start:stop], k32, t32[start:stop], t32, start, gamma, tau_value)
-                ce32, ce16, lost = _naive_chunk(logits, start)
+                ce32, ce16, lost = _naive_chunk(logits, start, masked)
                 del logits
-                for key, val in zip(parts, (delta, mean_neg, dsum, hard, ce32, ce16, lost)):
+                n_masked = masked.sum(dim=1) if masked is not None else torch.zeros_like(delta)
+                for key, val in zip(parts, (delta, mean_neg, dsum, hard, ce32, ce16, lost, n_masked)):
                     parts[key].append(val)
             per_dir[name] = {key: torch.cat(vals) for key, vals in parts.items()}
 
@@ -306,9 +360,10 @@ def saturation_report(
         fields = _stats_fields(RowStats(None, i2t["delta"], i2t["mean_neg"], i2t["dsum"]),
                                RowStats(None, t2i["delta"], t2i["mean_neg"], t2i["dsum"]), thr)
         fields["loss"] = loss
-        both = {key: torch.cat([i2t[key], t2i[key]]) for key in ("hard", "ce32", "ce16", "lost")}
+        both = {key: torch.cat([i2t[key], t2i[key]]) for key in ("hard", "ce32", "ce16", "lost", "masked")}
         hard = both["hard"].double()
         values = torch.stack([both["ce32"].mean(), both["ce16"].mean(), both["lost"].double().mean(),
-                              hard.mean(), hard.max()]).tolist()  # one sync
+                              hard.mean(), hard.max(), 0.5 * both["masked"].double().sum()]).tolist()  # one sync
+        fields["masked_pairs"] = int(round(values[5])) if fn_thr is not None else None
     return SaturationReport(naive_fp32_loss=values[0], naive_bf16_loss=values[1], lost_positive_rows_fp32=values[2],
                             hardest_margin_mean=values[3], hardest_margin_max=values[4], **fields)

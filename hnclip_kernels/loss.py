@@ -43,6 +43,7 @@ def hn_clip_loss(
     backend: str = "auto",
     precision: Optional[str] = None,
     return_stats: bool = False,
+    false_negative_threshold: Optional[float] = None,
 ):
     """HN-CLIP contrastive loss with adaptive similarity margins (arXiv 2608.18521, Eq. 2).
 
@@ -82,6 +83,18 @@ def hn_clip_loss(
             statistics the forward saved (a few O(N) reductions and one host sync; None for meta
             tensors and under ``torch.compile``). :func:`~hnclip_kernels.diagnostics.saturation_report`
             fills the fields that need the logits again.
+        false_negative_threshold: None (default: every i ≠ j is a negative, as in the paper) or
+            a caption cosine c in (−1, 1]. A pair i ≠ j whose captions have t̂_i·t̂_j ≥ c is not a
+            negative in either direction: Z_ij leaves row i's softmax in i2t and column j's in
+            t2i (and Z_ji likewise: the mask is symmetric), gets no margin and no gradient; with
+            label smoothing ε spreads over the classes each row keeps. For batches with
+            duplicate or near-duplicate captions (not part of the paper). The cosine is the
+            margin's own caption product as each backend forms it, in float32 (float64 for
+            float64 inputs) with c rounded to that dtype; a pair within a few float32 ulps
+            (~1e-7) of c may fall on different sides on different backends (or, for i ≠ j,
+            differently for (i, j) and (j, i)): exact duplicates can come out at 1 − 6e-8, so use
+            c ≤ 0.9999 (not 1.0) to mask them. With ``normalize=False`` the product of the
+            features as given. A row whose negatives are all masked has loss 0 and no gradient.
 
     Returns:
         float32 loss (float64 for float64 inputs): a scalar, or shape (N,) for "none";
@@ -103,12 +116,14 @@ def hn_clip_loss(
         ValueError: non-2-D features, shape or device mismatch, N = 0 or D = 0, τ ≤ 0,
             non-finite or so small that the logit gaps (2 + γ)/τ (or, with ``normalize=False``,
             the features' norms) overflow float32, γ < 0 or non-finite, ε
-            outside [0, 1), unknown ``reduction``/``backend``/``precision``, a backend that cannot run on
-            these tensors. Under ``torch.compile`` value checks are skipped (no graph breaks).
+            outside [0, 1), unknown ``reduction``/``backend``/``precision``,
+            ``false_negative_threshold`` outside (−1, 1], a backend that cannot run on these
+            tensors. Under ``torch.compile`` value checks are skipped (no graph breaks).
     """
     tau = validation.plain_number(tau)
     options = LossOptions(gamma=gamma, label_smoothing=label_smoothing, reduction=reduction, normalize=normalize,
-                          backend=backend, precision=precision).bind(img, txt, tau)
+                          backend=backend, precision=precision,
+                          false_negative_threshold=false_negative_threshold).bind(img, txt, tau)
     if not isinstance(return_stats, bool):
         raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
     _warn_if_tau_looks_like_logit_scale(options.tau_value)

@@ -38,12 +38,15 @@ class LossOptions:
             after it the resolved mode (None on the other backends, which ignore it).
         tau_value: τ as read on the host by :meth:`bind` (None before, under
             ``torch.compile`` and for meta tensors, where nothing is read).
+        false_negative_threshold: None (no masking) or a caption cosine in (−1, 1]: a pair
+            i ≠ j with t̂_i·t̂_j ≥ it is not a negative in either direction (not in the paper;
+            see :func:`hnclip_kernels.hn_clip_loss`).
 
     Raises:
         TypeError: non-real ``gamma``/``label_smoothing``, non-bool ``normalize``,
-            non-string ``precision``.
+            non-string ``precision``, non-real ``false_negative_threshold``.
         ValueError: γ < 0 or non-finite, ε outside [0, 1), unknown ``reduction``,
-            ``backend`` or ``precision``.
+            ``backend`` or ``precision``, ``false_negative_threshold`` outside (−1, 1].
     """
 
     gamma: Union[float, torch.Tensor] = 0.5
@@ -53,12 +56,14 @@ class LossOptions:
     backend: str = "auto"
     precision: Optional[str] = None
     tau_value: Optional[float] = None
+    false_negative_threshold: Optional[float] = None
 
     def __post_init__(self):
         for name in ("gamma", "label_smoothing"):  # NumPy scalars, one-element tensors: validation.hyperparameter
             object.__setattr__(self, name, validation.hyperparameter(name, getattr(self, name)))
         validation.check_options(self.gamma, self.label_smoothing, self.reduction, self.backend, self.normalize)
         validation.check_precision(self.precision)
+        validation.check_false_negative_threshold(self.false_negative_threshold)
 
     def bind(self, img: torch.Tensor, txt: torch.Tensor, tau: Union[float, torch.Tensor], *,
              tau_value: Optional[float] = None, n_rows: Optional[int] = None,

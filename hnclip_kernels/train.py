@@ -4,6 +4,7 @@ Usage (every argument but the ``--hn-*`` flags goes to ``open_clip_train.main`` 
 
     python -m hnclip_kernels.train [open_clip_train arguments] \\
         [--hn-gamma 0.5] [--hn-label-smoothing 0.0] [--hn-backend auto] [--hn-log-stats]
+        [--hn-false-negative-threshold C]
     torchrun --nproc_per_node 8 -m hnclip_kernels.train -- --local-loss --gather-with-grad ...
 
 Flags:
@@ -13,6 +14,9 @@ Flags:
                             device the run uses (open_clip's ``--device``, CPU without CUDA)
     --hn-log-stats          log rank 0's saturation statistics (loss, saturated rows, effective
                             negatives; ``HNClipLoss(return_stats=True)``) every ``--log-every-n-steps``
+    --hn-false-negative-threshold C
+                            mask pairs whose captions have cosine >= C in (-1, 1] as false
+                            negatives (default: none; not in the paper; see hn_clip_loss)
 
 A CSV dataset's header is checked before anything is built: open_clip reads tab-separated files
 with the columns ``filepath`` and ``title`` unless ``--csv-separator``, ``--csv-img-key`` and
@@ -65,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
                    help='"auto" (default), "torch", "triton" or "cpp"')
     p.add_argument("--hn-log-stats", action="store_true",
                    help="log rank 0's saturated rows and effective negatives every --log-every-n-steps")
+    p.add_argument("--hn-false-negative-threshold", type=float, default=None, metavar="C",
+                   help="caption cosine in (-1, 1] at and above which a pair is masked as a false negative "
+                        "(default: no masking; e.g. 0.95 for near-duplicate captions)")
     return p
 
 
@@ -169,7 +176,8 @@ def main(argv=None):
         argv = argv[1:]
     hn, rest = parser.parse_known_args(argv)
     _reject_unknown_hn_flags(parser, rest)
-    kwargs = dict(gamma=hn.hn_gamma, label_smoothing=hn.hn_label_smoothing, backend=hn.hn_backend)
+    kwargs = dict(gamma=hn.hn_gamma, label_smoothing=hn.hn_label_smoothing, backend=hn.hn_backend,
+                  false_negative_threshold=hn.hn_false_negative_threshold)
     for name, value in kwargs.items():  # each flag is checked before anything is built
         try:
             HNClipLoss(**{name: value})

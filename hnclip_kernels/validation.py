@@ -249,6 +249,19 @@ def check_precision(precision) -> None:
         raise ValueError(f"precision must be None or one of {FP32_PRECISIONS}, got {precision!r}{hint}")
 
 
+def check_false_negative_threshold(threshold) -> None:
+    """``false_negative_threshold``: None (no masking) or a real number in (−1, 1], the caption
+    cosine at and above which a pair i ≠ j stops being a negative (see ``hn_clip_loss``)."""
+    if threshold is None:
+        return
+    value = _real("false_negative_threshold", threshold)
+    if torch.compiler.is_compiling():
+        return  # may be a symbolic float under torch.compile; eager calls check it
+    if not (-1.0 < value <= 1.0):  # NaN fails too
+        raise ValueError(f"false_negative_threshold must be None or a caption cosine in (-1, 1], got {threshold}; "
+                         "e.g. 0.95 masks near-duplicate captions, 1.0 only (float32-)exact duplicates")
+
+
 def check_options(gamma: float, label_smoothing: float, reduction: str, backend: str, normalize: bool = True) -> None:
     if not isinstance(normalize, bool):
         raise TypeError(f"normalize must be True or False, got {normalize!r}")

@@ -6,7 +6,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_close_rel, hn_clip_loss_f64
+from helpers import assert_close_rel, hn_clip_loss_f64, rel_err
 from hnclip_kernels import hn_clip_loss
 
 SIZES_N = (1, 2, 15, 16, 17, 65, 130)
@@ -58,17 +58,24 @@ def make_pair(n: int, d: int, dtype=torch.float32, seed: int = 0, aligned: float
 
 
 def check_against_truth(backend, n, d, dtype, gamma, tau, eps, reduction, *, tau_grad=True,
-                        upstream=None, normalize=True, img=None, txt=None, seed=0, loss_tol=None):
-    """Run ``backend`` and the float64 truth on the same inputs; assert loss and all grads."""
+                        upstream=None, normalize=True, img=None, txt=None, seed=0, loss_tol=None,
+                        threshold=None, errors=None):
+    """Run ``backend`` and the float64 truth on the same inputs; assert loss and all grads.
+    ``threshold``: false-negative masking at that caption cosine (both sides). ``errors``: a
+    dict that receives the relative errors (loss, d img, d txt, d tau) for reporting."""
     if img is None:
         img, txt = make_pair(n, d, dtype, seed=seed)
     leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt)]
     tau_arg = torch.tensor(tau, dtype=torch.float32, requires_grad=True) if tau_grad else tau
     loss = hn_clip_loss(leaves[0], leaves[1], tau_arg, gamma=gamma, label_smoothing=eps,
-                        reduction=reduction, normalize=normalize, backend=backend)
+                        reduction=reduction, normalize=normalize, backend=backend,
+                        **({} if threshold is None else {"false_negative_threshold": threshold}))
     ref_leaves = [x.detach().double().requires_grad_(True) for x in (img, txt)]
     ref_tau = torch.tensor(tau, dtype=torch.float64, requires_grad=True)
-    ref = hn_clip_loss_f64(ref_leaves[0], ref_leaves[1], ref_tau, gamma, eps, reduction, normalize)
+    ref = hn_clip_loss_f64(ref_leaves[0], ref_leaves[1], ref_tau, gamma, eps, reduction, normalize,
+                           false_negative_threshold=threshold)
+    if errors is not None:
+        errors["loss"] = rel_err(loss, ref)
 
     assert loss.dtype == torch.float32
     lowp = dtype in (torch.float16, torch.bfloat16)
@@ -77,6 +84,11 @@ def check_against_truth(backend, n, d, dtype, gamma, tau, eps, reduction, *, tau
         upstream = torch.ones_like(ref) if reduction == "none" else torch.ones(())
     loss.backward(upstream.to(loss.dtype))
     ref.backward(upstream.double())
+    if errors is not None:
+        errors.update({"d img": rel_err(leaves[0].grad, ref_leaves[0].grad),
+                       "d txt": rel_err(leaves[1].grad, ref_leaves[1].grad)})
+        if tau_grad:
+            errors["d tau"] = rel_err(tau_arg.grad, ref_tau.grad)
     for leaf, ref_leaf, name in zip(leaves, ref_leaves, ("d img", "d txt")):
         assert leaf.grad.dtype == dtype, f"{name} dtype {leaf.grad.dtype} != input dtype {dtype}"
         if lowp:
@@ -134,3 +146,65 @@ def directional_case(kind, m=5, n=19, d=8, offset=7, dtype=torch.float32, seed=4
     else:  # unrelated margin factors
         a, b = torch.randn(m, d, generator=gen), torch.randn(n, d, generator=gen)
     return [x.to(dtype) for x in (q, k, a, b)]
+
+
+# ---- false-negative masking: batches with duplicate captions and the threshold that masks them
+MASKED_KINDS = ("duplicates", "near", "all_masked")
+
+
+def _unit(x):
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def masked_case(kind: str, n: int = 12, d: int = 16, seed: int = 0, dtype=torch.float64):
+    """(img, txt, threshold), features in ``dtype``, every caption cosine off the diagonal (of the
+    features as rounded to ``dtype``) at least 1e-3 from the threshold (asserted), so float32 and
+    float64 mask the same pairs:
+
+    * "duplicates": captions 2 = 5 = 9 (= n − 1 when n > 12) and 7 = 11 (= n // 2 when n > 12)
+      exactly (bit-identical rows), threshold 0.99;
+    * "near": captions of rows 1-4 at cosines 0.88, 0.895, 0.905, 0.92 from caption 0, and of rows
+      6, 7 at 0.898 / 0.902 from caption 5, threshold 0.9: the near-duplicates either side of it;
+    * "all_masked": caption 0 at cosine 0.8 from every other caption (those at 0.64 from each
+      other), threshold 0.7: row 0's negatives are all masked in both directions.
+    Images are their captions plus noise (a trained model's alignment)."""
+    gen = torch.Generator().manual_seed(seed)
+    txt = _unit(torch.randn(n, d, generator=gen, dtype=torch.float64))
+    if kind == "duplicates":
+        threshold = 0.99
+        txt[5] = txt[2]
+        txt[9] = txt[2]
+        txt[11] = txt[7]
+        if n > 12:  # duplicates in other tiles too
+            txt[n - 1] = txt[2]
+            txt[n // 2] = txt[7]
+    elif kind == "near":
+        threshold = 0.9
+        for anchor, rows, cosines in ((0, (1, 2, 3, 4), (0.88, 0.895, 0.905, 0.92)), (5, (6, 7), (0.898, 0.902))):
+            for row, c in zip(rows, cosines):
+                w = txt[row] - (txt[row] @ txt[anchor]) * txt[anchor]
+                txt[row] = c * txt[anchor] + (1.0 - c * c) ** 0.5 * _unit(w)
+    elif kind == "all_masked":
+        assert d >= n, "orthogonal directions for the other captions"
+        threshold = 0.7
+        basis, _ = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+        txt = torch.empty(n, d, dtype=torch.float64)
+        txt[0] = basis[:, 0]
+        for row in range(1, n):
+            txt[row] = 0.8 * basis[:, 0] + 0.6 * basis[:, row]
+    else:
+        raise ValueError(kind)
+    img = (txt + 0.6 * torch.randn(n, d, generator=gen, dtype=torch.float64) / d ** 0.5).to(dtype)
+    txt = txt.to(dtype)
+    cos = _unit(txt.double()) @ _unit(txt.double()).T
+    off = cos[~torch.eye(n, dtype=torch.bool)]
+    assert ((off - threshold).abs() > 1e-3).all(), "a cosine too close to the threshold: pick another seed"
+    assert (off >= threshold).any(), "nothing masked"
+    return img, txt, threshold
+
+
+def masked_pairs_f64(txt, threshold) -> int:
+    """How many (i, j), i ≠ j, the float64 mask drops (each pair counted in both orders)."""
+    t = _unit(txt.double())
+    cos = t @ t.T
+    return int(((cos >= threshold) & ~torch.eye(t.shape[0], dtype=torch.bool)).sum())

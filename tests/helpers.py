@@ -5,12 +5,18 @@ import torch
 import torch.nn.functional as F
 
 
-def hn_clip_loss_f64(img, txt, tau, gamma=0.5, label_smoothing=0.0, reduction="mean", normalize=True):
+def hn_clip_loss_f64(img, txt, tau, gamma=0.5, label_smoothing=0.0, reduction="mean", normalize=True,
+                     false_negative_threshold=None):
     """Float64 evaluation of arXiv 2608.18521 Eq. 2, written independently of the package.
 
     The NLL is log(1 + Σ_{j≠i} exp(Z_ij − Z_ii)) (a plain LSE − Z_ii would round a 1e-30 loss
     to 0 even in float64); label smoothing uses ε·(Z_ii − mean_j Z_ij). Takes and returns
     tensors that keep autograd, so gradients of the truth come from float64 autograd.
+
+    ``false_negative_threshold`` c: the pairs i ≠ j with float64 caption cosine t_i·t_j ≥ c
+    leave both softmaxes (the sums over j run over the kept columns) and label smoothing
+    averages over the kept classes. Callers keep every cosine away from c (float32 backends
+    compare a float32 cosine).
     """
     v, t = img.double(), txt.double()
     tau = tau.double() if isinstance(tau, torch.Tensor) else torch.tensor(float(tau), dtype=torch.float64)
@@ -20,13 +26,22 @@ def hn_clip_loss_f64(img, txt, tau, gamma=0.5, label_smoothing=0.0, reduction="m
     eye = torch.eye(n, dtype=torch.bool)
     margin = (t @ t.T).detach().masked_fill(eye, 0.0)
     logits = (v @ t.T + gamma * margin) / tau
+    dropped = eye
+    if false_negative_threshold is not None:
+        cos = (t @ t.T).detach()
+        dropped = eye | (0.5 * (cos + cos.T) >= false_negative_threshold)  # symmetric by construction
     per_dir = []
     for z in (logits, logits.T):
         diag = z.diagonal()
-        gaps = (z - diag[:, None]).masked_fill(eye, float("-inf"))
+        gaps = (z - diag[:, None]).masked_fill(dropped, float("-inf"))
         # log(1 + Σ_{j≠i} exp(gap)): logaddexp keeps 1e-30 and 1e+30 alike (no exp overflow)
         nll = torch.logaddexp(torch.zeros_like(diag), torch.logsumexp(gaps, dim=1)) if n > 1 else diag * 0
-        per_dir.append(nll + label_smoothing * (diag - z.mean(dim=1)))
+        if false_negative_threshold is None:
+            per_dir.append(nll + label_smoothing * (diag - z.mean(dim=1)))
+            continue
+        kept = (~dropped).sum(dim=1) + 1  # the kept negatives and the positive
+        kept_mean = (z.masked_fill(dropped, 0.0).sum(dim=1) + diag) / kept
+        per_dir.append(nll + label_smoothing * (diag - kept_mean))
     rows = 0.5 * (per_dir[0] + per_dir[1])
     return {"mean": rows.mean(), "sum": rows.sum(), "none": rows}[reduction]
 

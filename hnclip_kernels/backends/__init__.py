@@ -15,7 +15,7 @@ the keyword-only protocol of
 :func:`hnclip_kernels.backends.pytorch.reference.directional_nll_torch`::
 
     fn(queries, keys, *, query_txt, key_txt, tau, offset, gamma, label_smoothing, normalize,
-       return_stats=False)
+       return_stats=False, false_negative_threshold=None)
 
 The fused backends are imported lazily: triton is optional, and the C++ extension may not
 have been built.
@@ -122,6 +122,8 @@ def symmetric_losses(img: torch.Tensor, txt: torch.Tensor, tau: torch.Tensor, op
     ``(i2t, t2i)``, both directions' detached ``RowStats``."""
     kwargs = dict(tau=tau, gamma=options.gamma, label_smoothing=options.label_smoothing,
                   normalize=options.normalize, return_stats=return_stats)
+    if options.false_negative_threshold is not None:  # absent otherwise: each op's default, None
+        kwargs["false_negative_threshold"] = options.false_negative_threshold
     if options.backend == "triton":
         from .triton.ops import hn_clip_pairs_triton  # one fused op for both directions
 
@@ -151,6 +153,8 @@ def rank_losses(img: torch.Tensor, txt: torch.Tensor, all_img: torch.Tensor, all
     torch and cpp: two calls of the directional op."""
     kwargs = dict(tau=tau, gamma=options.gamma, label_smoothing=options.label_smoothing,
                   normalize=options.normalize, offset=int(offset), return_stats=return_stats)
+    if options.false_negative_threshold is not None:  # local captions against all gathered captions
+        kwargs["false_negative_threshold"] = options.false_negative_threshold
     if options.backend == "triton":
         from .triton.ops import rank_nll_triton
 

@@ -11,10 +11,17 @@ and in the backward, the negatives' share of the gradient,
 ``Σ_{k != pos} g_i P_ik k̂_k`` (row kernel) and ``Σ_i g_i P_ik q̂_i`` (column kernel).
 Everything else, the positive's gradient written as −(sum of the negatives'
 probabilities), the uniform label-smoothing term and dL/dτ, is cheap and lives here.
+
+False-negative masking (``false_negative_threshold``, not in the paper): a masked pair is no
+negative of its row, so every sum above runs over the row's *kept* negatives K_i, and the
+kernels also return ``kept_i = |K_i|``. Label smoothing then spreads ε over the n_i = kept_i + 1
+classes the row keeps: nll_i − (ε/n_i)·dsum_i, and dL/dZ_ik = g_i (P_ik − ε/n_i) on K_i, which
+the kernels apply themselves (the masked columns get nothing, so the "uniform" term is not
+uniform any more); the epilogue adds the positive's −ε/n_i·g_i (:func:`smoothing_shift`).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +34,7 @@ class RowStats(NamedTuple):
     delta: torch.Tensor  # (M,) LSE over negatives of Z - Z_pos
     mean_neg: torch.Tensor  # (M,) E_softmax_neg[Z - Z_pos]
     dsum: torch.Tensor  # (M,) Σ_neg (Z - Z_pos)
+    kept: Optional[torch.Tensor] = None  # (M,) kept negatives |K_i| with false-negative masking, else None
 
 
 def inv_norms(x: torch.Tensor, normalize: bool, dt: torch.dtype = torch.float32) -> torch.Tensor:
@@ -57,12 +65,27 @@ def smooths(label_smoothing) -> bool:
     return isinstance(label_smoothing, torch.Tensor) or label_smoothing != 0.0
 
 
+def classes(stats: RowStats, n_keys: int):
+    """The classes each row's softmax keeps: N (``n_keys``), or with false-negative masking the
+    per-row ``kept + 1`` (its kept negatives and its positive)."""
+    return n_keys if stats.kept is None else stats.kept + 1.0
+
+
+def smoothing_shift(stats: RowStats, label_smoothing) -> torch.Tensor:
+    """ε / n_i per row (float, the stats' dtype): what the masked kernels subtract from P_ik on the
+    row's kept negatives (zeros without label smoothing)."""
+    if not smooths(label_smoothing):
+        return torch.zeros_like(stats.delta)
+    return (label_smoothing / (stats.kept + 1.0)).to(stats.delta.dtype).contiguous()
+
+
 def row_losses(stats: RowStats, n_keys: int, label_smoothing) -> torch.Tensor:
-    """Each row's NLL, softplus(delta), minus ε · mean_k (Z_ik − Z_i,pos) with label smoothing ε."""
+    """Each row's NLL, softplus(delta), minus ε · mean_k (Z_ik − Z_i,pos) with label smoothing ε
+    (the mean over the row's kept classes with false-negative masking)."""
     nll = F.softplus(stats.delta)
     if not smooths(label_smoothing):
         return nll
-    return nll - (label_smoothing / n_keys) * stats.dsum
+    return nll - (label_smoothing / classes(stats, n_keys)) * stats.dsum
 
 
 def pair_losses(i2t: RowStats, t2i: RowStats, n_keys: int, label_smoothing: float) -> torch.Tensor:
@@ -83,6 +106,8 @@ def add_positive_and_smoothing(stats: RowStats, g, q_hat, k_hat, d_q, d_k, offse
     m, n = q_hat.shape[0], k_hat.shape[0]
     eps = label_smoothing
     q_prob = torch.sigmoid(stats.delta)  # Σ of the negatives' probabilities, stable when tiny
+    if stats.kept is not None:
+        return _add_positive_masked(stats, g, q_hat, k_hat, d_q, d_k, offset, eps, q_prob)
     g_pos = g * (eps - q_prob)  # dL/dZ_pos = ε(1 − 1/N) − q, the −ε/N part is in the uniform term below
     d_q.add_(g_pos[:, None] * k_hat[offset : offset + m])
     d_k[offset : offset + m].add_(g_pos[:, None] * q_hat)
@@ -93,6 +118,22 @@ def add_positive_and_smoothing(stats: RowStats, g, q_hat, k_hat, d_q, d_k, offse
     # Σ_k dZ_ik Z_ik = Σ_{k≠pos} (P_ik − ε/N)(Z_ik − Z_pos), since each row of dZ sums to 0:
     # written with gaps, so there is no cancellation when the loss is tiny
     return (g * (q_prob * stats.mean_neg - (eps / n) * stats.dsum)).sum()
+
+
+def _add_positive_masked(stats: RowStats, g, q_hat, k_hat, d_q, d_k, offset: int, eps, q_prob):
+    """:func:`add_positive_and_smoothing` with false-negative masking: the kernels put
+    g_i (P_ik − ε/n_i) on the kept negatives, so only the positive is left, dL/dZ_pos =
+    ε − q − ε/n_i (n_i = kept_i + 1 classes)."""
+    m = q_hat.shape[0]
+    g_pos = g * (eps - q_prob)
+    if smooths(eps):
+        shift = eps / (stats.kept + 1.0)
+        g_pos = g_pos - g * shift
+    d_q.add_(g_pos[:, None] * k_hat[offset : offset + m])
+    d_k[offset : offset + m].add_(g_pos[:, None] * q_hat)
+    if not smooths(eps):
+        return (g * (q_prob * stats.mean_neg)).sum()
+    return (g * (q_prob * stats.mean_neg - shift * stats.dsum)).sum()
 
 
 def add_rounding_compensation(d_q, d_k, rho, sigma, q, k, rq, rk, offset: int) -> None:

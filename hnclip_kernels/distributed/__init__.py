@@ -67,6 +67,7 @@ def distributed_hn_clip_loss(
     normalize: bool = True,
     precision: Optional[str] = None,
     return_stats: bool = False,
+    false_negative_threshold: Optional[float] = None,
 ) -> torch.Tensor:
     """HN-CLIP loss of this rank's share of the global batch (a collective: call on every rank).
 
@@ -82,10 +83,13 @@ def distributed_hn_clip_loss(
     Autocast is disabled inside: the loss accumulates in float32 whatever the feature dtype.
     ``return_stats``: return ``(loss, (i2t, t2i, n_keys))`` with this rank's detached row
     statistics (see :func:`rank_hn_clip_loss`).
+    ``false_negative_threshold``: false-negative masking as in :func:`hnclip_kernels.hn_clip_loss`,
+    each rank's captions against all gathered captions (a duplicate on another rank is masked
+    too); it must be the same on every rank (checked with the other options).
     """
     def options():  # built inside the checks, so a bad option on one rank raises on every rank
         return LossOptions(gamma=gamma, label_smoothing=label_smoothing, normalize=normalize, backend=backend,
-                           precision=precision)
+                           precision=precision, false_negative_threshold=false_negative_threshold)
 
     tau = validation.plain_number(tau)
     return rank_loss(image_features, text_features, tau, options, local_loss=local_loss,

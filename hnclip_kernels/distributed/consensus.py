@@ -20,7 +20,9 @@ from .gather import _group_rank_world, _meta_device, dist
 
 # metadata vector layout, one int64 row per rank
 _STATUS, _N_IMG, _N_TXT, _DIM, _DTYPE, _FLAGS, _GAMMA, _EPS, _WORLD, _PREC, _TAU, _IMG_NORM, _TXT_NORM = range(13)
-_META_LEN = 13
+_THRESHOLD = 13  # the false-negative threshold's float64 bits, NO_THRESHOLD for None
+_META_LEN = 14
+NO_THRESHOLD = -(1 << 63)  # no float64 in (-1, 1] has these bits (they are -0.0's)
 _STATUS_TEXT = {
     0: "ok",
     1: "invalid features",
@@ -75,7 +77,7 @@ def local_checks(image_features, text_features, tau, options, rank, world_size, 
 
 
 def _meta_row(status, image_features, text_features, flags, gamma, label_smoothing, world_size,
-              precision=None) -> List[int]:
+              precision=None, threshold=None) -> List[int]:
     """This rank's metadata row (see the layout above)."""
     row = [0] * _META_LEN
     row[_STATUS] = status
@@ -94,6 +96,10 @@ def _meta_row(status, image_features, text_features, flags, gamma, label_smoothi
     row[_WORLD] = int(world_size)
     modes = (None,) + validation.FP32_PRECISIONS
     row[_PREC] = modes.index(precision) if precision in modes else -1
+    try:
+        row[_THRESHOLD] = NO_THRESHOLD if threshold is None else _float_bits(threshold)
+    except (TypeError, ValueError):
+        row[_THRESHOLD] = -1
     return row
 
 
@@ -138,7 +144,7 @@ def collective_check(image_features, text_features, tau, options, flags, rank, w
     if requested is not None:
         flags |= int(bool(requested.normalize)) << 2
         row = _meta_row(status, image_features, text_features, flags, requested.gamma, requested.label_smoothing,
-                        world_size, requested.precision)
+                        world_size, requested.precision, requested.false_negative_threshold)
     else:  # this rank raises: its options are not compared
         row = _meta_row(status, image_features, text_features, flags, 0.0, 0.0, world_size)
     if status == 0:
@@ -163,6 +169,9 @@ def collective_check(image_features, text_features, tau, options, flags, rank, w
     if len({(m[_FLAGS], m[_GAMMA], m[_EPS], m[_WORLD], m[_PREC]) for m in meta}) > 1:
         problems.append("loss options (local_loss, gather_with_grad, normalize, gamma, "
                         "label_smoothing, world_size, precision) differ across ranks")
+    if len({m[_THRESHOLD] for m in meta}) > 1:
+        values = [None if m[_THRESHOLD] == NO_THRESHOLD else _bits_float(m[_THRESHOLD]) for m in meta]
+        problems.append(f"false_negative_threshold values differ across ranks: {values}")
     if problems:
         raise ValueError("HN-CLIP distributed loss: inconsistent inputs across ranks: "
                          + "; ".join(problems) + ". Every rank raised this error.")

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-from cases import ALL_BACKENDS, make_pair
+from cases import ALL_BACKENDS, make_pair, masked_case
 from helpers import assert_close_rel, hn_clip_loss_f64
 from hnclip_kernels import hn_clip_loss
 
@@ -400,3 +400,65 @@ def test_rows_with_entries_beyond_float32_norm_range(backend):
     truth.backward()
     assert_close_rel(loss, truth, 1e-6, "loss with rows of norm 4e19")
     assert_close_rel(a.grad, a64.grad, F32_GRAD, "d img with rows of norm 4e19")
+
+
+# ---- false-negative masking composes like the other options ----------------------------------------
+def _masked_leaves():
+    img, txt, threshold = masked_case("duplicates", 12, 16, dtype=torch.float32)
+    return img, txt, torch.tensor(0.07), threshold
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_masked_func_grad_and_vmap(backend):
+    # torch.func.grad through the masked loss equals autograd and float64; vmap equals a loop
+    img, txt, tau, threshold = _masked_leaves()
+
+    def loss(a, b, t):
+        return hn_clip_loss(a, b, t, gamma=0.5, label_smoothing=0.1, backend=backend,
+                            false_negative_threshold=threshold)
+
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(img, txt, tau)
+    leaves = [x.clone().requires_grad_() for x in (img, txt, tau)]
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    truth = torch.autograd.grad(hn_clip_loss_f64(*[x.double() for x in leaves], 0.5, 0.1,
+                                                 false_negative_threshold=threshold), leaves)
+    for name, g, w, t in zip(("img", "txt", "tau"), got, want, truth):
+        assert_close_rel(g, w, 1e-6, f"masked torch.func.grad d{name} vs autograd")
+        assert_close_rel(g, t, F32_GRAD, f"masked torch.func.grad d{name} vs float64")
+    stack = torch.stack([img, img.flip(0)]), torch.stack([txt, txt.flip(0)])
+    batched = torch.func.vmap(lambda a, b: loss(a, b, tau))(*stack)
+    assert_close_rel(batched, torch.stack([loss(a, b, tau) for a, b in zip(*stack)]), 1e-6, "masked vmap vs loop")
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_masked_threshold_schedule_compiles_at_most_twice(backend):
+    # the threshold reaches the ops as a tensor (like γ and ε): a changing threshold reuses the graph
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, b, c: hn_clip_loss(a, b, 0.07, gamma=0.5, backend=backend,
+                                                    false_negative_threshold=c),
+                       fullgraph=True, backend=counter)
+    img, txt, _, _ = _masked_leaves()
+    for step in range(6):
+        threshold = 0.95 + 0.008 * step
+        a, b = img.clone().requires_grad_(), txt.clone().requires_grad_()
+        got = fn(a, b, threshold)
+        got.backward()
+        a2, b2 = img.clone().requires_grad_(), txt.clone().requires_grad_()
+        want = hn_clip_loss(a2, b2, 0.07, gamma=0.5, backend=backend, false_negative_threshold=threshold)
+        want.backward()
+        assert_close_rel(got, want, 1e-6, f"compiled masked loss, step {step}")
+        assert_close_rel(a.grad, a2.grad, 1e-6, f"compiled masked d img, step {step}")
+    assert counter.frame_count <= 2, f"{counter.frame_count} graphs compiled over a 6-step threshold schedule"
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_masked_torch_export_matches_eager(backend):
+    img, txt, _, threshold = _masked_leaves()
+
+    class Loss(torch.nn.Module):
+        def forward(self, a, b):
+            return hn_clip_loss(a, b, 0.07, gamma=0.5, backend=backend, false_negative_threshold=threshold)
+
+    exported = torch.export.export(Loss(), (img, txt))
+    assert_close_rel(exported.module()(img, txt), Loss()(img, txt), 1e-6, "exported masked loss")

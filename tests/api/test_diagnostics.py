@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cases import ALL_BACKENDS, masked_case, masked_pairs_f64
 from helpers import hn_clip_loss_f64
-from hnclip_kernels import hn_clip_loss
+from hnclip_kernels import HNClipLoss, hn_clip_loss
 from hnclip_kernels.backends.epilogue import RowStats
 from hnclip_kernels.diagnostics import SaturationReport, report_from_row_stats, saturation_report
 
@@ -157,6 +158,9 @@ def test_chunking_invariance(maker):
     reports = [saturation_report(img, txt, 0.03, chunk_rows=c) for c in (1, 3, 20, 1024)]
     for rep in reports[1:]:
         for field, value in rep.as_dict().items():
+            if value is None:  # masked_pairs without masking
+                assert getattr(reports[0], field) is None, field
+                continue
             # the naive float32 losses are as sensitive to the logits' last bits as a user's own
             # F.cross_entropy (a BLAS may round a dot product differently for another chunk shape)
             tol = dict(naive_fp32_loss=(1e-6, 1e-5), naive_bf16_loss=(1e-2, 0.0)).get(field, (1e-6, 1e-12))
@@ -188,6 +192,9 @@ def test_inputs_untouched_and_no_graph():
     normed = F.normalize(img.detach(), dim=1), F.normalize(txt, dim=1)
     rep_pre = saturation_report(*normed, 0.05, normalize=False)
     for field, value in rep.as_dict().items():
+        if value is None:  # masked_pairs without masking
+            assert getattr(rep_pre, field) is None, field
+            continue
         assert value == pytest.approx(getattr(rep_pre, field), rel=1e-5, abs=1e-7), field
 
 
@@ -347,3 +354,35 @@ def test_return_stats_meta_and_misaligned_dsum():
     with pytest.raises(ValueError, match="dsum"):
         report_from_row_stats(RowStats(None, d, m, torch.zeros(6)), RowStats(None, d, m, torch.zeros(4)),
                               label_smoothing=0.1, n_keys=5)
+
+
+# ---- false-negative masking ----------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_masked_pairs_are_reported_by_both_reports(backend):
+    # duplicate captions (tests/cases.py, masked_case): both reports count the masked entries as the
+    # float64 mask does, and agree on the fields they share; HNClipLoss's report too (kept counts)
+    img, txt, threshold = masked_case("duplicates", 12, 16, dtype=torch.float32)
+    expected = masked_pairs_f64(txt, threshold)
+    assert expected == 8  # captions 2 = 5 = 9 (6 ordered pairs) and 7 = 11 (2)
+    full = saturation_report(img, txt, 0.07, backend=backend, false_negative_threshold=threshold)
+    assert full.masked_pairs == expected
+    module = HNClipLoss(backend=backend, normalize=True, return_stats=True, false_negative_threshold=threshold)
+    loss = module(img, txt, torch.tensor(1 / 0.07))
+    quick = module.last_stats
+    assert quick.masked_pairs == expected
+    for field in ("loss", "saturated_rows", "effective_negatives"):
+        assert getattr(quick, field) == pytest.approx(getattr(full, field), rel=1e-5), field
+    assert quick.loss == pytest.approx(float(loss), rel=1e-6)
+    plain = saturation_report(img, txt, 0.07, backend=backend)
+    assert plain.masked_pairs is None and plain.loss > full.loss  # the duplicates' impossible terms are gone
+
+
+def test_masked_report_of_a_row_without_negatives():
+    # "all_masked": row 0 keeps no negative in either direction: 0 effective negatives there, no NaN
+    img, txt, threshold = masked_case("all_masked", 12, 16, dtype=torch.float32)
+    rep = saturation_report(img, txt, 0.07, backend="torch", false_negative_threshold=threshold)
+    assert rep.masked_pairs == masked_pairs_f64(txt, threshold) == 22
+    values = [v for v in rep.as_dict().values() if isinstance(v, float)]
+    assert all(math.isfinite(v) for v in values), rep
+    with pytest.raises(ValueError, match="false_negative_threshold"):
+        saturation_report(img, txt, 0.07, false_negative_threshold=2.0)

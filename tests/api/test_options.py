@@ -93,3 +93,24 @@ def test_fused_operators_share_one_hyperparameter_convention():
     for name in names:
         schema = str(getattr(torch.ops.hnclip, name).default._schema)
         assert "Tensor tau, Tensor gamma, Tensor label_smoothing" in schema, schema
+
+
+@pytest.mark.parametrize("value,exc", [("0.9", TypeError), (True, TypeError), (torch.tensor(0.9), TypeError),
+                                       (1.5, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
+                                       (float("inf"), ValueError)])
+def test_false_negative_threshold_is_validated_everywhere(value, exc):
+    # a real number in (-1, 1] or None; the error names the argument, at every entry point
+    img, txt = make_pair(6, 4, seed=1)
+    with pytest.raises(exc, match="false_negative_threshold"):
+        LossOptions(false_negative_threshold=value)
+    with pytest.raises(exc, match="false_negative_threshold"):
+        hn_clip_loss(img, txt, 0.05, false_negative_threshold=value)
+    with pytest.raises(exc, match="false_negative_threshold"):
+        HNClipLoss(false_negative_threshold=value)
+
+
+def test_false_negative_threshold_accepts_numbers_of_any_kind():
+    np = pytest.importorskip("numpy")
+    img, txt = make_pair(6, 4, seed=1)
+    for value in (1, 1.0, 0.5, -0.999, np.float32(0.9), np.float64(0.9)):
+        assert torch.isfinite(hn_clip_loss(img, txt, 0.05, backend="torch", false_negative_threshold=value))

@@ -15,6 +15,7 @@ from cases import (
     ALL_BACKENDS,
     DTYPES,
     GAMMAS,
+    MASKED_KINDS,
     REDUCTIONS,
     SMOOTHINGS,
     TAUS,
@@ -27,6 +28,7 @@ from cases import (
     covering_cases,
     directional_case,
     make_pair,
+    masked_case,
     naive_clip_loss,
     saturated_pair,
 )
@@ -173,6 +175,96 @@ def test_low_precision_directional(backend, case):
     assert got[0].dtype == torch.float32 and got[1].dtype == dtype and got[2].dtype == dtype
     for name, x, y in zip(("rows", "d q", "d k", "d tau"), got, want):
         assert_close_rel(x, y, LOWP_GRAD if name in ("d q", "d k") else TOL_LOWP_LOSS, name)
+
+
+# ------------------------------------------------------------------ false-negative masking vs float64
+
+# (kind, N, D, dtype, γ, τ, ε, reduction): every kind of masked batch (tests/cases.py, masked_case),
+# with and without the margin and label smoothing, 16-bit inputs, and N = 40 (several Triton tiles)
+MASKED = [
+    ("duplicates", 12, 16, torch.float32, 0.5, 0.07, 0.0, "mean"),
+    ("duplicates", 12, 16, torch.float32, 0.0, 0.05, 0.1, "none"),
+    ("duplicates", 40, 48, torch.float32, 2.0, 0.01, 0.1, "mean"),
+    ("near", 12, 16, torch.float32, 0.5, 0.07, 0.1, "mean"),
+    ("near", 40, 48, torch.bfloat16, 0.5, 0.1, 0.0, "sum"),
+    ("all_masked", 12, 16, torch.float32, 0.5, 0.07, 0.1, "none"),
+    ("all_masked", 12, 16, torch.float16, 2.0, 0.07, 0.0, "mean"),
+    ("all_masked", 40, 48, torch.float32, 0.0, 0.2, 0.1, "sum"),
+]
+assert {case[0] for case in MASKED} == set(MASKED_KINDS)
+
+
+def _masked_id(case):
+    kind, n, d, dtype, gamma, tau, eps, reduction = case
+    return f"{kind}-N{n}-{str(dtype).split('.')[-1]}-g{gamma}-tau{tau}-ls{eps}-{reduction}"
+
+
+@pytest.mark.parametrize("backend,case", over_backends(MASKED, ids=_masked_id))
+def test_masked_against_float64(backend, case):
+    # false-negative masking: loss and every gradient (img, txt, τ) against the float64 formula with
+    # the same mask; a non-uniform upstream for "none" (the fused backwards' per-row path)
+    kind, n, d, dtype, gamma, tau, eps, reduction = case
+    img, txt, threshold = masked_case(kind, n, d, dtype=dtype)
+    upstream = torch.rand(n, generator=torch.Generator().manual_seed(2), dtype=torch.float64) + 0.5 \
+        if reduction == "none" else None
+    check_against_truth(backend, n, d, dtype, gamma, tau, eps, reduction, img=img, txt=txt, threshold=threshold,
+                        upstream=upstream)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_masked_row_without_negatives_has_no_loss_and_no_gradient(backend):
+    # "all_masked": row 0's negatives are all masked in both directions, so its pair has only its
+    # positive left: loss exactly 0 (no smoothing) and exactly no gradient from it
+    img, txt, threshold = masked_case("all_masked", 12, 16, dtype=torch.float32)
+    leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
+    rows = hn_clip_loss(*leaves, 0.07, gamma=0.5, reduction="none", backend=backend,
+                        false_negative_threshold=threshold)
+    assert rows[0].item() == 0.0 and (rows[1:] > 0).all()
+    rows[0].backward()
+    assert leaves[0].grad.abs().max().item() == 0.0 and leaves[1].grad.abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_masking_a_pair_equals_removing_it_from_both_softmaxes(backend):
+    # with γ = 0 and no smoothing, masking every pair equals N single-pair batches (loss 0), and
+    # a threshold above every cosine equals no masking at all, bit for bit on the same backend
+    img, txt = make_pair(9, 8, torch.float32, seed=21)
+    plain = hn_clip_loss(img, txt, 0.1, gamma=0.5, reduction="none", backend=backend)
+    loose = hn_clip_loss(img, txt, 0.1, gamma=0.5, reduction="none", backend=backend, false_negative_threshold=1.0)
+    assert_close_rel(loose, plain, 1e-6, "threshold 1 on distinct captions")
+    everything = hn_clip_loss(img, txt, 0.1, gamma=0.0, reduction="none", backend=backend,
+                              false_negative_threshold=-0.999)
+    assert torch.equal(everything, torch.zeros_like(everything))
+
+
+@pytest.mark.parametrize("backend,case", over_backends(
+    list(itertools.product(("i2t", "t2i", "general"), (0.0, 0.1))), interpreted=[("i2t", 0.1), ("general", 0.0)],
+    ids=_dash))
+def test_masked_directional_offset_and_rectangular(backend, case):
+    # a rank's directional op with masking (M = 5 local rows against N = 19 keys, offset 7): the
+    # margin factors' cosines decide; against the op in float64 on the torch backend
+    kind, eps = case
+    q, k, a, b = directional_case(kind)
+    b = b.clone()
+    b[3] = a[1] if kind != "t2i" else b[3]  # a caption of another rank duplicates local row 1's
+    b[15] = a[4] + 1e-3 * b[15]
+    weights = torch.arange(1.0, 6.0, dtype=torch.float64)
+    cos = torch.nn.functional.normalize(a.double(), dim=1) @ torch.nn.functional.normalize(b.double(), dim=1).T
+    threshold = 0.95
+    assert ((cos - threshold).abs() > 1e-3).all() and (cos >= threshold).sum() >= 2
+
+    def run(dtype):
+        fn = directional_fn(backend) if dtype != torch.float64 else directional_nll_torch
+        qq, kk = (x.detach().to(dtype).clone().requires_grad_(True) for x in (q, k))
+        t = torch.tensor(0.05, dtype=torch.float64 if dtype == torch.float64 else torch.float32, requires_grad=True)
+        rows = fn(qq, kk, query_txt=a.to(dtype), key_txt=b.to(dtype), tau=t, offset=7, gamma=0.5,
+                  label_smoothing=eps, normalize=True, false_negative_threshold=threshold)
+        (rows * weights.to(rows.dtype)).sum().backward()
+        return rows, qq.grad, kk.grad, t.grad
+
+    got, want = run(torch.float32), run(torch.float64)
+    for name, x, y in zip(("rows", "d q", "d k", "d tau"), got, want):
+        assert_close_rel(x, y, TOL_F32_LOSS if name == "rows" else TOL_F32_GRAD, name)
 
 
 # ------------------------------------------------------------------ determinism

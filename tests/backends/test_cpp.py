@@ -185,17 +185,20 @@ def test_torch_compile_fullgraph_matches_eager():
         assert_close_rel(a, b, 1e-6, f"compiled {name}")
 
 
-def test_opcheck_registered_operators():
+@pytest.mark.parametrize("masked", [False, True])
+def test_opcheck_registered_operators(masked):
+    # masked: false-negative masking at caption cosine 0.5 (the kept counts are an output)
     q, k, a, b = _directional_case("i2t", m=4, n=9, d=5, offset=3, seed=2)
     q.requires_grad_(True)
     tau = torch.tensor(0.1, requires_grad=True)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    args = (q, k, a, b, tau, _f64(0.5), _f64(0.1), 3, True, True)
+    args = (q, k, a, b, tau, _f64(0.5), _f64(0.1), _f64(0.5), 3, True, True, masked)
     torch.library.opcheck(torch.ops.hnclip.cpp_directional_nll.default, args, test_utils=checks)
     saved = [x.detach() for x in torch.ops.hnclip.cpp_directional_nll(*args)[1:]]
     grad = torch.linspace(0.5, 1.0, 4)
     torch.library.opcheck(torch.ops.hnclip.cpp_directional_nll_backward.default,
-                          (grad, q.detach(), k, a, b, tau.detach(), _f64(0.5), _f64(0.1), *saved, 3, True, True, True),
+                          (grad, q.detach(), k, a, b, tau.detach(), _f64(0.5), _f64(0.1), _f64(0.5), *saved, 3, True,
+                           True, masked, True),
                           test_utils=checks)
 
 
@@ -249,7 +252,7 @@ def _pairs_both_ways(img, txt, tau, gamma, eps, normalize, upstream, symmetric):
     leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt)]
     t = torch.tensor(tau, dtype=img.dtype, requires_grad=True)
     if symmetric:
-        rows = torch.ops.hnclip.cpp_symmetric_nll(*leaves, t, _f64(gamma), _f64(eps), normalize)[0]
+        rows = torch.ops.hnclip.cpp_symmetric_nll(*leaves, t, _f64(gamma), _f64(eps), _f64(0.0), normalize, False)[0]
     else:
         v, w = leaves
         opts = dict(query_txt=w, key_txt=w, tau=t, offset=0, gamma=gamma, label_smoothing=eps, normalize=normalize)
@@ -291,7 +294,7 @@ def test_symmetric_gradcheck_with_margin():
     img.requires_grad_(True)
     tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
     for eps, normalize in ((0.0, True), (0.1, False)):
-        fn = lambda i, s, eps=eps, normalize=normalize: torch.ops.hnclip.cpp_symmetric_nll(i, txt, s, _f64(0.7), _f64(eps), normalize)[0]  # noqa: E731
+        fn = lambda i, s, eps=eps, normalize=normalize: torch.ops.hnclip.cpp_symmetric_nll(i, txt, s, _f64(0.7), _f64(eps), _f64(0.0), normalize, False)[0]  # noqa: E731
         assert torch.autograd.gradcheck(fn, (img, tau))
 
 
@@ -324,17 +327,19 @@ def test_symmetric_nan_in_txt_reaches_every_t2i_row():
     assert torch.isnan(hn_clip_loss(img, txt, 0.07, backend="cpp"))
 
 
-def test_opcheck_symmetric_operators():
+@pytest.mark.parametrize("masked", [False, True])
+def test_opcheck_symmetric_operators(masked):
     img, txt = make_pair(9, 5, seed=2)
     img.requires_grad_(True)
     tau = torch.tensor(0.1, requires_grad=True)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    args = (img, txt, tau, _f64(0.5), _f64(0.1), True)
+    args = (img, txt, tau, _f64(0.5), _f64(0.1), _f64(0.3), True, masked)
     torch.library.opcheck(torch.ops.hnclip.cpp_symmetric_nll.default, args, test_utils=checks)
     saved = [x.detach() for x in torch.ops.hnclip.cpp_symmetric_nll(*args)[1:]]
     grad = torch.linspace(0.5, 1.0, 9)
     torch.library.opcheck(torch.ops.hnclip.cpp_symmetric_nll_backward.default,
-                          (grad, img.detach(), txt, tau.detach(), _f64(0.5), _f64(0.1), *saved, True, True),
+                          (grad, img.detach(), txt, tau.detach(), _f64(0.5), _f64(0.1), _f64(0.3), *saved, True, masked,
+                           True),
                           test_utils=checks)
 
 
@@ -372,12 +377,14 @@ def test_backward_probabilities_use_the_forward_logits(n, d, threads):
     probed = sorted({*range(0, n, 7), *range(n - 9, n)})  # every tile-row, and all of the short last one
 
     def run():
-        delta_r, _, _, delta_c, _, _ = torch.ops.hnclip.cpp_raw_symmetric_fwd(v_hat, t_hat, pos, inv_tau, HUGE_GAMMA)
+        delta_r, _, _, _, delta_c, _, _, _ = torch.ops.hnclip.cpp_raw_symmetric_fwd(v_hat, t_hat, pos, inv_tau,
+                                                                                  HUGE_GAMMA, None)
         sums = torch.empty(len(probed), 2, dtype=torch.float64)
         for row, i in enumerate(probed):
             g = torch.zeros(n)
             g[i] = 1.0
-            d_v, d_t = torch.ops.hnclip.cpp_raw_symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, HUGE_GAMMA)
+            d_v, d_t = torch.ops.hnclip.cpp_raw_symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, HUGE_GAMMA,
+                                                              None, g[:0], g[:0])
             p_row = d_t.double() @ v_hat[i].double() / v_hat[i].double().square().sum()
             p_col = d_v.double() @ t_hat[i].double() / t_hat[i].double().square().sum()
             p_row[i] = p_col[i] = 0.0

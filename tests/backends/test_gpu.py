@@ -317,24 +317,27 @@ def test_library_opcheck_cuda():
     n, d, m, offset = 70, 40, 30, 20
     img, txt = (x.requires_grad_() for x in _library_pair(torch.float32, n, d, seed=23))
     tau = torch.tensor(0.07, device=DEV, requires_grad=True)
-    gamma, eps = (torch.tensor(x, device=DEV, dtype=torch.float64) for x in (0.5, 0.1))
-    statics = (True, True, True, "tf32x3")  # has_margin, smoothing, normalize, precision
-    sym = (img, txt, tau, gamma, eps, *statics)
-    torch.library.opcheck(ops.triton_symmetric_nll, sym)
-    detached = [x.detach() for x in (img, txt, tau)]
-    out = ops.triton_symmetric_nll(*detached, gamma, eps, *statics)
-    grad = torch.linspace(0.5, 1.5, n, device=DEV)
-    torch.library.opcheck(ops.triton_symmetric_nll_backward, (grad, *detached, gamma, eps, *out[1:], *statics, True))
-    q = img[:m].detach().requires_grad_()
-    a, b = txt.detach()[offset:offset + m], txt.detach()
-    zero = torch.zeros((), device=DEV, dtype=torch.float64)
-    dir_statics = (offset, True, False, True, "ieee")  # offset, has_margin, smoothing, normalize, precision
-    direc = (q, txt, a, b, tau, gamma, zero, *dir_statics)
-    torch.library.opcheck(ops.triton_directional_nll, direc)
-    out = ops.triton_directional_nll(q.detach(), detached[1], a, b, detached[2], gamma, zero, *dir_statics)
-    torch.library.opcheck(ops.triton_directional_nll_backward,
-                          (grad[:m], q.detach(), detached[1], a, b, detached[2], gamma, zero, *out[1:], *dir_statics,
-                           True))
+    gamma, eps, thr = (torch.tensor(x, device=DEV, dtype=torch.float64) for x in (0.5, 0.1, 0.3))
+    for masked in (False, True):  # false-negative masking at caption cosine 0.3
+        statics = (True, True, masked, True, "tf32x3")  # has_margin, smoothing, masked, normalize, precision
+        sym = (img, txt, tau, gamma, eps, thr, *statics)
+        torch.library.opcheck(ops.triton_symmetric_nll, sym)
+        detached = [x.detach() for x in (img, txt, tau)]
+        out = ops.triton_symmetric_nll(*detached, gamma, eps, thr, *statics)
+        grad = torch.linspace(0.5, 1.5, n, device=DEV)
+        torch.library.opcheck(ops.triton_symmetric_nll_backward,
+                              (grad, *detached, gamma, eps, thr, *out[1:], *statics, True))
+        q = img[:m].detach().requires_grad_()
+        a, b = txt.detach()[offset:offset + m], txt.detach()
+        zero = torch.zeros((), device=DEV, dtype=torch.float64)
+        # offset, has_margin, smoothing, masked, normalize, precision
+        dir_statics = (offset, True, False, masked, True, "ieee")
+        direc = (q, txt, a, b, tau, gamma, zero, thr, *dir_statics)
+        torch.library.opcheck(ops.triton_directional_nll, direc)
+        out = ops.triton_directional_nll(q.detach(), detached[1], a, b, detached[2], gamma, zero, thr, *dir_statics)
+        torch.library.opcheck(ops.triton_directional_nll_backward,
+                              (grad[:m], q.detach(), detached[1], a, b, detached[2], gamma, zero, thr, *out[1:],
+                               *dir_statics, True))
 
 
 def test_library_func_grad_and_vmap_cuda():

@@ -124,3 +124,20 @@ def test_bf16_store_rounds_to_nearest_even():
     k[(1,)](x, y, N=4096)
     assert torch.equal(y[3:], x[3:].to(torch.bfloat16))
     assert torch.isnan(y[0]) and y[1] == float("inf") and y[2] == -float("inf")
+
+
+def test_autotune_drops_the_dscore_tile_that_spills_with_masked_smoothing():
+    # false-negative masking with label smoothing (SHIFT): the fp16 directional dS at 128x64 / 4
+    # warps spills on sm_90a, so the pruner leaves it out there and nowhere else (bf16 fits)
+    from hnclip_kernels.backends.triton import config as cfg
+
+    prune = cfg.pruner("dscore", "q_ptr")
+    half, single = torch.empty(1, dtype=torch.float16), torch.empty(1)
+    configs = cfg.all_candidates("dscore")
+    plain = prune(configs, {"q_ptr": half}, SHIFT=False)
+    shifted = prune(configs, {"q_ptr": half}, SHIFT=True)
+    assert len(plain) == 2 and len(shifted) == 1
+    assert (shifted[0].kwargs["BLOCK_M"], shifted[0].num_warps) == (64, 8)
+    assert prune(configs, {"q_ptr": single}, SHIFT=True) == prune(configs, {"q_ptr": single}, SHIFT=False)
+    bf16 = torch.empty(1, dtype=torch.bfloat16)
+    assert len(prune(configs, {"q_ptr": bf16}, SHIFT=True)) == 2

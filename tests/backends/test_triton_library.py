@@ -46,10 +46,12 @@ def _features(n=N, d=D, seed=0, grad=False):
     return img.requires_grad_(grad), txt.requires_grad_(grad)
 
 
-def _sym_args(gamma=0.5, eps=0.1, grad=True):
+def _sym_args(gamma=0.5, eps=0.1, grad=True, threshold=None):
     img, txt = _features(grad=grad)
     tau = torch.tensor(0.07, requires_grad=grad)
-    return (img, txt, tau, _hyper(gamma), _hyper(eps), gamma != 0.0, eps != 0.0, True, "tf32x3")
+    masked = threshold is not None
+    return (img, txt, tau, _hyper(gamma), _hyper(eps), _hyper(threshold if masked else 0.0), gamma != 0.0, eps != 0.0,
+            masked, True, "tf32x3")
 
 
 def _hyper(x):
@@ -57,43 +59,46 @@ def _hyper(x):
     return torch.tensor(x, dtype=torch.float64)
 
 
-def _dir_args(gamma=0.5, eps=0.1, grad=True, m=4, offset=2):
+def _dir_args(gamma=0.5, eps=0.1, grad=True, m=4, offset=2, threshold=None):
     q, k = _features(grad=grad)
     a, b = make_pair(N, D, torch.float32, seed=1)
     tau = torch.tensor(0.05, requires_grad=grad)
-    return (q[:m].detach().requires_grad_(grad), k, a[offset:offset + m], b, tau, _hyper(gamma), _hyper(eps), offset,
-            gamma != 0.0, eps != 0.0, True, "ieee")
+    masked = threshold is not None
+    return (q[:m].detach().requires_grad_(grad), k, a[offset:offset + m], b, tau, _hyper(gamma), _hyper(eps),
+            _hyper(threshold if masked else 0.0), offset, gamma != 0.0, eps != 0.0, masked, True, "ieee")
 
 
 def test_registration():
     assert ht.USE_TRITON_OP is False  # interpreter: custom_op (triton_op's fake would launch the kernels)
     schema = str(OPS.triton_symmetric_nll.default._schema)
-    assert ("Tensor gamma, Tensor label_smoothing, bool has_margin, bool smoothing, bool normalize, str precision"
-            in schema)
+    assert ("Tensor gamma, Tensor label_smoothing, Tensor threshold, bool has_margin, bool smoothing, bool masked, "
+            "bool normalize, str precision" in schema)
     for name in ("triton_symmetric_nll", "triton_symmetric_nll_backward", "triton_directional_nll",
                  "triton_directional_nll_backward"):
         assert hasattr(OPS, name), name
 
 
-@pytest.mark.parametrize("gamma, eps", [(0.0, 0.0), (0.5, 0.1)])
-def test_opcheck_symmetric(gamma, eps):
-    args = _sym_args(gamma, eps)
+@pytest.mark.parametrize("gamma, eps, threshold", [(0.0, 0.0, None), (0.5, 0.1, None), (0.0, 0.1, 0.3)])
+def test_opcheck_symmetric(gamma, eps, threshold):
+    # threshold: false-negative masking (the kept counts an output, the caption tile formed at γ = 0)
+    args = _sym_args(gamma, eps, threshold=threshold)
     torch.library.opcheck(OPS.triton_symmetric_nll, args)
     out = OPS.triton_symmetric_nll(*(x.detach() if isinstance(x, torch.Tensor) else x for x in args))
     grad = torch.linspace(0.5, 1.5, N)
-    img, txt, tau, g, e = (args[i].detach() for i in range(5))
+    img, txt, tau, g, e, c = (args[i].detach() for i in range(6))
     torch.library.opcheck(OPS.triton_symmetric_nll_backward,
-                          (grad, img, txt, tau, g, e, *out[1:], *args[5:], True))
+                          (grad, img, txt, tau, g, e, c, *out[1:], *args[6:], True))
 
 
-@pytest.mark.parametrize("gamma, eps", [(0.0, 0.1), (0.5, 0.0)])
-def test_opcheck_directional(gamma, eps):
-    args = _dir_args(gamma, eps)
+@pytest.mark.parametrize("gamma, eps, threshold", [(0.0, 0.1, None), (0.5, 0.0, None), (0.5, 0.1, 0.3)])
+def test_opcheck_directional(gamma, eps, threshold):
+    args = _dir_args(gamma, eps, threshold=threshold)
     torch.library.opcheck(OPS.triton_directional_nll, args)
-    q, k, a, b, tau, g, e = (args[i].detach() for i in range(7))
-    out = OPS.triton_directional_nll(q, k, a, b, tau, g, e, *args[7:])
+    q, k, a, b, tau, g, e, c = (args[i].detach() for i in range(8))
+    out = OPS.triton_directional_nll(q, k, a, b, tau, g, e, c, *args[8:])
     torch.library.opcheck(OPS.triton_directional_nll_backward,
-                          (torch.linspace(-1.0, 1.0, q.shape[0]), q, k, a, b, tau, g, e, *out[1:], *args[7:], True))
+                          (torch.linspace(-1.0, 1.0, q.shape[0]), q, k, a, b, tau, g, e, c, *out[1:], *args[8:],
+                           True))
 
 
 # ------------------------------------------------------------------ torch.func
@@ -122,7 +127,7 @@ def test_func_grad_matches_autograd():
 
 
 def test_func_grad_directional():
-    q, k, a, b, tau, _g, _e, offset, *_ = _dir_args(grad=False)
+    q, k, a, b, tau, _g, _e, _c, offset, *_ = _dir_args(grad=False)
     fn = triton_directional()
 
     def rows(q, k, tau):
@@ -251,32 +256,35 @@ _TRACE = textwrap.dedent('''
         return kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
 
     def fwd(*a):
-        return torch.ops.hnclip.triton_symmetric_nll(*a, True, True, True, "tf32x3")
+        return torch.ops.hnclip.triton_symmetric_nll(*a, True, True, False, True, "tf32x3")
 
     def bwd(*a):
-        return torch.ops.hnclip.triton_symmetric_nll_backward(*a, True, True, True, "tf32x3", True)
+        return torch.ops.hnclip.triton_symmetric_nll_backward(*a, True, True, False, True, "tf32x3", True)
 
     def inputs(n, d=16):
         return (torch.randn(n, d), torch.randn(n, d), torch.tensor(0.07), torch.tensor(0.5, dtype=torch.float64),
-                torch.tensor(0.1, dtype=torch.float64))
+                torch.tensor(0.1, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
 
-    stats = [torch.rand(8) + 0.5 for _ in range(9)]
+    def stats(n):  # rv, rt, pos, then each direction's delta, mean_neg, dsum and (unmasked: empty) kept
+        vec = lambda: torch.rand(n) + 0.5  # noqa: E731
+        return [vec(), vec(), vec(), vec(), vec(), vec(), torch.empty(0), vec(), vec(), vec(), torch.empty(0)]
+
     out = {name: [[getattr(kernel_of(node), "fn", kernel_of(node)).__name__, sorted(node.kwargs["tensors_to_clone"]),
                    "gamma_ptr" in node.kwargs["kwargs"]] for node in nodes]
            for name, nodes in (("fwd", launches(fwd, *inputs(8))),
-                               ("bwd", launches(bwd, torch.ones(8), *inputs(8), *stats)))}
+                               ("bwd", launches(bwd, torch.ones(8), *inputs(8), *stats(8))))}
     out["kernels"] = sorted({getattr(k, "fn", k).__name__
                              for k in get_triton_kernels_for_op("hnclip::triton_symmetric_nll_backward")})
     # a distributed rank's op: 4 local rows of 8 gathered ones, both directions in one walk
     def rank_fwd(*a):
-        return torch.ops.hnclip.triton_rank_nll(*a, 2, True, True, True, "tf32x3")
+        return torch.ops.hnclip.triton_rank_nll(*a, 2, True, True, False, True, "tf32x3")
 
     def rank_bwd(*a):
-        return torch.ops.hnclip.triton_rank_nll_backward(*a, 2, True, True, True, "tf32x3", True)
+        return torch.ops.hnclip.triton_rank_nll_backward(*a, 2, True, True, False, True, "tf32x3", True)
 
-    v, t, tau, g, e = inputs(8)
-    rank_in = (v[2:6].clone(), t[2:6].clone(), v, t, tau, g, e)
-    rank_stats = [torch.rand(n) + 0.5 for n in (4, 4, 8, 8, 8, 8, 8, 8)]
+    v, t, tau, g, e, thr = inputs(8)
+    rank_in = (v[2:6].clone(), t[2:6].clone(), v, t, tau, g, e, thr)
+    rank_stats = [torch.rand(n) + 0.5 for n in (4, 4, 8, 8, 8, 8, 8, 8, 0)]
     out["rank_fwd"] = [[getattr(kernel_of(node), "fn", kernel_of(node)).__name__, sorted(node.kwargs["tensors_to_clone"]),
                         "gamma_ptr" in node.kwargs["kwargs"]] for node in launches(rank_fwd, *rank_in)]
     out["rank_bwd"] = [[getattr(kernel_of(node), "fn", kernel_of(node)).__name__, sorted(node.kwargs["tensors_to_clone"]),
@@ -285,7 +293,7 @@ _TRACE = textwrap.dedent('''
     # a backward in 3 x 3 chunks, autotuned: one dS launch per chunk pair (the GEMMs are torch's)
     from hnclip_kernels.backends.triton import config as cfg
     cfg.BWD_WORKSPACE_BYTES = 8192
-    nodes = launches(bwd, torch.ones(300), *inputs(300), *[torch.rand(300) + 0.5 for _ in range(9)])
+    nodes = launches(bwd, torch.ones(300), *inputs(300), *stats(300))
     out["chunked"] = [[getattr(kernel_of(node), "fn", kernel_of(node)).__name__, len(kernel_of(node).configs)]
                       for node in nodes]
     print(json.dumps(out))

@@ -7,6 +7,7 @@ once per tile for both (issue 16, item 3).
   strided inputs and a backward in several ragged chunks.
 * Against a float64 evaluation of the formula under both launch configurations (the GPU's tiles:
   128 × 32 for 16-bit, 64 × 16 for float32).
+* With false-negative masking: bit for bit the masked directional ops, and the float64 formula.
 * As an operator: opcheck, torch.func.grad, torch.compile(fullgraph=True).
 
 The distributed loss itself (gloo ranks, every mode) runs it in tests/distributed/test_distributed.py.
@@ -27,8 +28,14 @@ OPS = torch.ops.hnclip
 NAMES = ("rows", "d img", "d txt", "d all_img", "d all_txt", "d tau")
 
 
-def _global(n, d, dtype, seed):
+def _global(n, d, dtype, seed, duplicates=False):
     all_img, all_txt = make_pair(n, d, dtype, seed=seed)
+    if duplicates:  # every fifth caption a near-duplicate (cosine ~0.999) of the one before it
+        g = torch.Generator().manual_seed(seed + 1)
+        txt = all_txt.double()
+        txt[1::5] = txt[0::5][:txt[1::5].shape[0]] + 0.03 * torch.randn(txt[1::5].shape, generator=g,
+                                                                         dtype=torch.float64)
+        all_txt = txt.to(dtype)
     return all_img, all_txt
 
 
@@ -43,11 +50,13 @@ def _leaves(all_img, all_txt, m, offset, strided=False):
     return (leaf(all_img[offset:offset + m]), leaf(all_txt[offset:offset + m]), leaf(all_img), leaf(all_txt))
 
 
-def _run(kind, leaves, tau, offset, gamma, eps, weights, normalize=True):
+def _run(kind, leaves, tau, offset, gamma, eps, weights, normalize=True, threshold=None):
     """rows (M,) and the gradients of Σ weights·rows w.r.t. the four features and τ."""
     img, txt, all_img, all_txt = leaves
     tau = torch.tensor(tau, dtype=torch.float64 if kind == "f64" else torch.float32, requires_grad=True)
     kw = dict(tau=tau, offset=offset, gamma=gamma, label_smoothing=eps, normalize=normalize)
+    if threshold is not None:
+        kw["false_negative_threshold"] = threshold
     if kind == "rank":
         rows = ht.rank_nll_triton(img, txt, all_img, all_txt, **kw)
     else:
@@ -80,6 +89,22 @@ def test_rank_op_equals_two_directional_ops_bitwise(launch, monkeypatch, dtype, 
             assert torch.equal(x, y), f"{name}: max |Δ| {(x.float() - y.float()).abs().max():.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gamma,eps", [(0.0, 0.0), (0.5, 0.1)])
+def test_masked_rank_op_equals_two_directional_ops_bitwise(dtype, gamma, eps):
+    # false-negative masking: one caption cosine masks a pair in both directions, as in each
+    # directional op; near-duplicate captions (cosine ~0.999) above the threshold 0.9
+    m, n, d, offset = 40, 100, 24, 37
+    all_img, all_txt = _global(n, d, dtype, seed=7, duplicates=True)
+    weights = torch.linspace(-0.5, 1.5, m)
+    fused = _run("rank", _leaves(all_img, all_txt, m, offset), 0.05, offset, gamma, eps, weights, threshold=0.9)
+    pair = _run("directional", _leaves(all_img, all_txt, m, offset), 0.05, offset, gamma, eps, weights, threshold=0.9)
+    unmasked = _run("rank", _leaves(all_img, all_txt, m, offset), 0.05, offset, gamma, eps, weights)
+    assert not torch.equal(fused[0], unmasked[0])  # pairs were masked
+    for name, x, y in zip(NAMES, fused, pair):
+        assert torch.equal(x, y), f"{name}: max |Δ| {(x.float() - y.float()).abs().max():.3g}"
+
+
 def test_rank_op_statistics_are_the_directional_ops():
     m, n, d, offset = 20, 50, 16, 30
     all_img, all_txt = _global(n, d, torch.float32, seed=4)
@@ -91,18 +116,19 @@ def test_rank_op_statistics_are_the_directional_ops():
     _, want_t2i = ht.directional_nll_triton(txt, all_img, query_txt=txt, key_txt=all_txt, **kw)
     for got, want in ((i2t, want_i2t), (t2i, want_t2i)):
         for name, x, y in zip(got._fields, got, want):
-            assert torch.equal(x, y), name
+            assert (x is None and y is None) if name == "kept" else torch.equal(x, y), name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rank_op_against_float64(launch, dtype):
-    # the GPU launch: 128-row blocks (16-bit) over M = 130 local rows, 32-wide column tiles, the
-    # positives at 100 … 229 of N = 300; a weight per row
+@pytest.mark.parametrize("dtype,threshold", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 0.9)])
+def test_rank_op_against_float64(launch, dtype, threshold):
+    # the GPU launch: 128-row blocks (16-bit) over M = 130 local rows, 64-wide column tiles, the
+    # positives at 100 … 229 of N = 300; a weight per row; masked: near-duplicate captions
     m, n, d, offset = 130, 300, 32, 100
-    all_img, all_txt = _global(n, d, dtype, seed=5)
+    all_img, all_txt = _global(n, d, dtype, seed=5, duplicates=threshold is not None)
     weights = torch.linspace(0.25, 2.0, m, dtype=torch.float64)
-    got = _run("rank", _leaves(all_img, all_txt, m, offset), 0.05, offset, 0.5, 0.1, weights)
-    want = _run("f64", _leaves(all_img.double(), all_txt.double(), m, offset), 0.05, offset, 0.5, 0.1, weights)
+    got = _run("rank", _leaves(all_img, all_txt, m, offset), 0.05, offset, 0.5, 0.1, weights, threshold=threshold)
+    want = _run("f64", _leaves(all_img.double(), all_txt.double(), m, offset), 0.05, offset, 0.5, 0.1, weights,
+                threshold=threshold)
     assert got[0].dtype == torch.float32 and all(g.dtype == dtype for g in got[1:5])
     for name, x, y in zip(NAMES, got, want):
         if dtype == torch.float32:
@@ -112,24 +138,24 @@ def test_rank_op_against_float64(launch, dtype):
         assert_close_rel(x, y, tol, f"{dtype} {launch} {name}")
 
 
-def _rank_args(gamma=0.5, eps=0.1, grad=True, m=4, offset=2, n=8, d=8):
-    all_img, all_txt = _global(n, d, torch.float32, seed=6)
+def _rank_args(gamma=0.5, eps=0.1, grad=True, m=4, offset=2, n=8, d=8, threshold=None):
+    all_img, all_txt = _global(n, d, torch.float32, seed=6, duplicates=threshold is not None)
     img = all_img[offset:offset + m].clone().requires_grad_(grad)
     txt = all_txt[offset:offset + m].clone().requires_grad_(grad)
     tau = torch.tensor(0.05, requires_grad=grad)
-    hyper = [torch.tensor(x, dtype=torch.float64) for x in (gamma, eps)]
+    hyper = [torch.tensor(x, dtype=torch.float64) for x in (gamma, eps, threshold or 0.0)]
     return (img, txt, all_img.requires_grad_(grad), all_txt.requires_grad_(grad), tau, *hyper, offset,
-            gamma != 0.0, eps != 0.0, True, "tf32x3")
+            gamma != 0.0, eps != 0.0, threshold is not None, True, "tf32x3")
 
 
-@pytest.mark.parametrize("gamma, eps", [(0.0, 0.1), (0.5, 0.0)])
-def test_opcheck_rank(gamma, eps):
-    args = _rank_args(gamma, eps)
+@pytest.mark.parametrize("gamma, eps, threshold", [(0.0, 0.1, None), (0.5, 0.0, None), (0.5, 0.1, 0.9)])
+def test_opcheck_rank(gamma, eps, threshold):
+    args = _rank_args(gamma, eps, threshold=threshold)
     torch.library.opcheck(OPS.triton_rank_nll, args)
     plain = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in args)
     out = OPS.triton_rank_nll(*plain)
     torch.library.opcheck(OPS.triton_rank_nll_backward,
-                          (torch.linspace(-1.0, 1.0, 4), *plain[:7], *out[1:], *plain[7:], True))
+                          (torch.linspace(-1.0, 1.0, 4), *plain[:8], *out[1:], *plain[8:], True))
 
 
 def _weighted_rows(img, txt, all_img, all_txt, tau):

@@ -96,36 +96,45 @@ def gpu_launch_small(monkeypatch):
     assert cfg.launch_mode() == "gpu"
 
 
-@pytest.mark.parametrize("dtype,eps", [(torch.bfloat16, 0.0), (torch.float32, 0.1)])
-def test_symmetric_workspace_counted(gpu_launch_small, counter, dtype, eps):
+@pytest.mark.parametrize("dtype,eps,threshold", [(torch.bfloat16, 0.0, None), (torch.float32, 0.1, None),
+                                                 (torch.float32, 0.1, 0.5)])
+def test_symmetric_workspace_counted(gpu_launch_small, counter, dtype, eps, threshold):
+    # threshold: false-negative masking adds the kept-count plane to the forward's partials
     n, d = 300, 32
     img, txt = (x.requires_grad_(True) for x in make_pair(n, d, dtype, seed=1))
-    loss = hnclip_kernels.hn_clip_loss(img, txt, 0.07, gamma=0.5, label_smoothing=eps, backend="triton")
+    loss = hnclip_kernels.hn_clip_loss(img, txt, 0.07, gamma=0.5, label_smoothing=eps, backend="triton",
+                                       false_negative_threshold=threshold)
     loss.backward()
     fwd, bwd = counter.peak("fwd"), counter.peak("bwd")
     assert fwd > 0 and bwd > 0
     # one slab's partials (2 row blocks' of 2N lines, the splits' of the slab's 2 · 256 lines),
     # the running summaries (2N lines)
-    planes = 4 if eps else 3
-    assert fwd == workspace.forward_bytes(n, n, dtype.itemsize, True, bool(eps)) and fwd % (4 * planes * 2) == 0
+    masked = threshold is not None
+    planes = (4 if eps else 3) + masked
+    assert fwd == workspace.forward_bytes(n, n, dtype.itemsize, True, bool(eps), masked=masked)
+    assert fwd % (4 * planes * 2) == 0
     assert bwd == workspace.backward_bytes(n, n, d, dtype, symmetric=True)
-    assert fwd + bwd == hnclip_kernels.workspace_bytes(n, d, dtype, gamma=0.5, label_smoothing=eps)
+    assert fwd + bwd == hnclip_kernels.workspace_bytes(n, d, dtype, gamma=0.5, label_smoothing=eps,
+                                                       false_negative_threshold=threshold)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_rank_workspace_counted(gpu_launch_small, counter, dtype):
+@pytest.mark.parametrize("dtype,threshold", [(torch.bfloat16, None), (torch.float16, None), (torch.float32, None),
+                                             (torch.bfloat16, 0.5)])
+def test_rank_workspace_counted(gpu_launch_small, counter, dtype, threshold):
     """A distributed rank's op (both directions in one walk and one dS chunk walk): what it
-    allocates is ``workspace_bytes(n, d, dtype, local_rows=m)``, several ragged backward chunks."""
+    allocates is ``workspace_bytes(n, d, dtype, local_rows=m)``, several ragged backward chunks
+    (with false-negative masking: the kept-count plane)."""
     m, n, d, offset = 130, 300, 32, 100
     all_img, all_txt = (x.requires_grad_(True) for x in make_pair(n, d, dtype, seed=2))
     img, txt = all_img[offset:offset + m], all_txt[offset:offset + m]
     loss = tops.rank_nll_triton(img, txt, all_img, all_txt, tau=torch.tensor(0.05), offset=offset, gamma=0.5,
-                                label_smoothing=0.0, normalize=True)
+                                label_smoothing=0.0, normalize=True, false_negative_threshold=threshold)
     loss.sum().backward()
     fwd, bwd = counter.peak("fwd"), counter.peak("bwd")
-    assert fwd == workspace.forward_bytes(m, n, dtype.itemsize, False, False) > 0
+    assert fwd == workspace.forward_bytes(m, n, dtype.itemsize, False, False, masked=threshold is not None) > 0
     assert bwd == workspace.backward_bytes(m, n, d, dtype) > 0
-    assert fwd + bwd == hnclip_kernels.workspace_bytes(n, d, dtype, local_rows=m)
+    assert fwd + bwd == hnclip_kernels.workspace_bytes(n, d, dtype, local_rows=m,
+                                                       false_negative_threshold=threshold)
 
 
 def test_workspace_is_linear_in_n():

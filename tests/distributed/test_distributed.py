@@ -11,6 +11,8 @@ the gradients are checked against the float64 formula on the concatenated global
 * full batch, no grad gather (C):     L_r = L; feature grads = w_r · dL/d(own features).
 * full batch, grad gather (D):        L_r = L; feature grads = (Σ w) · dL/d(own features).
 * logit_scale (every mode):           rank r's grad = w_r · dL_r/ds.
+* false-negative masking (every mode, unequal sizes): captions duplicated within and across
+  ranks, masked at caption cosine 0.99, against the float64 formula with the same mask.
 
 Workers record failed checks instead of raising, so one failure does not leave the other
 ranks hanging in a collective; the parent joins with a deadline and kills stragglers.
@@ -106,11 +108,14 @@ def _check(failures, name, fn, *args):
 # ----------------------------------------------------------------------------- data and truth
 
 
-def _global_data(sizes, d, seed, normalize):
+def _global_data(sizes, d, seed, normalize, duplicates=False):
     g = torch.Generator().manual_seed(seed)
     n = sum(sizes)
     v = torch.randn(n, d, generator=g)
     t = 0.6 * v + torch.randn(n, d, generator=g)  # correlated pairs: not a trivial loss
+    if duplicates:  # caption 0 repeated on the last rank, caption 1 next to it (false negatives)
+        t[n - 1] = t[0]
+        t[2] = t[1]
     if normalize:  # raw features of varied norms; the loss normalises them
         v = v * torch.rand(n, 1, generator=g).add(0.5)
         t = t * torch.rand(n, 1, generator=g).add(0.5)
@@ -133,18 +138,27 @@ def _local_leaf(x, layout):
     return leaf, leaf, lambda g: g
 
 
-def _ce_f64(q, k, a, b, s, offset, gamma, eps, normalize):
-    """One direction in float64 via F.cross_entropy (B-mode truth, keys given as constants)."""
+def _ce_f64(q, k, a, b, s, offset, gamma, eps, normalize, threshold=None):
+    """One direction in float64 via F.cross_entropy (B-mode truth, keys given as constants);
+    with ``threshold``, cross-entropy over each row's kept classes written out."""
     if normalize:
         q, k, a, b = (F.normalize(x, dim=1) for x in (q, k, a, b))
     rows = torch.arange(q.shape[0])
     margin = (a @ b.T).detach().clone()
+    cos = F.normalize(a, dim=1) @ F.normalize(b, dim=1).T
     margin[rows, rows + offset] = 0.0
     z = (q @ k.T + gamma * margin) * s
-    return F.cross_entropy(z, rows + offset, reduction="none", label_smoothing=eps)
+    if threshold is None:
+        return F.cross_entropy(z, rows + offset, reduction="none", label_smoothing=eps)
+    dropped = cos.detach() >= threshold
+    dropped[rows, rows + offset] = False  # the positive stays
+    pos = z[rows, rows + offset]
+    nll = torch.logsumexp(z.masked_fill(dropped, float("-inf")), dim=1) - pos
+    kept_mean = z.masked_fill(dropped, 0.0).sum(dim=1) / (~dropped).sum(dim=1)
+    return nll + eps * (pos - kept_mean)
 
 
-def _expected(mode, V, T, sizes, rank, w, gamma, eps, normalize):
+def _expected(mode, V, T, sizes, rank, w, gamma, eps, normalize, threshold=None):
     """Float64 (loss_r, dImg_r, dTxt_r, ds_r) of rank r with upstream weights w, and the DDP truth."""
     local_loss, with_grad = mode
     W, N = len(sizes), sum(sizes)
@@ -155,13 +169,13 @@ def _expected(mode, V, T, sizes, rank, w, gamma, eps, normalize):
     s = torch.tensor(S0, dtype=torch.float32).double().requires_grad_()
     V64, T64 = V.double(), T.double()
     if local_loss and not with_grad:
-        i2t = _ce_f64(v[sl[rank]], T64, T64[sl[rank]], T64, s, offs[rank], gamma, eps, normalize)
-        t2i = _ce_f64(t[sl[rank]], V64, T64[sl[rank]], T64, s, offs[rank], gamma, eps, normalize)
+        i2t = _ce_f64(v[sl[rank]], T64, T64[sl[rank]], T64, s, offs[rank], gamma, eps, normalize, threshold)
+        t2i = _ce_f64(t[sl[rank]], V64, T64[sl[rank]], T64, s, offs[rank], gamma, eps, normalize, threshold)
         loss_r = (W / N) * (0.5 * (i2t + t2i)).sum()
         obj = w[rank] * loss_r
         ddp_truth = None
     else:
-        rows = hn_clip_loss_f64(v, t, 1 / s, gamma, eps, "none", normalize)
+        rows = hn_clip_loss_f64(v, t, 1 / s, gamma, eps, "none", normalize, false_negative_threshold=threshold)
 
         def rank_value(r):
             return (W / N) * rows[sl[r]].sum() if local_loss else rows.mean()
@@ -190,23 +204,24 @@ def _backends():
 
 
 def _run_case(rank, world, failures, *, sizes, mode, backend, gamma, eps, normalize, layout, seed,
-              with_clip=False, tol=5e-5, tag=""):
+              with_clip=False, tol=5e-5, tag="", threshold=None):
     from open_clip.loss import ClipLoss
 
-    name = f"[{backend} sizes={sizes} mode={mode} γ={gamma} ε={eps} norm={normalize} {layout} {tag}]"
+    name = f"[{backend} sizes={sizes} mode={mode} γ={gamma} ε={eps} norm={normalize} {layout} {tag} c={threshold}]"
     w = [1.0 + r for r in range(world)]
-    V, T = _global_data(sizes, 8, seed, normalize)
+    V, T = _global_data(sizes, 8, seed, normalize, duplicates=threshold is not None)
     off = sum(sizes[:rank])
     sl = slice(off, off + sizes[rank])
     lv, img, map_v = _local_leaf(V[sl], layout)
     lt, txt, map_t = _local_leaf(T[sl], "colmajor" if layout == "strided" else layout)
     s = torch.tensor(S0, dtype=torch.float32, requires_grad=True)
     loss_fn = HNClipLoss(local_loss=mode[0], gather_with_grad=mode[1], rank=rank, world_size=world,
-                         gamma=gamma, label_smoothing=eps, backend=backend, normalize=normalize)
+                         gamma=gamma, label_smoothing=eps, backend=backend, normalize=normalize,
+                         false_negative_threshold=threshold)
     loss = loss_fn(img, txt, s)
     gv, gt, gs = torch.autograd.grad(w[rank] * loss, [lv, lt, s])
     gv, gt = map_v(gv), map_t(gt)
-    exp = _expected(mode, V, T, sizes, rank, w, gamma, eps, normalize)
+    exp = _expected(mode, V, T, sizes, rank, w, gamma, eps, normalize, threshold)
     _check(failures, name + " loss", lambda: assert_close_rel(loss, exp["loss"], 2e-6, "loss"))
     _check(failures, name + " dimg", lambda: assert_close_rel(gv, exp["img"], tol, "d image"))
     _check(failures, name + " dtxt", lambda: assert_close_rel(gt, exp["txt"], tol, "d text"))
@@ -245,6 +260,8 @@ def _loss_checks(rank, world, failures, equal, unequal):
                       normalize=True, layout="strided", seed=seed + 2000)
             _run_case(rank, world, failures, sizes=unequal, mode=mode, backend=backend, gamma=0.5, eps=0.0,
                       normalize=False, layout="colmajor", seed=seed + 3000)
+            _run_case(rank, world, failures, sizes=unequal, mode=mode, backend=backend, gamma=0.5, eps=0.1,
+                      normalize=True, layout="contig", seed=seed + 4000, threshold=0.99)
 
 
 def _both_autograd_gathers(fn):
@@ -334,6 +351,8 @@ def _error_checks(rank, world, failures):
         "gamma differs": lambda: loss(base, base, gamma=0.3 if rank == 0 else 0.5),
         "label_smoothing differs": lambda: loss(base, base, label_smoothing=0.1 if rank == 1 else 0.0),
         "normalize differs": lambda: loss(base, base, normalize=rank == world - 1),
+        "false_negative_threshold differs": lambda: loss(base, base,
+                                                         false_negative_threshold=0.9 if rank == 1 else None),
         "local_loss differs": lambda: HNClipLoss(local_loss=rank != 0, gather_with_grad=True, rank=rank,
                                                  world_size=world, backend="torch")(base, base, s),
         "gather_with_grad differs": lambda: HNClipLoss(local_loss=True, gather_with_grad=rank != 0, rank=rank,

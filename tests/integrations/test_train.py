@@ -141,6 +141,7 @@ def test_log_stats_logs_saturation_every_step(runs):
     ("--hn-gamma", "nan", "gamma must be finite"),
     ("--hn-label-smoothing", "1", "label_smoothing must be in [0, 1)"),
     ("--hn-backend", "cuda", "backend must be one of"),
+    ("--hn-false-negative-threshold", "1.5", "false_negative_threshold must be None or a caption cosine in (-1, 1]"),
 ])
 def test_bad_hn_flags_fail_before_training(monkeypatch, capsys, flag, value, words):
     monkeypatch.setattr(oc_main, "main", lambda argv: pytest.fail("training started"))
@@ -220,7 +221,8 @@ def test_passes_other_arguments_through_and_restores_patches(monkeypatch):
 
     monkeypatch.setattr(oc_main, "main", fake_main)
     argv = ["--model", "ViT-B-32", "--local-loss", "--hn-gamma=0.25", "--gather-with-grad",
-            "--hn-label-smoothing", "0.1", "--hn-backend", "torch", "--logs", "x", "--lr", "1e-4"]
+            "--hn-label-smoothing", "0.1", "--hn-backend", "torch", "--hn-false-negative-threshold", "0.95",
+            "--logs", "x", "--lr", "1e-4"]
     assert hn_train.main(argv) == -1
     assert got["argv"] == ["--model", "ViT-B-32", "--local-loss", "--gather-with-grad",
                            "--logs", "x", "--lr", "1e-4"]
@@ -233,6 +235,7 @@ def test_passes_other_arguments_through_and_restores_patches(monkeypatch):
     loss = got["create_loss"](args)
     assert isinstance(loss, HNClipLoss)
     assert (loss.gamma, loss.label_smoothing, loss.backend) == (0.25, 0.1, "torch")
+    assert loss.false_negative_threshold == 0.95 and loss.options.false_negative_threshold == 0.95
     assert (loss.local_loss, loss.gather_with_grad) == (True, True)
 
 

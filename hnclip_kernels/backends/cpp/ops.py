@@ -75,54 +75,70 @@ def _value(x: Tensor) -> float:
 
 
 # ---- one direction: M query rows against N key columns, positive of row i at column offset + i
-_DirOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+_DirOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+def _threshold(threshold: Tensor, masked: bool):
+    """The raw kernels' ``float? threshold``: the caption cosine of the masking, or None."""
+    return _value(threshold) if masked else None
+
+
+def _stats(pos, delta, mean_neg, dsum, kept, masked: bool) -> epilogue.RowStats:
+    return epilogue.RowStats(pos, delta, mean_neg, dsum, kept if masked else None)
 
 
 def _directional_nll(q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor,
-                     offset: int, normalize: bool, need_grad: bool) -> _DirOut:
+                     threshold: Tensor, offset: int, normalize: bool, need_grad: bool, masked: bool) -> _DirOut:
     """Per-row losses (M,) and what the backward needs:
-    (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, row_acc, col_acc)."""
+    (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, kept, row_acc, col_acc); ``kept`` (M,) with
+    false-negative masking (``masked``: a pair at caption cosine ≥ ``threshold`` is no negative),
+    else empty."""
     gamma, label_smoothing = _value(gamma), _value(label_smoothing)
     dt = compute_dtype(q.dtype)
     rq, rk, ra, rb = (epilogue.inv_norms(x, normalize, dt) for x in (q, k, a, b))
     inv_tau = 1.0 / tau.detach().to(dt)
     q_hat, k_hat = epilogue.scaled(q, rq, dt), epilogue.scaled(k, rk, dt)
     pos = epilogue.positive_logits(q_hat, k_hat, offset, inv_tau)
-    delta, mean_neg, dsum, row_acc, col_acc = RAW.cpp_raw_directional_fwd(
-        q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad)
-    loss = epilogue.row_losses(epilogue.RowStats(pos, delta, mean_neg, dsum), k.shape[0], label_smoothing)
-    return loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, row_acc, col_acc
+    delta, mean_neg, dsum, kept, row_acc, col_acc = RAW.cpp_raw_directional_fwd(
+        q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, _threshold(threshold, masked),
+        label_smoothing)
+    loss = epilogue.row_losses(_stats(pos, delta, mean_neg, dsum, kept, masked), k.shape[0], label_smoothing)
+    return loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, kept, row_acc, col_acc
 
 
-def _directional_nll_fake(q, k, a, b, tau, gamma, label_smoothing, offset, normalize, need_grad):
+def _directional_nll_fake(q, k, a, b, tau, gamma, label_smoothing, threshold, offset, normalize, need_grad, masked):
     dt = compute_dtype(q.dtype)
     m, d = q.shape
     n = k.shape[0]
     loss, rq, ra, pos, delta, mean_neg, dsum = (q.new_empty((m,), dtype=dt) for _ in range(7))
     rk, rb = q.new_empty((n,), dtype=dt), q.new_empty((n,), dtype=dt)
+    kept = q.new_empty((m if masked else 0,), dtype=dt)
     row_acc = q.new_empty((m if need_grad else 0, d), dtype=dt)
     col_acc = q.new_empty((n if need_grad else 0, d), dtype=dt)
-    return loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, row_acc, col_acc
+    return loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, kept, row_acc, col_acc
 
 
 def _directional_nll_backward(
     grad: Tensor, q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor,
-    rq: Tensor, rk: Tensor, ra: Tensor, rb: Tensor, pos: Tensor, delta: Tensor, mean_neg: Tensor, dsum: Tensor,
-    row_acc: Tensor, col_acc: Tensor, offset: int, normalize: bool, need_grad: bool, need_qk: bool,
+    threshold: Tensor, rq: Tensor, rk: Tensor, ra: Tensor, rb: Tensor, pos: Tensor, delta: Tensor, mean_neg: Tensor,
+    dsum: Tensor, kept: Tensor, row_acc: Tensor, col_acc: Tensor, offset: int, normalize: bool, need_grad: bool,
+    masked: bool, need_qk: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dL/dq in q's dtype, dL/dk in k's dtype, dL/dτ in τ's dtype and shape)."""
     gamma, label_smoothing = _value(gamma), _value(label_smoothing)
     dt = compute_dtype(q.dtype)
     g = grad.to(dt).contiguous()
     inv_tau = 1.0 / tau.detach().to(dt)
+    stats = _stats(pos, delta, mean_neg, dsum, kept, masked)
+    shift = epilogue.smoothing_shift(stats, label_smoothing) if masked else pos.new_empty((0,))
     q_hat, k_hat = epilogue.scaled(q, rq, dt), epilogue.scaled(k, rk, dt)
     if need_qk:
         d_q_neg, d_k_neg = RAW.cpp_raw_directional_bwd(
-            q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma)
+            q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma,
+            _threshold(threshold, masked), shift)
     else:  # only τ wants a gradient: it needs the row statistics alone
         d_q_neg, d_k_neg = torch.zeros_like(q_hat), torch.zeros_like(k_hat)
     del q_hat, k_hat  # peak memory: the finisher forms them again after the kernel's temporaries are gone
-    stats = epilogue.RowStats(pos, delta, mean_neg, dsum)
     d_q, d_k, dz_z = epilogue.finish_directional(stats, g, q, k, rq, rk, d_q_neg, d_k_neg, offset, inv_tau,
                                                  label_smoothing, normalize)
     return d_q, d_k, epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
@@ -138,48 +154,53 @@ _DirectionalNLL = glue.fused_op(
 
 
 # ---- the single-process loss: both directions from one product per tile
-_SymOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+_SymOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-def _symmetric_nll(img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor,
-                   normalize: bool) -> _SymOut:
-    """Per-pair losses ½(i2t_k + t2i_k) (N,) and what the backward needs:
-    (pairs, rv, rt, pos, delta_i2t, mean_neg_i2t, dsum_i2t, delta_t2i, mean_neg_t2i, dsum_t2i)."""
+def _symmetric_nll(img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor, threshold: Tensor,
+                   normalize: bool, masked: bool) -> _SymOut:
+    """Per-pair losses ½(i2t_k + t2i_k) (N,) and what the backward needs: (pairs, rv, rt, pos,
+    delta_i2t, mean_neg_i2t, dsum_i2t, kept_i2t, delta_t2i, mean_neg_t2i, dsum_t2i, kept_t2i)
+    (``kept``: empty without false-negative masking)."""
     gamma, label_smoothing = _value(gamma), _value(label_smoothing)
     dt = compute_dtype(img.dtype)
     rv, rt = epilogue.inv_norms(img, normalize, dt), epilogue.inv_norms(txt, normalize, dt)
     inv_tau = 1.0 / tau.detach().to(dt)
     v_hat, t_hat = epilogue.scaled(img, rv, dt), epilogue.scaled(txt, rt, dt)
     pos = epilogue.positive_logits(v_hat, t_hat, 0, inv_tau)  # Z_kk, the same for both directions
-    stats = RAW.cpp_raw_symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma)
-    pairs = epilogue.pair_losses(epilogue.RowStats(pos, *stats[:3]), epilogue.RowStats(pos, *stats[3:]),
+    stats = RAW.cpp_raw_symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma, _threshold(threshold, masked))
+    pairs = epilogue.pair_losses(_stats(pos, *stats[:4], masked), _stats(pos, *stats[4:], masked),
                                  img.shape[0], label_smoothing)
     return (pairs, rv, rt, pos, *stats)
 
 
-def _symmetric_nll_fake(img, txt, tau, gamma, label_smoothing, normalize):
+def _symmetric_nll_fake(img, txt, tau, gamma, label_smoothing, threshold, normalize, masked):
     dt = compute_dtype(img.dtype)
-    return tuple(img.new_empty((img.shape[0],), dtype=dt) for _ in range(10))
+    n = img.shape[0]
+    return tuple(img.new_empty((0 if i in (7, 11) and not masked else n,), dtype=dt) for i in range(12))
 
 
 def _symmetric_nll_backward(
-    grad: Tensor, img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor,
-    rv: Tensor, rt: Tensor, pos: Tensor, delta_r: Tensor, mean_neg_r: Tensor, dsum_r: Tensor,
-    delta_c: Tensor, mean_neg_c: Tensor, dsum_c: Tensor, normalize: bool, need_vt: bool,
+    grad: Tensor, img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor, threshold: Tensor,
+    rv: Tensor, rt: Tensor, pos: Tensor, delta_r: Tensor, mean_neg_r: Tensor, dsum_r: Tensor, kept_r: Tensor,
+    delta_c: Tensor, mean_neg_c: Tensor, dsum_c: Tensor, kept_c: Tensor, normalize: bool, masked: bool, need_vt: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dL/dimg in img's dtype, dL/dtxt in txt's dtype, dL/dτ in τ's dtype and shape)."""
     gamma, label_smoothing = _value(gamma), _value(label_smoothing)
     dt = compute_dtype(img.dtype)
     g = 0.5 * grad.to(dt).contiguous()  # each direction's row k gets half of pair k's gradient
     inv_tau = 1.0 / tau.detach().to(dt)
+    i2t = _stats(pos, delta_r, mean_neg_r, dsum_r, kept_r, masked)
+    t2i = _stats(pos, delta_c, mean_neg_c, dsum_c, kept_c, masked)
     v_hat, t_hat = epilogue.scaled(img, rv, dt), epilogue.scaled(txt, rt, dt)
     if need_vt:
-        d_v, d_t = RAW.cpp_raw_symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma)
+        shifts = ((epilogue.smoothing_shift(i2t, label_smoothing), epilogue.smoothing_shift(t2i, label_smoothing))
+                  if masked else (pos.new_empty((0,)), pos.new_empty((0,))))
+        d_v, d_t = RAW.cpp_raw_symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma,
+                                             _threshold(threshold, masked), *shifts)
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t = torch.zeros_like(v_hat), torch.zeros_like(t_hat)
     del v_hat, t_hat
-    i2t = epilogue.RowStats(pos, delta_r, mean_neg_r, dsum_r)
-    t2i = epilogue.RowStats(pos, delta_c, mean_neg_c, dsum_c)
     d_img, d_txt, dz_z = epilogue.finish_symmetric(i2t, t2i, g, img, txt, rv, rt, d_v, d_t, inv_tau,
                                                    label_smoothing, normalize)
     return d_img, d_txt, epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
@@ -196,31 +217,34 @@ _SymmetricNLL = glue.fused_op(
 
 # ---- fakes of the raw C++ kernels (so they can be traced on their own too)
 @torch.library.register_fake("hnclip::cpp_raw_directional_fwd")
-def _directional_fwd_fake(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad):
+def _directional_fwd_fake(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, eps):
     m, d = q_hat.shape
     n = k_hat.shape[0]
     vec = [q_hat.new_empty((m,)) for _ in range(3)]
-    return (*vec, q_hat.new_empty((m if need_grad else 0, d)), q_hat.new_empty((n if need_grad else 0, d)))
+    return (*vec, q_hat.new_empty((0 if threshold is None else m,)), q_hat.new_empty((m if need_grad else 0, d)),
+            q_hat.new_empty((n if need_grad else 0, d)))
 
 
 @torch.library.register_fake("hnclip::cpp_raw_directional_bwd")
-def _directional_bwd_fake(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma):
+def _directional_bwd_fake(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma,
+                          threshold, shift):
     return q_hat.new_empty(q_hat.shape), k_hat.new_empty(k_hat.shape)
 
 
 @torch.library.register_fake("hnclip::cpp_raw_symmetric_fwd")
-def _symmetric_fwd_fake(v_hat, t_hat, pos, inv_tau, gamma):
-    return tuple(v_hat.new_empty((v_hat.shape[0],)) for _ in range(6))
+def _symmetric_fwd_fake(v_hat, t_hat, pos, inv_tau, gamma, threshold):
+    n, kept = v_hat.shape[0], (0 if threshold is None else v_hat.shape[0])
+    return tuple(v_hat.new_empty((kept if i in (3, 7) else n,)) for i in range(8))
 
 
 @torch.library.register_fake("hnclip::cpp_raw_symmetric_bwd")
-def _symmetric_bwd_fake(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma):
+def _symmetric_bwd_fake(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma, threshold, shift_r, shift_c):
     return v_hat.new_empty(v_hat.shape), t_hat.new_empty(t_hat.shape)
 
 
 # ---- public wrappers
 def directional_nll_cpp(queries, keys, *, query_txt, key_txt, tau, offset, gamma, label_smoothing, normalize,
-                        return_stats=False):
+                        return_stats=False, false_negative_threshold=None):
     """C++ counterpart of :func:`hnclip_kernels.backends.pytorch.reference.directional_nll_torch` (same
     keyword-only protocol and result).
 
@@ -232,19 +256,24 @@ def directional_nll_cpp(queries, keys, *, query_txt, key_txt, tau, offset, gamma
     (or 0-dim tensors, which get no gradient); under ``torch.compile`` a new value does not
     recompile. Works under ``torch.func.grad``/``vjp``/``vmap`` (vmap: one kernel call per batch
     entry); second derivatives raise the ``RuntimeError`` naming backend="torch".
+    ``false_negative_threshold``: as the reference's (the kernels compare the cosine of the
+    normalised captions' product â_i·b̂_k as BLAS forms it on each tile, in the compute dtype).
     """
     check_directional(queries, keys, query_txt, key_txt, offset)
     # the forward also produces the gradient shares only when a backward can follow
     need_grad = torch.is_grad_enabled() and bool(queries.requires_grad or keys.requires_grad)
+    masked = false_negative_threshold is not None
     out = glue.call(_DirectionalNLL, torch.ops.hnclip.cpp_directional_nll, queries, keys, query_txt, key_txt, tau,
-                    glue.hyperparameter(gamma, queries), glue.hyperparameter(label_smoothing, queries), int(offset),
-                    bool(normalize), need_grad)
+                    glue.hyperparameter(gamma, queries), glue.hyperparameter(label_smoothing, queries),
+                    glue.hyperparameter(false_negative_threshold if masked else 0.0, queries), int(offset),
+                    bool(normalize), need_grad, masked)
     if not return_stats:
         return out[0]
-    return out[0], epilogue.RowStats(*out[5:9])
+    return out[0], _stats(*out[5:10], masked)
 
 
-def hn_clip_pairs_cpp(img, txt, *, tau, gamma, label_smoothing, normalize, return_stats=False):
+def hn_clip_pairs_cpp(img, txt, *, tau, gamma, label_smoothing, normalize, return_stats=False,
+                      false_negative_threshold=None):
     """Per-pair losses ½(i2t_k + t2i_k), shape (N,): the single-process loss in one operator.
 
     Each logit tile is computed once for both directions (its rows are i2t's, its columns
@@ -252,11 +281,14 @@ def hn_clip_pairs_cpp(img, txt, *, tau, gamma, label_smoothing, normalize, retur
     :func:`directional_nll_cpp` calls. float32 result (float64 for float64 inputs);
     gradients reach ``img``, ``txt`` and ``tau`` (a 0-dim tensor). ``return_stats``: also
     ``(i2t, t2i)``, the detached ``epilogue.RowStats`` of both directions. ``gamma``,
-    ``label_smoothing``, ``torch.compile`` and ``torch.func``: as :func:`directional_nll_cpp`.
+    ``label_smoothing``, ``false_negative_threshold``, ``torch.compile`` and ``torch.func``: as
+    :func:`directional_nll_cpp` (the caption tile t̂_I t̂_Jᵀ is formed beside each logit tile).
     """
+    masked = false_negative_threshold is not None
     out = glue.call(_SymmetricNLL, torch.ops.hnclip.cpp_symmetric_nll, img, txt, tau, glue.hyperparameter(gamma, img),
-                    glue.hyperparameter(label_smoothing, img), bool(normalize))
+                    glue.hyperparameter(label_smoothing, img),
+                    glue.hyperparameter(false_negative_threshold if masked else 0.0, img), bool(normalize), masked)
     if not return_stats:
         return out[0]
     pos = out[3]
-    return out[0], (epilogue.RowStats(pos, *out[4:7]), epilogue.RowStats(pos, *out[7:10]))
+    return out[0], (_stats(pos, *out[4:8], masked), _stats(pos, *out[8:12], masked))

@@ -30,6 +30,7 @@ def directional_nll_torch(
     label_smoothing: float,
     normalize: bool,
     return_stats: bool = False,
+    false_negative_threshold=None,
 ):
     """Per-row cross-entropy of one direction of the HN-CLIP logits (arXiv 2608.18521, Eq. 2).
 
@@ -43,6 +44,12 @@ def directional_nll_torch(
     Each row's NLL is ``softplus(LSE_{k != pos} Z[i, k] - Z[i, pos])``, so a loss of 1e-30
     survives in float32 where ``LSE - Z_pos`` would round to 0. Label smoothing ε adds
     ``ε · mean_k (Z[i, pos] - Z[i, k])``, which equals PyTorch's ``cross_entropy`` semantics.
+
+    False-negative masking (``false_negative_threshold`` c, not in the paper): column k ≠ offset + i
+    with caption cosine ``â_i · b̂_k ≥ c`` (the margin's own product, in the compute dtype: float32,
+    float64 for float64 inputs, c rounded to it) is no negative of row i: it leaves the LSE, gets
+    no margin and no gradient, and label smoothing spreads ε over the row's n_i kept classes,
+    ``ε · mean_{k kept} (Z[i, pos] - Z[i, k])``.
 
     Returns a float32 (float64 for float64 inputs) tensor of shape (M,); with
     ``return_stats``, also the detached row statistics ``backends.epilogue.RowStats`` (what the
@@ -65,6 +72,8 @@ def directional_nll_torch(
     delta = logits - pos[:, None]  # Z_ik - Z_i,pos: exactly 0 at the positive
     is_pos = torch.zeros_like(delta, dtype=torch.bool)
     is_pos[rows, pos_cols] = True
+    if false_negative_threshold is not None:
+        return _masked_rows(delta, pos, is_pos, margin >= false_negative_threshold, label_smoothing, return_stats)
     if n > 1:
         lse_neg = torch.logsumexp(delta.masked_fill(is_pos, float("-inf")), dim=1)
     else:
@@ -78,6 +87,22 @@ def directional_nll_torch(
     if not return_stats:
         return nll
     return nll, _row_stats(pos, delta.detach(), is_pos, lse_neg.detach())
+
+
+def _masked_rows(delta, pos, is_pos, masked, label_smoothing, return_stats):
+    """The rows of :func:`directional_nll_torch` with the masked columns ``masked`` (caption
+    cosine ≥ threshold; the positive's own entry is ignored) removed from each row."""
+    dropped = is_pos | masked
+    lse_neg = torch.logsumexp(delta.masked_fill(dropped, float("-inf")), dim=1)
+    nll = F.softplus(lse_neg)
+    kept_delta = delta.masked_fill(dropped, 0.0)  # no gradient reaches a masked column
+    kept = (~dropped).sum(dim=1).to(delta.dtype)
+    if label_smoothing != 0.0:
+        nll = nll - (label_smoothing / (kept + 1.0)) * kept_delta.sum(dim=1)
+    if not return_stats:
+        return nll
+    stats = _row_stats(pos, kept_delta.detach(), dropped, lse_neg.detach())
+    return nll, stats._replace(kept=kept)
 
 
 def _row_stats(pos, delta, is_pos, lse_neg):

@@ -65,7 +65,16 @@ from ...numerics import autocast_disabled, ieee_float32
 from .. import epilogue
 from . import config as cfg
 from .launch import launch, strides, wrap_triton
-from .tiles import _block, _load2, _load_gamma, _logits_tile, _pair_tiles, _rank_tiles
+from .tiles import (
+    _block,
+    _kept,
+    _load2,
+    _load_gamma,
+    _load_threshold,
+    _logits_masked_tile,
+    _pair_masked_tiles,
+    _rank_tiles,
+)
 
 # the residual sums' slice: every dS tile (32, 64 or 128 wide) holds whole slices, so the
 # partial buffers' layout does not depend on the tile an autotuner picks
@@ -87,10 +96,11 @@ def _dscore_kernel(
     q_ptr, k_ptr, mq_ptr, mk_ptr,
     stride_qm, stride_qd, stride_kn, stride_kd, stride_mqm, stride_mqd, stride_mkn, stride_mkd,
     rq_ptr, rk_ptr, r_mq_ptr, r_mk_ptr, pos_ptr, nll_ptr, g_ptr, tau_ptr, gamma_ptr,
-    nll_c_ptr, g_c_ptr, a_ptr, b_ptr,
+    nll_c_ptr, g_c_ptr, a_ptr, b_ptr, thr_ptr, s_ptr, s_c_ptr,
     w_ptr, lo_ptr, stride_wm, stride_wn, res_r_ptr, stride_rr, res_c_ptr, stride_rc,
     row0, row_end, col0, col_end, D, offset,
-    SYMMETRIC: tl.constexpr, HAS_MARGIN: tl.constexpr, PREC: tl.constexpr, ROUND16: tl.constexpr, TAIL: tl.constexpr,
+    SYMMETRIC: tl.constexpr, HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr,
+    ROUND16: tl.constexpr, TAIL: tl.constexpr,
     SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """W[i − row0, k − col0] = a_i · dS_ik · b_k over one chunk [row0, row_end) × [col0, col_end);
@@ -109,6 +119,10 @@ def _dscore_kernel(
         a_ptr (M), b_ptr (N): W's row and column scales (see the module docstring: the inverse
         norms, over the exact float16 conversion's powers of two for bf16 features, times
         powers of two that bring them near 1, and for 16-bit W the fit c in a).
+    False-negative masking (MASK): thr_ptr the 1-element threshold; s_ptr (M), s_c_ptr (N,
+        with SYMMETRIC) each row's ε/n_i (read with SHIFT: MASK and label smoothing):
+        dS_ik = g_i (P_ik − s_i) (+ g'_k (P'_ki − s'_k)) on the entries kept (caption cosine <
+        thr), 0 on the masked ones.
     Outputs: w_ptr, the chunk (row_end − row0, col_end − col0), float32 or float16, strides
         stride_wm, stride_wn; with TAIL lo_ptr, the tail, alike. With ROUND16,
         E_ik = (W_ik − W̃_ik − W̃_lo,ik) / (a_i b_k) (= ε_ik dS_ik; no W̃_lo without TAIL)
@@ -116,7 +130,7 @@ def _dscore_kernel(
         and over SLICE rows into res_c_ptr[slice, k − col0] (stride_rc).
     Shapes and scalars: the chunk's bounds row0, row_end (≤ M), col0, col_end (≤ N); D;
         offset (row i's positive is column offset + i).
-    Constexprs: SYMMETRIC (also the key direction's share), HAS_MARGIN (γ ≠ 0), PREC
+    Constexprs: SYMMETRIC (also the key direction's share), HAS_MARGIN (γ ≠ 0), MASK, PREC
         (``precision._dot``), ROUND16 ("" or "fp16": W rounded to float16), TAIL (and a
         float16 tail written: fp16 features), SLICE (the residual
         sums' slice, dividing both tile sides), BLOCK_M × BLOCK_N tiles, BLOCK_K the
@@ -129,12 +143,13 @@ def _dscore_kernel(
     gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
     rq, r_mq = _load2(rq_ptr, r_mq_ptr, offs_m, mask_m)
     rk, r_mk = _load2(rk_ptr, r_mk_ptr, offs_n, mask_n)
-    z = _logits_tile((q_ptr, stride_qm, stride_qd), (k_ptr, stride_kn, stride_kd),
-                     (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
-                     (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
-                     D, gamma, inv_tau, HAS_MARGIN, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    thr = _load_threshold(thr_ptr, MASK)
+    z = _logits_masked_tile((q_ptr, stride_qm, stride_qd), (k_ptr, stride_kn, stride_kd),
+                            (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
+                            (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
+                            D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
-                            a_ptr, b_ptr, SYMMETRIC)
+                            a_ptr, b_ptr, SYMMETRIC, s_ptr, s_c_ptr, MASK, SHIFT)
     _store_w(w, a, b, mask, (offs_m, mask_m, row0, row_end, pid_m * (BLOCK_M // SLICE)),
              (offs_n, mask_n, col0, col_end, pid_n * (BLOCK_N // SLICE)),
              w_ptr, lo_ptr, stride_wm, stride_wn, res_r_ptr, stride_rr, res_c_ptr, stride_rc,
@@ -143,21 +158,37 @@ def _dscore_kernel(
 
 @triton.jit
 def _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr, a_ptr, b_ptr,
-            SYMMETRIC: tl.constexpr):
+            SYMMETRIC: tl.constexpr, s_ptr, s_c_ptr, MASK: tl.constexpr, SHIFT: tl.constexpr):
     """W = a_i · dS_ik · b_k (float32) of a tile z of logits (rows ``offs_m``, columns ``offs_n``;
     row i's positive is column offset + i), with the row scales a, column scales b and the
-    tile's bounds mask (see ``_dscore_kernel``). Loads only: no pointer here is written."""
+    tile's bounds mask (see ``_dscore_kernel``). With MASK (false-negative masking: z from
+    ``tiles._logits_masked_tile``, masked entries −inf) only the kept entries are negatives, each
+    less its row's (and column's) smoothing share s = ε/n (``s_ptr``, ``s_c_ptr``; only with
+    SHIFT, label smoothing: without it a masked tile costs what an unmasked one does, the
+    fp16 128x64 dS is at 255 registers). Loads only: no pointer here is written."""
     neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
     pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
     nll = tl.load(nll_ptr + offs_m, mask=mask_m, other=0.0)
     g = tl.load(g_ptr + offs_m, mask=mask_m, other=0.0)
-    # mask before exp: the positive's tile entry carries a margin and may overflow
-    dscore = tl.exp(tl.where(neg, z - pos[:, None] - nll[:, None], float("-inf"))) * g[:, None]
+    if MASK:
+        neg = neg & _kept(z)
+    if SHIFT:
+        s = tl.load(s_ptr + offs_m, mask=mask_m, other=0.0)
+        p = tl.exp(tl.where(neg, z - pos[:, None] - nll[:, None], float("-inf")))
+        dscore = tl.where(neg, p - s[:, None], 0.0) * g[:, None]
+    else:
+        # mask before exp: the positive's tile entry carries a margin and may overflow
+        dscore = tl.exp(tl.where(neg, z - pos[:, None] - nll[:, None], float("-inf"))) * g[:, None]
     if SYMMETRIC:
         pos_c = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
         nll_c = tl.load(nll_c_ptr + offs_n, mask=mask_n, other=0.0)
         g_c = tl.load(g_c_ptr + offs_n, mask=mask_n, other=0.0)
-        dscore += tl.exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf"))) * g_c[None, :]
+        if SHIFT:
+            s_c = tl.load(s_c_ptr + offs_n, mask=mask_n, other=0.0)
+            p_c = tl.exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf")))
+            dscore += tl.where(neg, p_c - s_c[None, :], 0.0) * g_c[None, :]
+        else:
+            dscore += tl.exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf"))) * g_c[None, :]
     # W_ik = a_i · dS_ik · b_k (a, b: the products' scales, see the module docstring)
     a = tl.load(a_ptr + offs_m, mask=mask_m, other=0.0)
     b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0)
@@ -203,9 +234,11 @@ def _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, stride_wm, stride_wn, res
 def _dscore_pair_kernel(
     v_ptr, t_ptr, stride_vm, stride_vd, stride_tm, stride_td,
     rv_ptr, rt_ptr, pos_ptr, nll_ptr, g_ptr, tau_ptr, gamma_ptr, nll_c_ptr, g_c_ptr, a_ptr, b_ptr,
+    thr_ptr, s_ptr, s_c_ptr,
     w_ptr, lo_ptr, res_r_ptr, res_c_ptr, mirror_w, mirror_r, mirror_c,
     row0, row_end, col0, col_end, D,
-    HAS_MARGIN: tl.constexpr, PREC: tl.constexpr, ROUND16: tl.constexpr, TAIL: tl.constexpr,
+    HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr, ROUND16: tl.constexpr,
+    TAIL: tl.constexpr,
     SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The symmetric loss's dS over a chunk pair: chunk (a, b) = [row0, row_end) × [col0, col_end)
@@ -222,7 +255,8 @@ def _dscore_pair_kernel(
     Grid: (⌈rows / BLOCK_M⌉, ⌈columns / BLOCK_N⌉) of chunk (a, b).
 
     Inputs: v_ptr, t_ptr (N, D) features (strides ``stride_<v|t><m|d>``), rv_ptr, rt_ptr (N)
-        inverse norms, and pos_ptr … b_ptr as ``_dscore_kernel`` (q = v, k = t).
+        inverse norms, and pos_ptr … b_ptr, thr_ptr, s_ptr, s_c_ptr as ``_dscore_kernel`` (q = v,
+        k = t; MASK: the pair tiles' one caption tile masks W_IJ and W_JI alike).
     Outputs: w_ptr, one flat buffer: W_ab (R × C, row-major) at 0, W_ba (C × R) at mirror_w;
         with TAIL lo_ptr alike; with ROUND16 res_r_ptr: ab's row slice sums (⌈C / SLICE⌉, R)
         at 0, ba's (⌈R / SLICE⌉, C) at mirror_r; res_c_ptr: ab's column slice sums
@@ -238,6 +272,7 @@ def _dscore_pair_kernel(
     gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
     rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
     rv_n, rt_n = _load2(rv_ptr, rt_ptr, offs_n, mask_n)
+    thr = _load_threshold(thr_ptr, MASK)
     v = (v_ptr, stride_vm, stride_vd)
     t = (t_ptr, stride_tm, stride_td)
     rows = (offs_m, mask_m, row0, row_end, pid_m * (BLOCK_M // SLICE))
@@ -247,22 +282,22 @@ def _dscore_pair_kernel(
     diagonal = row0 == col0
     if diagonal & (local_n >= local_m) & (local_n < local_m + BLOCK_M):
         # the diagonal super-tile: its tiles hold the positives and are formed alone, as the forward forms them
-        z = _logits_tile(v, t, t, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
-                         D, gamma, inv_tau, HAS_MARGIN, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        z = _logits_masked_tile(v, t, t, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
+                                D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
-                                a_ptr, b_ptr, True)
+                                a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
         _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, cols_c, 1, res_r_ptr, rows_c, res_c_ptr, cols_c,
                  ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
     elif (row0 != col0) | (local_n >= local_m + BLOCK_M):
-        z, zm = _pair_tiles(v, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
-                            D, gamma, inv_tau, HAS_MARGIN, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        z, zm = _pair_masked_tiles(v, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
+                                   D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
-                                a_ptr, b_ptr, True)
+                                a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
         _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, cols_c, 1, res_r_ptr, rows_c, res_c_ptr, cols_c,
                  ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
         # the mirror: rows J, columns I of chunk (b, a), a C × R buffer
         wm, am, bm, maskm = _w_tile(tl.trans(zm), offs_n, mask_n, offs_m, mask_m, 0, pos_ptr, nll_ptr, g_ptr,
-                                    nll_c_ptr, g_c_ptr, a_ptr, b_ptr, True)
+                                    nll_c_ptr, g_c_ptr, a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
         _store_w(wm, am, bm, maskm, cols, rows, w_ptr + mirror_w, lo_ptr + mirror_w, rows_c, 1,
                  res_r_ptr + mirror_r, cols_c, res_c_ptr + mirror_c, rows_c, ROUND16, TAIL, SLICE, BLOCK_N, BLOCK_M)
 
@@ -271,10 +306,11 @@ def _dscore_pair_kernel(
 def _dscore_rank_kernel(
     v_ptr, t_ptr, va_ptr, ta_ptr,
     stride_vm, stride_vd, stride_tm, stride_td, stride_van, stride_vad, stride_tan, stride_tad,
-    rv_ptr, rt_ptr, rva_ptr, rta_ptr, pos_ptr, nll_ptr, g_ptr, tau_ptr, gamma_ptr, a_ptr, b_ptr,
+    rv_ptr, rt_ptr, rva_ptr, rta_ptr, pos_ptr, nll_ptr, g_ptr, tau_ptr, gamma_ptr, a_ptr, b_ptr, thr_ptr, s_ptr,
     w_ptr, lo_ptr, res_r_ptr, res_c_ptr, second_w, second_r, second_c,
     M, N, row0, row_end, col0, col_end, D, offset,
-    HAS_MARGIN: tl.constexpr, PREC: tl.constexpr, ROUND16: tl.constexpr, TAIL: tl.constexpr,
+    HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr,
+    ROUND16: tl.constexpr, TAIL: tl.constexpr,
     SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """A distributed rank's dS of both directions over one chunk [row0, row_end) × [col0, col_end)
@@ -286,6 +322,8 @@ def _dscore_rank_kernel(
     Inputs: the features and inverse norms as ``forward._fwd_rank_kernel``; per line (2M: i2t
         rows, then t2i rows) pos_ptr, nll_ptr, g_ptr and the row scales a_ptr; per direction's
         columns (2N: i2t's keys t_all, then t2i's keys v_all) the column scales b_ptr.
+        False-negative masking (MASK): thr_ptr the 1-element threshold, s_ptr (2M) each line's
+        ε/n_i (read with SHIFT), as ``_dscore_kernel``.
     Outputs: w_ptr, one flat buffer: the i2t W (R × C, row-major) at 0 and the t2i W at
         second_w; with TAIL lo_ptr alike; with ROUND16 res_r_ptr (⌈C / SLICE⌉, R) and res_c_ptr
         (⌈R / SLICE⌉, C), the t2i direction's at second_r / second_c (R = row_end − row0,
@@ -299,33 +337,35 @@ def _dscore_rank_kernel(
     gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
     rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
     rv_n, rt_n = _load2(rva_ptr, rta_ptr, offs_n, mask_n)
+    thr = _load_threshold(thr_ptr, MASK)
     z, zt = _rank_tiles((v_ptr, stride_vm, stride_vd), (t_ptr, stride_tm, stride_td),
                         (va_ptr, stride_van, stride_vad), (ta_ptr, stride_tan, stride_tad),
                         (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
-                        D, gamma, inv_tau, HAS_MARGIN, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+                        D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     rows = (offs_m, mask_m, row0, row_end, pid_m * (BLOCK_M // SLICE))
     cols = (offs_n, mask_n, col0, col_end, pid_n * (BLOCK_N // SLICE))
     w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, nll_ptr, g_ptr,
-                            a_ptr, b_ptr, False)
+                            a_ptr, b_ptr, False, s_ptr, s_ptr, MASK, SHIFT)
     _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, cols_c, 1, res_r_ptr, rows_c, res_c_ptr, cols_c,
              ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
     w, a, b, mask = _w_tile(zt, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr + M, nll_ptr + M, g_ptr + M,
-                            nll_ptr + M, g_ptr + M, a_ptr + M, b_ptr + N, False)
+                            nll_ptr + M, g_ptr + M, a_ptr + M, b_ptr + N, False, s_ptr + M, s_ptr + M, MASK, SHIFT)
     _store_w(w, a, b, mask, rows, cols, w_ptr + second_w, lo_ptr + second_w, cols_c, 1, res_r_ptr + second_r, rows_c,
              res_c_ptr + second_c, cols_c, ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
 
 
 # autotuned twin (GPU only; the interpreter and HNCLIP_AUTOTUNE=0 use cfg.heuristic)
-_dscore_tuned = triton.autotune(cfg.all_candidates("dscore"), key=["D", "HAS_MARGIN", "PREC", "SYMMETRIC", "ROUND16", "TAIL"],
+_dscore_tuned = triton.autotune(cfg.all_candidates("dscore"), key=["D", "HAS_MARGIN", "MASK", "SHIFT", "PREC", "SYMMETRIC", "ROUND16", "TAIL"],
                                 prune_configs_by={"early_config_prune": cfg.pruner("dscore", "q_ptr")})(_dscore_kernel)
-# the symmetric loss's chunk pairs: key D, HAS_MARGIN, PREC, ROUND16, TAIL
-_dscore_pair_tuned = triton.autotune(cfg.all_candidates("dscore_pair"), key=["D", "HAS_MARGIN", "PREC", "ROUND16", "TAIL"],
+# the symmetric loss's chunk pairs: key D, HAS_MARGIN, MASK, SHIFT, PREC, ROUND16, TAIL
+_dscore_pair_tuned = triton.autotune(cfg.all_candidates("dscore_pair"), key=["D", "HAS_MARGIN", "MASK", "SHIFT", "PREC", "ROUND16", "TAIL"],
                                      prune_configs_by={"early_config_prune": cfg.pruner("dscore_pair", "v_ptr")}
                                      )(_dscore_pair_kernel)
 
 
-# a rank's two directions: key D, HAS_MARGIN, PREC, ROUND16, TAIL
-_dscore_rank_tuned = triton.autotune(cfg.all_candidates("dscore_rank"), key=["D", "HAS_MARGIN", "PREC", "ROUND16", "TAIL"],
+# a rank's two directions: key D, HAS_MARGIN, MASK, SHIFT, PREC, ROUND16, TAIL
+_dscore_rank_tuned = triton.autotune(cfg.all_candidates("dscore_rank"),
+                                     key=["D", "HAS_MARGIN", "MASK", "SHIFT", "PREC", "ROUND16", "TAIL"],
                                      prune_configs_by={"early_config_prune": cfg.pruner("dscore_rank", "v_ptr")}
                                      )(_dscore_rank_kernel)
 
@@ -449,12 +489,17 @@ def _w_scales(q, k, r_q, r_k, g, g_c, round16: bool, tail: bool):
     return a, b, a * wk, b * wq, f16
 
 
-def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offset: int, precision, key_side=None):
+def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offset: int, precision, key_side=None,
+                    thr32=None, shifts=None, smoothing: bool = False):
     """Negatives' shares (times τ) of dL/dq̂ (M, D) and dL/dk̂ (N, D), float32.
 
     ``ops``, ``norms``, ``tau32``, ``gamma32``, ``has_margin``: as :func:`.forward.forward_stats`;
     ``stats``: its row statistics, ``g`` the upstream gradient of each row.
     ``key_side = (stats, g)`` of the transposed direction makes it symmetric (M = N, offset 0).
+    ``thr32`` (false-negative masking: a 1-element float32 threshold, or None) with ``shifts``
+    = (ε/n_i of the rows, of the key side's rows; ``epilogue.smoothing_shift``): the masked
+    entries get no dS, the kept ones dS_ik = g_i (P_ik − ε/n_i) (the shifts read only with
+    ``smoothing``, ε ≠ 0).
     dS is materialised one R × C chunk at a time (``cfg.chunk_shape``: 4·R·C ≤
     ``cfg.BWD_WORKSPACE_BYTES``, e.g. 8192 × 8192 for 256 MiB; with ``key_side`` one square chunk
     pair at a time, W_ab and W_ba from the same tile pairs, ``_symmetric_shares``) and multiplied by the features in
@@ -470,15 +515,19 @@ def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offs
     tail = q.dtype == torch.float16  # bf16: one float16 W against float16 copies of the features
     nll = epilogue.row_nll(stats)
     prec = cfg.dot_precision(q.dtype, precision)
+    masked = thr32 is not None
+    shift = masked and smoothing
+    # the kernels' masking pointers: read only with MASK (τ's tensor stands in for them otherwise)
+    masking = (thr32, shifts[0], shifts[1]) if masked else (tau32, tau32, tau32)
     if key_side is None:
         (d_q, d_k), = _chunked_shares(ops, norms, ((q, k, norms[0], norms[1]),), stats.pos, nll, g, tau32, gamma32,
-                                      has_margin, offset, prec)
+                                      has_margin, offset, prec, masking, masked, shift)
         return d_q, d_k
     nll_c, g_c = epilogue.row_nll(key_side[0]), key_side[1]
     a, b, rq, rk, f16 = _w_scales(q, k, norms[0], norms[1], g, g_c, round16, tail)
     w_dtype = torch.float16 if round16 else torch.float32
     d_q, d_k, rho, sigma = _symmetric_shares(ops, norms, stats.pos, nll, g, tau32, gamma32, nll_c, g_c, a, b, f16,
-                                             has_margin, prec, w_dtype, round16, tail)
+                                             has_margin, prec, w_dtype, round16, tail, masking, masked, shift)
     d_q.div_(rq[:, None])
     d_k.div_(rk[:, None])
     if round16:
@@ -486,13 +535,15 @@ def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offs
     return d_q, d_k
 
 
-def rank_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offset: int, precision):
+def rank_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offset: int, precision, thr32=None,
+                shifts=None, smoothing: bool = False):
     """A distributed rank's two directions' negatives' shares (times τ), float32:
     ((dL/dv̂ (M, D), dL/dt̂_all (N, D)) of i2t, (dL/dt̂ (M, D), dL/dv̂_all (N, D)) of t2i).
 
     ``ops`` = (v, t, v_all, t_all) and ``norms`` as :func:`.forward.rank_stats`, ``stats`` = (i2t,
     t2i) its statistics of each direction's M rows, ``g`` (M) the rows' upstream gradient (each
-    direction's).
+    direction's); ``thr32``, ``shifts`` (each direction's ε/n_i), ``smoothing``: false-negative
+    masking as :func:`backward_shares`.
     One ``_dscore_rank_kernel`` launch per chunk writes both directions' W (the margin's G formed
     once per tile), then each direction's GEMMs run as :func:`backward_shares` runs them, on the
     same chunks: each direction's shares are the directional op's to the bit (the tiles' own
@@ -502,13 +553,19 @@ def rank_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offset: 
     prec = cfg.dot_precision(v.dtype, precision)
     # per direction, as its directional op forms them (torch's vectorised softplus rounds a loop's tail apart)
     pos, nll = (torch.cat(pair) for pair in zip(*((s.pos, epilogue.row_nll(s)) for s in stats)))
-    return _chunked_shares(ops, norms, dirs, pos, nll, torch.cat((g, g)), tau32, gamma32, has_margin, offset, prec)
+    masked = thr32 is not None
+    masking = (thr32, torch.cat(shifts)) if masked else (tau32, tau32)
+    return _chunked_shares(ops, norms, dirs, pos, nll, torch.cat((g, g)), tau32, gamma32, has_margin, offset, prec,
+                           masking, masked, masked and smoothing)
 
 
-def _chunked_shares(ops, norms, dirs, pos, nll, g, tau32, gamma32, has_margin: bool, offset: int, prec: str):
+def _chunked_shares(ops, norms, dirs, pos, nll, g, tau32, gamma32, has_margin: bool, offset: int, prec: str,
+                    masking, masked: bool, shift: bool):
     """The chunk walk of the directional op (one direction, ``_dscore_kernel``) and of a rank's
     pair (two, ``_dscore_rank_kernel``): ``dirs`` holds each direction's (rows q (M, D), columns
-    k (N, D), their inverse norms); ``pos``, ``nll``, ``g`` hold M lines per direction. Chunks of
+    k (N, D), their inverse norms); ``pos``, ``nll``, ``g`` hold M lines per direction; ``masking``
+    the kernel's masking pointers (threshold, shifts; τ stands in without MASK), ``masked`` and
+    ``shift`` its MASK and SHIFT. Chunks of
     ``cfg.chunk_shape(M, N)``, row blocks outer, each chunk's buffers holding every direction's W;
     per direction two GEMMs a chunk (four with fp16's tail), accumulated in chunk order.
     Returns each direction's (d_q, d_k), scaled back, with the rounding compensation."""
@@ -553,16 +610,17 @@ def _chunked_shares(ops, norms, dirs, pos, nll, g, tau32, gamma32, has_margin: b
                     res_c = torch.empty(n_dirs * sr * c, device=dev, dtype=torch.float32)  # (sr, c) each
                 else:  # not written without ROUND16: w stands in for the pointers
                     lo = res_r = res_c = w
-                consts = dict(HAS_MARGIN=has_margin, PREC=prec, ROUND16="fp16" if round16 else "", TAIL=tail,
-                              SLICE=RESIDUAL_SLICE, BLOCK_K=cfg.score_block_k(q0.element_size()))
+                consts = dict(HAS_MARGIN=has_margin, MASK=masked, SHIFT=shift, PREC=prec,
+                              ROUND16="fp16" if round16 else "", TAIL=tail, SLICE=RESIDUAL_SLICE,
+                              BLOCK_K=cfg.score_block_k(q0.element_size()))
                 if n_dirs == 1:
-                    args = (*ops, *strides(*ops), *norms, pos, nll, g, tau32, gamma32, nll, g, a, b, w, lo, c, 1,
-                            res_r, r, res_c, c, row0, row_end, col0, col_end, d, offset)
+                    args = (*ops, *strides(*ops), *norms, pos, nll, g, tau32, gamma32, nll, g, a, b, *masking, w, lo,
+                            c, 1, res_r, r, res_c, c, row0, row_end, col0, col_end, d, offset)
                     name, consts = "dscore", dict(consts, SYMMETRIC=False)
                 else:
                     second = (r * c, sc_ * r, sr * c) if round16 else (r * c, 0, 0)
-                    args = (*ops, *strides(*ops), *norms, pos, nll, g, tau32, gamma32, a, b, w, lo, res_r, res_c,
-                            *second, m, n, row0, row_end, col0, col_end, d, offset)
+                    args = (*ops, *strides(*ops), *norms, pos, nll, g, tau32, gamma32, a, b, *masking, w, lo, res_r,
+                            res_c, *second, m, n, row0, row_end, col0, col_end, d, offset)
                     name = "dscore_rank"
                 launch(lambda tuned, name=name: _kernel(name, tuned), name, q0.element_size(),
                        lambda t_, r=r, c=c: (triton.cdiv(r, t_["BLOCK_M"]), triton.cdiv(c, t_["BLOCK_N"])),
@@ -599,7 +657,7 @@ def _chunked_shares(ops, norms, dirs, pos, nll, g, tau32, gamma32, has_margin: b
 
 
 def _symmetric_shares(ops, norms, pos, nll, g, tau32, gamma32, nll_c, g_c, a, b, f16_scales, has_margin, prec,
-                      w_dtype, round16, tail):
+                      w_dtype, round16, tail, masking, masked, shift):
     """The symmetric loss's shares over chunk pairs (``_dscore_pair_kernel``): square chunks
     (``cfg.chunk_shape(square=True)``), pairs (a, b ≥ a) in order; a pair b > a writes W_ab and
     W_ba from the same tile pairs, a diagonal pair W_aa. Then the GEMMs of each buffer (as
@@ -644,10 +702,10 @@ def _symmetric_shares(ops, norms, pos, nll, g, tau32, gamma32, nll_c, g_c, a, b,
                     sr = sc = 0
                 mirror = (r * c, sc * r, sr * c) if pair else (0, 0, 0)
                 args = (v, t, *strides(v, t), norms[0], norms[1], pos, nll, g, tau32, gamma32, nll_c, g_c, a, b,
-                        w, lo, res_r, res_c, *mirror, row0, row_end, col0, col_end, d)
+                        *masking, w, lo, res_r, res_c, *mirror, row0, row_end, col0, col_end, d)
                 launch(lambda tuned: _kernel("dscore_pair", tuned), "dscore_pair", v.element_size(),
                        lambda tl_, r=r, c=c: (triton.cdiv(r, tl_["BLOCK_M"]), triton.cdiv(c, tl_["BLOCK_N"])),
-                       args, HAS_MARGIN=has_margin, PREC=prec, ROUND16="fp16" if round16 else "", TAIL=tail,
+                       args, HAS_MARGIN=has_margin, MASK=masked, SHIFT=shift, PREC=prec, ROUND16="fp16" if round16 else "", TAIL=tail,
                        SLICE=RESIDUAL_SLICE, BLOCK_K=cfg.score_block_k(v.element_size()))
                 for buf in [w, lo] if tail else [w]:  # W_ab (and its tail): rows a against columns b
                     d_q[ia] = _mm(buf[:r * c].view(r, c), k_b, d_q[ia])

@@ -137,6 +137,13 @@ CANDIDATES = {
 assert all(c.kwargs["BLOCK_M"] == FWD_BLOCK_M[w] for w, cs in CANDIDATES["dscore_pair"].items() for c in cs)
 
 
+# False-negative masking with label smoothing (the dS kernels' SHIFT constexpr, one more float32
+# operand per tile): sm_90a spills 4 B for the fp16 directional dS (head and tail) at 128x64 / 4
+# warps (255 registers without it; bf16 fits), so the autotuner drops that candidate there
+# (compile_sm90.py --override MASK=True,SHIFT=True shows the spill). By feature dtype.
+SHIFT_SPILLS = {"dscore": {torch.float16: [_cfg(4, 4, BLOCK_M=128, BLOCK_N=64)]}}
+
+
 def all_candidates(kernel: str) -> list:
     return [c for width in sorted(CANDIDATES[kernel]) for c in CANDIDATES[kernel][width]]
 
@@ -147,12 +154,20 @@ def candidates(kernel: str, elem_size: int) -> list:
 
 def pruner(kernel: str, width_arg: str):
     """``early_config_prune`` for ``triton.autotune``: keep the candidates of the operand
-    width found in the launch's argument ``width_arg`` (a tensor)."""
+    width found in the launch's argument ``width_arg`` (a tensor), less those that spill with
+    the launch's SHIFT constexpr (``SHIFT_SPILLS``)."""
     def prune(configs, named_args, **kwargs):
         x = named_args.get(width_arg, kwargs.get(width_arg))
         allowed = candidates(kernel, x.element_size())
+        if kwargs.get("SHIFT"):
+            spills = SHIFT_SPILLS.get(kernel, {}).get(x.dtype, [])
+            allowed = [c for c in allowed if not any(_same(c, bad) for bad in spills)] or allowed
         return [c for c in configs if c in allowed] or allowed
     return prune
+
+
+def _same(a, b) -> bool:
+    return (a.kwargs, a.num_warps, a.num_stages) == (b.kwargs, b.num_warps, b.num_stages)
 
 
 @dataclass(frozen=True)

@@ -7,22 +7,25 @@ GEMMs). Here, per operator: the O(N·D) algebra around them (:mod:`..epilogue`),
 registration through :func:`..glue.fused_op`, the glue the C++ backend's ``hnclip::cpp_*``
 operators share (autograd formula, raising second derivative, vmap rule, ``torch.func``).
 
-* ``triton_symmetric_nll(img, txt, tau, gamma, label_smoothing, has_margin, smoothing, normalize,
-  precision)`` → (pairs, rv, rt, pos, and the (delta, mean_neg, dsum) of i2t then of t2i):
-  what ``hn_clip_loss(backend="triton")`` runs;
-* ``triton_directional_nll(q, k, a, b, tau, gamma, label_smoothing, offset, has_margin,
-  smoothing, normalize, precision)`` → (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum): what
-  a rank of the distributed loss runs;
-* ``triton_rank_nll(img, txt, all_img, all_txt, tau, gamma, label_smoothing, offset, has_margin,
-  smoothing, normalize, precision)`` → (rows, rv, rt, rv_all, rt_all, pos, delta, mean_neg, dsum):
-  a distributed rank's two directions in one op (rows ½(i2t_i + t2i_i), the statistics over 2M
-  lines, i2t then t2i), the margin's G = t tᵀ_all formed once per tile for both;
+* ``triton_symmetric_nll(img, txt, tau, gamma, label_smoothing, threshold, has_margin, smoothing,
+  masked, normalize, precision)`` → (pairs, rv, rt, pos, and the (delta, mean_neg, dsum, kept) of
+  i2t then of t2i): what ``hn_clip_loss(backend="triton")`` runs;
+* ``triton_directional_nll(q, k, a, b, tau, gamma, label_smoothing, threshold, offset, has_margin,
+  smoothing, masked, normalize, precision)`` → (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum,
+  kept): what a rank of the distributed loss runs;
+* ``triton_rank_nll(img, txt, all_img, all_txt, tau, gamma, label_smoothing, threshold, offset,
+  has_margin, smoothing, masked, normalize, precision)`` → (rows, rv, rt, rv_all, rt_all, pos,
+  delta, mean_neg, dsum, kept): a distributed rank's two directions in one op (rows
+  ½(i2t_i + t2i_i), the statistics over 2M lines, i2t then t2i), the margin's G = t tᵀ_all
+  formed once per tile for both;
 * their ``*_backward`` operators → (dL/dq, dL/dk, dL/dτ) in the inputs' dtypes (the rank op: the
   gradients of its four features, then dL/dτ).
 
 τ, γ and ε are tensors (γ and ε 0-dim float64, :func:`..glue.hyperparameter`), so a schedule
 of any of them reuses a compiled graph; ``has_margin`` (γ ≠ 0) and ``smoothing`` (ε ≠ 0) are the
-kernels' HAS_MARGIN and SMOOTHING flags. The kernels read τ and γ from device memory as
+kernels' HAS_MARGIN and SMOOTHING flags. False-negative masking: ``threshold`` (a 0-dim float64
+tensor like γ) and ``masked`` (the kernels' MASK); ``kept`` (each row's kept negatives) is empty
+without it. The kernels read τ and γ from device memory as
 (1,) float32 tensors and take no float argument at all: Inductor types a Python float fp64
 inside a user kernel, and with γ a float argument the float32 tiles become fp64 and the
 forward kernel fails to compile ("Loop-carried variable run_max has initial type fp32 but is
@@ -54,8 +57,8 @@ from .forward import forward_stats, rank_stats
 from .launch import USE_TRITON_OP
 
 # ------------------------------------------------------------------ operators
-_SymOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
-_DirOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+_SymOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+_DirOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 _Grads = Tuple[Tensor, Tensor, Tensor]
 _RankGrads = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
@@ -65,10 +68,19 @@ def _scalar32(x: Tensor, like: Tensor) -> Tensor:
     return x.to(device=like.device, dtype=torch.float32).reshape(1)
 
 
-def _symmetric_nll(img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor, has_margin: bool,
-                   smoothing: bool, normalize: bool, precision: str) -> _SymOut:
-    """Per-pair losses ½(i2t_k + t2i_k) (N,) and what the backward needs:
-    (pairs, rv, rt, pos, delta_i2t, mean_neg_i2t, dsum_i2t, delta_t2i, mean_neg_t2i, dsum_t2i).
+def _kept(kept: Tensor, masked: bool):
+    return kept if masked else None
+
+
+def _no_kept(like: Tensor) -> Tensor:
+    """The ``kept`` output without masking: empty (an operator's outputs are tensors)."""
+    return like.new_empty((0,), dtype=torch.float32)
+
+
+def _symmetric_nll(img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor, threshold: Tensor,
+                   has_margin: bool, smoothing: bool, masked: bool, normalize: bool, precision: str) -> _SymOut:
+    """Per-pair losses ½(i2t_k + t2i_k) (N,) and what the backward needs: (pairs, rv, rt, pos,
+    delta_i2t, mean_neg_i2t, dsum_i2t, kept_i2t, delta_t2i, mean_neg_t2i, dsum_t2i, kept_t2i).
 
     Forward: one walk over the tiles of Z gives its rows' (i2t) and columns' (t2i) statistics."""
     rv, rt = epilogue.inv_norms(img, normalize), epilogue.inv_norms(txt, normalize)
@@ -76,35 +88,42 @@ def _symmetric_nll(img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_s
     inv_tau = 1.0 / tau32
     pos = epilogue.positive_logits(epilogue.scaled(img, rv), epilogue.scaled(txt, rt), 0, inv_tau)
     i2t, t2i = forward_stats((img, txt, txt, txt), (rv, rt, rt, rt), pos, tau32, gamma32, has_margin, 0,
-                              smoothing, precision, columns=True)
+                              smoothing, precision, columns=True, thr32=_scalar32(threshold, img) if masked else None)
     pairs = epilogue.pair_losses(i2t, t2i, img.shape[0], label_smoothing if smoothing else 0.0)
-    return (pairs, rv, rt, pos, *i2t[1:], *t2i[1:])
+    kept = (i2t.kept, t2i.kept) if masked else (_no_kept(img), _no_kept(img))
+    return (pairs, rv, rt, pos, *i2t[1:4], kept[0], *t2i[1:4], kept[1])
 
 
-def _symmetric_nll_fake(img, txt, tau, gamma, label_smoothing, has_margin, smoothing, normalize, precision):
-    return tuple(img.new_empty((img.shape[0],), dtype=torch.float32) for _ in range(10))
+def _symmetric_nll_fake(img, txt, tau, gamma, label_smoothing, threshold, has_margin, smoothing, masked, normalize,
+                        precision):
+    n = img.shape[0]
+    return tuple(img.new_empty((0 if i in (7, 11) and not masked else n,), dtype=torch.float32) for i in range(12))
 
 
 def _symmetric_nll_backward(
-    grad: Tensor, img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor,
-    rv: Tensor, rt: Tensor, pos: Tensor, delta_r: Tensor, mean_neg_r: Tensor, dsum_r: Tensor,
-    delta_c: Tensor, mean_neg_c: Tensor, dsum_c: Tensor,
-    has_margin: bool, smoothing: bool, normalize: bool, precision: str, need_vt: bool,
+    grad: Tensor, img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor, threshold: Tensor,
+    rv: Tensor, rt: Tensor, pos: Tensor, delta_r: Tensor, mean_neg_r: Tensor, dsum_r: Tensor, kept_r: Tensor,
+    delta_c: Tensor, mean_neg_c: Tensor, dsum_c: Tensor, kept_c: Tensor,
+    has_margin: bool, smoothing: bool, masked: bool, normalize: bool, precision: str, need_vt: bool,
 ) -> _Grads:
     """(dL/dimg in img's dtype, dL/dtxt in txt's dtype, dL/dτ in τ's dtype and shape). Each
     recomputed tile carries both directions' softmax into one dS workspace."""
-    i2t = epilogue.RowStats(pos, delta_r, mean_neg_r, dsum_r)
-    t2i = epilogue.RowStats(pos, delta_c, mean_neg_c, dsum_c)
+    i2t = epilogue.RowStats(pos, delta_r, mean_neg_r, dsum_r, _kept(kept_r, masked))
+    t2i = epilogue.RowStats(pos, delta_c, mean_neg_c, dsum_c, _kept(kept_c, masked))
     tau32, gamma32 = _scalar32(tau, img), _scalar32(gamma, img)
     inv_tau = 1.0 / tau32
+    eps = label_smoothing if smoothing else 0.0
     g = 0.5 * grad.float().contiguous()  # each direction's rows get half
     if need_vt:
+        masking = {}
+        if masked:
+            masking = dict(thr32=_scalar32(threshold, img), smoothing=smoothing,
+                           shifts=(epilogue.smoothing_shift(i2t, eps), epilogue.smoothing_shift(t2i, eps)))
         d_v, d_t = backward_shares((img, txt, txt, txt), (rv, rt, rt, rt), i2t, g, tau32, gamma32, has_margin, 0,
-                                    precision, key_side=(t2i, g))
+                                    precision, key_side=(t2i, g), **masking)
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (img, txt))
-    d_img, d_txt, dz_z = epilogue.finish_symmetric(i2t, t2i, g, img, txt, rv, rt, d_v, d_t, inv_tau,
-                                                   label_smoothing if smoothing else 0.0, normalize)
+    d_img, d_txt, dz_z = epilogue.finish_symmetric(i2t, t2i, g, img, txt, rv, rt, d_v, d_t, inv_tau, eps, normalize)
     return d_img, d_txt, epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
 
 
@@ -113,40 +132,50 @@ def _symmetric_grads_fake(grad, img, txt, tau, *rest):
 
 
 def _directional_nll(q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor,
-                     offset: int, has_margin: bool, smoothing: bool, normalize: bool, precision: str) -> _DirOut:
+                     threshold: Tensor, offset: int, has_margin: bool, smoothing: bool, masked: bool, normalize: bool,
+                     precision: str) -> _DirOut:
     """Per-row losses (M,) of one direction and what the backward needs:
-    (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum)."""
+    (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, kept)."""
     norms = tuple(epilogue.inv_norms(x, normalize) for x in (q, k, a, b))
     tau32, gamma32 = _scalar32(tau, q), _scalar32(gamma, q)
     inv_tau = 1.0 / tau32
     pos = epilogue.positive_logits(epilogue.scaled(q, norms[0]), epilogue.scaled(k, norms[1]), offset, inv_tau)
-    stats = forward_stats((q, k, a, b), norms, pos, tau32, gamma32, has_margin, offset, smoothing, precision)
-    return (epilogue.row_losses(stats, k.shape[0], label_smoothing if smoothing else 0.0), *norms, *stats)
+    stats = forward_stats((q, k, a, b), norms, pos, tau32, gamma32, has_margin, offset, smoothing, precision,
+                          thr32=_scalar32(threshold, q) if masked else None)
+    return (epilogue.row_losses(stats, k.shape[0], label_smoothing if smoothing else 0.0), *norms, *stats[:4],
+            stats.kept if masked else _no_kept(q))
 
 
-def _directional_nll_fake(q, k, a, b, tau, gamma, label_smoothing, offset, has_margin, smoothing, normalize,
-                          precision):
+def _directional_nll_fake(q, k, a, b, tau, gamma, label_smoothing, threshold, offset, has_margin, smoothing, masked,
+                          normalize, precision):
     m, n = q.shape[0], k.shape[0]
-    return tuple(q.new_empty((n if i in (2, 4) else m,), dtype=torch.float32) for i in range(9))
+    sizes = [m, m, n, m, n, m, m, m, m, m if masked else 0]
+    return tuple(q.new_empty((size,), dtype=torch.float32) for size in sizes)
 
 
 def _directional_nll_backward(
     grad: Tensor, q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor,
-    rq: Tensor, rk: Tensor, ra: Tensor, rb: Tensor, pos: Tensor, delta: Tensor, mean_neg: Tensor, dsum: Tensor,
-    offset: int, has_margin: bool, smoothing: bool, normalize: bool, precision: str, need_qk: bool,
+    threshold: Tensor, rq: Tensor, rk: Tensor, ra: Tensor, rb: Tensor, pos: Tensor, delta: Tensor, mean_neg: Tensor,
+    dsum: Tensor, kept: Tensor, offset: int, has_margin: bool, smoothing: bool, masked: bool, normalize: bool,
+    precision: str, need_qk: bool,
 ) -> _Grads:
     """(dL/dq in q's dtype, dL/dk in k's dtype, dL/dτ in τ's dtype and shape)."""
-    stats = epilogue.RowStats(pos, delta, mean_neg, dsum)
+    stats = epilogue.RowStats(pos, delta, mean_neg, dsum, _kept(kept, masked))
     tau32, gamma32 = _scalar32(tau, q), _scalar32(gamma, q)
     inv_tau = 1.0 / tau32
+    eps = label_smoothing if smoothing else 0.0
     g = grad.float().contiguous()
     if need_qk:
+        masking = {}
+        if masked:
+            shift = epilogue.smoothing_shift(stats, eps)
+            masking = dict(thr32=_scalar32(threshold, q), shifts=(shift, shift), smoothing=smoothing)
         d_q, d_k = backward_shares((q, k, a, b), (rq, rk, ra, rb), stats, g, tau32, gamma32, has_margin, offset,
-                                    precision)
+                                    precision, **masking)
     else:  # only τ wants a gradient: it needs the row statistics alone
         d_q, d_k = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (q, k))
-    d_q_in, d_k_in, dz_z = epilogue.finish_directional(stats, g, q, k, rq, rk, d_q, d_k, offset, inv_tau,
-                                                       label_smoothing if smoothing else 0.0, normalize)
+    d_q_in, d_k_in, dz_z = epilogue.finish_directional(stats, g, q, k, rq, rk, d_q, d_k, offset, inv_tau, eps,
+                                                       normalize)
     return d_q_in, d_k_in, epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
 
 
@@ -155,12 +184,12 @@ def _directional_grads_fake(grad, q, k, a, b, tau, *rest):
 
 
 def _rank_nll(img: Tensor, txt: Tensor, all_img: Tensor, all_txt: Tensor, tau: Tensor, gamma: Tensor,
-              label_smoothing: Tensor, offset: int, has_margin: bool, smoothing: bool, normalize: bool,
-              precision: str) -> _DirOut:
+              label_smoothing: Tensor, threshold: Tensor, offset: int, has_margin: bool, smoothing: bool,
+              masked: bool, normalize: bool, precision: str) -> _DirOut:
     """A rank's per-row losses ½(i2t_i + t2i_i) (M,) and what the backward needs:
-    (rows, rv, rt, rv_all, rt_all, pos, delta, mean_neg, dsum), the last four over 2M lines
-    (i2t rows, then t2i rows). Each direction's values are its directional op's to the bit
-    (the same positives, tiles and partial order)."""
+    (rows, rv, rt, rv_all, rt_all, pos, delta, mean_neg, dsum, kept), the last five over 2M lines
+    (i2t rows, then t2i rows; ``kept`` empty without masking). Each direction's values are its
+    directional op's to the bit (the same positives, tiles and partial order)."""
     norms = tuple(epilogue.inv_norms(x, normalize) for x in (img, txt, all_img, all_txt))
     tau32, gamma32 = _scalar32(tau, img), _scalar32(gamma, img)
     inv_tau = 1.0 / tau32
@@ -169,42 +198,52 @@ def _rank_nll(img: Tensor, txt: Tensor, all_img: Tensor, all_txt: Tensor, tau: T
         epilogue.positive_logits(epilogue.scaled(img, norms[0]), epilogue.scaled(all_txt, norms[3]), offset, inv_tau),
         epilogue.positive_logits(epilogue.scaled(txt, norms[1]), epilogue.scaled(all_img, norms[2]), offset, inv_tau)))
     stats = rank_stats((img, txt, all_img, all_txt), norms, pos, tau32, gamma32, has_margin, offset, smoothing,
-                       precision)
+                       precision, thr32=_scalar32(threshold, img) if masked else None)
     # each direction's losses from its own slice: torch's vectorised softplus rounds an element
     # differently in a loop's tail, and the directional op's tails are M long
     eps, n = label_smoothing if smoothing else 0.0, all_img.shape[0]
-    i2t, t2i = (epilogue.RowStats(*(x[sl] for x in stats)) for sl in (slice(0, m), slice(m, 2 * m)))
-    return (0.5 * (epilogue.row_losses(i2t, n, eps) + epilogue.row_losses(t2i, n, eps)), *norms, *stats)
+    i2t, t2i = _rank_directions(stats, m, masked)
+    rows = 0.5 * (epilogue.row_losses(i2t, n, eps) + epilogue.row_losses(t2i, n, eps))
+    return (rows, *norms, *stats[:4], stats.kept if masked else _no_kept(img))
 
 
-def _rank_nll_fake(img, txt, all_img, all_txt, tau, gamma, label_smoothing, offset, has_margin, smoothing, normalize,
-                   precision):
+def _rank_directions(stats, m: int, masked: bool):
+    """The (i2t, t2i) ``RowStats`` of a rank's 2M lines (views)."""
+    return tuple(epilogue.RowStats(*(x[sl] for x in stats[:4]), stats[4][sl] if masked else None)
+                 for sl in (slice(0, m), slice(m, 2 * m)))
+
+
+def _rank_nll_fake(img, txt, all_img, all_txt, tau, gamma, label_smoothing, threshold, offset, has_margin, smoothing,
+                   masked, normalize, precision):
     m, n = img.shape[0], all_img.shape[0]
-    sizes = (m, m, m, n, n, 2 * m, 2 * m, 2 * m, 2 * m)
+    sizes = (m, m, m, n, n, 2 * m, 2 * m, 2 * m, 2 * m, 2 * m if masked else 0)
     return tuple(img.new_empty((size,), dtype=torch.float32) for size in sizes)
 
 
 def _rank_nll_backward(
     grad: Tensor, img: Tensor, txt: Tensor, all_img: Tensor, all_txt: Tensor, tau: Tensor, gamma: Tensor,
-    label_smoothing: Tensor, rv: Tensor, rt: Tensor, rv_all: Tensor, rt_all: Tensor, pos: Tensor, delta: Tensor,
-    mean_neg: Tensor, dsum: Tensor, offset: int, has_margin: bool, smoothing: bool, normalize: bool, precision: str,
-    need_features: bool,
+    label_smoothing: Tensor, threshold: Tensor, rv: Tensor, rt: Tensor, rv_all: Tensor, rt_all: Tensor, pos: Tensor,
+    delta: Tensor, mean_neg: Tensor, dsum: Tensor, kept: Tensor, offset: int, has_margin: bool, smoothing: bool,
+    masked: bool, normalize: bool, precision: str, need_features: bool,
 ) -> _RankGrads:
     """(dL/dimg, dL/dtxt, dL/dall_img, dL/dall_txt in their dtypes, dL/dτ in τ's dtype and shape):
     i2t gives img and all_txt theirs, t2i txt and all_img (the margin is a constant)."""
     m = img.shape[0]
-    i2t = epilogue.RowStats(pos[:m], delta[:m], mean_neg[:m], dsum[:m])
-    t2i = epilogue.RowStats(pos[m:], delta[m:], mean_neg[m:], dsum[m:])
+    i2t, t2i = _rank_directions(epilogue.RowStats(pos, delta, mean_neg, dsum, kept), m, masked)
     tau32, gamma32 = _scalar32(tau, img), _scalar32(gamma, img)
     inv_tau = 1.0 / tau32
+    eps = label_smoothing if smoothing else 0.0
     g = 0.5 * grad.float().contiguous()  # each direction's row gets half
     ops, norms = (img, txt, all_img, all_txt), (rv, rt, rv_all, rt_all)
     if need_features:
+        masking = {}
+        if masked:
+            masking = dict(thr32=_scalar32(threshold, img), smoothing=smoothing,
+                           shifts=(epilogue.smoothing_shift(i2t, eps), epilogue.smoothing_shift(t2i, eps)))
         (d_v, d_ta), (d_t, d_va) = rank_shares(ops, norms, (i2t, t2i), g, tau32, gamma32, has_margin, offset,
-                                               precision)
+                                               precision, **masking)
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t, d_va, d_ta = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in ops)
-    eps = label_smoothing if smoothing else 0.0
     d_img, d_all_txt, dz_i2t = epilogue.finish_directional(i2t, g, img, all_txt, rv, rt_all, d_v, d_ta, offset,
                                                            inv_tau, eps, normalize)
     d_txt, d_all_img, dz_t2i = epilogue.finish_directional(t2i, g, txt, all_img, rt, rv_all, d_t, d_va, offset,
@@ -247,7 +286,7 @@ def _scalar_args(gamma, label_smoothing, precision, like: Tensor):
 
 
 def directional_nll_triton(queries, keys, *, query_txt, key_txt, tau, offset, gamma, label_smoothing, normalize,
-                           return_stats=False, precision=None):
+                           return_stats=False, precision=None, false_negative_threshold=None):
     """Triton counterpart of :func:`hnclip_kernels.backends.pytorch.reference.directional_nll_torch`
     (same keyword-only protocol and result). ``precision``: tensor-core input precision for float32
     features (``validation.FP32_PRECISIONS``; None: ``DEFAULT_FP32_PRECISION``); ignored for
@@ -256,29 +295,40 @@ def directional_nll_triton(queries, keys, *, query_txt, key_txt, tau, offset, ga
     Runs ``hnclip::triton_directional_nll``; works under ``torch.compile(fullgraph=True)`` (a new
     γ, ε or τ does not recompile), ``torch.export``, ``torch.func.grad``/``vjp`` and
     ``torch.func.vmap`` (one kernel call per batch entry). Second derivatives raise the
-    ``RuntimeError`` naming backend="torch"."""
+    ``RuntimeError`` naming backend="torch". ``false_negative_threshold``: as the reference's; the
+    kernels compare the caption cosine (m_q·m_k)·r_q·r_k, the margin's float32 product on each
+    tile (``tiles._caption_keep``), with the threshold rounded to float32."""
     check_directional(queries, keys, query_txt, key_txt, offset)
     gamma_t, eps_t, has_margin, smoothing, precision = _scalar_args(gamma, label_smoothing, precision, queries)
+    masked = false_negative_threshold is not None
+    thr_t = glue.hyperparameter(false_negative_threshold if masked else 0.0, queries)
     out = glue.call(HNClipDirectionalTriton, torch.ops.hnclip.triton_directional_nll, queries, keys, query_txt,
-                    key_txt, tau, gamma_t, eps_t, int(offset), has_margin, smoothing, bool(normalize), precision)
-    return (out[0], epilogue.RowStats(*out[5:9])) if return_stats else out[0]
+                    key_txt, tau, gamma_t, eps_t, thr_t, int(offset), has_margin, smoothing, masked, bool(normalize),
+                    precision)
+    return (out[0], epilogue.RowStats(*out[5:9], _kept(out[9], masked))) if return_stats else out[0]
 
 
-def hn_clip_pairs_triton(img, txt, *, tau, gamma, label_smoothing, normalize, return_stats=False, precision=None):
+def hn_clip_pairs_triton(img, txt, *, tau, gamma, label_smoothing, normalize, return_stats=False, precision=None,
+                         false_negative_threshold=None):
     """Per-pair losses ½(i2t_k + t2i_k), shape (N,): the fused single-process loss
     (``hnclip::triton_symmetric_nll``; composes as :func:`directional_nll_triton` does).
-    ``return_stats``: also ``(i2t, t2i)``, the detached ``epilogue.RowStats`` of both directions."""
+    ``return_stats``: also ``(i2t, t2i)``, the detached ``epilogue.RowStats`` of both directions.
+    ``false_negative_threshold``: as :func:`directional_nll_triton` (off the diagonal super-tiles
+    one caption tile masks Z_IJ and Z_JIᵀ alike: the mask is symmetric to the bit there)."""
     gamma_t, eps_t, has_margin, smoothing, precision = _scalar_args(gamma, label_smoothing, precision, img)
-    out = glue.call(HNClipTriton, torch.ops.hnclip.triton_symmetric_nll, img, txt, tau, gamma_t, eps_t, has_margin,
-                    smoothing, bool(normalize), precision)
+    masked = false_negative_threshold is not None
+    thr_t = glue.hyperparameter(false_negative_threshold if masked else 0.0, img)
+    out = glue.call(HNClipTriton, torch.ops.hnclip.triton_symmetric_nll, img, txt, tau, gamma_t, eps_t, thr_t,
+                    has_margin, smoothing, masked, bool(normalize), precision)
     if not return_stats:
         return out[0]
     pos = out[3]
-    return out[0], (epilogue.RowStats(pos, *out[4:7]), epilogue.RowStats(pos, *out[7:10]))
+    return out[0], (epilogue.RowStats(pos, *out[4:7], _kept(out[7], masked)),
+                    epilogue.RowStats(pos, *out[8:11], _kept(out[11], masked)))
 
 
 def rank_nll_triton(img, txt, all_img, all_txt, *, tau, offset, gamma, label_smoothing, normalize,
-                    return_stats=False, precision=None):
+                    return_stats=False, precision=None, false_negative_threshold=None):
     """A distributed rank's per-row losses ½(i2t_i + t2i_i), shape (M,), in one fused op
     (``hnclip::triton_rank_nll``; composes as :func:`directional_nll_triton` does).
 
@@ -288,16 +338,20 @@ def rank_nll_triton(img, txt, all_img, all_txt, *, tau, offset, gamma, label_smo
     2608.18521, Eq. 2, the margins of the local captions against all captions): the same as
     two calls of :func:`directional_nll_triton` (``0.5 * (i2t + t2i)``), each value to the bit,
     with the margin's product formed once for both. ``return_stats``: also ``(i2t, t2i)``, the
-    detached ``epilogue.RowStats`` of each direction. Raises ``ValueError``/``TypeError`` as
-    :func:`hnclip_kernels.validation.check_directional` does for either direction."""
+    detached ``epilogue.RowStats`` of each direction. ``false_negative_threshold``: as
+    :func:`directional_nll_triton` (one caption cosine masks the pair in both directions).
+    Raises ``ValueError``/``TypeError`` as :func:`hnclip_kernels.validation.check_directional`
+    does for either direction."""
     check_directional(img, all_txt, txt, all_txt, offset)
     check_directional(txt, all_img, txt, all_txt, offset)
     gamma_t, eps_t, has_margin, smoothing, precision = _scalar_args(gamma, label_smoothing, precision, img)
+    masked = false_negative_threshold is not None
+    thr_t = glue.hyperparameter(false_negative_threshold if masked else 0.0, img)
     out = glue.call(HNClipRankTriton, torch.ops.hnclip.triton_rank_nll, img, txt, all_img, all_txt, tau, gamma_t,
-                    eps_t, int(offset), has_margin, smoothing, bool(normalize), precision)
+                    eps_t, thr_t, int(offset), has_margin, smoothing, masked, bool(normalize), precision)
     if not return_stats:
         return out[0]
     m = img.shape[0]
-    pos, delta, mean_neg, dsum = out[5:9]
-    return out[0], (epilogue.RowStats(pos[:m], delta[:m], mean_neg[:m], dsum[:m]),
-                    epilogue.RowStats(pos[m:], delta[m:], mean_neg[m:], dsum[m:]))
+    pos, delta, mean_neg, dsum, kept = out[5:10]
+    return out[0], tuple(epilogue.RowStats(pos[sl], delta[sl], mean_neg[sl], dsum[sl],
+                                           kept[sl] if masked else None) for sl in (slice(0, m), slice(m, 2 * m)))

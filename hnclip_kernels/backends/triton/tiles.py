@@ -1,6 +1,13 @@
 """Tile helpers shared by the forward and backward kernels: forming a tile of logits,
 loading γ, block offsets, a tile's statistics, the online-LSE combine, partial stores and loads.
 
+False-negative masking (MASK, a threshold c): ``_logits_masked_tile`` / ``_pair_masked_tiles``
+form the caption tile G = m_q m_kᵀ where the margin is formed (also at γ = 0) and return the
+logits with the entries whose float32 caption cosine is ≥ c (``_caption_keep``) at −inf; a kernel
+ands ``_kept(z)`` into its negatives (a −inf logit, not a bool tile beside it: registers).
+``_logits_tile`` / ``_pair_tiles`` are the same tiles without it. Kept-negative counts travel in one more plane after a summary's
+(``_store_count`` / ``_load_count``).
+
 Matrices travel as tuples ``(ptr, stride_row, stride_col)``, blocks of rows (or columns)
 as ``(offsets, mask, inverse norms, inverse norms of the margin factor)``.
 """
@@ -38,15 +45,37 @@ def _logits_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """(BLOCK_M, BLOCK_N) float32 tile of Z = (q̂ k̂ᵀ + γ · m̂_q m̂_kᵀ) / τ, dots accumulated in
-    float32 over D.
+    float32 over D: ``_logits_masked_tile`` without false-negative masking (its arguments)."""
+    return _logits_masked_tile(q, k, margin_q, margin_k, rows, cols, D, gamma, inv_tau, 0.0, HAS_MARGIN, False, PREC,
+                               BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _logits_masked_tile(
+    q, k, margin_q, margin_k,
+    rows, cols,
+    D, gamma, inv_tau, thr,
+    HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The (BLOCK_M, BLOCK_N) float32 tile of Z = (q̂ k̂ᵀ + γ · m̂_q m̂_kᵀ) / τ, dots accumulated in
+    float32 over D, with MASK its false negatives at −inf.
 
     Matrices, each ``(ptr, stride along rows, stride along D)``:
         q, k: the query (M, D) and key (N, D) features;
-        margin_q, margin_k: the margin factors (M, D) and (N, D) (read only with HAS_MARGIN).
+        margin_q, margin_k: the margin factors (M, D) and (N, D) (read with HAS_MARGIN or MASK).
     Blocks, each ``(offsets, bounds mask, r, r_margin)``, r the float32 inverse norms:
         rows: this tile's query rows; cols: its key rows (Z's columns).
-    Scalars: D (feature width), gamma (γ, float32), inv_tau (1/τ).
-    Constexprs: HAS_MARGIN (γ ≠ 0), PREC (see ``precision._dot``), tile sizes.
+    Scalars: D (feature width), gamma (γ, float32), inv_tau (1/τ), thr (the false-negative
+        threshold, float32, read with MASK).
+    Constexprs: HAS_MARGIN (γ ≠ 0), MASK (false-negative masking), PREC (see ``precision._dot``),
+        tile sizes.
+
+    With MASK an entry whose caption cosine, the margin's own float32 product
+    ``(m_q·m_k) · r_margin_q · r_margin_k`` (``_caption_keep``), is at or above ``thr`` comes
+    back as −inf: a kernel drops it from its negatives with ``_kept`` (no bool tile stays live
+    beside the logits: registers). Without the margin (γ = 0) the caption product is formed for
+    MASK only. (The positive's entry may come back −inf too: callers exclude it by index.)
     """
     offs_m, mask_m, rq, r_mq = rows
     offs_n, mask_n, rk, r_mk = cols
@@ -57,14 +86,59 @@ def _logits_tile(
         mask_d = offs_d < D
         acc = _dot(_row_block(q, offs_m, mask_m, offs_d, mask_d), _col_block(k, offs_n, mask_n, offs_d, mask_d),
                    acc, PREC)
-        if HAS_MARGIN:
+        if HAS_MARGIN or MASK:
             acc_margin = _dot(_row_block(margin_q, offs_m, mask_m, offs_d, mask_d),
                               _col_block(margin_k, offs_n, mask_n, offs_d, mask_d), acc_margin, PREC)
     # the norms scale float32 tiles: the normalised vectors are never rounded to bf16
     z = acc * rq[:, None] * rk[None, :]
-    if HAS_MARGIN:
-        z += gamma * (acc_margin * r_mq[:, None] * r_mk[None, :])
+    if HAS_MARGIN or MASK:
+        cosine = acc_margin * r_mq[:, None] * r_mk[None, :]
+        if HAS_MARGIN:
+            z += gamma * cosine
+        if MASK:
+            z = tl.where(_caption_keep(cosine, thr), z, float("-inf"))
     return z * inv_tau
+
+
+@triton.jit
+def _caption_keep(cosine, thr):
+    """Which entries stay negatives under false-negative masking: caption cosine < thr (both
+    float32; an entry at or above the threshold is masked, a NaN cosine is masked too)."""
+    return cosine < thr
+
+
+@triton.jit
+def _kept(z):
+    """The entries of a tile from ``_logits_masked_tile`` / ``_pair_masked_tiles`` that masking
+    kept (not −inf; a NaN logit counts as kept, so it shows in the loss)."""
+    return z != float("-inf")
+
+
+@triton.jit
+def _load_threshold(thr_ptr, MASK: tl.constexpr):
+    """The false-negative threshold, float32, read from device memory like γ; not read without MASK."""
+    thr = 0.0
+    if MASK:
+        thr = tl.load(thr_ptr).to(tl.float32)
+    return thr
+
+
+@triton.jit
+def _count(neg, AXIS: tl.constexpr):
+    """How many entries of a tile each line (rows: AXIS 1, columns: AXIS 0) keeps as negatives."""
+    return tl.sum(neg.to(tl.float32), axis=AXIS)
+
+
+@triton.jit
+def _store_count(ptr, plane, offs, mask, count, SMOOTHING: tl.constexpr):
+    """Store a block's kept-negative counts in the plane after its summary (``_store_partial``)."""
+    tl.store(ptr + (3 + SMOOTHING) * plane + offs, count, mask=mask)
+
+
+@triton.jit
+def _load_count(ptr, plane, offs, mask, SMOOTHING: tl.constexpr):
+    """Load the counts stored by ``_store_count`` (0 outside ``mask``)."""
+    return tl.load(ptr + (3 + SMOOTHING) * plane + offs, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -195,8 +269,22 @@ def _pair_tiles(
     HAS_MARGIN: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """``_pair_masked_tiles`` without false-negative masking: (z, zm)."""
+    return _pair_masked_tiles(v, t, rows, cols, D, gamma, inv_tau, 0.0, HAS_MARGIN, False, PREC,
+                              BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _pair_masked_tiles(
+    v, t,
+    rows, cols,
+    D, gamma, inv_tau, thr,
+    HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
     """The tile pair of the symmetric loss (Z = (v̂ t̂ᵀ + γ · t̂ t̂ᵀ) / τ) from 3 products over D
-    (2 without the margin): Z_IJ and Z_JIᵀ share the margin's G_IJ = t_I t_Jᵀ (G is symmetric).
+    (2 without the margin and the masking): Z_IJ and Z_JIᵀ share the margin's G_IJ = t_I t_Jᵀ
+    (G is symmetric).
 
     Matrices ``(ptr, stride along rows, stride along D)``: v the images (N, D), t the texts
     (N, D). Blocks ``(offsets, mask, r_v, r_t)``: rows I (BLOCK_M) and columns J (BLOCK_N).
@@ -207,16 +295,25 @@ def _pair_tiles(
     in operand order, so the mirror (t_I v_Jᵀ) may differ from ``_logits_tile``'s v_J t_Iᵀ in the
     last bits: the forward and the backward's ``_dscore_pair_kernel`` therefore form every
     logit in the same role (direct, mirror or diagonal super-tile), bit-identical to each other.
+
+    With MASK (false-negative masking at ``thr``) the entries whose caption cosine
+    G_IJ[i, j] · r_t,i · r_t,j (z's margin product) is at or above ``thr`` come back as −inf in z
+    and in zm alike (zm[i, j] is the same caption pair: one comparison for both), so the mask
+    off the diagonal super-tiles is symmetric to the bit; ``_kept`` reads it back.
     """
     offs_m, mask_m, rv_m, rt_m = rows
     offs_n, mask_n, rv_n, rt_n = cols
-    acc, acc_mirror, acc_margin = _three_products(v, t, v, t, offs_m, mask_m, offs_n, mask_n, D, HAS_MARGIN, PREC,
-                                                  BLOCK_M, BLOCK_N, BLOCK_K)
+    acc, acc_mirror, acc_margin = _three_products(v, t, v, t, offs_m, mask_m, offs_n, mask_n, D, HAS_MARGIN or MASK,
+                                                  PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     z = acc * rv_m[:, None] * rt_n[None, :]
     zm = acc_mirror * rv_n[None, :] * rt_m[:, None]
     if HAS_MARGIN:
         z += gamma * (acc_margin * rt_m[:, None] * rt_n[None, :])
         zm += gamma * (acc_margin * rt_n[None, :] * rt_m[:, None])
+    if MASK:
+        keep = _caption_keep(acc_margin * rt_m[:, None] * rt_n[None, :], thr)
+        z = tl.where(keep, z, float("-inf"))
+        zm = tl.where(keep, zm, float("-inf"))
     return z * inv_tau, zm * inv_tau
 
 
@@ -224,30 +321,38 @@ def _pair_tiles(
 def _rank_tiles(
     v, t, v_all, t_all,
     rows, cols,
-    D, gamma, inv_tau,
-    HAS_MARGIN: tl.constexpr, PREC: tl.constexpr,
+    D, gamma, inv_tau, thr,
+    HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """A distributed rank's two directions over one tile from 3 products (2 without the
-    margin): i2t Z_IJ = (v̂_I t̂_Jᵀ + γ G_IJ) / τ and t2i Z'_IJ = (t̂_I v̂_Jᵀ + γ G_IJ) / τ share
-    G_IJ = t̂_I t̂_Jᵀ, the local captions against the gathered ones.
+    margin and the masking): i2t Z_IJ = (v̂_I t̂_Jᵀ + γ G_IJ) / τ and t2i Z'_IJ = (t̂_I v̂_Jᵀ + γ G_IJ) / τ
+    share G_IJ = t̂_I t̂_Jᵀ, the local captions against the gathered ones.
 
     Matrices ``(ptr, stride along rows, stride along D)``: v, t the local features (M, D),
     v_all, t_all the gathered ones (N, D). Blocks ``(offsets, mask, r_v, r_t)``: local rows I
     (BLOCK_M), gathered columns J (BLOCK_N). Returns the two (BLOCK_M, BLOCK_N) float32 tiles,
-    each as ``_logits_tile`` forms it for that direction's directional op (i2t: q = v, k = t_all;
-    t2i: q = t, k = v_all; margin factors t, t_all), to the bit.
+    each as ``_logits_masked_tile`` forms it for that direction's directional op (i2t: q = v,
+    k = t_all; t2i: q = t, k = v_all; margin factors t, t_all), to the bit. With MASK (false-negative
+    masking at ``thr``) an entry whose caption cosine G_IJ[i, j] is at or above ``thr`` is −inf
+    in both tiles (one comparison: the same caption pair in both directions).
     """
     offs_m, mask_m, rv_m, rt_m = rows
     offs_n, mask_n, rv_n, rt_n = cols
-    acc, acc_t2i, acc_margin = _three_products(v, t, v_all, t_all, offs_m, mask_m, offs_n, mask_n, D, HAS_MARGIN,
-                                               PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc, acc_t2i, acc_margin = _three_products(v, t, v_all, t_all, offs_m, mask_m, offs_n, mask_n, D,
+                                               HAS_MARGIN or MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     z = acc * rv_m[:, None] * rt_n[None, :]
     zt = acc_t2i * rt_m[:, None] * rv_n[None, :]
-    if HAS_MARGIN:
-        margin = gamma * (acc_margin * rt_m[:, None] * rt_n[None, :])
-        z += margin
-        zt += margin
+    if HAS_MARGIN or MASK:
+        cosine = acc_margin * rt_m[:, None] * rt_n[None, :]
+        if HAS_MARGIN:
+            margin = gamma * cosine
+            z += margin
+            zt += margin
+        if MASK:
+            keep = _caption_keep(cosine, thr)
+            z = tl.where(keep, z, float("-inf"))
+            zt = tl.where(keep, zt, float("-inf"))
     return z * inv_tau, zt * inv_tau
 
 

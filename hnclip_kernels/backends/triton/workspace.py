@@ -39,11 +39,13 @@ def _device(device) -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def forward_bytes(m: int, n: int, elem_size: int, columns: bool, smoothing: bool, device=None) -> int:
+def forward_bytes(m: int, n: int, elem_size: int, columns: bool, smoothing: bool, device=None,
+                  masked: bool = False) -> int:
     """Bytes of the forward's partial statistics: M local rows against N columns, ``columns``
     for the symmetric loss (also the columns' statistics; else a rank's two directions, 2M
-    lines), features of ``elem_size`` bytes."""
-    planes = 4 if smoothing else 3
+    lines), features of ``elem_size`` bytes; ``masked`` (false-negative masking) adds the
+    kept-count plane."""
+    planes = (4 if smoothing else 3) + bool(masked)
     with cfg.forced_launch("gpu"):
         _, slab, splits, _ = cfg.fwd_grid(m, n, elem_size, columns, _device(device))
         block_m = cfg.fwd_block_m(elem_size)
@@ -66,7 +68,7 @@ def backward_bytes(m: int, n: int, d: int, dtype: torch.dtype = torch.float32, s
 
 
 def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, label_smoothing: float = 0.0,
-                    local_rows: int | None = None, device=None) -> int:
+                    local_rows: int | None = None, device=None, false_negative_threshold=None) -> int:
     """Bytes the fused Triton path allocates beyond its inputs and outputs for one forward and
     backward, in the GPU launch configuration: the forward's partial statistics plus the
     backward's dS chunk (see the module docstring).
@@ -75,7 +77,9 @@ def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, l
     (its M local rows against N columns, both directions) when ``local_rows`` (the rank's M) is
     given; ``d``, ``gamma``: the layout depends on neither today (kept so a caller states the whole problem); ``dtype``: the features' dtype (the
     forward's tile height); ``label_smoothing``: ≠ 0 adds the Σd plane; ``device``: whose SM
-    count sizes the grid (default: the current CUDA device, else an H100/H200's 132).
+    count sizes the grid (default: the current CUDA device, else an H100/H200's 132);
+    ``false_negative_threshold``: not None adds the kept-count plane (the per-row ε/n shifts of
+    the backward are O(N) vectors, not workspace).
 
     E.g. N = 262144, D = 768, bf16, γ = 0.5 on 132 SMs: 79 MiB of statistics + 336 MiB of backward
     (a chunk pair: two 128 MiB float16 dS chunks, 32 MiB of residual sums, 48 MiB of float16
@@ -92,5 +96,6 @@ def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, l
         raise ValueError(f"workspace_bytes: n, d and local_rows must be positive, got {n}, {d}, {local_rows}")
     columns = local_rows is None
     m = n if columns else int(local_rows)
-    return (forward_bytes(m, n, _SIZES[dtype], columns, label_smoothing != 0.0, device)
+    return (forward_bytes(m, n, _SIZES[dtype], columns, label_smoothing != 0.0, device,
+                          masked=false_negative_threshold is not None)
             + backward_bytes(m, n, d, dtype, symmetric=columns))
