@@ -103,22 +103,26 @@ struct RowSweep {
         }
       }
     }
-    if constexpr (kMode != Sweep::kStats) {
-      for (int64_t r = 0; r < rows; ++r) {  // 0 at the positive
-        const int64_t pc = offset + i0 + r;
-        if (pc >= 0 && pc < N) bp[r * N + pc] = T(0);
-      }
-      const Tensor probs = strip->narrow(0, 0, rows);
-      if (row_acc.defined()) {
-        Tensor out = row_acc.narrow(0, i0, rows);
-        at::mm_out(out, probs, kh);
-      }
-      const Tensor qi = qh.narrow(0, i0, rows);
-      if (first_in_group) {
-        at::mm_out(*part, probs.t(), qi);
-      } else {
-        part->addmm_(probs.t(), qi);
-      }
+    if constexpr (kMode != Sweep::kStats) block_gemms(i0, rows, N, bp, strip, part, first_in_group);
+  }
+
+  // the strip's GEMMs: P (0 at the positive) against the keys into row_acc, and Pᵀ against the
+  // queries into the group's key accumulator
+  void block_gemms(int64_t i0, int64_t rows, int64_t N, T* bp, Tensor* strip, Tensor* part, bool first_in_group) {
+    for (int64_t r = 0; r < rows; ++r) {  // 0 at the positive
+      const int64_t pc = offset + i0 + r;
+      if (pc >= 0 && pc < N) bp[r * N + pc] = T(0);
+    }
+    const Tensor probs = strip->narrow(0, 0, rows);
+    if (row_acc.defined()) {
+      Tensor out = row_acc.narrow(0, i0, rows);
+      at::mm_out(out, probs, kh);
+    }
+    const Tensor qi = qh.narrow(0, i0, rows);
+    if (first_in_group) {
+      at::mm_out(*part, probs.t(), qi);
+    } else {
+      part->addmm_(probs.t(), qi);
     }
   }
 
@@ -161,23 +165,7 @@ void RowSweep<T, kMode>::block_masked(const TileGrid& grid, int64_t i0, int64_t 
       }
     }
   }
-  if constexpr (kMode != Sweep::kStats) {
-    for (int64_t r = 0; r < rows; ++r) {  // 0 at the positive
-      const int64_t pc = offset + i0 + r;
-      if (pc >= 0 && pc < N) bp[r * N + pc] = T(0);
-    }
-    const Tensor probs = strip->narrow(0, 0, rows);
-    if (row_acc.defined()) {
-      Tensor out = row_acc.narrow(0, i0, rows);
-      at::mm_out(out, probs, kh);
-    }
-    const Tensor qi = qh.narrow(0, i0, rows);
-    if (first_in_group) {
-      at::mm_out(*part, probs.t(), qi);
-    } else {
-      part->addmm_(probs.t(), qi);
-    }
-  }
+  if constexpr (kMode != Sweep::kStats) block_gemms(i0, rows, N, bp, strip, part, first_in_group);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
     python -m tools.sm90 [--quick] [--dtypes bf16,fp16,fp32] [--d 64,768] [--gammas 0,0.5]
                               [--smoothings 0,0.1] [--n 4096] [--local-m 512] [--jobs J]
-                              [--wide-scalars] [--i64-ints] [--json out.json] [--cache-dir DIR]
+                              [--wide-scalars] [--i64-ints] [--thresholds none,0.9] [--json out.json]
+                              [--cache-dir DIR]
 
 Run it with TRITON_INTERPRET unset. What it does:
 
@@ -96,16 +97,16 @@ def _features(n, d, dtype, seed=0):
     return torch.randn(n, d, generator=g).to(dtype), torch.randn(n, d, generator=g).to(dtype)
 
 
-def drive_single(n, d, dtype, gamma, eps):
-    """The public single-process loss, forward + backward."""
+def drive_single(n, d, dtype, gamma, eps, threshold=None):
+    """The public single-process loss, forward + backward (``threshold``: false-negative masking)."""
     img, txt = _features(n, d, dtype)
     tau = torch.tensor(0.07, requires_grad=True)
     loss = hnclip_kernels.hn_clip_loss(img.requires_grad_(), txt.requires_grad_(), tau, gamma=gamma,
-                                       label_smoothing=eps, backend="triton")
+                                       label_smoothing=eps, backend="triton", false_negative_threshold=threshold)
     loss.backward()
 
 
-def drive_directional(m, n, d, dtype, gamma, eps, offset):
+def drive_directional(m, n, d, dtype, gamma, eps, offset, threshold=None):
     """One rank's i2t direction as ``distributed.rank_hn_clip_loss`` calls it: m local image
     rows against the n gathered texts, positive of row i at column offset + i."""
     op = hnclip_kernels.backends.triton_directional()
@@ -114,11 +115,11 @@ def drive_directional(m, n, d, dtype, gamma, eps, offset):
     txt = all_txt[offset:offset + m].clone()
     tau = torch.tensor(0.07, requires_grad=True)
     rows = op(img, all_txt.requires_grad_(), query_txt=txt, key_txt=all_txt, tau=tau, offset=offset, gamma=gamma,
-              label_smoothing=eps, normalize=True)
+              label_smoothing=eps, normalize=True, false_negative_threshold=threshold)
     rows.sum().backward()
 
 
-def drive_rank(m, n, d, dtype, gamma, eps, offset):
+def drive_rank(m, n, d, dtype, gamma, eps, offset, threshold=None):
     """One rank's two directions in one op, as ``distributed.rank_hn_clip_loss`` calls them on
     Triton (``backends.rank_losses``): m local rows against the n gathered ones."""
     from hnclip_kernels.backends.triton.ops import rank_nll_triton
@@ -127,7 +128,7 @@ def drive_rank(m, n, d, dtype, gamma, eps, offset):
     img, txt = (x[offset:offset + m].clone().requires_grad_() for x in (all_img, all_txt))
     tau = torch.tensor(0.07, requires_grad=True)
     rows = rank_nll_triton(img, txt, all_img.requires_grad_(), all_txt.requires_grad_(), tau=tau, offset=offset,
-                           gamma=gamma, label_smoothing=eps, normalize=True)
+                           gamma=gamma, label_smoothing=eps, normalize=True, false_negative_threshold=threshold)
     rows.sum().backward()
 
 
@@ -387,18 +388,19 @@ def _table(rows):
     return "\n".join([fmt(cols), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines])
 
 
-def capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars=False, i64_ints=False):
+def capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars=False, i64_ints=False, thresholds=(None,)):
     """Drive every combination; returns ({key: Job}, {key: where it was launched from}, problems, launches)."""
     backend = make_backend(TARGET)
     jobs, where, problems, n_launch = {}, {}, [], 0
-    for dt, d, gm, eps in itertools.product(dtypes, ds, gammas, smoothings):
+    for dt, d, gm, eps, thr in itertools.product(dtypes, ds, gammas, smoothings, thresholds):
         dtype = DTYPES[dt]
-        for src, thunk in (("single", lambda d=d, dtype=dtype, gm=gm, eps=eps: drive_single(n, d, dtype, gm, eps)),
-                           ("dir", lambda d=d, dtype=dtype, gm=gm, eps=eps: drive_directional(local_m, n, d, dtype, gm,
-                                                                                              eps, local_m)),
-                           ("rank", lambda d=d, dtype=dtype, gm=gm, eps=eps: drive_rank(local_m, n, d, dtype, gm, eps,
-                                                                                        local_m))):
-            case = f"{src} {dt} D={d} gamma={gm} label_smoothing={eps}"
+        args = dict(gamma=gm, eps=eps, threshold=thr)
+        for src, thunk in (("single", lambda d=d, dtype=dtype, a=args: drive_single(n, d, dtype, **a)),
+                           ("dir", lambda d=d, dtype=dtype, a=args: drive_directional(local_m, n, d, dtype,
+                                                                                      offset=local_m, **a)),
+                           ("rank", lambda d=d, dtype=dtype, a=args: drive_rank(local_m, n, d, dtype, offset=local_m,
+                                                                                **a))):
+            case = f"{src} {dt} D={d} gamma={gm} label_smoothing={eps} false_negative_threshold={thr}"
             try:
                 with triton_on_cpu(), capture_launches() as launches:
                     thunk()
@@ -418,7 +420,7 @@ def capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars=False, 
 
 
 def run_check(dtypes, ds, gammas, smoothings, n=4096, local_m=512, jobs=None, cache_dir=DEFAULT_CACHE,
-              wide_scalars=False, i64_ints=False, log=lambda msg: print(msg, flush=True)):
+              wide_scalars=False, i64_ints=False, log=lambda msg: print(msg, flush=True), thresholds=(None,)):
     """Capture, compile and analyse. Returns a dict: "rows" (one per distinct compiled kernel,
     with its "problems"), "problems" (all, as strings) and run statistics."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -428,7 +430,7 @@ def run_check(dtypes, ds, gammas, smoothings, n=4096, local_m=512, jobs=None, ca
     torch.set_num_threads(1)  # the launchers' torch code on CPU: small ops, faster without a thread pool
     try:
         by_key, where, problems, n_launch = capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars,
-                                                        i64_ints)
+                                                        i64_ints, thresholds)
     finally:
         torch.set_num_threads(threads)
     t_capture = time.perf_counter() - t0
@@ -489,14 +491,17 @@ def main(argv=None):
     ap.add_argument("--wide-scalars", action="store_true",
                     help="type float scalars fp64, as Inductor does for user kernels under torch.compile")
     ap.add_argument("--i64-ints", action="store_true", help="type integer scalars i64 (unbounded SymInts)")
+    ap.add_argument("--thresholds", type=csv(str), default=["none"],
+                    help="false-negative thresholds to drive, 'none' for no masking (default none; e.g. none,0.9)")
     a = ap.parse_args(argv)
+    thresholds = [None if x == "none" else float(x) for x in a.thresholds]
     ds = a.d or ([64, 768] if a.quick else [64, 512, 768, 1024])
     smoothings = a.smoothings or ([0.0] if a.quick else [0.0, 0.1])
     if unknown := [d for d in a.dtypes if d not in DTYPES]:
         ap.error(f"unknown dtype(s) {unknown}; choose from {list(DTYPES)}")
     try:
         report = run_check(a.dtypes, ds, a.gammas, smoothings, a.n, a.local_m, a.jobs, a.cache_dir, a.wide_scalars,
-                           a.i64_ints)
+                           a.i64_ints, thresholds=thresholds)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

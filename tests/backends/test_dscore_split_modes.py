@@ -59,11 +59,13 @@ def _run(dtype):
     res_r = torch.full((sc * M,), float("nan")) if round16 else w
     res_c = torch.full((sr * N,), float("nan")) if round16 else w
     tau32, gamma32 = torch.tensor([TAU]), torch.tensor([GAMMA])
+    # no false-negative masking: τ stands in for the threshold and shift pointers (not read)
     args = (*ops, *[s for x in ops for s in x.stride()], *norms, pos, nll, grad, tau32, gamma32, nll, grad, a, b,
-            w, lo, N, 1, res_r, M, res_c, N, 0, M, 0, N, D, OFFSET)
+            tau32, tau32, tau32, w, lo, N, 1, res_r, M, res_c, N, 0, M, 0, N, D, OFFSET)
     tile = cfg.INTERPRET_TILE
     bw._kernel("dscore", False)[(M // tile, N // tile)](
-        *args, SYMMETRIC=False, HAS_MARGIN=True, PREC="ieee", ROUND16="fp16" if round16 else "", TAIL=tail,
+        *args, SYMMETRIC=False, HAS_MARGIN=True, MASK=False, SHIFT=False, PREC="ieee",
+        ROUND16="fp16" if round16 else "", TAIL=tail,
         SLICE=SLICE, BLOCK_M=tile, BLOCK_N=tile, BLOCK_K=tile, num_warps=1, num_stages=1)
     return (w.view(M, N), lo.view(M, N) if tail else None, res_r.view(sc, M) if round16 else None,
             res_c.view(sr, N) if round16 else None, a, b, w64)
