@@ -69,8 +69,7 @@ from .tiles import (
     _block,
     _kept,
     _load2,
-    _load_gamma,
-    _load_threshold,
+    _load_scalars,
     _logits_masked_tile,
     _pair_masked_tiles,
     _rank_tiles,
@@ -139,11 +138,9 @@ def _dscore_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     (offs_m, mask_m), (offs_n, mask_n), _, _ = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
-    inv_tau = 1.0 / tl.load(tau_ptr)
-    gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
+    inv_tau, gamma, thr = _load_scalars(tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
     rq, r_mq = _load2(rq_ptr, r_mq_ptr, offs_m, mask_m)
     rk, r_mk = _load2(rk_ptr, r_mk_ptr, offs_n, mask_n)
-    thr = _load_threshold(thr_ptr, MASK)
     z = _logits_masked_tile((q_ptr, stride_qm, stride_qd), (k_ptr, stride_kn, stride_kd),
                             (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
                             (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
@@ -268,11 +265,9 @@ def _dscore_pair_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     (offs_m, mask_m), (offs_n, mask_n), rows_c, cols_c = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
-    inv_tau = 1.0 / tl.load(tau_ptr)
-    gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
+    inv_tau, gamma, thr = _load_scalars(tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
     rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
     rv_n, rt_n = _load2(rv_ptr, rt_ptr, offs_n, mask_n)
-    thr = _load_threshold(thr_ptr, MASK)
     v = (v_ptr, stride_vm, stride_vd)
     t = (t_ptr, stride_tm, stride_td)
     rows = (offs_m, mask_m, row0, row_end, pid_m * (BLOCK_M // SLICE))
@@ -333,11 +328,9 @@ def _dscore_rank_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     (offs_m, mask_m), (offs_n, mask_n), rows_c, cols_c = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
-    inv_tau = 1.0 / tl.load(tau_ptr)
-    gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
+    inv_tau, gamma, thr = _load_scalars(tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
     rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
     rv_n, rt_n = _load2(rva_ptr, rta_ptr, offs_n, mask_n)
-    thr = _load_threshold(thr_ptr, MASK)
     z, zt = _rank_tiles((v_ptr, stride_vm, stride_vd), (t_ptr, stride_tm, stride_td),
                         (va_ptr, stride_van, stride_vad), (ta_ptr, stride_tan, stride_tad),
                         (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),

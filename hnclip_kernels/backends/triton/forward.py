@@ -24,9 +24,8 @@ from .tiles import (
     _kept,
     _load2,
     _load_count,
-    _load_gamma,
     _load_partial,
-    _load_threshold,
+    _load_scalars,
     _logits_masked_tile,
     _merge_stats,
     _pair_masked_tiles,
@@ -73,9 +72,7 @@ def _fwd_kernel(
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
-    inv_tau = 1.0 / tl.load(tau_ptr)
-    gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
-    thr = _load_threshold(thr_ptr, MASK)
+    inv_tau, gamma, thr = _load_scalars(tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
     q = (q_ptr, stride_qm, stride_qd)
     k = (k_ptr, stride_kn, stride_kd)
     margin_q = (mq_ptr, stride_mqm, stride_mqd)
@@ -137,9 +134,7 @@ def _fwd_rank_kernel(
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
-    inv_tau = 1.0 / tl.load(tau_ptr)
-    gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
-    thr = _load_threshold(thr_ptr, MASK)
+    inv_tau, gamma, thr = _load_scalars(tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
     v = (v_ptr, stride_vm, stride_vd)
     t = (t_ptr, stride_tm, stride_td)
     v_all = (va_ptr, stride_van, stride_vad)
@@ -215,9 +210,7 @@ def _fwd_pair_kernel(
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
     planes = 3 + SMOOTHING + MASK
-    inv_tau = 1.0 / tl.load(tau_ptr)
-    gamma = _load_gamma(gamma_ptr, HAS_MARGIN)
-    thr = _load_threshold(thr_ptr, MASK)
+    inv_tau, gamma, thr = _load_scalars(tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
     v = (v_ptr, stride_vm, stride_vd)
     t = (t_ptr, stride_tm, stride_td)
     row0 = (block0 + pid_b) * BLOCK_M

@@ -142,6 +142,13 @@ def _load_count(ptr, plane, offs, mask, SMOOTHING: tl.constexpr):
 
 
 @triton.jit
+def _load_scalars(tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN: tl.constexpr, MASK: tl.constexpr):
+    """(1/τ, γ, the false-negative threshold), float32, read from device memory (γ only with
+    HAS_MARGIN, the threshold only with MASK; see ``_load_gamma``). Loads only."""
+    return 1.0 / tl.load(tau_ptr), _load_gamma(gamma_ptr, HAS_MARGIN), _load_threshold(thr_ptr, MASK)
+
+
+@triton.jit
 def _load_gamma(gamma_ptr, HAS_MARGIN: tl.constexpr):
     """The margin scale γ, float32, read from device memory like τ (never a float argument:
     Inductor passes Python-float arguments of user kernels as fp64, which would turn the
