@@ -148,7 +148,8 @@ def check_tau(tau: Union[float, torch.Tensor], device: torch.device, dtype: torc
         return None  # τ may be a symbolic float or a traced tensor: eager calls check it
     if isinstance(tau, torch.Tensor):
         if tau.numel() != 1:
-            raise ValueError(f"tau must be a scalar (0-dim) tensor, got shape {tuple(tau.shape)}")
+            raise ValueError(f"tau must be a scalar: a Python number or a one-element tensor, got shape "
+                             f"{tuple(tau.shape)}")
         if not tau.is_floating_point():
             raise TypeError(f"tau tensor must be floating point, got {tau.dtype}; pass e.g. 1 / logit_scale.exp()")
         if tau.device != device and tau.device.type != "cpu":

@@ -20,7 +20,7 @@ def test_quickstart_snippet_runs(capsys):
     assert loss.ndim == 0 and loss.item() > 0
     assert model.logit_scale.grad is not None and model.logit_scale.grad.item() != 0  # "reaches logit_scale too"
     out = capsys.readouterr().out
-    assert out.startswith(f"loss {loss.item():.4f}, dL/d logit_scale ")
+    assert out.startswith(f"loss {loss.item():.4f}, dL/d model.logit_scale ")
 
 
 def _section(title):
