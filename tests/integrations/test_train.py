@@ -239,6 +239,26 @@ def test_passes_other_arguments_through_and_restores_patches(monkeypatch):
     assert (loss.local_loss, loss.gather_with_grad) == (True, True)
 
 
+def test_torch_logger_levels_restored_after_open_clip_raised_them(monkeypatch):
+    # open_clip's setup_logging sets every logger to INFO, so torch._dynamo's exit-time metrics
+    # dump (8 empty INFO lines) ended the smoke run's log
+    import logging
+
+    dynamo = logging.getLogger("torch._dynamo")
+    before = dynamo.level
+
+    def fake_main(argv):
+        for name in list(logging.root.manager.loggerDict):  # what open_clip's setup_logging does
+            logging.getLogger(name).setLevel(logging.INFO)
+        logging.getLogger("torch.hnclip_test_new_logger").setLevel(logging.INFO)
+        return 0
+
+    monkeypatch.setattr(oc_main, "main", fake_main)
+    assert hn_train.main(["--model", "ViT-B-32", "--hn-backend", "torch"]) == 0
+    assert dynamo.level == before
+    assert logging.getLogger("torch.hnclip_test_new_logger").level == logging.NOTSET
+
+
 def test_missing_training_extra_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "open_clip_train.main", None)  # import of it now fails
     with pytest.raises(ImportError, match=r'pip install "open_clip_torch\[training\]"'):
