@@ -183,9 +183,22 @@ void RowSweep<T, kMode>::block_masked(const TileGrid& grid, int64_t i0, int64_t 
 //     and dv̂_I = ds_I t̂, dt̂ += ds_Iᵀ v̂_I (per-group accumulators summed in group order).
 // Against two directional calls (three products each) this is four products instead of six.
 // ---------------------------------------------------------------------------------------
+// False-negative masking of the symmetric sweeps (null: none): a pair whose captions' cosine
+// t̂_i · t̂_k is ≥ thr is no negative in either direction. The forward counts each row's and
+// column's kept negatives into kept_r / kept_c; the backward takes each direction's smoothing
+// share of a row, s = ε / n (s_r, s_c).
+template <typename T>
+struct SymMask {
+  T thr;
+  T* kept_r = nullptr;
+  T* kept_c = nullptr;
+  const T* s_r = nullptr;
+  const T* s_c = nullptr;
+};
+
 template <typename T>
 void symmetric_stats(const Tensor& L, const Tensor& R, const T* pos, T* delta_r, T* mean_r, T* dsum_r, T* delta_c,
-                     T* mean_c, T* dsum_c) {
+                     T* mean_c, T* dsum_c, const SymMask<T>* mask = nullptr) {
   const int64_t N = R.size(0);
   if (N == 0) return;
   const TileGrid grid(N, N);
@@ -194,11 +207,14 @@ void symmetric_stats(const Tensor& L, const Tensor& R, const T* pos, T* delta_r,
   const int64_t bn = grid.bn;
   std::vector<ColStats<T>> cols;
   cols.reserve(groups);
-  for (int64_t g = 0; g < groups; ++g) cols.emplace_back(N);
+  for (int64_t g = 0; g < groups; ++g) cols.emplace_back(N, mask != nullptr);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     Tensor scratch = grid.scratch(L.options());
+    // masking forms the caption tile G = t̂_I t̂_Kᵀ beside each logit tile (same grid)
+    Tensor gscratch = mask ? grid.scratch(L.options()) : Tensor();
     const T* sp = scratch.data_ptr<T>();
-    std::vector<T> col_scratch(5 * bn);
+    const T* gp = mask ? gscratch.data_ptr<T>() : nullptr;
+    std::vector<T> col_scratch((mask ? 6 : 5) * bn);
     std::vector<LseState<T>> st(grid.tr);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t first = g * grid.tiles / groups, last = (g + 1) * grid.tiles / groups;
@@ -208,10 +224,22 @@ void symmetric_stats(const Tensor& L, const Tensor& R, const T* pos, T* delta_r,
         for (int64_t n0 = 0; n0 < N; n0 += bn) {
           const int64_t nb = std::min(bn, N - n0);
           form_tile(L, R, i0, rows, n0, nb, scratch);
-          for (int64_t r = 0; r < rows; ++r) update_row<T>(sp + r * bn, nb, i0 + r - n0, pos[i0 + r], st[r]);
-          col_update<T>(sp, bn, rows, nb, i0 - n0, pos + n0, cols[g], n0, col_scratch.data());
+          if (mask) {
+            form_tile(R, R, i0, rows, n0, nb, gscratch);
+            for (int64_t r = 0; r < rows; ++r) {
+              update_row_masked<T>(sp + r * bn, gp + r * bn, nb, i0 + r - n0, pos[i0 + r], mask->thr, st[r]);
+            }
+            col_update_masked<T>(sp, gp, bn, rows, nb, i0 - n0, pos + n0, cols[g], n0, mask->thr,
+                                 col_scratch.data());
+          } else {
+            for (int64_t r = 0; r < rows; ++r) update_row<T>(sp + r * bn, nb, i0 + r - n0, pos[i0 + r], st[r]);
+            col_update<T>(sp, bn, rows, nb, i0 - n0, pos + n0, cols[g], n0, col_scratch.data());
+          }
         }
-        for (int64_t r = 0; r < rows; ++r) finish_row<T>(st[r], delta_r + i0 + r, mean_r + i0 + r, dsum_r + i0 + r);
+        for (int64_t r = 0; r < rows; ++r) {
+          finish_row<T>(st[r], delta_r + i0 + r, mean_r + i0 + r, dsum_r + i0 + r);
+          if (mask) mask->kept_r[i0 + r] = st[r].acc[3];
+        }
       }
     }
   });
@@ -223,118 +251,43 @@ void symmetric_stats(const Tensor& L, const Tensor& R, const T* pos, T* delta_r,
       st.acc[0] = cols[0].se[j];
       st.acc[1] = cols[0].sw[j];
       st.acc[2] = cols[0].sd[j];
+      T count = mask ? cols[0].sc[j] : T(0);
       for (int64_t g = 1; g < groups; ++g) {
         lse_merge(st.m, st.acc[0], st.acc[1], st.acc[2], cols[g].m[j], cols[g].se[j], cols[g].sw[j], cols[g].sd[j]);
+        if (mask) count += cols[g].sc[j];
       }
       finish_row<T>(st, delta_c + j, mean_c + j, dsum_c + j);
+      if (mask) mask->kept_c[j] = count;
     }
   });
 }
 
 // Negatives' shares (times τ) of dL/dv̂ and dL/dt̂ for row weights g (both directions'
 // upstream gradient of pair k is g_k); nll_r / nll_c = softplus(delta) of i2t / t2i.
+// ds_ij = g_i P_ij + g_j P'_ji; with masking g_i (P_ij − s_i) + g_j (P'_ji − s'_j) on the kept
+// entries and 0 on the masked ones.
 template <typename T>
 void symmetric_grads(const Tensor& L, const Tensor& R, const Tensor& vh, const T* pos, const T* nll_r, const T* nll_c,
-                     const T* g, Tensor& d_v, Tensor& d_t) {
+                     const T* g, Tensor& d_v, Tensor& d_t, const SymMask<T>* mask = nullptr) {
   const int64_t N = R.size(0), D = R.size(1);
   if (N == 0) return;
   const TileGrid grid(N, N);
   grouped_strips<T>(grid, D, d_t, L.options(),
                     [&](int64_t i0, int64_t rows, Tensor& strip, Tensor& scratch, Tensor& part, bool first) {
     T* bp = strip.data_ptr<T>();
-    sweep_strip<T>(grid, L, R, i0, rows, scratch, [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z) {
-      sym_prob(z, bp + r * N + n0, nb, pos[i], nll_r[i], g[i], pos + n0, nll_c + n0, g + n0);
-    });
-    for (int64_t r = 0; r < rows; ++r) bp[r * N + i0 + r] = T(0);
-    const Tensor ds = strip.narrow(0, 0, rows);
-    Tensor dv = d_v.narrow(0, i0, rows);
-    at::mm_out(dv, ds, R);
-    const Tensor vi = vh.narrow(0, i0, rows);
-    if (first) {
-      at::mm_out(part, ds.t(), vi);
+    if (mask) {
+      Tensor gscratch = grid.scratch(L.options());
+      const T *s_r = mask->s_r, *s_c = mask->s_c;
+      sweep_strip_masked<T>(grid, L, R, R, R, i0, rows, scratch, gscratch,
+                            [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z, const T* gt) {
+        sym_prob_masked(z, gt, bp + r * N + n0, nb, pos[i], nll_r[i], g[i], s_r[i], pos + n0, nll_c + n0, g + n0,
+                        s_c + n0, mask->thr);
+      });
     } else {
-      part.addmm_(ds.t(), vi);
+      sweep_strip<T>(grid, L, R, i0, rows, scratch, [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z) {
+        sym_prob(z, bp + r * N + n0, nb, pos[i], nll_r[i], g[i], pos + n0, nll_c + n0, g + n0);
+      });
     }
-  });
-}
-
-// symmetric_stats with false-negative masking: the caption tile G = t̂_I t̂_Kᵀ is formed beside
-// each logit tile (same grid), and kept_r / kept_c count each row's / column's kept negatives.
-template <typename T>
-void symmetric_stats_masked(const Tensor& L, const Tensor& R, const T* pos, T thr, T* delta_r, T* mean_r, T* dsum_r,
-                            T* kept_r, T* delta_c, T* mean_c, T* dsum_c, T* kept_c) {
-  const int64_t N = R.size(0);
-  if (N == 0) return;
-  const TileGrid grid(N, N);
-  const int64_t threads = std::max(1, at::get_num_threads());
-  const int64_t groups = std::min(threads, grid.tiles);
-  const int64_t bn = grid.bn;
-  std::vector<ColStats<T>> cols;
-  cols.reserve(groups);
-  for (int64_t g = 0; g < groups; ++g) cols.emplace_back(N, true);
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    Tensor scratch = grid.scratch(L.options());
-    Tensor gscratch = grid.scratch(L.options());
-    const T* sp = scratch.data_ptr<T>();
-    const T* gp = gscratch.data_ptr<T>();
-    std::vector<T> col_scratch(6 * bn);
-    std::vector<LseState<T>> st(grid.tr);
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t first = g * grid.tiles / groups, last = (g + 1) * grid.tiles / groups;
-      for (int64_t t = first; t < last; ++t) {
-        const int64_t i0 = t * grid.tr, rows = grid.rows_of(t);
-        std::fill(st.begin(), st.end(), LseState<T>());
-        for (int64_t n0 = 0; n0 < N; n0 += bn) {
-          const int64_t nb = std::min(bn, N - n0);
-          form_tile(L, R, i0, rows, n0, nb, scratch);
-          form_tile(R, R, i0, rows, n0, nb, gscratch);  // the captions' cosines t̂_i · t̂_k
-          for (int64_t r = 0; r < rows; ++r) {
-            update_row_masked<T>(sp + r * bn, gp + r * bn, nb, i0 + r - n0, pos[i0 + r], thr, st[r]);
-          }
-          col_update_masked<T>(sp, gp, bn, rows, nb, i0 - n0, pos + n0, cols[g], n0, thr, col_scratch.data());
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          finish_row<T>(st[r], delta_r + i0 + r, mean_r + i0 + r, dsum_r + i0 + r);
-          kept_r[i0 + r] = st[r].acc[3];
-        }
-      }
-    }
-  });
-  at::parallel_for(0, N, 1024, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) {
-      LseState<T> st;
-      st.m = cols[0].m[j];
-      st.acc[0] = cols[0].se[j];
-      st.acc[1] = cols[0].sw[j];
-      st.acc[2] = cols[0].sd[j];
-      T count = cols[0].sc[j];
-      for (int64_t g = 1; g < groups; ++g) {
-        lse_merge(st.m, st.acc[0], st.acc[1], st.acc[2], cols[g].m[j], cols[g].se[j], cols[g].sw[j], cols[g].sd[j]);
-        count += cols[g].sc[j];
-      }
-      finish_row<T>(st, delta_c + j, mean_c + j, dsum_c + j);
-      kept_c[j] = count;
-    }
-  });
-}
-
-// symmetric_grads with false-negative masking: ds_ij = g_i (P_ij − s_i) + g_j (P'_ji − s'_j) on the
-// kept entries (s = ε / n: the smoothing share of each direction's row), 0 on the masked ones
-template <typename T>
-void symmetric_grads_masked(const Tensor& L, const Tensor& R, const Tensor& vh, const T* pos, const T* nll_r,
-                            const T* nll_c, const T* g, const T* s_r, const T* s_c, T thr, Tensor& d_v, Tensor& d_t) {
-  const int64_t N = R.size(0), D = R.size(1);
-  if (N == 0) return;
-  const TileGrid grid(N, N);
-  grouped_strips<T>(grid, D, d_t, L.options(),
-                    [&](int64_t i0, int64_t rows, Tensor& strip, Tensor& scratch, Tensor& part, bool first) {
-    T* bp = strip.data_ptr<T>();
-    Tensor gscratch = grid.scratch(L.options());
-    sweep_strip_masked<T>(grid, L, R, R, R, i0, rows, scratch, gscratch,
-                          [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z, const T* gt) {
-      sym_prob_masked(z, gt, bp + r * N + n0, nb, pos[i], nll_r[i], g[i], s_r[i], pos + n0, nll_c + n0, g + n0,
-                      s_c + n0, thr);
-    });
     for (int64_t r = 0; r < rows; ++r) bp[r * N + i0 + r] = T(0);
     const Tensor ds = strip.narrow(0, 0, rows);
     Tensor dv = d_v.narrow(0, i0, rows);

@@ -36,16 +36,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symme
   Tensor kr = at::empty({K}, opts), kc = at::empty({K}, opts);
   AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_symmetric_fwd", [&] {
     const Tensor L = margin_left<scalar_t>(vh, th, gamma, inv_tau.to(dt).item<scalar_t>());
-    if (threshold.has_value()) {
-      symmetric_stats_masked<scalar_t>(L, th, pos_c.data_ptr<scalar_t>(), static_cast<scalar_t>(*threshold),
-                                       dr.data_ptr<scalar_t>(), mr.data_ptr<scalar_t>(), sr.data_ptr<scalar_t>(),
-                                       kr.data_ptr<scalar_t>(), dc.data_ptr<scalar_t>(), mc.data_ptr<scalar_t>(),
-                                       sc.data_ptr<scalar_t>(), kc.data_ptr<scalar_t>());
-      return;
-    }
+    SymMask<scalar_t> mask{static_cast<scalar_t>(threshold.value_or(0.0)), kr.data_ptr<scalar_t>(),
+                           kc.data_ptr<scalar_t>()};
     symmetric_stats<scalar_t>(L, th, pos_c.data_ptr<scalar_t>(), dr.data_ptr<scalar_t>(), mr.data_ptr<scalar_t>(),
                               sr.data_ptr<scalar_t>(), dc.data_ptr<scalar_t>(), mc.data_ptr<scalar_t>(),
-                              sc.data_ptr<scalar_t>());
+                              sc.data_ptr<scalar_t>(), threshold.has_value() ? &mask : nullptr);
   });
   return {dr, mr, sr, kr, dc, mc, sc, kc};
 }
@@ -65,15 +60,17 @@ std::tuple<Tensor, Tensor> symmetric_bwd(const Tensor& v_hat, const Tensor& t_ha
   Tensor d_v = at::empty({N, D}, opts), d_t = at::empty({N, D}, opts);
   AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_symmetric_bwd", [&] {
     const Tensor L = margin_left<scalar_t>(vh, th, gamma, inv_tau.to(dt).item<scalar_t>());
+    SymMask<scalar_t> mask{static_cast<scalar_t>(threshold.value_or(0.0))};
+    Tensor s_r, s_c;
     if (threshold.has_value()) {
-      const Tensor s_r = shift_r.to(dt).contiguous(), s_c = shift_c.to(dt).contiguous();
-      symmetric_grads_masked<scalar_t>(L, th, vh, pos_c.data_ptr<scalar_t>(), nll_r.data_ptr<scalar_t>(),
-                                       nll_c.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), s_r.data_ptr<scalar_t>(),
-                                       s_c.data_ptr<scalar_t>(), static_cast<scalar_t>(*threshold), d_v, d_t);
-      return;
+      s_r = shift_r.to(dt).contiguous();
+      s_c = shift_c.to(dt).contiguous();
+      mask.s_r = s_r.data_ptr<scalar_t>();
+      mask.s_c = s_c.data_ptr<scalar_t>();
     }
     symmetric_grads<scalar_t>(L, th, vh, pos_c.data_ptr<scalar_t>(), nll_r.data_ptr<scalar_t>(),
-                              nll_c.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), d_v, d_t);
+                              nll_c.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), d_v, d_t,
+                              threshold.has_value() ? &mask : nullptr);
   });
   return {d_v, d_t};
 }
