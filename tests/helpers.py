@@ -1,6 +1,9 @@
 """Float64 truth for the HN-CLIP loss and comparison helpers that say where values mismatch."""
 from __future__ import annotations
 
+import queue
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -68,3 +71,25 @@ def assert_close_rel(actual, expected, tol: float, what: str = "value") -> None:
             f"{what}: relative error {err:.3e} > {tol:.1e}; worst at {idx}: "
             f"got {a.reshape(-1)[worst].item():.10e}, expected {e.reshape(-1)[worst].item():.10e}"
         )
+
+
+def collect_rank_reports(q, procs, world: int, timeout: float) -> dict:
+    """Reports of spawned ranks: ``{rank: rest of its tuple}`` for each tuple ``(rank, ...)`` read from
+    ``q`` until all ``world`` ranks reported, every process ended, or ``timeout`` seconds passed;
+    then every process is joined (killed if it still runs). A missing rank is a hang or a crash."""
+    results, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(results) < world and time.monotonic() < deadline:
+            try:
+                rank, *report = q.get(timeout=1.0)
+                results[rank] = tuple(report)
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs) and q.empty():
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return results

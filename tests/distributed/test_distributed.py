@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import multiprocessing as mp
 import os
-import queue
 import time
 import traceback
 from datetime import timedelta
@@ -33,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import hnclip_kernels
-from helpers import assert_close_rel, hn_clip_loss_f64
+from helpers import assert_close_rel, collect_rank_reports, hn_clip_loss_f64
 from hnclip_kernels import HNClipLoss, gather_features
 from hnclip_kernels.backends import cpp_directional
 
@@ -71,22 +70,7 @@ def _spawn(world, worker_name, tmp_path, timeout=150.0):
     procs = [ctx.Process(target=_entry, args=(r, world, init_method, worker_name, q)) for r in range(world)]
     for p in procs:
         p.start()
-    results = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world and time.monotonic() < deadline:
-            try:
-                rank, failures, tb, info = q.get(timeout=1.0)
-                results[rank] = (failures, tb, info)
-            except queue.Empty:
-                if not any(p.is_alive() for p in procs) and q.empty():
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    results = collect_rank_reports(q, procs, world, timeout)
     missing = sorted(set(range(world)) - set(results))
     msgs = [f"rank {r} did not report within {timeout:.0f}s (hang or crash)" for r in missing]
     for r, (failures, tb, _) in sorted(results.items()):

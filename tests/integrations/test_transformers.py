@@ -10,8 +10,6 @@ import copy
 import math
 import multiprocessing as mp
 import os
-import queue
-import time
 import traceback
 from datetime import timedelta
 
@@ -21,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import hn_clip_loss_f64, rel_err  # noqa: E402
+from helpers import collect_rank_reports, hn_clip_loss_f64, rel_err  # noqa: E402
 from hnclip_kernels import HNClipLoss  # noqa: E402
 from hnclip_kernels.backends import cpp_directional  # noqa: E402
 from hnclip_kernels.integrations.transformers import HNClipTrainer, clip_model_loss  # noqa: E402
@@ -249,21 +247,8 @@ def test_two_gloo_processes_equal_the_global_batch(tmp_path):
     procs = [ctx.Process(target=_worker, args=(r, 2, init, q)) for r in range(2)]
     for p in procs:
         p.start()
-    results, deadline = {}, time.monotonic() + 120
-    try:
-        while len(results) < 2 and time.monotonic() < deadline:
-            try:
-                rank, loss, grad, tb = q.get(timeout=1.0)
-                results[rank] = (loss, None if grad is None else {k: torch.from_numpy(g) for k, g in grad.items()}, tb)
-            except queue.Empty:
-                if not any(p.is_alive() for p in procs) and q.empty():
-                    break
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    results = {rank: (loss, None if grad is None else {k: torch.from_numpy(g) for k, g in grad.items()}, tb)
+               for rank, (loss, grad, tb) in collect_rank_reports(q, procs, 2, 120).items()}
     assert sorted(results) == [0, 1], f"ranks reported: {sorted(results)} (hang or crash)"
     for rank, (_, _, tb) in results.items():
         assert tb is None, f"rank {rank}:\n{tb}"
