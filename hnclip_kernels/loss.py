@@ -91,7 +91,8 @@ def hn_clip_loss(
             duplicate or near-duplicate captions (not part of the paper). The cosine is the
             margin's own caption product as each backend forms it, in float32 (float64 for
             float64 inputs) with c rounded to that dtype; a pair within a few float32 ulps
-            (~1e-7) of c may fall on different sides on different backends (or, for i ≠ j,
+            (~1e-7; ~1e-6 under Triton's ``precision="bf16x3"``) of c may fall on different sides
+            on different backends (or, for i ≠ j,
             differently for (i, j) and (j, i)): exact duplicates can come out at 1 − 6e-8, so use
             c ≤ 0.9999 (not 1.0) to mask them. With ``normalize=False`` the product of the
             features as given. A row whose negatives are all masked has loss 0 and no gradient.

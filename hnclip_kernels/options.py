@@ -63,6 +63,8 @@ class LossOptions:
             object.__setattr__(self, name, validation.hyperparameter(name, getattr(self, name)))
         validation.check_options(self.gamma, self.label_smoothing, self.reduction, self.backend, self.normalize)
         validation.check_precision(self.precision)
+        if self.false_negative_threshold is not None:  # NumPy scalars and arrays, Fractions: a Python float
+            object.__setattr__(self, "false_negative_threshold", validation.plain_number(self.false_negative_threshold))
         validation.check_false_negative_threshold(self.false_negative_threshold)
 
     def bind(self, img: torch.Tensor, txt: torch.Tensor, tau: Union[float, torch.Tensor], *,

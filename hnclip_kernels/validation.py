@@ -62,14 +62,16 @@ def check_features(img: torch.Tensor, txt: torch.Tensor, img_name: str = "img", 
 
 
 def plain_number(x):
-    """A NumPy scalar (``np.float32(0.5)``, ``np.int64(1)``) as the Python number it holds; anything
-    else unchanged. Done at the entry points, so that the rest of the package, and Dynamo under
+    """A NumPy scalar (``np.float32(0.5)``, ``np.int64(1)``) as the Python number it holds, a
+    ``fractions.Fraction`` as a float; anything else unchanged. Done at the entry points, so that the rest of the package, and Dynamo under
     ``torch.compile(fullgraph=True)``, only ever see Python numbers (Dynamo cannot trace the
     ``numbers.Real`` check of a NumPy scalar, and NumPy floats would not become symbolic floats)."""
     if _np is not None and isinstance(x, (_np.generic, _np.ndarray)) and x.ndim == 0:
         # Dynamo traces a NumPy scalar as a 0-dim array backed by a tensor, a graph input: as a
         # 0-dim tensor it stays one (no recompile per value), which is what the operators take
         return torch.as_tensor(x) if torch.compiler.is_compiling() else x.item()
+    if isinstance(x, numbers.Rational) and not isinstance(x, int):  # fractions.Fraction: tensors take no Fraction
+        return float(x)
     return x
 
 
@@ -260,7 +262,8 @@ def check_false_negative_threshold(threshold) -> None:
         return  # may be a symbolic float under torch.compile; eager calls check it
     if not (-1.0 < value <= 1.0):  # NaN fails too
         raise ValueError(f"false_negative_threshold must be None or a caption cosine in (-1, 1], got {threshold}; "
-                         "e.g. 0.95 masks near-duplicate captions, 1.0 only (float32-)exact duplicates")
+                         "e.g. 0.95 masks near-duplicate captions, 0.9999 exact duplicates (the float32 cosine of two "
+                         "identical captions can round below 1.0)")
 
 
 def check_options(gamma: float, label_smoothing: float, reduction: str, backend: str, normalize: bool = True) -> None:

@@ -22,7 +22,7 @@ from .gather import _group_rank_world, _meta_device, dist
 _STATUS, _N_IMG, _N_TXT, _DIM, _DTYPE, _FLAGS, _GAMMA, _EPS, _WORLD, _PREC, _TAU, _IMG_NORM, _TXT_NORM = range(13)
 _THRESHOLD = 13  # the false-negative threshold's float64 bits, NO_THRESHOLD for None
 _META_LEN = 14
-NO_THRESHOLD = -(1 << 63)  # no float64 in (-1, 1] has these bits (they are -0.0's)
+NO_THRESHOLD = -(1 << 63)  # -0.0's bits: a threshold is sent as float(c) + 0.0, which is +0.0 for -0.0
 _STATUS_TEXT = {
     0: "ok",
     1: "invalid features",
@@ -97,7 +97,7 @@ def _meta_row(status, image_features, text_features, flags, gamma, label_smoothi
     modes = (None,) + validation.FP32_PRECISIONS
     row[_PREC] = modes.index(precision) if precision in modes else -1
     try:
-        row[_THRESHOLD] = NO_THRESHOLD if threshold is None else _float_bits(threshold)
+        row[_THRESHOLD] = NO_THRESHOLD if threshold is None else _float_bits(float(threshold) + 0.0)
     except (TypeError, ValueError):
         row[_THRESHOLD] = -1
     return row

@@ -93,7 +93,12 @@ def _masked_rows(delta, pos, is_pos, masked, label_smoothing, return_stats):
     """The rows of :func:`directional_nll_torch` with the masked columns ``masked`` (caption
     cosine ≥ threshold; the positive's own entry is ignored) removed from each row."""
     dropped = is_pos | masked
-    lse_neg = torch.logsumexp(delta.masked_fill(dropped, float("-inf")), dim=1)
+    # a row with every negative masked has the LSE of an empty set, -inf; formed over an all -inf
+    # row, logsumexp's backward would make 0·NaN (anomaly mode reports it; the gradient is 0
+    # either way), so such rows take a finite stand-in and are then set to -inf
+    empty = dropped.all(dim=1)
+    lse_neg = torch.logsumexp(delta.masked_fill(dropped & ~empty[:, None], float("-inf")).masked_fill(
+        empty[:, None], 0.0), dim=1).masked_fill(empty, float("-inf"))
     nll = F.softplus(lse_neg)
     kept_delta = delta.masked_fill(dropped, 0.0)  # no gradient reaches a masked column
     kept = (~dropped).sum(dim=1).to(delta.dtype)
