@@ -74,13 +74,7 @@ def directional_nll_torch(
     is_pos[rows, pos_cols] = True
     if false_negative_threshold is not None:
         return _masked_rows(delta, pos, is_pos, margin >= false_negative_threshold, label_smoothing, return_stats)
-    if n > 1:
-        lse_neg = torch.logsumexp(delta.masked_fill(is_pos, float("-inf")), dim=1)
-    else:
-        # no negatives (N = 1): the LSE of an empty set, -inf, with a backward that is empty too;
-        # logsumexp over an all -inf row would form 0·exp(-inf - -inf) = NaN in its backward,
-        # which autograd's anomaly mode reports (the gradient is 0 either way)
-        lse_neg = torch.logsumexp(delta[:, :0], dim=1)
+    lse_neg = _lse_of_kept(delta, is_pos)
     nll = F.softplus(lse_neg)
     if smooths(label_smoothing):  # a tensor ε (under torch.compile) is taken to be non-zero
         nll = nll - (label_smoothing / n) * delta.sum(dim=1)
@@ -93,12 +87,7 @@ def _masked_rows(delta, pos, is_pos, masked, label_smoothing, return_stats):
     """The rows of :func:`directional_nll_torch` with the masked columns ``masked`` (caption
     cosine ≥ threshold; the positive's own entry is ignored) removed from each row."""
     dropped = is_pos | masked
-    # a row with every negative masked has the LSE of an empty set, -inf; formed over an all -inf
-    # row, logsumexp's backward would make 0·NaN (anomaly mode reports it; the gradient is 0
-    # either way), so such rows take a finite stand-in and are then set to -inf
-    empty = dropped.all(dim=1)
-    lse_neg = torch.logsumexp(delta.masked_fill(dropped & ~empty[:, None], float("-inf")).masked_fill(
-        empty[:, None], 0.0), dim=1).masked_fill(empty, float("-inf"))
+    lse_neg = _lse_of_kept(delta, dropped)
     nll = F.softplus(lse_neg)
     kept_delta = delta.masked_fill(dropped, 0.0)  # no gradient reaches a masked column
     kept = (~dropped).sum(dim=1).to(delta.dtype)
@@ -108,6 +97,17 @@ def _masked_rows(delta, pos, is_pos, masked, label_smoothing, return_stats):
         return nll
     stats = _row_stats(pos, kept_delta.detach(), dropped, lse_neg.detach())
     return nll, stats._replace(kept=kept)
+
+
+def _lse_of_kept(delta, dropped):
+    """Each row's LSE over its entries not ``dropped`` (the negatives it keeps); -inf, the LSE
+    of an empty set, for a row that keeps none (N = 1, or every negative masked). Such a row is
+    formed over a finite stand-in and set to -inf after: logsumexp over an all -inf row would
+    make 0·exp(-inf - -inf) = NaN in its backward, which autograd's anomaly mode reports (the
+    gradient is 0 either way)."""
+    empty = dropped.all(dim=1)
+    lse = torch.logsumexp(delta.masked_fill(dropped, float("-inf")).masked_fill(empty[:, None], 0.0), dim=1)
+    return lse.masked_fill(empty, float("-inf"))
 
 
 def _row_stats(pos, delta, is_pos, lse_neg):
