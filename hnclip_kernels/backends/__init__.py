@@ -120,10 +120,7 @@ def symmetric_losses(img: torch.Tensor, txt: torch.Tensor, tau: torch.Tensor, op
     """½(i2t_k + t2i_k) for every pair k, shape (N,), on the backend of resolved ``options``
     (:class:`hnclip_kernels.options.LossOptions` after ``bind``); with ``return_stats`` also
     ``(i2t, t2i)``, both directions' detached ``RowStats``."""
-    kwargs = dict(tau=tau, gamma=options.gamma, label_smoothing=options.label_smoothing,
-                  normalize=options.normalize, return_stats=return_stats)
-    if options.false_negative_threshold is not None:  # absent otherwise: each op's default, None
-        kwargs["false_negative_threshold"] = options.false_negative_threshold
+    kwargs = _op_kwargs(tau, options, return_stats)
     if options.backend == "triton":
         from .triton.ops import hn_clip_pairs_triton  # one fused op for both directions
 
@@ -138,9 +135,7 @@ def symmetric_losses(img: torch.Tensor, txt: torch.Tensor, tau: torch.Tensor, op
         return hn_clip_pairs_cpp(img, txt, **kwargs)
     i2t = directional_nll_torch(img, txt, query_txt=txt, key_txt=txt, offset=0, **kwargs)
     t2i = directional_nll_torch(txt, img, query_txt=txt, key_txt=txt, offset=0, **kwargs)
-    if not return_stats:
-        return 0.5 * (i2t + t2i)
-    return 0.5 * (i2t[0] + t2i[0]), (i2t[1], t2i[1])
+    return _pair_average(i2t, t2i, return_stats)
 
 
 def rank_losses(img: torch.Tensor, txt: torch.Tensor, all_img: torch.Tensor, all_txt: torch.Tensor,
@@ -151,10 +146,8 @@ def rank_losses(img: torch.Tensor, txt: torch.Tensor, all_img: torch.Tensor, all
 
     Triton: one op forms both directions' tiles from 3 products (the margin's t tᵀ_all once).
     torch and cpp: two calls of the directional op."""
-    kwargs = dict(tau=tau, gamma=options.gamma, label_smoothing=options.label_smoothing,
-                  normalize=options.normalize, offset=int(offset), return_stats=return_stats)
-    if options.false_negative_threshold is not None:  # local captions against all gathered captions
-        kwargs["false_negative_threshold"] = options.false_negative_threshold
+    # masking: the local captions against all gathered captions
+    kwargs = _op_kwargs(tau, options, return_stats, offset=int(offset))
     if options.backend == "triton":
         from .triton.ops import rank_nll_triton
 
@@ -162,6 +155,20 @@ def rank_losses(img: torch.Tensor, txt: torch.Tensor, all_img: torch.Tensor, all
     fn = directional_fn(options.backend, options.precision)
     i2t = fn(img, all_txt, query_txt=txt, key_txt=all_txt, **kwargs)
     t2i = fn(txt, all_img, query_txt=txt, key_txt=all_txt, **kwargs)
+    return _pair_average(i2t, t2i, return_stats)
+
+
+def _op_kwargs(tau: torch.Tensor, options, return_stats: bool, **extra) -> dict:
+    """The keyword arguments every loss op takes, from resolved ``options``."""
+    kwargs = dict(tau=tau, gamma=options.gamma, label_smoothing=options.label_smoothing,
+                  normalize=options.normalize, return_stats=return_stats, **extra)
+    if options.false_negative_threshold is not None:  # absent otherwise: each op's default, None
+        kwargs["false_negative_threshold"] = options.false_negative_threshold
+    return kwargs
+
+
+def _pair_average(i2t, t2i, return_stats: bool):
+    """½(i2t + t2i) of two directional calls; with ``return_stats`` also their statistics."""
     if not return_stats:
         return 0.5 * (i2t + t2i)
     return 0.5 * (i2t[0] + t2i[0]), (i2t[1], t2i[1])
