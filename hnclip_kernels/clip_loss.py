@@ -251,13 +251,11 @@ class HNClipLoss(nn.Module):
                     raise problem from exc
                 raise
         if self.return_stats:
-            from .diagnostics import report_from_row_stats
+            from .diagnostics import report_of_call
 
             loss, (i2t, t2i, n_keys) = loss
-            # a report is host floats: none for meta tensors (no values) or inside a compiled graph
-            readable = not torch.compiler.is_compiling() and image_features.device.type != "meta"
-            self.last_stats = (report_from_row_stats(i2t, t2i, label_smoothing=self.options.label_smoothing, n_keys=n_keys)
-                               if readable else None)
+            self.last_stats = report_of_call(i2t, t2i, image_features, label_smoothing=self.options.label_smoothing,
+                                             n_keys=n_keys)
         return {"contrastive_loss": loss} if output_dict else loss
 
 

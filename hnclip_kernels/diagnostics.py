@@ -144,6 +144,15 @@ def _stats_fields(i2t: RowStats, t2i: RowStats, threshold: float, label_smoothin
                 threshold=threshold, masked_pairs=int(round(values[3])) if masked else None)
 
 
+def report_of_call(i2t: RowStats, t2i: RowStats, like: torch.Tensor, *, label_smoothing,
+                   n_keys: int) -> Optional[SaturationReport]:
+    """:func:`report_from_row_stats` for a loss call on ``like``'s device, or None where a report
+    (host floats) cannot be made: for meta tensors (no values) and inside a compiled graph."""
+    if torch.compiler.is_compiling() or like.device.type == "meta":
+        return None
+    return report_from_row_stats(i2t, t2i, label_smoothing=label_smoothing, n_keys=n_keys)
+
+
 def report_from_row_stats(i2t: RowStats, t2i: RowStats, *, threshold: float = 1e-3,
                           label_smoothing: float = 0.0, n_keys: Optional[int] = None) -> SaturationReport:
     """A :class:`SaturationReport` from the row statistics a fused kernel saved in its forward.
@@ -165,14 +174,11 @@ def report_from_row_stats(i2t: RowStats, t2i: RowStats, *, threshold: float = 1e
     ls = _validation._real("label_smoothing", label_smoothing)
     if not 0.0 <= ls < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    if getattr(i2t, "kept", None) is not None and getattr(t2i, "kept", None) is not None:
-        if isinstance(n_keys, bool) or not isinstance(n_keys, numbers.Integral) or n_keys < 1:
-            raise ValueError(f"n_keys (the number of key columns N) must be a positive int for statistics of a "
-                             f"false-negative-masked loss (they count the masked pairs), got {n_keys!r}")
-    elif ls != 0.0:
-        if isinstance(n_keys, bool) or not isinstance(n_keys, numbers.Integral) or n_keys < 1:
-            raise ValueError(f"n_keys (the number of key columns N) must be a positive int when label_smoothing "
-                             f"is not 0, got {n_keys!r}")
+    masked = getattr(i2t, "kept", None) is not None and getattr(t2i, "kept", None) is not None
+    if (masked or ls != 0.0) and (isinstance(n_keys, bool) or not isinstance(n_keys, numbers.Integral) or n_keys < 1):
+        why = ("for statistics of a false-negative-masked loss (they count the masked pairs)" if masked
+               else "when label_smoothing is not 0")
+        raise ValueError(f"n_keys (the number of key columns N) must be a positive int {why}, got {n_keys!r}")
     for name, stats in (("i2t", i2t), ("t2i", t2i)):
         fields = ("delta", "mean_neg") + (("dsum",) if ls != 0.0 else ())
         for field in fields:

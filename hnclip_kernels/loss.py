@@ -133,11 +133,8 @@ def hn_clip_loss(
         out = symmetric_losses(img, txt, as_tau_tensor(tau, img), options, return_stats)
     if not return_stats:
         return reduce_rows(out, reduction)
-    from .diagnostics import report_from_row_stats  # diagnostics imports this module
+    from .diagnostics import report_of_call  # diagnostics imports this module
 
     rows, (i2t, t2i) = out
-    # a report is host floats: none for meta tensors (no values) or inside a compiled graph
-    readable = not torch.compiler.is_compiling() and img.device.type != "meta"
-    report = (report_from_row_stats(i2t, t2i, label_smoothing=options.label_smoothing, n_keys=img.shape[0])
-              if readable else None)
+    report = report_of_call(i2t, t2i, img, label_smoothing=options.label_smoothing, n_keys=img.shape[0])
     return reduce_rows(rows, reduction), report

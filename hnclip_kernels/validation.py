@@ -63,9 +63,10 @@ def check_features(img: torch.Tensor, txt: torch.Tensor, img_name: str = "img", 
 
 def plain_number(x):
     """A NumPy scalar (``np.float32(0.5)``, ``np.int64(1)``) as the Python number it holds, a
-    ``fractions.Fraction`` as a float; anything else unchanged. Done at the entry points, so that the rest of the package, and Dynamo under
-    ``torch.compile(fullgraph=True)``, only ever see Python numbers (Dynamo cannot trace the
-    ``numbers.Real`` check of a NumPy scalar, and NumPy floats would not become symbolic floats)."""
+    ``fractions.Fraction`` as a float; anything else unchanged. Done at the entry points, so that
+    the rest of the package, and Dynamo under ``torch.compile(fullgraph=True)``, only ever see
+    Python numbers (Dynamo cannot trace the ``numbers.Real`` check of a NumPy scalar, and NumPy
+    floats would not become symbolic floats)."""
     if _np is not None and isinstance(x, (_np.generic, _np.ndarray)) and x.ndim == 0:
         # Dynamo traces a NumPy scalar as a 0-dim array backed by a tensor, a graph input: as a
         # 0-dim tensor it stays one (no recompile per value), which is what the operators take
