@@ -28,7 +28,7 @@ operator itself (:func:`call`), one node with its registered formula.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -48,6 +48,13 @@ def hyperparameter(x, like: Tensor) -> Tensor:
     if isinstance(x, Tensor):
         return x.detach().to(device=like.device, dtype=torch.float64).reshape(())
     return torch.zeros((), dtype=torch.float64, device=like.device) + x
+
+
+def threshold_args(false_negative_threshold, like: Tensor) -> Tuple[Tensor, bool]:
+    """The fused operators' false-negative masking arguments: (the threshold as a
+    :func:`hyperparameter` tensor, 0 when there is none; ``masked``, the kernels' flag)."""
+    masked = false_negative_threshold is not None
+    return hyperparameter(false_negative_threshold if masked else 0.0, like), masked
 
 
 def _savable(x: Tensor) -> Tensor:

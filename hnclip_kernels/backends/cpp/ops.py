@@ -87,6 +87,11 @@ def _stats(pos, delta, mean_neg, dsum, kept, masked: bool) -> epilogue.RowStats:
     return epilogue.RowStats(pos, delta, mean_neg, dsum, kept if masked else None)
 
 
+def _shift(stats: epilogue.RowStats, label_smoothing: float, masked: bool) -> Tensor:
+    """The raw backward kernels' ``shift``: ε/n_i per row with masking, else an empty tensor."""
+    return epilogue.smoothing_shift(stats, label_smoothing) if masked else stats.pos.new_empty((0,))
+
+
 def _directional_nll(q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor,
                      threshold: Tensor, offset: int, normalize: bool, need_grad: bool, masked: bool) -> _DirOut:
     """Per-row losses (M,) and what the backward needs:
@@ -130,7 +135,7 @@ def _directional_nll_backward(
     g = grad.to(dt).contiguous()
     inv_tau = 1.0 / tau.detach().to(dt)
     stats = _stats(pos, delta, mean_neg, dsum, kept, masked)
-    shift = epilogue.smoothing_shift(stats, label_smoothing) if masked else pos.new_empty((0,))
+    shift = _shift(stats, label_smoothing, masked)
     q_hat, k_hat = epilogue.scaled(q, rq, dt), epilogue.scaled(k, rk, dt)
     if need_qk:
         d_q_neg, d_k_neg = RAW.cpp_raw_directional_bwd(
@@ -194,10 +199,9 @@ def _symmetric_nll_backward(
     t2i = _stats(pos, delta_c, mean_neg_c, dsum_c, kept_c, masked)
     v_hat, t_hat = epilogue.scaled(img, rv, dt), epilogue.scaled(txt, rt, dt)
     if need_vt:
-        shifts = ((epilogue.smoothing_shift(i2t, label_smoothing), epilogue.smoothing_shift(t2i, label_smoothing))
-                  if masked else (pos.new_empty((0,)), pos.new_empty((0,))))
         d_v, d_t = RAW.cpp_raw_symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma,
-                                             _threshold(threshold, masked), *shifts)
+                                             _threshold(threshold, masked), _shift(i2t, label_smoothing, masked),
+                                             _shift(t2i, label_smoothing, masked))
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t = torch.zeros_like(v_hat), torch.zeros_like(t_hat)
     del v_hat, t_hat
@@ -262,11 +266,10 @@ def directional_nll_cpp(queries, keys, *, query_txt, key_txt, tau, offset, gamma
     check_directional(queries, keys, query_txt, key_txt, offset)
     # the forward also produces the gradient shares only when a backward can follow
     need_grad = torch.is_grad_enabled() and bool(queries.requires_grad or keys.requires_grad)
-    masked = false_negative_threshold is not None
+    thr_t, masked = glue.threshold_args(false_negative_threshold, queries)
     out = glue.call(_DirectionalNLL, torch.ops.hnclip.cpp_directional_nll, queries, keys, query_txt, key_txt, tau,
-                    glue.hyperparameter(gamma, queries), glue.hyperparameter(label_smoothing, queries),
-                    glue.hyperparameter(false_negative_threshold if masked else 0.0, queries), int(offset),
-                    bool(normalize), need_grad, masked)
+                    glue.hyperparameter(gamma, queries), glue.hyperparameter(label_smoothing, queries), thr_t,
+                    int(offset), bool(normalize), need_grad, masked)
     if not return_stats:
         return out[0]
     return out[0], _stats(*out[5:10], masked)
@@ -284,10 +287,9 @@ def hn_clip_pairs_cpp(img, txt, *, tau, gamma, label_smoothing, normalize, retur
     ``label_smoothing``, ``false_negative_threshold``, ``torch.compile`` and ``torch.func``: as
     :func:`directional_nll_cpp` (the caption tile t̂_I t̂_Jᵀ is formed beside each logit tile).
     """
-    masked = false_negative_threshold is not None
+    thr_t, masked = glue.threshold_args(false_negative_threshold, img)
     out = glue.call(_SymmetricNLL, torch.ops.hnclip.cpp_symmetric_nll, img, txt, tau, glue.hyperparameter(gamma, img),
-                    glue.hyperparameter(label_smoothing, img),
-                    glue.hyperparameter(false_negative_threshold if masked else 0.0, img), bool(normalize), masked)
+                    glue.hyperparameter(label_smoothing, img), thr_t, bool(normalize), masked)
     if not return_stats:
         return out[0]
     pos = out[3]

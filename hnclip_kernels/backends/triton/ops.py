@@ -72,6 +72,18 @@ def _kept(kept: Tensor, masked: bool):
     return kept if masked else None
 
 
+def _masking(threshold: Tensor, like: Tensor, masked: bool, smoothing: bool, eps, rows: epilogue.RowStats,
+             key_rows: epilogue.RowStats) -> dict:
+    """The backward launchers' masking keywords (none without masking): the threshold, and each
+    side's ε/n_i (``rows``: the rows', ``key_rows``: the key side's, or the rows' again for one
+    direction)."""
+    if not masked:
+        return {}
+    shift = epilogue.smoothing_shift(rows, eps)
+    key_shift = shift if key_rows is rows else epilogue.smoothing_shift(key_rows, eps)
+    return dict(thr32=_scalar32(threshold, like), smoothing=smoothing, shifts=(shift, key_shift))
+
+
 def _no_kept(like: Tensor) -> Tensor:
     """The ``kept`` output without masking: empty (an operator's outputs are tensors)."""
     return like.new_empty((0,), dtype=torch.float32)
@@ -115,10 +127,7 @@ def _symmetric_nll_backward(
     eps = label_smoothing if smoothing else 0.0
     g = 0.5 * grad.float().contiguous()  # each direction's rows get half
     if need_vt:
-        masking = {}
-        if masked:
-            masking = dict(thr32=_scalar32(threshold, img), smoothing=smoothing,
-                           shifts=(epilogue.smoothing_shift(i2t, eps), epilogue.smoothing_shift(t2i, eps)))
+        masking = _masking(threshold, img, masked, smoothing, eps, i2t, t2i)
         d_v, d_t = backward_shares((img, txt, txt, txt), (rv, rt, rt, rt), i2t, g, tau32, gamma32, has_margin, 0,
                                     precision, key_side=(t2i, g), **masking)
     else:  # only τ wants a gradient: it needs the statistics alone
@@ -166,10 +175,7 @@ def _directional_nll_backward(
     eps = label_smoothing if smoothing else 0.0
     g = grad.float().contiguous()
     if need_qk:
-        masking = {}
-        if masked:
-            shift = epilogue.smoothing_shift(stats, eps)
-            masking = dict(thr32=_scalar32(threshold, q), shifts=(shift, shift), smoothing=smoothing)
+        masking = _masking(threshold, q, masked, smoothing, eps, stats, stats)
         d_q, d_k = backward_shares((q, k, a, b), (rq, rk, ra, rb), stats, g, tau32, gamma32, has_margin, offset,
                                     precision, **masking)
     else:  # only τ wants a gradient: it needs the row statistics alone
@@ -236,10 +242,7 @@ def _rank_nll_backward(
     g = 0.5 * grad.float().contiguous()  # each direction's row gets half
     ops, norms = (img, txt, all_img, all_txt), (rv, rt, rv_all, rt_all)
     if need_features:
-        masking = {}
-        if masked:
-            masking = dict(thr32=_scalar32(threshold, img), smoothing=smoothing,
-                           shifts=(epilogue.smoothing_shift(i2t, eps), epilogue.smoothing_shift(t2i, eps)))
+        masking = _masking(threshold, img, masked, smoothing, eps, i2t, t2i)
         (d_v, d_ta), (d_t, d_va) = rank_shares(ops, norms, (i2t, t2i), g, tau32, gamma32, has_margin, offset,
                                                precision, **masking)
     else:  # only τ wants a gradient: it needs the statistics alone
@@ -300,8 +303,7 @@ def directional_nll_triton(queries, keys, *, query_txt, key_txt, tau, offset, ga
     tile (``tiles._caption_keep``), with the threshold rounded to float32."""
     check_directional(queries, keys, query_txt, key_txt, offset)
     gamma_t, eps_t, has_margin, smoothing, precision = _scalar_args(gamma, label_smoothing, precision, queries)
-    masked = false_negative_threshold is not None
-    thr_t = glue.hyperparameter(false_negative_threshold if masked else 0.0, queries)
+    thr_t, masked = glue.threshold_args(false_negative_threshold, queries)
     out = glue.call(HNClipDirectionalTriton, torch.ops.hnclip.triton_directional_nll, queries, keys, query_txt,
                     key_txt, tau, gamma_t, eps_t, thr_t, int(offset), has_margin, smoothing, masked, bool(normalize),
                     precision)
@@ -316,8 +318,7 @@ def hn_clip_pairs_triton(img, txt, *, tau, gamma, label_smoothing, normalize, re
     ``false_negative_threshold``: as :func:`directional_nll_triton` (off the diagonal super-tiles
     one caption tile masks Z_IJ and Z_JIᵀ alike: the mask is symmetric to the bit there)."""
     gamma_t, eps_t, has_margin, smoothing, precision = _scalar_args(gamma, label_smoothing, precision, img)
-    masked = false_negative_threshold is not None
-    thr_t = glue.hyperparameter(false_negative_threshold if masked else 0.0, img)
+    thr_t, masked = glue.threshold_args(false_negative_threshold, img)
     out = glue.call(HNClipTriton, torch.ops.hnclip.triton_symmetric_nll, img, txt, tau, gamma_t, eps_t, thr_t,
                     has_margin, smoothing, masked, bool(normalize), precision)
     if not return_stats:
@@ -345,13 +346,9 @@ def rank_nll_triton(img, txt, all_img, all_txt, *, tau, offset, gamma, label_smo
     check_directional(img, all_txt, txt, all_txt, offset)
     check_directional(txt, all_img, txt, all_txt, offset)
     gamma_t, eps_t, has_margin, smoothing, precision = _scalar_args(gamma, label_smoothing, precision, img)
-    masked = false_negative_threshold is not None
-    thr_t = glue.hyperparameter(false_negative_threshold if masked else 0.0, img)
+    thr_t, masked = glue.threshold_args(false_negative_threshold, img)
     out = glue.call(HNClipRankTriton, torch.ops.hnclip.triton_rank_nll, img, txt, all_img, all_txt, tau, gamma_t,
                     eps_t, thr_t, int(offset), has_margin, smoothing, masked, bool(normalize), precision)
     if not return_stats:
         return out[0]
-    m = img.shape[0]
-    pos, delta, mean_neg, dsum, kept = out[5:10]
-    return out[0], tuple(epilogue.RowStats(pos[sl], delta[sl], mean_neg[sl], dsum[sl],
-                                           kept[sl] if masked else None) for sl in (slice(0, m), slice(m, 2 * m)))
+    return out[0], _rank_directions(epilogue.RowStats(*out[5:10]), img.shape[0], masked)
