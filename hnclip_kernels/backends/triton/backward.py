@@ -596,13 +596,9 @@ def _chunked_shares(ops, norms, dirs, pos, nll, g, tau32, gamma32, has_margin: b
                 # a fresh workspace per chunk, the previous one freed first (the allocator hands its
                 # memory back): never a view into a shared buffer, which a traced operator would
                 # write through a scatter. Direction i's W at i·R·C.
-                w = torch.empty(n_dirs * r * c, device=dev, dtype=w_dtype)
-                if round16:
-                    lo = torch.empty(w.shape, device=dev, dtype=w_dtype) if tail else w
-                    res_r = torch.empty(n_dirs * sc_ * r, device=dev, dtype=torch.float32)  # (sc, r) each
-                    res_c = torch.empty(n_dirs * sr * c, device=dev, dtype=torch.float32)  # (sr, c) each
-                else:  # not written without ROUND16: w stands in for the pointers
-                    lo = res_r = res_c = w
+                # each direction's row slice sums (sc, r) and column slice sums (sr, c)
+                w, lo, res_r, res_c = _w_buffers(n_dirs * r * c, n_dirs * sc_ * r, n_dirs * sr * c, w_dtype, round16,
+                                                 tail, dev)
                 consts = dict(HAS_MARGIN=has_margin, MASK=masked, SHIFT=shift, PREC=prec,
                               ROUND16="fp16" if round16 else "", TAIL=tail, SLICE=RESIDUAL_SLICE,
                               BLOCK_K=cfg.score_block_k(q0.element_size()))
@@ -637,16 +633,31 @@ def _chunked_shares(ops, norms, dirs, pos, nll, g, tau32, gamma32, has_margin: b
             for i in range(n_dirs):
                 d_q_parts[i].append(acc_q[i])
                 rho_parts[i].append(rho[i])
-    cat = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
     out = []
     for i, (q, k, r_q, r_k) in enumerate(dirs):
-        d_q = cat(d_q_parts[i]).div_(scales[i][2][:, None])
-        d_k = cat(d_k_parts[i]).div_(scales[i][3][:, None])
+        d_q = _cat(d_q_parts[i]).div_(scales[i][2][:, None])
+        d_k = _cat(d_k_parts[i]).div_(scales[i][3][:, None])
         if round16:
-            epilogue.add_rounding_compensation(d_q, d_k, cat(rho_parts[i]), cat(sigma_parts[i]), q, k, r_q, r_k,
+            epilogue.add_rounding_compensation(d_q, d_k, _cat(rho_parts[i]), _cat(sigma_parts[i]), q, k, r_q, r_k,
                                                offset)
         out.append((d_q, d_k))
     return out
+
+
+def _w_buffers(w_len: int, res_r_len: int, res_c_len: int, w_dtype, round16: bool, tail: bool, dev):
+    """One chunk's fresh dS buffers (w, lo, res_r, res_c): W, fp16's tail (``w`` itself without a
+    tail), the float32 row and column residual slice sums; without ROUND16 only W, which stands
+    in for the pointers the kernel does not write."""
+    w = torch.empty(w_len, device=dev, dtype=w_dtype)
+    if not round16:
+        return w, w, w, w
+    lo = torch.empty(w.shape, device=dev, dtype=w_dtype) if tail else w
+    return (w, lo, torch.empty(res_r_len, device=dev, dtype=torch.float32),
+            torch.empty(res_c_len, device=dev, dtype=torch.float32))
+
+
+def _cat(parts):
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _symmetric_shares(ops, norms, pos, nll, g, tau32, gamma32, nll_c, g_c, a, b, f16_scales, has_margin, prec,
@@ -683,23 +694,18 @@ def _symmetric_shares(ops, norms, pos, nll, g, tau32, gamma32, nll_c, g_c, a, b,
                 pair = ib > ia
                 q_b, k_b = copies(col0, col_end) if pair else (q_a, k_a)
                 # fresh buffers per chunk pair (the previous ones freed first): W_ab then W_ba, flat
-                w = torch.empty((2 if pair else 1) * r * c, device=dev, dtype=w_dtype)
-                if round16:
-                    lo = torch.empty(w.shape, device=dev, dtype=w_dtype) if tail else w
-                    sr, sc = triton.cdiv(r, RESIDUAL_SLICE), triton.cdiv(c, RESIDUAL_SLICE)
-                    # ab's row sums (sc, r) then ba's (sr, c); ab's column sums (sr, c) then ba's (sc, r)
-                    res_r = torch.empty(sc * r + (sr * c if pair else 0), device=dev, dtype=torch.float32)
-                    res_c = torch.empty(sr * c + (sc * r if pair else 0), device=dev, dtype=torch.float32)
-                else:  # not written without ROUND16: w stands in for the pointers
-                    lo = res_r = res_c = w
-                    sr = sc = 0
+                sr, sc = (triton.cdiv(r, RESIDUAL_SLICE), triton.cdiv(c, RESIDUAL_SLICE)) if round16 else (0, 0)
+                # ab's row sums (sc, r) then ba's (sr, c); ab's column sums (sr, c) then ba's (sc, r)
+                w, lo, res_r, res_c = _w_buffers((2 if pair else 1) * r * c, sc * r + (sr * c if pair else 0),
+                                                 sr * c + (sc * r if pair else 0), w_dtype, round16, tail, dev)
                 mirror = (r * c, sc * r, sr * c) if pair else (0, 0, 0)
                 args = (v, t, *strides(v, t), norms[0], norms[1], pos, nll, g, tau32, gamma32, nll_c, g_c, a, b,
                         *masking, w, lo, res_r, res_c, *mirror, row0, row_end, col0, col_end, d)
                 launch(lambda tuned: _kernel("dscore_pair", tuned), "dscore_pair", v.element_size(),
                        lambda tl_, r=r, c=c: (triton.cdiv(r, tl_["BLOCK_M"]), triton.cdiv(c, tl_["BLOCK_N"])),
-                       args, HAS_MARGIN=has_margin, MASK=masked, SHIFT=shift, PREC=prec, ROUND16="fp16" if round16 else "", TAIL=tail,
-                       SLICE=RESIDUAL_SLICE, BLOCK_K=cfg.score_block_k(v.element_size()))
+                       args, HAS_MARGIN=has_margin, MASK=masked, SHIFT=shift, PREC=prec,
+                       ROUND16="fp16" if round16 else "", TAIL=tail, SLICE=RESIDUAL_SLICE,
+                       BLOCK_K=cfg.score_block_k(v.element_size()))
                 for buf in [w, lo] if tail else [w]:  # W_ab (and its tail): rows a against columns b
                     d_q[ia] = _mm(buf[:r * c].view(r, c), k_b, d_q[ia])
                     d_k[ib] = _mm(buf[:r * c].view(r, c).t(), q_a, d_k[ib])
@@ -715,5 +721,4 @@ def _symmetric_shares(ops, norms, pos, nll, g, tau32, gamma32, nll_c, g_c, a, b,
                         add(sigma, ia, res_c[sr * c:].view(sc, r).sum(0))
                 del w, lo, res_r, res_c, args, q_b, k_b  # one chunk pair alive at a time
             del q_a, k_a
-    cat = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
-    return cat(d_q), cat(d_k), (cat(rho) if round16 else None), (cat(sigma) if round16 else None)
+    return _cat(d_q), _cat(d_k), (_cat(rho) if round16 else None), (_cat(sigma) if round16 else None)

@@ -453,21 +453,7 @@ def forward_stats(ops, norms, pos, tau32, gamma32, has_margin: bool, offset: int
     """
     if columns:
         return _symmetric_stats(ops, norms, pos, tau32, gamma32, has_margin, smoothing, precision, thr32)
-    q, k, _, _ = ops
-    m, d = q.shape
-    n = k.shape[0]
-    width = q.element_size()
-    _, row_blocks, splits, per_split = cfg.fwd_grid(m, n, width, False, q.device)
-    masked = thr32 is not None
-    planes = (4 if smoothing else 3) + masked
-    row_part = torch.empty(splits, planes, m, device=q.device, dtype=torch.float32)
-    args = (*ops, *strides(*ops), *norms, pos, tau32, gamma32, thr32 if masked else tau32, row_part, m, n, d, offset,
-            per_split, cfg.n_bucket(n))
-    launch(lambda tuned: _kernel("fwd", tuned), "fwd", width, lambda t: (row_blocks, splits), args,
-           SMOOTHING=smoothing, HAS_MARGIN=has_margin, MASK=masked,
-           PREC=cfg.dot_precision(q.dtype, precision), BLOCK_M=cfg.fwd_block_m(width),
-           BLOCK_K=cfg.score_block_k(width))
-    return epilogue.RowStats(pos, *_merge(row_part, smoothing, masked=masked))
+    return _row_walk("fwd", 1, ops, norms, pos, tau32, gamma32, has_margin, offset, smoothing, precision, thr32)
 
 
 def rank_stats(ops, norms, pos, tau32, gamma32, has_margin: bool, offset: int, smoothing: bool, precision,
@@ -481,17 +467,25 @@ def rank_stats(ops, norms, pos, tau32, gamma32, has_margin: bool, offset: int, s
     the false-negative threshold (1-element float32; None: no masking, and no ``kept``); the
     rest as :func:`forward_stats`. Grid and workspace: the directional op's (row partials of 2M
     lines: (splits, planes, 2M))."""
-    v, _, v_all, _ = ops
-    m, d = v.shape
-    n = v_all.shape[0]
-    width = v.element_size()
-    _, row_blocks, splits, per_split = cfg.fwd_grid(m, n, width, False, v.device)
+    return _row_walk("rank", 2, ops, norms, pos, tau32, gamma32, has_margin, offset, smoothing, precision, thr32)
+
+
+def _row_walk(kind: str, directions: int, ops, norms, pos, tau32, gamma32, has_margin: bool, offset: int,
+              smoothing: bool, precision, thr32):
+    """The walk of ``_fwd_kernel`` (``kind`` "fwd", one direction) or ``_fwd_rank_kernel`` ("rank",
+    two): (row blocks × column splits) programs write row partials (splits, planes,
+    directions · M), which ``_merge_kernel`` merges into the lines' statistics."""
+    q = ops[0]
+    m, d = q.shape
+    n = ops[3].shape[0]  # the key side's rows (k's margin factor; a rank's t_all)
+    width = q.element_size()
+    _, row_blocks, splits, per_split = cfg.fwd_grid(m, n, width, False, q.device)
     masked = thr32 is not None
     planes = (4 if smoothing else 3) + masked
-    row_part = torch.empty(splits, planes, 2 * m, device=v.device, dtype=torch.float32)
+    row_part = torch.empty(splits, planes, directions * m, device=q.device, dtype=torch.float32)
     args = (*ops, *strides(*ops), *norms, pos, tau32, gamma32, thr32 if masked else tau32, row_part, m, n, d, offset,
             per_split, cfg.n_bucket(n))
-    launch(lambda tuned: _kernel("rank", tuned), "rank", width, lambda t: (row_blocks, splits), args,
-           SMOOTHING=smoothing, HAS_MARGIN=has_margin, MASK=masked, PREC=cfg.dot_precision(v.dtype, precision),
+    launch(lambda tuned: _kernel(kind, tuned), kind, width, lambda t: (row_blocks, splits), args,
+           SMOOTHING=smoothing, HAS_MARGIN=has_margin, MASK=masked, PREC=cfg.dot_precision(q.dtype, precision),
            BLOCK_M=cfg.fwd_block_m(width), BLOCK_K=cfg.score_block_k(width))
     return epilogue.RowStats(pos, *_merge(row_part, smoothing, masked=masked))
