@@ -220,7 +220,7 @@ def main(argv=None):
             super().__init__(module, device_ids, *args, **kw)
 
     oc_main.create_loss, torch.nn.parallel.DistributedDataParallel = create_loss, CpuDeviceIdsDDP
-    torch_levels = _torch_logger_levels()
+    torch_levels = {name: logging.getLogger(name).level for name in _torch_loggers()}
     try:
         return oc_main.main(rest)
     finally:
@@ -228,15 +228,14 @@ def main(argv=None):
         _restore_torch_logger_levels(torch_levels)
 
 
-def _torch_logger_levels() -> dict:
-    return {name: logging.getLogger(name).level for name in list(logging.root.manager.loggerDict)
-            if name == "torch" or name.startswith("torch.")}
+def _torch_loggers() -> list:
+    return [name for name in list(logging.root.manager.loggerDict) if name == "torch" or name.startswith("torch.")]
 
 
 def _restore_torch_logger_levels(levels: dict) -> None:
     # open_clip's setup_logging raises every existing logger to INFO; torch's then dump their
     # (empty) compilation metrics at exit into the user's log. Give torch its own levels back.
-    for name in _torch_logger_levels():
+    for name in _torch_loggers():
         logging.getLogger(name).setLevel(levels.get(name, logging.NOTSET))
 
 
