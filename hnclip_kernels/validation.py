@@ -12,6 +12,8 @@ from typing import Optional, Union
 
 import torch
 
+from .plausibility import warn_if_not_unit_norm
+
 try:
     import numpy as _np
 except ImportError:  # pragma: no cover - torch runs without NumPy
@@ -194,12 +196,16 @@ def _functorch_values(tau: torch.Tensor):
     return None if plain is tau else plain.reshape(-1).tolist()
 
 
-def max_row_norms(img: torch.Tensor, txt: torch.Tensor) -> tuple:
+def max_row_norms(img: torch.Tensor, txt: torch.Tensor, names: tuple = ("img", "txt")) -> tuple:
     """(largest row norm of ``img``, of ``txt``) as Python floats, taken in float64 (one host
-    sync; under ``torch.func``, over every batch entry's rows)."""
+    sync; under ``torch.func``, over every batch entry's rows). Called where ``normalize=False``:
+    from the same norms and in the same sync it warns once per process (naming ``names``) when a
+    row's norm is off 1 by more than 5% (:func:`hnclip_kernels.plausibility.warn_if_not_unit_norm`)."""
     img, txt = _unwrapped(img), _unwrapped(txt)
-    norms = torch.stack([torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64).max() for x in (img, txt)])
-    return tuple(norms.tolist())
+    norms = [torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64) for x in (img, txt)]
+    extremes = torch.stack([norms[0].max(), norms[1].max(), *((n - 1.0).abs().max() for n in norms)]).tolist()
+    warn_if_not_unit_norm(max(extremes[2:]), names)
+    return tuple(extremes[:2])
 
 
 def check_feature_range(img: torch.Tensor, txt: torch.Tensor, tau_value: Optional[float], gamma: float,
@@ -211,7 +217,7 @@ def check_feature_range(img: torch.Tensor, txt: torch.Tensor, tau_value: Optiona
     ``torch.compile``, for meta tensors and where τ was not read (``tau_value`` None)."""
     if tau_value is None or torch.compiler.is_compiling() or img.device.type == "meta":
         return
-    img_norm, txt_norm = max_row_norms(img, txt)
+    img_norm, txt_norm = max_row_norms(img, txt, (img_name, txt_name))
     if not (math.isfinite(img_norm) and math.isfinite(txt_norm)):
         return  # non-finite features: the loss is non-finite too, as in torch.nn.functional
     limit = _finite_limit(img.dtype)

@@ -108,7 +108,8 @@ def _range_fields(row, tau_value, image_features, text_features, normalize) -> N
     without normalisation, the largest row norms, for the global overflow check."""
     if tau_value is None:
         return
-    norms = (1.0, 1.0) if normalize else validation.max_row_norms(image_features, text_features)
+    norms = (1.0, 1.0) if normalize else validation.max_row_norms(image_features, text_features,
+                                                                    ("image_features", "text_features"))
     row[_TAU], row[_IMG_NORM], row[_TXT_NORM] = (_float_bits(v) for v in (tau_value, *norms))
 
 
