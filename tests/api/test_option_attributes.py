@@ -245,3 +245,14 @@ def test_slightly_off_unit_norm_is_quiet_and_beyond_five_percent_warns():
         module(1.04 * img, 0.97 * txt, 20.0)
     with pytest.warns(RuntimeWarning, match="off 1 by up to 0.06"):
         module(img, 1.06 * txt, 20.0)
+
+
+def test_overflowing_features_raise_and_leave_the_warning_for_later():
+    # the overflow error already says "pass normalize=True": no warning on top, nor is its once spent
+    img, txt = _raw()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="normalize=True"):
+            hn_clip_loss(img * 1e20, txt * 1e20, 0.1, normalize=False, backend="torch")
+    with pytest.warns(RuntimeWarning, match="normalize=False but the rows"):
+        hn_clip_loss(img, txt, 0.1, normalize=False, backend="torch")
