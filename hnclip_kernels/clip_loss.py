@@ -13,7 +13,8 @@ from . import validation
 from .backends import symmetric_losses
 from .distributed import rank_loss
 from .numerics import autocast_disabled
-from .options import LossOptions, as_tau_tensor
+from .options import LossOptions, as_tau_tensor, option_attribute
+from .plausibility import warn_if_implausible_logit_scale
 
 
 class HNClipLoss(nn.Module):
@@ -99,6 +100,19 @@ class HNClipLoss(nn.Module):
     ``gamma``, ``label_smoothing``, ``backend``, ``normalize``, ``precision`` and
     ``false_negative_threshold`` are checked at
     construction: a bad value raises ``TypeError``/``ValueError`` there, not at the first forward.
+    As attributes they live in ``self.options`` only: ``loss.gamma = 0.3`` (a γ warm-up) is
+    validated with the constructor's errors and used from the next ``forward`` on (under
+    ``torch.compile`` a new value may recompile), and ``repr`` shows the values in use. The
+    constructor's other arguments (``local_loss``, ``gather_with_grad``, ``cache_labels``,
+    ``use_horovod``, ``rank``, ``world_size``, ``return_stats``) are checked on assignment too.
+
+    Warns (``RuntimeWarning``, once per process each; never under ``torch.compile``, where
+    nothing is read): a ``logit_scale`` below 1 (τ, e.g. 0.07, passed in its place) or between 1
+    and log 100 = 4.61 (open_clip's un-exponentiated log-scale, 2.66 at init; τ = 1/s would be
+    0.22 or warmer), see :func:`hnclip_kernels.plausibility.scale_mistake`: the plausible range
+    is s > 4.61, and open_clip's s is 14.3 at init and clamped to 100. With ``normalize=False``,
+    features whose row norms are off 1 by more than 5% (the loss is then one of dot products,
+    not cosines), from the norms its overflow check reads anyway (no extra host sync).
 
     Unequal local batch sizes (e.g. the last batch of an epoch) are exact: sizes are
     all-gathered, features padded to the largest, gathered and stripped. Invalid or
@@ -128,32 +142,28 @@ class HNClipLoss(nn.Module):
         super().__init__()
         _check_positional_flags(local_loss=local_loss, gather_with_grad=gather_with_grad, cache_labels=cache_labels,
                                 use_horovod=use_horovod, rank=rank, world_size=world_size)
-        if use_horovod:
-            raise ValueError("HNClipLoss does not support horovod (use_horovod=True); launch with "
-                             "torchrun / torch.distributed (NCCL on GPUs, gloo on CPU) instead")
-        if int(world_size) < 1 or not 0 <= int(rank) < int(world_size):
-            raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got rank={rank}, "
-                             f"world_size={world_size}")
-        # bad options fail here, where they are written, not at the first forward
+        _check_horovod(use_horovod)
+        _check_layout(rank, world_size)
+        # bad options fail here, where they are written, not at the first forward; the option
+        # attributes (gamma, ...) read and write this one object (options.option_attribute)
         self.options = LossOptions(gamma=gamma, label_smoothing=label_smoothing, normalize=normalize, backend=backend,
                                    precision=precision, false_negative_threshold=false_negative_threshold)
         self.local_loss = local_loss
         self.gather_with_grad = gather_with_grad
         self.cache_labels = cache_labels
-        self.rank = int(rank)
-        self.world_size = int(world_size)
+        self.world_size = world_size
+        self.rank = rank
         self.use_horovod = use_horovod
-        self.gamma = gamma
-        self.label_smoothing = label_smoothing
-        self.backend = backend
-        self.normalize = normalize
         self.group = group
-        self.precision = precision
-        self.false_negative_threshold = false_negative_threshold
-        if not isinstance(return_stats, bool):
-            raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
         self.return_stats = return_stats
         self.last_stats = None
+
+    gamma = option_attribute("gamma")
+    label_smoothing = option_attribute("label_smoothing")
+    backend = option_attribute("backend")
+    normalize = option_attribute("normalize")
+    precision = option_attribute("precision")
+    false_negative_threshold = option_attribute("false_negative_threshold")
 
     # A process group cannot be copied or pickled ("cannot pickle ... ProcessGroup"), yet EMA/SWA
     # (``AveragedModel``) deep-copy the model, and checkpoints pickle it.
@@ -166,7 +176,7 @@ class HNClipLoss(nn.Module):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():
-            object.__setattr__(new, key, copy.deepcopy(value, memo))
+            new.__dict__[key] = copy.deepcopy(value, memo)  # as stored: no attribute checks in between
         return new
 
     def __getstate__(self):
@@ -215,7 +225,8 @@ class HNClipLoss(nn.Module):
                 third output, i.e. ``model.logit_scale.exp()``); a tensor requiring grad
                 receives ds in its own dtype. τ = 1/s is formed in float32 (float64 for
                 float64 s or features), also for a 16-bit s (``--precision pure_bf16``).
-                A Python float or NumPy scalar is accepted too.
+                A Python float or NumPy scalar is accepted too. A value of log 100 = 4.61 or
+                less (τ, or the un-exponentiated log-scale) warns once (see the class docstring).
             logit_bias: must be None (SigLIP-style biases are not part of HN-CLIP).
             output_dict: return ``{"contrastive_loss": loss}`` instead of the scalar.
 
@@ -228,6 +239,7 @@ class HNClipLoss(nn.Module):
         logit_scale = validation.plain_number(logit_scale)
         scale_value, problem = _read_logit_scale(logit_scale)
         tau_value = None if scale_value is None else 1.0 / scale_value  # τ's one host read is s's
+        warn_if_implausible_logit_scale(scale_value)
         if problem is not None:
             if self.world_size == 1:
                 raise problem
@@ -263,12 +275,60 @@ def _check_positional_flags(*, rank, world_size, **flags) -> None:
     """ClipLoss's constructor arguments are positional: ``HNClipLoss(0.0)`` would mean
     ``local_loss=0.0`` with the default γ, not γ = 0. Flags must be bools, rank and size ints."""
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}; the options of the loss are "
-                            f"keyword-only (HNClipLoss(gamma=0.0), not HNClipLoss(0.0))")
+        _check_flag(name, value)
     for name, value in (("rank", rank), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {value!r}")
+        _check_int(name, value)
+
+
+def _check_flag(name, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}; the options of the loss are "
+                        f"keyword-only (HNClipLoss(gamma=0.0), not HNClipLoss(0.0))")
+
+
+def _check_int(name, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+
+
+def _check_layout(rank, world_size) -> None:
+    if int(world_size) < 1 or not 0 <= int(rank) < int(world_size):
+        raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got rank={rank}, "
+                         f"world_size={world_size}")
+
+
+def _check_horovod(value) -> None:
+    _check_flag("use_horovod", value)
+    if value:
+        raise ValueError("HNClipLoss does not support horovod (use_horovod=True); launch with "
+                         "torchrun / torch.distributed (NCCL on GPUs, gloo on CPU) instead")
+
+
+def _checked_attribute(name: str) -> property:
+    """A constructor argument kept as a plain instance attribute (``self.__dict__[name]``, its one
+    copy: pickles and deep copies carry it as before), checked on assignment as the constructor
+    checks it."""
+
+    def set_(self, value):
+        if name == "use_horovod":
+            _check_horovod(value)
+        elif name == "return_stats":
+            if not isinstance(value, bool):
+                raise TypeError(f"return_stats must be True or False, got {value!r}")
+        elif name in ("rank", "world_size"):
+            _check_int(name, value)
+            layout = {"rank": self.__dict__.get("rank", 0), "world_size": self.__dict__.get("world_size", 1)}
+            _check_layout(**{**layout, name: value})
+            value = int(value)
+        else:
+            _check_flag(name, value)
+        self.__dict__[name] = value
+
+    return property(lambda self: self.__dict__[name], set_)
+
+
+for _name in ("local_loss", "gather_with_grad", "cache_labels", "use_horovod", "return_stats", "rank", "world_size"):
+    setattr(HNClipLoss, _name, _checked_attribute(_name))
 
 
 def _is_default_group(group) -> bool:

@@ -6,15 +6,17 @@ from typing import Optional, Union
 import torch
 
 from . import validation
-from .backends import symmetric_losses, warn_once
+from .backends import symmetric_losses
 from .numerics import autocast_disabled
 from .options import LossOptions, as_tau_tensor
+from .plausibility import scale_mistake, warn_once
 
 
 def _warn_if_tau_looks_like_logit_scale(tau_value: Optional[float], caller: str = "hn_clip_loss") -> None:
-    """Warn once when τ > 1, naming ``caller``, at the line that called ``caller`` (which must call
-    this function directly)."""
-    if tau_value is None or tau_value <= 1.0:
+    """Warn once when τ > 1 (:func:`~hnclip_kernels.plausibility.scale_mistake` of s = 1/τ is
+    "tau"), naming ``caller``, at the line that called ``caller`` (which must call this function
+    directly). τ ≤ 1 is a temperature some use (SimCLR's 0.5): only the swap is flagged here."""
+    if tau_value is None or scale_mistake(1.0 / tau_value) != "tau":
         return
     # stacklevel 4: warn_once, this function, the caller, then the line that called it
     warn_once("tau>1", f"{caller} got tau = {tau_value:g} > 1: tau is the temperature, and a value above 1 "
@@ -108,7 +110,12 @@ def hn_clip_loss(
 
     Warns:
         RuntimeWarning (once per process): τ > 1, almost always open_clip's ``logit_scale``
-        passed in place of τ = 1 / logit_scale. Not under ``torch.compile``.
+        passed in place of τ = 1 / logit_scale (τ ≤ 1 is a temperature some use, and does not
+        warn; the rule: :func:`hnclip_kernels.plausibility.scale_mistake`). With
+        ``normalize=False``, rows whose norms are off 1 by more than 5% (dot products, not
+        cosines: pass ``normalize=True`` or L2-normalise), read from the norms its overflow
+        check takes anyway (no extra sync); the same warning as ``HNClipLoss`` and
+        ``distributed_hn_clip_loss``. Neither under ``torch.compile``.
 
     Raises:
         TypeError: non-tensor, DTensor (pass ``.full_tensor()``) or integer features, dtype

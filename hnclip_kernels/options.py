@@ -103,6 +103,22 @@ class LossOptions:
         return dataclasses.replace(self, backend=backend, precision=precision, tau_value=tau_value)
 
 
+def option_attribute(name: str) -> property:
+    """An attribute of a module that holds its :class:`LossOptions` in ``self.options``: reading
+    it gives the option the loss uses; assigning builds new options with it (``dataclasses.replace``
+    runs the constructor's validation: the same ``TypeError``/``ValueError``, nothing changed on
+    error), which the next call uses. So ``loss_fn.gamma = 0.3`` is a γ schedule step."""
+
+    def get(self):
+        return getattr(self.options, name)
+
+    def set_(self, value):
+        self.options = dataclasses.replace(self.options, **{name: value})
+
+    return property(get, set_, doc=f"The loss's ``{name}`` (see :class:`LossOptions`), read from and "
+                                   "written to ``self.options``; assignment validates and takes effect at once.")
+
+
 def as_tau_tensor(tau: Union[float, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     """τ as a 0-dim tensor on ``like``'s device (a tensor τ keeps its dtype and autograd; a
     number becomes the compute dtype of ``like``)."""

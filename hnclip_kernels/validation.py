@@ -12,6 +12,8 @@ from typing import Optional, Union
 
 import torch
 
+from .plausibility import warn_if_not_unit_norm
+
 try:
     import numpy as _np
 except ImportError:  # pragma: no cover - torch runs without NumPy
@@ -194,12 +196,16 @@ def _functorch_values(tau: torch.Tensor):
     return None if plain is tau else plain.reshape(-1).tolist()
 
 
-def max_row_norms(img: torch.Tensor, txt: torch.Tensor) -> tuple:
-    """(largest row norm of ``img``, of ``txt``) as Python floats, taken in float64 (one host
-    sync; under ``torch.func``, over every batch entry's rows)."""
+def row_norm_extremes(img: torch.Tensor, txt: torch.Tensor) -> tuple:
+    """(largest row norm of ``img``, of ``txt``, largest |‖x_i‖ − 1| of either) as Python floats,
+    taken in float64 (one host sync; under ``torch.func``, over every batch entry's rows). The
+    last is for :func:`hnclip_kernels.plausibility.warn_if_not_unit_norm`, from the same norms
+    and in the same sync."""
     img, txt = _unwrapped(img), _unwrapped(txt)
-    norms = torch.stack([torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64).max() for x in (img, txt)])
-    return tuple(norms.tolist())
+    norms = [torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64) for x in (img, txt)]
+    img_norm, txt_norm, *off = torch.stack([norms[0].max(), norms[1].max(),
+                                            *((n - 1.0).abs().max() for n in norms)]).tolist()
+    return img_norm, txt_norm, max(off)
 
 
 def check_feature_range(img: torch.Tensor, txt: torch.Tensor, tau_value: Optional[float], gamma: float,
@@ -207,11 +213,12 @@ def check_feature_range(img: torch.Tensor, txt: torch.Tensor, tau_value: Optiona
                         n_rows: int = 1) -> None:
     """With ``normalize=False`` the logits grow with the feature norms: raise ``ValueError`` if
     they would overflow the compute dtype (one host sync for the two largest row norms), so
-    that no backend returns a silently non-finite loss for finite features. Skipped under
+    that no backend returns a silently non-finite loss for finite features; otherwise warn once
+    per process if a row's norm is off 1 by more than 5% (no extra sync). Skipped under
     ``torch.compile``, for meta tensors and where τ was not read (``tau_value`` None)."""
     if tau_value is None or torch.compiler.is_compiling() or img.device.type == "meta":
         return
-    img_norm, txt_norm = max_row_norms(img, txt)
+    img_norm, txt_norm, off_unit = row_norm_extremes(img, txt)
     if not (math.isfinite(img_norm) and math.isfinite(txt_norm)):
         return  # non-finite features: the loss is non-finite too, as in torch.nn.functional
     limit = _finite_limit(img.dtype)
@@ -221,6 +228,7 @@ def check_feature_range(img: torch.Tensor, txt: torch.Tensor, tau_value: Optiona
                          f"(up to {txt_norm:.3g}) at tau = {tau_value:g} give logit gaps up to {largest:.3g}, beyond "
                          f"{'float64' if img.dtype == torch.float64 else 'float32'} range; pass normalize=True or "
                          "scale the features down")
+    warn_if_not_unit_norm(off_unit, (img_name, txt_name))
 
 
 def check_directional(queries: torch.Tensor, keys: torch.Tensor, query_txt: torch.Tensor, key_txt: torch.Tensor,

@@ -24,21 +24,12 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from typing import Callable, Optional
 
 import torch
 
+from ..plausibility import warn_once
 from .pytorch.reference import directional_nll_torch
-
-_warned = set()
-
-
-def warn_once(key: str, message: str, stacklevel: int = 3) -> None:
-    """A ``RuntimeWarning`` shown once per process for each ``key``."""
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
 def triton_directional() -> Callable:

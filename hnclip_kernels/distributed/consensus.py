@@ -16,6 +16,7 @@ import torch
 
 from .. import validation
 from ..options import LossOptions
+from ..plausibility import warn_if_not_unit_norm
 from .gather import _group_rank_world, _meta_device, dist
 
 # metadata vector layout, one int64 row per rank
@@ -108,7 +109,10 @@ def _range_fields(row, tau_value, image_features, text_features, normalize) -> N
     without normalisation, the largest row norms, for the global overflow check."""
     if tau_value is None:
         return
-    norms = (1.0, 1.0) if normalize else validation.max_row_norms(image_features, text_features)
+    norms = (1.0, 1.0)
+    if not normalize:
+        *norms, off_unit = validation.row_norm_extremes(image_features, text_features)
+        warn_if_not_unit_norm(off_unit, ("image_features", "text_features"))
     row[_TAU], row[_IMG_NORM], row[_TXT_NORM] = (_float_bits(v) for v in (tau_value, *norms))
 
 

@@ -26,7 +26,7 @@ except ImportError as exc:  # pragma: no cover - the [hf] extra is part of [test
                       'pip install "hnclip-kernels[hf]" (or "transformers[torch]>=5,<6")') from exc
 
 from ..clip_loss import HNClipLoss
-from ..distributed.gather import HAS_DISTRIBUTED, dist
+from ..distributed.gather import HAS_DISTRIBUTED, dist, gather_sizes
 
 __all__ = ["clip_model_loss", "HNClipTrainer"]
 
@@ -191,21 +191,41 @@ class HNClipTrainer(transformers.Trainer):
     (``return_loss`` is ignored; any other key raises ``ValueError``, it would be silently
     unused). Under ``torchrun`` each rank's loss is its share of the global batch's
     (:func:`clip_model_loss`), so DDP's averaged gradients are the global batch's. Evaluation
-    reports the same loss; its predictions are the normalised ``(image_embeds, text_embeds)``.
+    reports the same loss; its predictions are the normalised ``(image_embeds, text_embeds)``
+    and its labels the pairs' positions in the evaluation (int64: row i's caption is text row
+    ``labels[i]`` of the concatenated predictions, across batches and ranks), so a
+    ``compute_metrics`` can score retrieval (R@1: ``argmax(image_embeds @ text_embeds.T, 1) ==
+    labels``). With ``batch_eval_metrics`` they stay positions in the whole evaluation.
     Mixed precision (``bf16=True``/``fp16=True``) runs the embedding pass under accelerate's
     autocast; the loss itself accumulates in float32.
+
+    ``label_smoothing`` None (the default) takes ε from ``TrainingArguments.label_smoothing_factor``
+    (0 by default; the same ε as ``cross_entropy``'s), applied inside the loss (the Trainer's own
+    label smoother is not used). Raises ``ValueError`` if both are set and differ.
     """
 
     # compute_loss returns a per-batch mean: the Trainer divides it by the accumulation steps
     loss_is_scaled_for_ga = False
 
-    def __init__(self, *args, gamma: float = 0.5, label_smoothing: float = 0.0,
+    def __init__(self, *args, gamma: float = 0.5, label_smoothing: Optional[float] = None,
                  false_negative_threshold: Optional[float] = None, backend: str = "auto", **kwargs):
         # bad options fail here, where they are written, not at the first step
-        _loss_module(gamma, label_smoothing, false_negative_threshold, backend)
+        _loss_module(gamma, 0.0 if label_smoothing is None else label_smoothing, false_negative_threshold, backend)
+        super().__init__(*args, **kwargs)
+        factor = self.args.label_smoothing_factor
+        if label_smoothing is None:
+            label_smoothing = factor
+            try:
+                _loss_module(gamma, label_smoothing, false_negative_threshold, backend)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"TrainingArguments(label_smoothing_factor={factor}) is the loss's ε: {exc}") from exc
+        elif factor != 0 and factor != label_smoothing:
+            raise ValueError(f"HNClipTrainer got label_smoothing={label_smoothing} and TrainingArguments("
+                             f"label_smoothing_factor={factor}); set one of them (or both to the same value)")
+        self.label_smoother = None  # ε is applied inside the loss, with cross_entropy's semantics
         self.hn_options = dict(gamma=gamma, label_smoothing=label_smoothing,
                                false_negative_threshold=false_negative_threshold, backend=backend)
-        super().__init__(*args, **kwargs)
+        self._eval_rows = 0
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         unknown = sorted(set(inputs) - set(_BATCH_KEYS) - set(_IGNORED_KEYS))
@@ -228,4 +248,20 @@ class HNClipTrainer(transformers.Trainer):
         loss = loss.detach()
         if prediction_loss_only:
             return loss, None, None
-        return loss, (outputs.image_embeds.detach(), outputs.text_embeds.detach()), None
+        return loss, (outputs.image_embeds.detach(), outputs.text_embeds.detach()), self._pair_positions(outputs)
+
+    def evaluation_loop(self, *args, **kwargs):
+        self._eval_rows = 0  # labels count the pairs of one evaluation
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _pair_positions(self, outputs) -> torch.Tensor:
+        """This batch's pairs' positions in the evaluation's gathered predictions (the Trainer
+        concatenates batches in order, ranks in rank order within a step): under
+        ``torch.distributed`` one all_gather of the ranks' batch sizes per step."""
+        n = outputs.image_embeds.shape[0]
+        device = outputs.image_embeds.device
+        rank, world_size = _distributed_layout()
+        sizes = gather_sizes(n, device) if world_size > 1 else [n]
+        start = self._eval_rows + sum(sizes[:rank])
+        self._eval_rows += sum(sizes)
+        return torch.arange(start, start + n, device=device)

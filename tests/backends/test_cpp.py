@@ -233,7 +233,7 @@ def test_auto_picks_cpp_on_cpu():
 
 def test_missing_extension_messages(monkeypatch):
     monkeypatch.setattr(dispatch, "cpp_directional", lambda: None)
-    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr("hnclip_kernels.plausibility._warned", set())
     img, txt = make_pair(4, 3)
     with pytest.raises(ValueError, match="C\\+\\+ extension"):
         hn_clip_loss(img, txt, 0.07, backend="cpp")

@@ -214,6 +214,76 @@ def test_trainer_trains_with_finite_decreasing_loss(tmp_path):
     assert abs(metrics["eval_loss"] - expected) <= 1e-5 * expected
 
 
+def _args(tmp_path, **kwargs):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, report_to="none", use_cpu=True,
+                             save_strategy="no", dataloader_num_workers=0, disable_tqdm=True, **kwargs)
+
+
+def test_trainer_takes_label_smoothing_factor_as_epsilon(tmp_path):
+    # before, TrainingArguments(label_smoothing_factor=0.1) built a label smoother that compute_loss never called
+    ids, pixels, mask = PairData(8).ids, PairData(8).pixels, PairData(8).mask
+    inputs = {"input_ids": ids, "pixel_values": pixels, "attention_mask": mask}
+    model = tiny_model()
+    trainer = HNClipTrainer(model=model, args=_args(tmp_path, label_smoothing_factor=0.1), backend="torch")
+    with torch.no_grad():
+        got = trainer.compute_loss(model, inputs).item()
+        want = clip_model_loss(model, ids, pixels, mask, label_smoothing=0.1, backend="torch").item()
+        plain = clip_model_loss(model, ids, pixels, mask, label_smoothing=0.0, backend="torch").item()
+    assert got == want and abs(got - plain) > 1e-3
+    assert trainer.hn_options["label_smoothing"] == 0.1 and trainer.label_smoother is None
+    same = HNClipTrainer(model=model, args=_args(tmp_path, label_smoothing_factor=0.1), label_smoothing=0.1)
+    assert same.hn_options["label_smoothing"] == 0.1
+    only_ours = HNClipTrainer(model=model, args=_args(tmp_path), label_smoothing=0.2)
+    assert only_ours.hn_options["label_smoothing"] == 0.2
+    with pytest.raises(ValueError, match=r"label_smoothing=0\.0 and TrainingArguments\(label_smoothing_factor=0\.1\)"):
+        HNClipTrainer(model=model, args=_args(tmp_path, label_smoothing_factor=0.1), label_smoothing=0.0)
+
+
+def test_evaluate_calls_compute_metrics_with_pair_labels(tmp_path):
+    # before, prediction_step returned no labels and the Trainer never called compute_metrics
+    calls = []
+
+    def recall_at_1(prediction):
+        image, text = (torch.as_tensor(p) for p in prediction.predictions)
+        labels = torch.as_tensor(prediction.label_ids)
+        calls.append((image, text, labels))
+        return {"r1_i2t": (torch.argmax(image @ text.T, dim=1) == labels).double().mean().item()}
+
+    data = PairData(8)
+    model = tiny_model()
+    trainer = HNClipTrainer(model=model, args=_args(tmp_path, per_device_eval_batch_size=3), eval_dataset=data,
+                            compute_metrics=recall_at_1, backend="torch")
+    for _ in range(2):  # labels restart at every evaluation
+        metrics = trainer.evaluate()
+    assert len(calls) == 2
+    image, text, labels = calls[-1]
+    assert torch.equal(labels, torch.arange(8))  # three batches (3, 3, 2): positions across batches
+    with torch.no_grad():
+        _, out = clip_model_loss(model, data.ids, data.pixels, data.mask, return_outputs=True, backend="torch")
+    torch.testing.assert_close(image, out.image_embeds)
+    torch.testing.assert_close(text, out.text_embeds)
+    want = (torch.argmax(out.image_embeds @ out.text_embeds.T, dim=1) == torch.arange(8)).double().mean().item()
+    assert metrics["eval_r1_i2t"] == pytest.approx(want) and "eval_loss" in metrics
+
+
+def test_evaluation_labels_count_every_ranks_pairs(tmp_path, monkeypatch):
+    # rank 1 of 2 with local batches of 3 (rank 0: 4, then 2): positions in the gathered, rank-ordered predictions
+    import hnclip_kernels.integrations.transformers as hf
+
+    trainer = HNClipTrainer(model=tiny_model(), args=_args(tmp_path))
+    sizes = iter([[4, 3], [2, 3]])
+    monkeypatch.setattr(hf, "_distributed_layout", lambda: (1, 2))
+    monkeypatch.setattr(hf, "gather_sizes", lambda n, device: next(sizes))
+
+    class Out:
+        image_embeds = torch.zeros(3, 24)
+
+    assert trainer._pair_positions(Out).tolist() == [4, 5, 6]
+    assert trainer._pair_positions(Out).tolist() == [9, 10, 11]
+
+
 # ----------------------------------------------------------------------------- two gloo processes
 
 SIZES = (5, 6)  # unequal local batches: the global batch is the N = 11 of the tests above
