@@ -155,18 +155,24 @@ def render(s: Scene, noise: torch.Tensor) -> torch.Tensor:
     return ((img + noise).clamp(0, 1) - 0.5) / 0.25
 
 
-def make_groups(n_groups: int, group_size: int, seed: int) -> Tuple[torch.Tensor, List[str]]:
-    """(images (n·K, 3, 32, 32), captions): group g holds items g·K ... g·K + K − 1, item g·K the base."""
+def make_scene_groups(n_groups: int, group_size: int, seed: int) -> Tuple[torch.Tensor, List[Scene]]:
+    """(images (n·K, 3, 32, 32), scenes): group g holds items g·K ... g·K + K − 1, item g·K the base."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    images, captions = [], []
+    images, scenes = [], []
     for _ in range(n_groups):
         base = sample_scene(rng)
-        scenes = [base] + [edit_scene(base, kind, rng) for kind in rng.sample(EDITS, group_size - 1)]
-        for s in scenes:
+        group = [base] + [edit_scene(base, kind, rng) for kind in rng.sample(EDITS, group_size - 1)]
+        for s in group:
             images.append(render(s, 0.04 * torch.randn(3, IMAGE_SIZE, IMAGE_SIZE, generator=gen)))
-            captions.append(caption(s))
-    return torch.stack(images), captions
+            scenes.append(s)
+    return torch.stack(images), scenes
+
+
+def make_groups(n_groups: int, group_size: int, seed: int) -> Tuple[torch.Tensor, List[str]]:
+    """As :func:`make_scene_groups`, with each scene's caption."""
+    images, scenes = make_scene_groups(n_groups, group_size, seed)
+    return images, [caption(s) for s in scenes]
 
 
 def tokenize(captions: Sequence[str], context_length: int = CONTEXT_LENGTH) -> Tuple[torch.Tensor, int]:
