@@ -15,6 +15,7 @@ from .distributed import rank_loss
 from .numerics import autocast_disabled
 from .options import LossOptions, as_tau_tensor, option_attribute
 from .plausibility import warn_if_implausible_logit_scale
+from .reports import report_of_call
 
 
 class HNClipLoss(nn.Module):
@@ -263,8 +264,6 @@ class HNClipLoss(nn.Module):
                     raise problem from exc
                 raise
         if self.return_stats:
-            from .diagnostics import report_of_call
-
             loss, (i2t, t2i, n_keys) = loss
             self.last_stats = report_of_call(i2t, t2i, image_features, label_smoothing=self.options.label_smoothing,
                                              n_keys=n_keys)

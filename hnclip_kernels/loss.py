@@ -10,6 +10,7 @@ from .backends import symmetric_losses
 from .numerics import autocast_disabled
 from .options import LossOptions, as_tau_tensor
 from .plausibility import scale_mistake, warn_once
+from .reports import report_of_call
 
 
 def _warn_if_tau_looks_like_logit_scale(tau_value: Optional[float], caller: str = "hn_clip_loss") -> None:
@@ -140,8 +141,6 @@ def hn_clip_loss(
         out = symmetric_losses(img, txt, as_tau_tensor(tau, img), options, return_stats)
     if not return_stats:
         return reduce_rows(out, reduction)
-    from .diagnostics import report_of_call  # diagnostics imports this module
-
     rows, (i2t, t2i) = out
     report = report_of_call(i2t, t2i, img, label_smoothing=options.label_smoothing, n_keys=img.shape[0])
     return reduce_rows(rows, reduction), report

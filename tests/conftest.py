@@ -13,12 +13,6 @@ if not torch.cuda.is_available():
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "sm90: ahead-of-time sm_90a compile check of the Triton kernels "
-                                       "(tests/tooling/test_sm90_compile.py, minutes when not cached); "
-                                       "deselect with -m 'not sm90'")
-
-
 @pytest.fixture(params=["interpret", "gpu"])
 def launch(request, monkeypatch):
     """Each Triton launch configuration under the interpreter: its own small tiles, then the

@@ -1,4 +1,4 @@
-"""Differential harness: every backend and entry point answers every call flavour alike (issue 17).
+"""Differential harness: every backend and entry point answers every call flavour alike.
 
 For random small problems and random *call flavours* (dtype, strides, which inputs require
 grad, how the tensors were made, the form of τ / logit_scale / γ / ε, reduction and label

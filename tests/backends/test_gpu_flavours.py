@@ -1,4 +1,4 @@
-"""GPU-only call flavours (issue 17): global CUDA matmul settings and autocast must not cost any
+"""GPU-only call flavours: global CUDA matmul settings and autocast must not cost any
 backend its accuracy. Needs CUDA (skipped without); ``tools/gpu_check.sh`` runs it in its
 "tests" step.
 

@@ -1,4 +1,4 @@
-"""Guarantees that no test held before issue 17, each checked to fail on the code change it guards.
+"""Scales and rounding that no test held before, each checked to fail on the code change it guards.
 
 * rows of very different norms in one Triton batch (the power-of-two scale of W),
 * the tf32 head of the multi-pass split rounds to nearest (the rounding helpers, directly),

@@ -1,4 +1,5 @@
-"""Regression tests of issue 17: the minimal inputs of the cases users hit, one test each.
+"""The inputs users hit, one minimal case each: 16-bit logit scales, NumPy and tensor hyperparameters,
+anomaly mode, pickling, DTensor.
 
 Every test runs in well under a second per backend (N ≤ 8, D ≤ 16), except the DTensor test
 (a subprocess with a one-process gloo group: about 10 s).
