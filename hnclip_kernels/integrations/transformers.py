@@ -180,8 +180,10 @@ def clip_model_loss(
             tower runs ``chunk_size`` pairs at a time, each chunk's activations recomputed in the
             backward (:func:`hnclip_kernels.chunked_encode`, dropout masks replayed), then one loss
             over the whole batch: the same loss and gradients, with the encoders' activation
-            memory of one chunk. FSDP (1 and 2) needs no special care; FSDP2 shards a 0-dim
-            ``logit_scale`` (CLIPModel's) as a whole on one rank and gathers it in the root's forward.
+            memory of one chunk.
+
+    FSDP2: ``fully_shard`` refuses 0-dim parameters, and CLIPModel's ``logit_scale`` is one; make it
+    1-D before sharding: ``model.logit_scale = nn.Parameter(model.logit_scale.detach().reshape(1))``.
 
     Returns:
         The float32 scalar loss (this rank's share under ``torch.distributed``), or
