@@ -277,11 +277,15 @@ def _chunked_epoch(train_one_epoch, chunk_size: int):
     @functools.wraps(train_one_epoch)
     def wrapped(model, *args, **kwargs):
         inner = getattr(model, "module", model)  # DDP's module, as open_clip_train's unwrap_model
+        saved = inner.__dict__.get("forward")
         inner.forward = functools.partial(_chunked_forward, inner, chunk_size)
         try:
             return train_one_epoch(model, *args, **kwargs)
         finally:
-            del inner.forward
+            if saved is None:
+                del inner.forward
+            else:
+                inner.forward = saved
     return wrapped
 
 

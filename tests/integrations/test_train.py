@@ -361,3 +361,40 @@ def test_torchrun_two_cpu_processes(data, tmp_path):
                       for line in log.splitlines() if "Contrastive_loss: " in line]
         assert len(runs[name]) == STEPS and all(math.isfinite(v) for v in runs[name])
     np.testing.assert_allclose(runs["ddp_chunked"], runs["ddp"], rtol=1e-4)  # the log's 5 digits
+
+
+def test_chunked_epoch_runs_chunked_features_inside_ddp_and_restores_the_forward(monkeypatch):
+    """What --hn-chunk-size installs: model(images, texts) in train_one_epoch is chunked_features' output
+    (the model bare, or as DDP's .module); the model's own forward is back afterwards."""
+    import open_clip
+    import torch
+
+    from hnclip_kernels import chunked
+
+    model = open_clip.create_model(
+        "ViT-B-32", pretrained=None, embed_dim=16, output_dict=True,
+        vision_cfg=dict(image_size=16, patch_size=8, width=32, head_width=16, layers=1),
+        text_cfg=dict(context_length=8, vocab_size=49408, width=32, heads=2, layers=1))
+    images, texts = torch.randn(5, 3, 16, 16), torch.randint(1, 49407, (5, 8))
+    seen = []
+    monkeypatch.setattr(chunked, "checkpoint", lambda fn, *a, **k: seen.append(len(a[0])) or fn(*a))
+
+    def epoch(m, *args):
+        return m(images, texts)
+
+    class Wrapper(torch.nn.Module):  # stands for DDP: the model is its .module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *a):
+            return self.module(*a)
+
+    for outer in (model, Wrapper(model)):
+        seen.clear()
+        out = hn_train._chunked_epoch(epoch, 2)(outer, None)
+        assert set(out) == {"image_features", "text_features", "logit_scale"} and out["text_features"].shape == (5, 16)
+        assert seen == [2, 2, 1, 2, 2, 1]  # image chunks, then text chunks
+        assert "forward" not in model.__dict__
+        plain = model(images, texts)
+        assert all(torch.allclose(out[k], plain[k], rtol=1e-5, atol=1e-6) for k in out)
