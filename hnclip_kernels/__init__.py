@@ -1,8 +1,9 @@
 """hnclip-kernels: the HN-CLIP contrastive loss (arXiv 2608.18521), exact, fast and memory-lean.
 
 Public API: :func:`hn_clip_loss`, :class:`HNClipLoss` (drop-in for open_clip's ClipLoss),
-:func:`gather_features`, :func:`workspace_bytes`,
-:func:`chunked_encode` / :func:`chunked_features` (encoders run in recomputed chunks: large contrastive batches). Backends: ``hnclip_kernels.backends.pytorch.reference`` (pure PyTorch),
+:func:`gather_features`, :func:`workspace_bytes`, :func:`chunked_encode` / :func:`chunked_features`
+(encoders run in recomputed chunks: contrastive batches beyond the encoders' activation memory).
+Backends: ``hnclip_kernels.backends.pytorch.reference`` (pure PyTorch),
 ``hnclip_kernels.backends.triton.ops`` (fused Triton kernels), ``hnclip_kernels.backends.cpp.ops``
 (fused C++ CPU kernel).
 """
