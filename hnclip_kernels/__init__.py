@@ -1,10 +1,13 @@
 """hnclip-kernels: the HN-CLIP contrastive loss (arXiv 2608.18521), exact, fast and memory-lean.
 
 Public API: :func:`hn_clip_loss`, :class:`HNClipLoss` (drop-in for open_clip's ClipLoss),
-:func:`gather_features`, :func:`workspace_bytes`. Backends: ``hnclip_kernels.backends.pytorch.reference`` (pure PyTorch),
+:func:`gather_features`, :func:`workspace_bytes`, :func:`chunked_encode` / :func:`chunked_features`
+(encoders run in recomputed chunks: contrastive batches beyond the encoders' activation memory).
+Backends: ``hnclip_kernels.backends.pytorch.reference`` (pure PyTorch),
 ``hnclip_kernels.backends.triton.ops`` (fused Triton kernels), ``hnclip_kernels.backends.cpp.ops``
 (fused C++ CPU kernel).
 """
+from .chunked import chunked_encode, chunked_features
 from .clip_loss import HNClipLoss
 from .distributed import gather_features
 from .loss import hn_clip_loss
@@ -22,5 +25,6 @@ def workspace_bytes(n, d, dtype, *, gamma=0.5, label_smoothing=0.0, local_rows=N
                             device=device, false_negative_threshold=false_negative_threshold)
 
 
-__all__ = ["hn_clip_loss", "HNClipLoss", "gather_features", "LossOptions", "workspace_bytes"]
+__all__ = ["hn_clip_loss", "HNClipLoss", "gather_features", "LossOptions", "workspace_bytes", "chunked_encode",
+           "chunked_features"]
 __version__ = "0.1.0"

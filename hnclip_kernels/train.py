@@ -4,7 +4,7 @@ Usage (every argument but the ``--hn-*`` flags goes to ``open_clip_train.main`` 
 
     python -m hnclip_kernels.train [open_clip_train arguments] \\
         [--hn-gamma 0.5] [--hn-label-smoothing 0.0] [--hn-backend auto] [--hn-log-stats]
-        [--hn-false-negative-threshold C]
+        [--hn-false-negative-threshold C] [--hn-chunk-size C]
     torchrun --nproc_per_node 8 -m hnclip_kernels.train -- --local-loss --gather-with-grad ...
 
 Flags:
@@ -14,9 +14,19 @@ Flags:
                             device the run uses (open_clip's ``--device``, CPU without CUDA)
     --hn-log-stats          log rank 0's saturation statistics (loss, saturated rows, effective
                             negatives; ``HNClipLoss(return_stats=True)``) every ``--log-every-n-steps``
+                            optimizer steps
     --hn-false-negative-threshold C
                             mask pairs whose captions have cosine >= C in (-1, 1] as false
                             negatives (default: none; not in the paper; see hn_clip_loss)
+    --hn-chunk-size C       run both towers C pairs at a time, each chunk's activations recomputed
+                            in the backward with its dropout masks replayed
+                            (:func:`hnclip_kernels.chunked_features`): ``--batch-size 1024
+                            --hn-chunk-size 32`` contrasts 1024 × world size pairs in one loss while
+                            the encoders hold the activations of 32 (default: no chunking)
+
+open_clip's ``--accum-freq K`` (K > 1) is refused: its cached features give ``logit_scale`` K
+times its gradient (the loss runs K times a step) and its re-forward draws new dropout masks;
+``--batch-size K·B --hn-chunk-size B`` gives the same contrastive batch with exact gradients.
 
 A CSV dataset's header is checked before anything is built: open_clip reads tab-separated files
 with the columns ``filepath`` and ``title`` unless ``--csv-separator``, ``--csv-img-key`` and
@@ -26,7 +36,10 @@ Where open_clip 3.x builds a plain ``ClipLoss`` (``open_clip.create_loss``, from
 ``open_clip/factory.py``, imported by name into ``open_clip_train.main``; patched there for the
 run), this builds :class:`hnclip_kernels.HNClipLoss` from open_clip's own ``--local-loss``,
 ``--gather-with-grad``, rank and world size (set by its ``init_distributed_device``, so torchrun
-works). The model's logit scale reaches the loss already exponentiated and its features
+works). With ``--hn-chunk-size`` the model's forward is, for each ``train_one_epoch`` call
+(wrapped, not copied), an instance ``forward`` of the model inside DDP running
+:func:`hnclip_kernels.chunked_features`; DDP's forward still wraps it (one all-reduce per step),
+evaluation runs the model's own forward. The model's logit scale reaches the loss already exponentiated and its features
 L2-normalised, as HNClipLoss expects. One more fix, for multi-process CPU runs only:
 open_clip_train passes ``device_ids=[cpu]`` to ``DistributedDataParallel``, which torch
 rejects, so CPU ``device_ids`` are dropped (GPU runs are untouched). Under torchrun put ``--``
@@ -34,7 +47,7 @@ after the module name when passing ``--logs`` (torchrun's parser takes it for ``
 
 Errors:
     SystemExit(2) with an argparse message, before anything is built: a bad or unknown ``--hn-*``
-        flag, a backend that cannot run on the run's device, a CSV whose header lacks the image or
+        flag, ``--accum-freq`` > 1, ``--hn-chunk-size`` with ``--torchcompile`` (untested), a backend that cannot run on the run's device, a CSV whose header lacks the image or
         caption column, or a run whose loss is not ClipLoss (``--siglip``, ``--distill-model``, CoCa models,
         ``--horovod``); use ``python -m open_clip_train.main`` for those.
     MissingTrainExtra (an ImportError) naming ``pip install "open_clip_torch[training]"`` when
@@ -45,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import logging
 import os
 import sys
@@ -52,6 +66,7 @@ import sys
 import torch
 
 from .backends import resolve_backend
+from .chunked import check_chunk_size, chunked_features
 from .clip_loss import HNClipLoss
 
 _PROG = "python -m hnclip_kernels.train"
@@ -72,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hn-false-negative-threshold", type=float, default=None, metavar="C",
                    help="caption cosine in (-1, 1] at and above which a pair is masked as a false negative "
                         "(default: no masking; e.g. 0.95 for near-duplicate captions)")
+    p.add_argument("--hn-chunk-size", type=int, default=None, metavar="C",
+                   help="run the encoders C pairs at a time, recomputed in the backward: --batch-size is then the "
+                        "contrastive batch, the activation memory that of C pairs (default: no chunking)")
     return p
 
 
@@ -121,7 +139,7 @@ def _check_csv_header(parser, args) -> None:
 
 class StatsLoggingHNClipLoss(HNClipLoss):
     """``HNClipLoss(return_stats=True)`` that logs rank 0's report every ``log_every`` calls
-    (one call per step; with ``--accum-freq`` k, k calls per step)."""
+    (one call per optimizer step: ``--accum-freq`` > 1, k calls a step, is refused)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, return_stats=True, **kwargs)
@@ -194,6 +212,7 @@ def main(argv=None):
                      "run python -m open_clip_train.main for that")
     _check_backend_device(parser, hn.hn_backend, oc_args)
     _check_csv_header(parser, oc_args)
+    _check_chunking(parser, hn, oc_args)
 
     original = oc_main.create_loss
 
@@ -220,12 +239,64 @@ def main(argv=None):
             super().__init__(module, device_ids, *args, **kw)
 
     oc_main.create_loss, torch.nn.parallel.DistributedDataParallel = create_loss, CpuDeviceIdsDDP
+    original_epoch = oc_main.train_one_epoch
+    if hn.hn_chunk_size is not None:
+        oc_main.train_one_epoch = _chunked_epoch(original_epoch, hn.hn_chunk_size)
     torch_levels = {name: logging.getLogger(name).level for name in _torch_loggers()}
     try:
         return oc_main.main(rest)
     finally:
         oc_main.create_loss, torch.nn.parallel.DistributedDataParallel = original, ddp
+        oc_main.train_one_epoch = original_epoch
         _restore_torch_logger_levels(torch_levels)
+
+
+def _check_chunking(parser, hn, args) -> None:
+    if args.accum_freq > 1:
+        parser.error(f"argument --accum-freq: {args.accum_freq} is refused with the HN-CLIP loss: open_clip's "
+                     f"accumulation runs the loss {args.accum_freq} times a step, giving logit_scale "
+                     f"{args.accum_freq}× its gradient, and re-forwards without replaying dropout. Use "
+                     f"--batch-size {args.accum_freq * args.batch_size} --hn-chunk-size {args.batch_size} for the "
+                     "same contrastive batch with exact gradients")
+    if hn.hn_chunk_size is None:
+        return
+    try:
+        check_chunk_size(hn.hn_chunk_size, "--hn-chunk-size")
+    except (TypeError, ValueError) as exc:
+        parser.error(f"argument --hn-chunk-size: {exc}")
+    if args.torchcompile:
+        parser.error("argument --hn-chunk-size: not supported with --torchcompile (untested); drop one of them")
+
+
+def _chunked_epoch(train_one_epoch, chunk_size: int):
+    """open_clip's ``train_one_epoch`` with the model's forward chunked for its duration.
+
+    It calls ``model(images, texts)`` once a step, ``model`` being the CLIP model or DDP around
+    it; an instance ``forward`` on the CLIP model makes that call run :func:`chunked_features`
+    inside DDP's forward (DDP's hooks and one all-reduce per step stay as they are)."""
+    @functools.wraps(train_one_epoch)
+    def wrapped(model, *args, **kwargs):
+        inner = getattr(model, "module", model)  # DDP's module, as open_clip_train's unwrap_model
+        saved = inner.__dict__.get("forward")
+        inner.forward = functools.partial(_chunked_forward, inner, chunk_size)
+        try:
+            return train_one_epoch(model, *args, **kwargs)
+        finally:
+            if saved is None:
+                del inner.forward
+            else:
+                inner.forward = saved
+    return wrapped
+
+
+def _chunked_forward(model, chunk_size, image=None, text=None):
+    """open_clip ``CLIP.forward``'s outputs (dict under ``output_dict``), its towers chunked."""
+    if image is None or text is None:  # not what train_one_epoch calls: the model's own forward
+        return type(model).forward(model, image, text)
+    image_features, text_features, logit_scale = chunked_features(model, image, text, chunk_size)
+    if getattr(model, "output_dict", False):
+        return {"image_features": image_features, "text_features": text_features, "logit_scale": logit_scale}
+    return image_features, text_features, logit_scale
 
 
 def _torch_loggers() -> list:

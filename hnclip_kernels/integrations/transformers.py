@@ -25,6 +25,7 @@ except ImportError as exc:  # pragma: no cover - the [hf] extra is part of [test
     raise ImportError('hnclip_kernels.integrations.transformers needs transformers 5.x: '
                       'pip install "hnclip-kernels[hf]" (or "transformers[torch]>=5,<6")') from exc
 
+from ..chunked import check_chunk_size, chunked_encode
 from ..clip_loss import HNClipLoss
 from ..distributed.gather import HAS_DISTRIBUTED, dist, gather_sizes
 
@@ -66,27 +67,45 @@ def _check_clip(clip) -> None:
                         "softmax (InfoNCE) loss and has no bias term")
 
 
-def _features(clip, input_ids, pixel_values, attention_mask):
+def _features(clip, input_ids, pixel_values, attention_mask, chunk_size=None):
     """(image embeddings, text embeddings, s = exp(logit_scale)), as ``CLIPModel.forward`` forms
     them before its normalisation and N×N product; s in float32 or better (a bf16 model's
-    exp(logit_scale) in bf16 would be another temperature: s = 100 rounds to 100.5)."""
-    image = _pooled(clip.get_image_features(pixel_values=pixel_values))
-    text = _pooled(clip.get_text_features(input_ids=input_ids, attention_mask=attention_mask))
+    exp(logit_scale) in bf16 would be another temperature: s = 100 rounds to 100.5). With a
+    ``chunk_size`` each tower runs in recomputed chunks (:func:`hnclip_kernels.chunked_encode`)."""
+    if chunk_size is None:
+        image = _pooled(clip.get_image_features(pixel_values=pixel_values))
+        text = _pooled(clip.get_text_features(input_ids=input_ids, attention_mask=attention_mask))
+    else:
+        image = chunked_encode(lambda pixel_values: _pooled(clip.get_image_features(pixel_values=pixel_values)),
+                               pixel_values, chunk_size)
+        text = chunked_encode(lambda **kw: _pooled(clip.get_text_features(**kw)),
+                              dict(input_ids=input_ids, attention_mask=attention_mask), chunk_size)
     scale = clip.logit_scale
     return image, text, scale.to(torch.promote_types(scale.dtype, torch.float32)).exp()
 
 
-def _embeddings(model, input_ids, pixel_values, attention_mask):
+def _is_fsdp2(module) -> bool:
+    """``fully_shard`` (FSDP2) turns the module itself into the wrapper: its unshard runs in
+    forward hooks of the module, which calling get_*_features directly bypasses."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _embeddings(model, input_ids, pixel_values, attention_mask, chunk_size=None):
     clip = _unwrap(model)
     _check_clip(clip)
-    if clip is model:
-        return _features(clip, input_ids, pixel_values, attention_mask)
+    if clip is model and not _is_fsdp2(clip):
+        return _features(clip, input_ids, pixel_values, attention_mask, chunk_size)
     # A wrapper's own forward must run: DDP arms its gradient all-reduce there, FSDP gathers the
-    # parameters there. So the wrapped model's forward is the embedding pass for this one call.
+    # parameters there (FSDP2: in the root module's forward hooks). So the wrapped model's
+    # forward is the embedding pass for this one call.
     saved = clip.__dict__.get("forward", _MISSING)  # accelerate may have set an instance forward
 
     def embedding_forward(input_ids, pixel_values, attention_mask=None):
-        return _features(clip, input_ids, pixel_values, attention_mask)
+        return _features(clip, input_ids, pixel_values, attention_mask, chunk_size)
 
     clip.forward = embedding_forward
     try:
@@ -126,6 +145,7 @@ def clip_model_loss(
     false_negative_threshold: Optional[float] = None,
     backend: str = "auto",
     return_outputs: bool = False,
+    chunk_size: Optional[int] = None,
 ):
     """HN-CLIP loss (arXiv 2608.18521, Eq. 2) of a ``transformers`` CLIP batch, never forming N×N logits.
 
@@ -156,18 +176,28 @@ def clip_model_loss(
         backend: "auto", "torch", "cpp" or "triton" (``hn_clip_loss``'s ``backend``).
         return_outputs: also return a ``CLIPOutput`` with the L2-normalised ``image_embeds`` and
             ``text_embeds`` (N, D) and ``loss`` (its ``logits_*`` fields are None).
+        chunk_size: None (default: each tower runs on the whole batch) or an integer ≥ 1: each
+            tower runs ``chunk_size`` pairs at a time, each chunk's activations recomputed in the
+            backward (:func:`hnclip_kernels.chunked_encode`, dropout masks replayed), then one loss
+            over the whole batch: the same loss and gradients, with the encoders' activation
+            memory of one chunk.
+
+    FSDP2: ``fully_shard`` refuses 0-dim parameters, and CLIPModel's ``logit_scale`` is one; make it
+    1-D before sharding: ``model.logit_scale = nn.Parameter(model.logit_scale.detach().reshape(1))``.
 
     Returns:
         The float32 scalar loss (this rank's share under ``torch.distributed``), or
         ``(loss, CLIPOutput)`` with ``return_outputs``.
 
     Raises:
-        TypeError: a model without the CLIP embedding methods, or with a ``logit_bias`` (SigLIP).
-        ValueError: ``torch.nn.DataParallel``; and every error of :class:`hnclip_kernels.HNClipLoss`
+        TypeError: a model without the CLIP embedding methods, or with a ``logit_bias`` (SigLIP);
+            a ``chunk_size`` that is not an integer (a bool, a float).
+        ValueError: ``torch.nn.DataParallel``; ``chunk_size`` < 1; and every error of :class:`hnclip_kernels.HNClipLoss`
             (bad options at once, bad features or τ at the loss).
     """
     loss_fn = _loss_module(gamma, label_smoothing, false_negative_threshold, backend)  # bad options fail first
-    image, text, scale = _embeddings(model, input_ids, pixel_values, attention_mask)
+    chunk_size = check_chunk_size(chunk_size)
+    image, text, scale = _embeddings(model, input_ids, pixel_values, attention_mask, chunk_size)
     loss = loss_fn(image, text, scale)
     if not return_outputs:
         return loss
@@ -185,7 +215,7 @@ class HNClipTrainer(transformers.Trainer):
 
         trainer = HNClipTrainer(model=model, args=args, train_dataset=ds, data_collator=collate,
                                 gamma=0.5, label_smoothing=0.0, false_negative_threshold=None,
-                                backend="auto")
+                                backend="auto", chunk_size=None)
 
     Batches are dicts with ``input_ids``, ``pixel_values`` and optionally ``attention_mask``
     (``return_loss`` is ignored; any other key raises ``ValueError``, it would be silently
@@ -202,15 +232,24 @@ class HNClipTrainer(transformers.Trainer):
     ``label_smoothing`` None (the default) takes ε from ``TrainingArguments.label_smoothing_factor``
     (0 by default; the same ε as ``cross_entropy``'s), applied inside the loss (the Trainer's own
     label smoother is not used). Raises ``ValueError`` if both are set and differ.
+
+    ``chunk_size=C`` (:func:`clip_model_loss`): ``per_device_train_batch_size`` is then the
+    contrastive batch (× world size under torchrun) and the encoders hold the activations of C
+    pairs; evaluation runs in chunks of C too. ``gradient_accumulation_steps`` K, with or without
+    it, averages K separate contrastive batches (each micro-batch is its own loss, its negatives
+    only its own pairs): it does not enlarge the contrastive batch. To contrast more pairs,
+    raise ``per_device_train_batch_size`` with a ``chunk_size``; keep K for what still does not fit.
     """
 
     # compute_loss returns a per-batch mean: the Trainer divides it by the accumulation steps
     loss_is_scaled_for_ga = False
 
     def __init__(self, *args, gamma: float = 0.5, label_smoothing: Optional[float] = None,
-                 false_negative_threshold: Optional[float] = None, backend: str = "auto", **kwargs):
+                 false_negative_threshold: Optional[float] = None, backend: str = "auto",
+                 chunk_size: Optional[int] = None, **kwargs):
         # bad options fail here, where they are written, not at the first step
         _loss_module(gamma, 0.0 if label_smoothing is None else label_smoothing, false_negative_threshold, backend)
+        chunk_size = check_chunk_size(chunk_size)
         super().__init__(*args, **kwargs)
         factor = self.args.label_smoothing_factor
         if label_smoothing is None:
@@ -226,6 +265,8 @@ class HNClipTrainer(transformers.Trainer):
         self.hn_options = dict(gamma=gamma, label_smoothing=label_smoothing,
                                false_negative_threshold=false_negative_threshold, backend=backend)
         self._eval_rows = 0
+        if chunk_size is not None:  # passed on only when set: without it the call is today's
+            self.hn_options["chunk_size"] = chunk_size
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         unknown = sorted(set(inputs) - set(_BATCH_KEYS) - set(_IGNORED_KEYS))

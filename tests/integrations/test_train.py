@@ -94,6 +94,13 @@ def runs(data, tmp_path_factory):
         "stock": _run(oc_main.main, _argv(data, logs, "stock")),
         "gamma0": _run(hn_train.main, _argv(data, logs, "gamma0") + ["--hn-gamma", "0"]),
         "gamma05": _run(hn_train.main, _argv(data, logs, "gamma05") + ["--hn-gamma", "0.5", "--hn-log-stats"]),
+        # 4 pairs a step in chunks of 3 (3 + 1), open_clip's checkpointing nested inside; stats every 2nd step
+        "chunked": _run(hn_train.main, _argv(data, logs, "chunked") + [
+            "--hn-gamma", "0.5", "--hn-chunk-size", "3", "--grad-checkpointing", "--hn-log-stats",
+            "--log-every-n-steps", "2"]),
+        "bf16": _run(hn_train.main, _argv(data, logs, "bf16") + ["--precision", "amp_bf16"]),
+        "bf16_chunked": _run(hn_train.main, _argv(data, logs, "bf16_chunked") + [
+            "--precision", "amp_bf16", "--hn-chunk-size", "3"]),
     }, logs
 
 
@@ -134,6 +141,60 @@ def test_log_stats_logs_saturation_every_step(runs):
         effective = float(line.split("effective_negatives ")[1].split()[0])
         assert 0.0 <= saturated <= 1.0 and 1.0 <= effective <= 3.0  # 4 pairs: 3 negatives a row
     assert not runs[0]["gamma0"][0].return_stats
+
+
+def test_chunked_steps_equal_unchunked_steps(runs):
+    """--hn-chunk-size 3 on batches of 4 (chunks 3 + 1), γ = 0.5, with open_clip's own --grad-checkpointing
+    nested inside: the unchunked run's losses at every step; amp_bf16 within bf16 rounding."""
+    _, plain = runs[0]["gamma05"]
+    loss, chunked = runs[0]["chunked"]
+    assert isinstance(loss, HNClipLoss) and loss.gamma == 0.5
+    assert len(chunked) == len(plain) == STEPS and plain[0] != plain[-1]
+    # float32 rounding (chunk GEMMs of 3 and 1 rows against 4), compounded through 4 AdamW steps
+    np.testing.assert_allclose(chunked, plain, rtol=1e-5, atol=0)
+    (_, bf16), (_, bf16_chunked) = runs[0]["bf16"], runs[0]["bf16_chunked"]
+    # bf16 autocast: chunked and unchunked differ by bf16 rounding (2^-8 relative per GEMM), as both
+    # differ from float32
+    np.testing.assert_allclose(bf16_chunked, bf16, rtol=2e-2, atol=0)
+    np.testing.assert_allclose(bf16, plain, rtol=2e-2, atol=0)
+
+
+def test_chunked_log_stats_every_log_every_n_steps(runs):
+    """--hn-log-stats --log-every-n-steps 2 over 4 steps: 2 lines (steps 0 and 2), each with its step's loss."""
+    _, values = runs[0]["chunked"]
+    log = (runs[1] / "chunked" / "out.log").read_text()
+    lines = [line for line in log.splitlines() if "HN-CLIP stats" in line]
+    assert len(lines) == 2, lines
+    logged = [float(line.split(" loss ")[1].split()[0]) for line in lines]
+    np.testing.assert_allclose(logged, values[0::2], rtol=1e-5)
+
+
+def test_accum_freq_is_refused_pointing_to_the_chunk_flag(monkeypatch, capsys):
+    """open_clip's --accum-freq K gives logit_scale K× its gradient with HNClipLoss: refused, never silent."""
+    monkeypatch.setattr(oc_main, "main", lambda argv: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as exc:
+        hn_train.main(["--model", "ViT-B-32", "--batch-size", "16", "--accum-freq", "3", "--hn-log-stats"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --accum-freq: 3 is refused" in err and "--batch-size 48 --hn-chunk-size 16" in err
+
+
+@pytest.mark.parametrize("value, words", [("0", "must be a positive integer"), ("-4", "must be a positive integer"),
+                                          ("1.5", "invalid int value"), ("x", "invalid int value")])
+def test_bad_chunk_size_flag_fails_before_training(monkeypatch, capsys, value, words):
+    monkeypatch.setattr(oc_main, "main", lambda argv: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as exc:
+        hn_train.main(["--model", "ViT-B-32", "--hn-chunk-size", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --hn-chunk-size: " in err and words in err
+
+
+def test_chunk_size_with_torchcompile_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(oc_main, "main", lambda argv: pytest.fail("training started"))
+    with pytest.raises(SystemExit):
+        hn_train.main(["--model", "ViT-B-32", "--hn-chunk-size", "8", "--torchcompile"])
+    assert "--torchcompile" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag, value, words", [
@@ -211,12 +272,13 @@ def test_passes_other_arguments_through_and_restores_patches(monkeypatch):
     import torch
 
     got = {}
-    ddp, create_loss = torch.nn.parallel.DistributedDataParallel, oc_main.create_loss
+    ddp, create_loss, epoch = torch.nn.parallel.DistributedDataParallel, oc_main.create_loss, oc_main.train_one_epoch
 
     def fake_main(argv):
         got["argv"] = argv
         got["ddp"] = torch.nn.parallel.DistributedDataParallel
         got["create_loss"] = oc_main.create_loss
+        got["train_one_epoch"] = oc_main.train_one_epoch
         return -1  # open_clip's "experiment already exists" return value comes back
 
     monkeypatch.setattr(oc_main, "main", fake_main)
@@ -230,6 +292,9 @@ def test_passes_other_arguments_through_and_restores_patches(monkeypatch):
     assert got["argv"][:2] == ["--model", "ViT-B-32"]
     assert issubclass(got["ddp"], ddp) and got["create_loss"] is not create_loss
     assert torch.nn.parallel.DistributedDataParallel is ddp and oc_main.create_loss is create_loss
+    assert got["train_one_epoch"] is epoch  # without --hn-chunk-size open_clip's loop is untouched
+    assert hn_train.main([*argv, "--hn-chunk-size", "8"]) == -1
+    assert got["train_one_epoch"] is not epoch and oc_main.train_one_epoch is epoch
     args = oc_main.parse_args(got["argv"])
     args.rank, args.world_size, args.distill = 0, 1, False  # as open_clip_train.main sets them
     loss = got["create_loss"](args)
@@ -285,10 +350,51 @@ def test_torchrun_two_cpu_processes(data, tmp_path):
     argv[argv.index("--batch-size") + 1] = "2"  # 2 per rank: 4 steps of the 16 pairs
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "hnclip_kernels.train", "--", *argv, "--local-loss", "--gather-with-grad"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    log = (tmp_path / "ddp" / "out.log").read_text()
-    assert "local_loss=True, gather_with_grad=True, rank=0, world_size=2, gamma=0.5" in log
-    losses = [float(line.split("Contrastive_loss: ")[1].split()[0])
-              for line in log.splitlines() if "Contrastive_loss: " in line]
-    assert len(losses) == STEPS and all(math.isfinite(v) for v in losses)
+    runs = {}
+    for name, extra in (("ddp", []), ("ddp_chunked", ["--hn-chunk-size", "1"])):  # chunks of 1 of 2 per rank
+        cmd[cmd.index("--name") + 1] = name
+        proc = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        log = (tmp_path / name / "out.log").read_text()
+        assert "local_loss=True, gather_with_grad=True, rank=0, world_size=2, gamma=0.5" in log
+        runs[name] = [float(line.split("Contrastive_loss: ")[1].split()[0])
+                      for line in log.splitlines() if "Contrastive_loss: " in line]
+        assert len(runs[name]) == STEPS and all(math.isfinite(v) for v in runs[name])
+    np.testing.assert_allclose(runs["ddp_chunked"], runs["ddp"], rtol=1e-4)  # the log's 5 digits
+
+
+def test_chunked_epoch_runs_chunked_features_inside_ddp_and_restores_the_forward(monkeypatch):
+    """What --hn-chunk-size installs: model(images, texts) in train_one_epoch is chunked_features' output
+    (the model bare, or as DDP's .module); the model's own forward is back afterwards."""
+    import open_clip
+    import torch
+
+    from hnclip_kernels import chunked
+
+    model = open_clip.create_model(
+        "ViT-B-32", pretrained=None, embed_dim=16, output_dict=True,
+        vision_cfg=dict(image_size=16, patch_size=8, width=32, head_width=16, layers=1),
+        text_cfg=dict(context_length=8, vocab_size=49408, width=32, heads=2, layers=1))
+    images, texts = torch.randn(5, 3, 16, 16), torch.randint(1, 49407, (5, 8))
+    seen = []
+    monkeypatch.setattr(chunked, "checkpoint", lambda fn, *a, **k: seen.append(len(a[0])) or fn(*a))
+
+    def epoch(m, *args):
+        return m(images, texts)
+
+    class Wrapper(torch.nn.Module):  # stands for DDP: the model is its .module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *a):
+            return self.module(*a)
+
+    for outer in (model, Wrapper(model)):
+        seen.clear()
+        out = hn_train._chunked_epoch(epoch, 2)(outer, None)
+        assert set(out) == {"image_features", "text_features", "logit_scale"} and out["text_features"].shape == (5, 16)
+        assert seen == [2, 2, 1, 2, 2, 1]  # image chunks, then text chunks
+        assert "forward" not in model.__dict__
+        plain = model(images, texts)
+        assert all(torch.allclose(out[k], plain[k], rtol=1e-5, atol=1e-6) for k in out)

@@ -1,0 +1,194 @@
+"""Chunked encoder passes: a contrastive batch larger than the encoders' activation memory.
+
+The loss needs O(N·D) memory, the encoders O(N × activations). :func:`chunked_encode` runs an
+encoder chunk by chunk, each chunk under non-reentrant ``torch.utils.checkpoint``: its
+activations are dropped after the forward and recomputed chunk by chunk in the backward, so
+the encoders hold the activations of one chunk at a time, while the concatenated (N, D)
+features go to one fused loss over the whole batch. One optimizer step is one loss and one
+backward (under DDP: one gradient all-reduce).
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["chunked_encode", "chunked_features", "check_chunk_size"]
+
+Inputs = Union[torch.Tensor, Mapping[str, Any], Sequence[Any]]
+
+
+def check_chunk_size(chunk_size, name: str = "chunk_size") -> Optional[int]:
+    """``chunk_size`` as an int ≥ 1, or None for None (no chunking).
+
+    Raises:
+        TypeError: a bool, a float (also ``16.0``) or any non-integer, naming ``name``.
+        ValueError: 0 or a negative integer, naming ``name``.
+    """
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        raise TypeError(f"{name} must be a positive integer (pairs per encoder chunk) or None, "
+                        f"got {chunk_size!r} ({type(chunk_size).__name__})")
+    if chunk_size < 1:
+        raise ValueError(f"{name} must be a positive integer (pairs per encoder chunk) or None, got {chunk_size}")
+    return int(chunk_size)
+
+
+def _batch_size(inputs: Inputs) -> int:
+    tensors = _tensors(inputs)
+    if not tensors:
+        raise TypeError("inputs must be a tensor or a dict/tuple/list holding at least one tensor, "
+                        f"got {type(inputs).__name__}")
+    sizes = {t.shape[0] if t.dim() else None for t in tensors}
+    if None in sizes or len(sizes) != 1:
+        raise ValueError("every tensor in inputs must have the same batch size along dim 0, got shapes "
+                         f"{[tuple(t.shape) for t in tensors]}")
+    return sizes.pop()
+
+
+def _tensors(inputs: Inputs) -> list:
+    if isinstance(inputs, torch.Tensor):
+        return [inputs]
+    if isinstance(inputs, Mapping):
+        values = list(inputs.values())
+    elif isinstance(inputs, (tuple, list)):
+        values = list(inputs)
+    else:
+        raise TypeError(f"inputs must be a tensor, a dict or a tuple/list, got {type(inputs).__name__}")
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def _slice(inputs: Inputs, start: int, stop: int) -> Inputs:
+    """Rows start:stop of every tensor in inputs (non-tensors, e.g. None masks, pass unchanged)."""
+    def cut(v):
+        return v[start:stop] if isinstance(v, torch.Tensor) else v
+    if isinstance(inputs, torch.Tensor):
+        return inputs[start:stop]
+    if isinstance(inputs, Mapping):
+        return {k: cut(v) for k, v in inputs.items()}
+    return tuple(cut(v) for v in inputs)
+
+
+def _call(encoder: Callable, inputs: Inputs) -> torch.Tensor:
+    if isinstance(inputs, torch.Tensor):
+        out = encoder(inputs)
+    elif isinstance(inputs, Mapping):
+        out = encoder(**inputs)
+    else:
+        out = encoder(*inputs)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"encoder must return a tensor of per-row features, got {type(out).__name__} (wrap it, "
+                        "e.g. lambda **kw: model.get_text_features(**kw).pooler_output)")
+    return out
+
+
+def _checkpointed(encoder: Callable, chunk: Inputs) -> torch.Tensor:
+    # The chunk's tensors are checkpoint's positional arguments (not captured by a closure):
+    # preserve_rng_state stashes the RNG state of the devices of those arguments (CUDA's too)
+    # besides the CPU's, and the recompute runs under that state.
+    flat = _tensors(chunk)
+
+    def run(*tensors):
+        it = iter(tensors)
+        if isinstance(chunk, torch.Tensor):
+            rebuilt = next(it)
+        elif isinstance(chunk, Mapping):
+            rebuilt = {k: next(it) if isinstance(v, torch.Tensor) else v for k, v in chunk.items()}
+        else:
+            rebuilt = tuple(next(it) if isinstance(v, torch.Tensor) else v for v in chunk)
+        return _call(encoder, rebuilt)
+
+    return checkpoint(run, *flat, use_reentrant=False, preserve_rng_state=True)
+
+
+def chunked_encode(encoder: Callable, inputs: Inputs, chunk_size: int) -> torch.Tensor:
+    """``encoder(inputs)`` computed ``chunk_size`` rows at a time, each chunk recomputed in the backward.
+
+    Returns ``torch.cat([encoder(inputs[i:i + chunk_size]) for i in range(0, N, chunk_size)])``
+    with the same values and the same gradients (to float rounding; a deterministic encoder on
+    exact chunk boundaries gives the unchunked encoder's gradients), while autograd keeps only
+    each chunk's inputs and output, never its activations.
+
+    Mechanism and what it means:
+
+    * Each chunk runs under ``torch.utils.checkpoint.checkpoint(use_reentrant=False,
+      preserve_rng_state=True)``. Non-reentrant checkpointing keeps the autograd graph of the
+      plain forward (each parameter has one gradient accumulator however many chunks use it,
+      so DDP's hooks fire once per parameter and one all-reduce runs per backward; no
+      "marked ready twice", no ``static_graph`` needed), recomputes a chunk when its
+      backward first needs a saved tensor, and nests with open_clip's own non-reentrant
+      ``--grad-checkpointing``.
+    * ``preserve_rng_state=True``: the CPU RNG state and that of the inputs' devices are
+      saved before each chunk's forward and restored for its recompute, so dropout and
+      patch-dropout masks in the backward are the ones the forward drew. The gradients equal
+      those of the same chunks run once with grad, same seed, same chunk order. (With
+      ``False`` the recompute would draw new masks and the gradients would belong to another
+      forward, silently.)
+    * Autocast: checkpoint records the autocast state of the forward and recomputes under it.
+    * BatchNorm in train mode normalises each chunk by the chunk's statistics (as any
+      micro-batching does; not the batch's) and updates its running statistics twice per
+      chunk (forward and recompute). CLIP towers (LayerNorm) are unaffected; for BatchNorm
+      towers freeze the statistics (open_clip's ``--lock-image-freeze-bn-stats``) or use
+      ``eval()`` for them.
+    * Under ``torch.no_grad()`` / ``torch.inference_mode()`` (a frozen tower, LiT, or
+      evaluation) the chunks run plainly, nothing is checkpointed; a single chunk
+      (``chunk_size >= N``) runs plainly too (nothing to drop).
+
+    Args:
+        encoder: a callable returning one (rows, ...) tensor: ``encoder(x)`` for a tensor,
+            ``encoder(**inputs)`` for a dict (e.g. ``input_ids`` and ``attention_mask``),
+            ``encoder(*inputs)`` for a tuple or list.
+        inputs: a tensor, or a dict / tuple / list of tensors with the same size N along dim 0,
+            split along dim 0 (other values, e.g. a None mask, are passed to every chunk as is).
+        chunk_size: rows per chunk, an integer ≥ 1; the last chunk holds the rest.
+
+    Returns:
+        The (N, ...) concatenation of the chunks' outputs, in row order.
+
+    Raises:
+        TypeError: ``chunk_size`` not an integer (a bool, a float), inputs of another type,
+            an encoder that returns no tensor.
+        ValueError: ``chunk_size`` < 1; tensors of different sizes along dim 0.
+    """
+    chunk_size = check_chunk_size(chunk_size)
+    if chunk_size is None:
+        raise TypeError("chunk_size must be a positive integer, got None (call the encoder directly instead)")
+    n = _batch_size(inputs)
+    if n <= chunk_size:
+        return _call(encoder, inputs)
+    plain = not torch.is_grad_enabled() or torch.is_inference_mode_enabled()
+    outs = [(_call if plain else _checkpointed)(encoder, _slice(inputs, i, i + chunk_size))
+            for i in range(0, n, chunk_size)]
+    return torch.cat(outs, dim=0)
+
+
+def chunked_features(model, images: torch.Tensor, texts: Inputs, chunk_size: int
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An open_clip model's ``(image_features, text_features, logit_scale)``, as its ``forward``
+    returns them (features L2-normalised, ``logit_scale`` exponentiated), with both towers run
+    ``chunk_size`` pairs at a time (:func:`chunked_encode`): all image chunks first, then all
+    text chunks. Feed them to one :class:`hnclip_kernels.HNClipLoss` call::
+
+        img, txt, scale = chunked_features(model, images, texts, chunk_size=32)
+        loss_fn(img, txt, scale).backward()
+
+    Args:
+        model: an open_clip ``CLIP`` / ``CustomTextCLIP`` (``encode_image``, ``encode_text``,
+            ``logit_scale``), not wrapped in DDP (for DDP, run this inside the wrapper's forward,
+            as ``python -m hnclip_kernels.train --hn-chunk-size`` does).
+        images: (N, 3, H, W); texts: (N, L) token ids.
+        chunk_size: pairs per chunk, an integer ≥ 1.
+
+    Raises:
+        TypeError / ValueError: as :func:`chunked_encode`; a model with a ``logit_bias``
+            (SigLIP) raises TypeError.
+    """
+    if getattr(model, "logit_bias", None) is not None:
+        raise TypeError("chunked_features returns CLIP's (image, text, logit_scale); this model has a logit_bias "
+                        "(SigLIP), which HN-CLIP does not use")
+    image = chunked_encode(lambda x: model.encode_image(x, normalize=True), images, chunk_size)
+    text = chunked_encode(lambda x: model.encode_text(x, normalize=True), texts, chunk_size)
+    return image, text, model.logit_scale.exp()
