@@ -208,3 +208,70 @@ def masked_pairs_f64(txt, threshold) -> int:
     t = _unit(txt.double())
     cos = t @ t.T
     return int(((cos >= threshold) & ~torch.eye(t.shape[0], dtype=torch.bool)).sum())
+
+
+# ---- the three loss ops on 16-bit features against float64 (issue 22)
+def op_loss(op: str, backend: str, img, txt, tau: float, gamma: float, eps: float, threshold, m: int, offset: int):
+    """(loss, leaves) of ``op`` on ``backend`` ("f64": the float64 truth on upcast inputs): "symmetric",
+    the single-process mean loss (leaves img, txt, τ); "directional", i2t of the ``m`` rows at
+    ``offset`` against the whole batch (img rows, all txt, τ); "rank", a rank's op on those rows
+    (img rows, txt rows, all img, all txt, τ); both the mean over the M rows."""
+    from hnclip_kernels.backends import directional_fn, rank_losses
+    from hnclip_kernels.backends.pytorch.reference import directional_nll_torch
+    from hnclip_kernels.options import LossOptions
+
+    kw = dict(gamma=gamma, label_smoothing=eps, false_negative_threshold=threshold)
+    tau_t = torch.tensor(tau, dtype=torch.float64 if backend == "f64" else torch.float32, requires_grad=True)
+    if backend == "f64":
+        img, txt = img.double(), txt.double()
+    if op == "symmetric":
+        leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt)]
+        loss = hn_clip_loss_f64(*leaves, tau_t, **kw) if backend == "f64" else hn_clip_loss(*leaves, tau_t,
+                                                                                           backend=backend, **kw)
+        return loss, [*leaves, tau_t]
+    all_img, all_txt = (x.detach().clone().requires_grad_(True) for x in (img, txt))
+    loc_img, loc_txt = (x.detach()[offset:offset + m].clone().requires_grad_(True) for x in (img, txt))
+    if op == "directional":
+        fn = directional_nll_torch if backend == "f64" else directional_fn(backend)
+        rows = fn(loc_img, all_txt, query_txt=loc_txt.detach(), key_txt=all_txt.detach(), tau=tau_t, offset=offset,
+                  normalize=True, **kw)
+        return rows.mean(), [loc_img, all_txt, tau_t]
+    options = LossOptions(backend="torch" if backend == "f64" else backend, **kw)
+    return rank_losses(loc_img, loc_txt, all_img, all_txt, tau_t, offset, options).mean(), [loc_img, loc_txt, all_img,
+                                                                                           all_txt, tau_t]
+
+
+OP_GRADS = {"symmetric": ("d img", "d txt", "d tau"), "directional": ("d img", "d all_txt", "d tau"),
+            "rank": ("d img", "d txt", "d all_img", "d all_txt", "d tau")}
+
+
+def op_errors(op: str, backend: str, img, txt, tau: float, gamma: float = 0.5, eps: float = 0.0, threshold=None,
+              m: int = 0, offset: int = 0) -> dict:
+    """{name: (relative error, bound)} of ``op`` (:func:`op_loss`) on ``backend`` against float64:
+    the loss (bound TOL_LOWP_LOSS), d τ (TOL_LOWP_LOSS) and each feature gradient (2× the error
+    of rounding the float64 gradient to the features' dtype + 2e-3, the suite's 16-bit bound).
+    The backward runs with a power-of-two loss scale S (a GradScaler's) that puts the largest
+    true gradient entry in [½, 1): a saturated batch's float16 gradients would underflow without."""
+    truth, ref_leaves = op_loss(op, "f64", img, txt, tau, gamma, eps, threshold, m, offset)
+    ref_grads = torch.autograd.grad(truth, ref_leaves)
+    _, e = torch.frexp(torch.stack([g.abs().max() for g in ref_grads[:-1]]).max())
+    scale = 2.0 ** -int(e)
+    loss, leaves = op_loss(op, backend, img, txt, tau, gamma, eps, threshold, m, offset)
+    grads = torch.autograd.grad(loss * scale, leaves)
+    assert loss.dtype == torch.float32
+    out = {"loss": (rel_err(loss, truth), TOL_LOWP_LOSS)}
+    for name, got, want in zip(OP_GRADS[op], grads, ref_grads):
+        want = want * scale
+        if name == "d tau":
+            out[name] = (rel_err(got, want), TOL_LOWP_LOSS)
+            continue
+        assert got.dtype == img.dtype, f"{name}: {got.dtype}"
+        floor = float((want.to(img.dtype).double() - want).norm() / want.norm().clamp_min(1e-300))
+        out[name] = (rel_err(got, want), 2 * floor + 2e-3)
+    return out
+
+
+def assert_within(errors: dict, what: str = "") -> None:
+    """Every (error, bound) of :func:`op_errors` within its bound."""
+    over = {k: f"{e:.3e} > {b:.2e}" for k, (e, b) in errors.items() if not e <= b}
+    assert not over, f"{what}: {over}"

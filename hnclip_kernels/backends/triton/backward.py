@@ -52,8 +52,13 @@ final rounding to bf16. The float32 gradient before that rounding is then accura
 
 Scales. W's norms are first brought near 1 by exact powers of two (``_pow2_unit``): with
 ‖q‖‖k‖ ~ 1e36 the plain r_q·r_k·dS falls below float32's normal range. For 16-bit W one more
-power of two c (``_pow2_fit``) brings the bound |W_ik| ≤ c·(max|g| + max|g'|) into
-[2¹², 2¹³): float16 (max 65504) never overflows. All scales are exact powers of two.
+power of two c (``_pow2_fit``) brings B ≥ |W_ik| into [2¹², 2¹³): float16 (max 65504) never
+overflows. B holds in every regime: |dS_ik| ≤ |g_i|·μ_i (+ |g'_k|·μ'_k), μ_i the row's negative
+mass Σ_k P_ik = 1 − e^(−nll_i) (or ε/n_i if larger) rounded up to a power of two, at most 1
+(B = max|g| put a saturated batch's W, P_ik ~ 1e-13, below float16's subnormals, all of dS then
+compensated along the positive). Rows of mass > ½ keep B = max|g| (+ max|g'|), bit for bit. One
+c serves all of W: a row whose |g_i|·μ_i is below ~2⁻²⁵ of the largest still flushes (its absolute
+error below ~2⁻²⁵ of the largest row's share). All scales are exact powers of two.
 """
 from __future__ import annotations
 
@@ -381,13 +386,16 @@ def _pow2_unit(r: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones(1, device=r.device), -exponent)
 
 
-def _pow2_fit(g: torch.Tensor, g_c: torch.Tensor) -> torch.Tensor:
-    """The power of two c (1-element float32, no host sync) with c·(max|g| + max|g_c|) in
-    [2¹², 2¹³): a 16-bit W = c·a·dS·b (a, b ≤ 1, |dS_ik| ≤ |g_i| + |g_c,k|) then stays below
-    2¹³, far from float16's 65504."""
-    bound = (g.abs().max() + g_c.abs().max()).reshape(1)
-    _, exponent = torch.frexp(bound)
-    return torch.ldexp(torch.ones(1, device=g.device), 13 - exponent)
+def _pow2_fit(sides, w: torch.Tensor) -> torch.Tensor:
+    """The power of two c (1-element float32, no host sync) with c·B in [2¹², 2¹³), B ≥ |dS| from each
+    side's rows (g, nll, ε/n_i or None; module docstring, Scales), and c ≤ 2¹²⁰ / w (w ≥ 1: the
+    other powers of two in a·wk, b·wq; they stay finite when B is tiny)."""
+    bound = 0.0
+    for g, nll, s in sides:
+        mass = -torch.expm1(-nll) if s is None else torch.maximum(-torch.expm1(-nll), s)
+        bound = bound + (g.abs() * torch.ldexp(torch.ones_like(mass), torch.frexp(mass)[1]).clamp_max(1.0)).max()
+    _, exponent = torch.frexp(bound.reshape(1))
+    return torch.minimum(torch.ldexp(torch.ones(1, device=w.device), 13 - exponent), 2.0 ** 120 / w)
 
 
 def _f16_scales(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -463,9 +471,9 @@ def _rows(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return x if (start, end) == (0, x.shape[0]) else x[start:end]
 
 
-def _w_scales(q, k, r_q, r_k, g, g_c, round16: bool, tail: bool):
+def _w_scales(q, k, r_q, r_k, sides, round16: bool, tail: bool):
     """W = diag(a) dS diag(b)'s scales for rows ``q`` against columns ``k`` (inverse norms r_q,
-    r_k; ``g``/``g_c`` the rows' and the columns' upstream gradients bounding |dS|):
+    r_k; ``sides`` what bounds |dS|, see ``_pow2_fit``):
     (a, b, rq, rk, f16): rq, rk what the products divide out (W's own side's scale and the other
     side's power of two: a GEMM against x·s gives a_i·wk·Σ_k dS_ik k̂_k; the power-of-two
     products are exact), f16 the exact float16 conversions' scales (s_q, s_k) of bf16 features
@@ -477,7 +485,7 @@ def _w_scales(q, k, r_q, r_k, g, g_c, round16: bool, tail: bool):
         f16, t_q, t_k = None, r_q, r_k
     wq, wk = _pow2_unit(t_q), _pow2_unit(t_k)
     if round16:
-        wq = wq * _pow2_fit(g, g_c)
+        wq = wq * _pow2_fit(sides, torch.maximum(wq, wk).clamp_min(1.0))
     a, b = t_q * wq, t_k * wk
     return a, b, a * wk, b * wq, f16
 
@@ -517,7 +525,8 @@ def backward_shares(ops, norms, stats, g, tau32, gamma32, has_margin: bool, offs
                                       has_margin, offset, prec, masking, masked, shift)
         return d_q, d_k
     nll_c, g_c = epilogue.row_nll(key_side[0]), key_side[1]
-    a, b, rq, rk, f16 = _w_scales(q, k, norms[0], norms[1], g, g_c, round16, tail)
+    s = (masking[1], masking[2]) if shift else (None, None)
+    a, b, rq, rk, f16 = _w_scales(q, k, norms[0], norms[1], ((g, nll, s[0]), (g_c, nll_c, s[1])), round16, tail)
     w_dtype = torch.float16 if round16 else torch.float32
     d_q, d_k, rho, sigma = _symmetric_shares(ops, norms, stats.pos, nll, g, tau32, gamma32, nll_c, g_c, a, b, f16,
                                              has_margin, prec, w_dtype, round16, tail, masking, masked, shift)
@@ -569,9 +578,9 @@ def _chunked_shares(ops, norms, dirs, pos, nll, g, tau32, gamma32, has_margin: b
     round16 = q0.dtype in (torch.bfloat16, torch.float16)
     tail = q0.dtype == torch.float16
     w_dtype = torch.float16 if round16 else torch.float32
-    zero = torch.zeros_like(g[:1])
-    scales = [_w_scales(q, k, r_q, r_k, g[i * m:(i + 1) * m], zero, round16, tail)
-              for i, (q, k, r_q, r_k) in enumerate(dirs)]
+    lines = [slice(i * m, (i + 1) * m) for i in range(len(dirs))]  # each direction's rows' bound on |dS|
+    scales = [_w_scales(*d, ((g[sl], nll[sl], masking[1][sl] if shift else None),), round16, tail)
+              for d, sl in zip(dirs, lines)]
     a = scales[0][0] if len(dirs) == 1 else torch.cat([sc[0] for sc in scales])
     b = scales[0][1] if len(dirs) == 1 else torch.cat([sc[1] for sc in scales])
     rows, cols = cfg.chunk_shape(m, n)
