@@ -58,8 +58,7 @@ def _fwd_kernel(
     Per-row inputs (float32):
         rq_ptr (M), rk_ptr (N), r_mq_ptr (M), r_mk_ptr (N): inverse row norms;
         pos_ptr (M): the positive logit Z[i, offset + i]; tau_ptr, gamma_ptr: 1-element τ, γ;
-        thr_ptr: the false-negative masking block (threshold and caption norms, ``ops._threshold_block``;
-        read with MASK).
+        thr_ptr: the false-negative masking block (``ops._threshold_block``; read with MASK).
     Outputs (float32, planes = 3 + SMOOTHING + MASK: max, Σexp, Σexp·d[, Σd][, #kept]):
         row_part_ptr (splits, planes, M): each split's summary of each row (with MASK over the
         kept negatives only, and their count).
@@ -433,8 +432,7 @@ def forward_stats(ops, norms, pos, tau32, gamma32, has_margin: bool, offset: int
     ``pos`` the positive logits; ``tau32``/``gamma32``: 1-element float32 tensors on the
     features' device; ``has_margin``: γ ≠ 0 (the kernels skip the margin product without it);
     ``thr32``: None, or the false-negative masking block (``ops._threshold_block``): the entries
-    whose caption cosine (the margin factors' float32 product times the captions' inverse norms,
-    ``tiles._caption_keep``) is ≥ the threshold
+    whose caption cosine (``tiles._caption_keep``, also with normalize=False) is ≥ the threshold
     are no negatives, and the statistics gain ``kept``, each line's kept negatives.
 
     The directional op (no ``columns``): ``_fwd_kernel`` over (row blocks × column splits),
