@@ -26,14 +26,16 @@ RowSweep<T, kMode> row_sweep(const Tensor& qh, const Tensor& kh, const Tensor& a
   return sw;
 }
 
-// False-negative masking on a sweep: the captions' normalised factors and the threshold
+// False-negative masking on a sweep: the captions' normalised factors (with the caption norms
+// ca, cb when given, else ra, rb) and the threshold
 template <typename T, Sweep kMode>
 void mask_sweep(RowSweep<T, kMode>& sw, const Tensor& a, const Tensor& b, const Tensor& ra, const Tensor& rb,
-                const c10::optional<double>& threshold, const at::TensorOptions& opts) {
+                const c10::optional<double>& threshold, const c10::optional<Tensor>& ca,
+                const c10::optional<Tensor>& cb, const at::TensorOptions& opts) {
   if (!threshold.has_value()) return;
   sw.masked = true;
-  sw.GL = scaled_rows<T>(a, ra, opts);
-  sw.GR = scaled_rows<T>(b, rb, opts);
+  sw.GL = scaled_rows<T>(a, ca.has_value() ? *ca : ra, opts);
+  sw.GR = scaled_rows<T>(b, cb.has_value() ? *cb : rb, opts);
   sw.thr = static_cast<T>(*threshold);
 }
 
@@ -57,7 +59,7 @@ void forward_sweep(RowSweep<T, kMode> sw, Tensor& delta, Tensor& mean_neg, Tenso
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd(
     const Tensor& q_hat, const Tensor& k_hat, const Tensor& a, const Tensor& b, const Tensor& ra,
     const Tensor& rb, const Tensor& pos, const Tensor& inv_tau, int64_t offset, double gamma, bool need_grad,
-    c10::optional<double> threshold, double eps) {
+    c10::optional<double> threshold, double eps, const c10::optional<Tensor>& ca, const c10::optional<Tensor>& cb) {
   at::NoGradGuard no_grad;  // kernel scratch only; autograd lives in hnclip_kernels/backends/cpp/ops.py
   const auto dt = q_hat.scalar_type();
   const int64_t M = q_hat.size(0), N = k_hat.size(0), D = q_hat.size(1);
@@ -71,12 +73,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd(
   AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_directional_fwd", [&] {
     if (need_grad) {
       auto sw = row_sweep<scalar_t, Sweep::kShares>(qh, kh, a, b, ra, rb, pos_c, inv_tau, offset, gamma);
-      mask_sweep(sw, a, b, ra, rb, threshold, opts);
+      mask_sweep(sw, a, b, ra, rb, threshold, ca, cb, opts);
       sw.eps = static_cast<scalar_t>(eps);
       forward_sweep(sw, delta, mean_neg, dsum, kept, row_acc, col_acc);
     } else {
       auto sw = row_sweep<scalar_t, Sweep::kStats>(qh, kh, a, b, ra, rb, pos_c, inv_tau, offset, gamma);
-      mask_sweep(sw, a, b, ra, rb, threshold, opts);
+      mask_sweep(sw, a, b, ra, rb, threshold, ca, cb, opts);
       forward_sweep(sw, delta, mean_neg, dsum, kept, row_acc, col_acc);
     }
   });
@@ -88,7 +90,8 @@ std::tuple<Tensor, Tensor> directional_bwd(const Tensor& q_hat, const Tensor& k_
                                            const Tensor& b, const Tensor& ra, const Tensor& rb, const Tensor& pos,
                                            const Tensor& inv_tau, const Tensor& delta, const Tensor& row_acc,
                                            const Tensor& col_acc, const Tensor& g, int64_t offset, double gamma,
-                                           c10::optional<double> threshold, const Tensor& shift) {
+                                           c10::optional<double> threshold, const Tensor& shift,
+                                           const c10::optional<Tensor>& ca, const c10::optional<Tensor>& cb) {
   at::NoGradGuard no_grad;
   const auto dt = q_hat.scalar_type();
   const int64_t M = q_hat.size(0), N = k_hat.size(0), D = q_hat.size(1);
@@ -119,7 +122,7 @@ std::tuple<Tensor, Tensor> directional_bwd(const Tensor& q_hat, const Tensor& k_
     // statistics came from; strips of w_i P_ik into the key gradient (per-group accumulators) and,
     // when the forward kept no shares, into the query gradient too
     auto sw = row_sweep<scalar_t, Sweep::kBackward>(qh, kh, a, b, ra, rb, pos_c, inv_tau, offset, gamma);
-    mask_sweep(sw, a, b, ra, rb, threshold, opts);
+    mask_sweep(sw, a, b, ra, rb, threshold, ca, cb, opts);
     const Tensor shift_c = threshold.has_value() ? shift.to(dt).contiguous() : shift;
     if (threshold.has_value()) sw.shift = shift_c.data_ptr<scalar_t>();
     sw.nll_in = nll.data_ptr<scalar_t>();

@@ -44,14 +44,18 @@ namespace hnclip {
 // The operators, inputs already checked by registration.cpp (schemas there). False-negative
 // masking: ``threshold`` (none: no masking) is the caption cosine â_i·b̂_k at and above which
 // column k is no negative of row i, compared in the compute dtype T (the threshold rounded to
-// T) with the cosine of the normalised captions' product as BLAS forms it on the tile grid.
+// T) with the cosine of the normalised captions' product as BLAS forms it on the tile grid. The
+// captions are normalised with ra, rb (directional; symmetric: t_hat as given) unless the
+// caption norms ``ca``, ``cb`` (symmetric: ``rc``) are given: the Python side passes them when
+// the loss does not normalise (ra, rb are ones then), so the threshold stays a cosine.
 // The forwards then also count each row's kept negatives (``kept``, else an empty tensor) and
 // with label smoothing ``eps`` put P − ε/n_i into the shares; the backwards take that
 // ε/n_i per row (``shift``, per column ``shift_c``) and apply it on the kept entries only.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> directional_fwd(
     const at::Tensor& q_hat, const at::Tensor& k_hat, const at::Tensor& a, const at::Tensor& b,
     const at::Tensor& ra, const at::Tensor& rb, const at::Tensor& pos, const at::Tensor& inv_tau, int64_t offset,
-    double gamma, bool need_grad, c10::optional<double> threshold, double eps);
+    double gamma, bool need_grad, c10::optional<double> threshold, double eps, const c10::optional<at::Tensor>& ca,
+    const c10::optional<at::Tensor>& cb);
 
 std::tuple<at::Tensor, at::Tensor> directional_bwd(const at::Tensor& q_hat, const at::Tensor& k_hat,
                                                    const at::Tensor& a, const at::Tensor& b, const at::Tensor& ra,
@@ -59,16 +63,19 @@ std::tuple<at::Tensor, at::Tensor> directional_bwd(const at::Tensor& q_hat, cons
                                                    const at::Tensor& inv_tau, const at::Tensor& delta,
                                                    const at::Tensor& row_acc, const at::Tensor& col_acc,
                                                    const at::Tensor& g, int64_t offset, double gamma,
-                                                   c10::optional<double> threshold, const at::Tensor& shift);
+                                                   c10::optional<double> threshold, const at::Tensor& shift,
+                                                   const c10::optional<at::Tensor>& ca,
+                                                   const c10::optional<at::Tensor>& cb);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 symmetric_fwd(const at::Tensor& v_hat, const at::Tensor& t_hat, const at::Tensor& pos, const at::Tensor& inv_tau,
-              double gamma, c10::optional<double> threshold);
+              double gamma, c10::optional<double> threshold, const c10::optional<at::Tensor>& rc);
 
 std::tuple<at::Tensor, at::Tensor> symmetric_bwd(const at::Tensor& v_hat, const at::Tensor& t_hat,
                                                  const at::Tensor& pos, const at::Tensor& inv_tau,
                                                  const at::Tensor& delta_r, const at::Tensor& delta_c,
                                                  const at::Tensor& g, double gamma, c10::optional<double> threshold,
-                                                 const at::Tensor& shift_r, const at::Tensor& shift_c);
+                                                 const at::Tensor& shift_r, const at::Tensor& shift_c,
+                                                 const c10::optional<at::Tensor>& rc);
 
 }  // namespace hnclip

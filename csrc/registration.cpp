@@ -41,46 +41,60 @@ void check_symmetric(const Tensor& vh, const Tensor& th, const Tensor& pos) {
   TORCH_CHECK(pos.numel() == vh.size(0), "hnclip: pos needs N entries");
 }
 
+// The caption norms of the masking (optional): one per caption row, as the margin's norms
+void check_caption_norms(const c10::optional<Tensor>& ca, const c10::optional<Tensor>& cb, const Tensor& a,
+                         const Tensor& b) {
+  TORCH_CHECK(!ca.has_value() || ca->numel() == a.size(0), "hnclip: ca needs one entry per row of a");
+  TORCH_CHECK(!cb.has_value() || cb->numel() == b.size(0), "hnclip: cb needs one entry per row of b");
+}
+
 // The registered entry points: check, then run the kernel.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd_op(
     const Tensor& q_hat, const Tensor& k_hat, const Tensor& a, const Tensor& b, const Tensor& ra,
     const Tensor& rb, const Tensor& pos, const Tensor& inv_tau, int64_t offset, double gamma, bool need_grad,
-    c10::optional<double> threshold, double eps) {
+    c10::optional<double> threshold, double eps, const c10::optional<Tensor>& ca, const c10::optional<Tensor>& cb) {
   check_inputs(q_hat, k_hat, a, b, ra, rb, pos, offset);
-  return directional_fwd(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, eps);
+  check_caption_norms(ca, cb, a, b);
+  return directional_fwd(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, eps, ca,
+                         cb);
 }
 
 std::tuple<Tensor, Tensor> directional_bwd_op(const Tensor& q_hat, const Tensor& k_hat, const Tensor& a,
                                               const Tensor& b, const Tensor& ra, const Tensor& rb, const Tensor& pos,
                                               const Tensor& inv_tau, const Tensor& delta, const Tensor& row_acc,
                                               const Tensor& col_acc, const Tensor& g, int64_t offset, double gamma,
-                                              c10::optional<double> threshold, const Tensor& shift) {
+                                              c10::optional<double> threshold, const Tensor& shift,
+                                              const c10::optional<Tensor>& ca, const c10::optional<Tensor>& cb) {
   check_inputs(q_hat, k_hat, a, b, ra, rb, pos, offset);
+  check_caption_norms(ca, cb, a, b);
   const int64_t M = q_hat.size(0);
   TORCH_CHECK(delta.numel() == M && g.numel() == M, "hnclip: delta and g need M entries");
   TORCH_CHECK(!threshold.has_value() || shift.numel() == M, "hnclip: shift needs M entries with a threshold");
   return directional_bwd(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma,
-                         threshold, shift);
+                         threshold, shift, ca, cb);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symmetric_fwd_op(
     const Tensor& v_hat, const Tensor& t_hat, const Tensor& pos, const Tensor& inv_tau, double gamma,
-    c10::optional<double> threshold) {
+    c10::optional<double> threshold, const c10::optional<Tensor>& rc) {
   check_symmetric(v_hat, t_hat, pos);
-  return symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma, threshold);
+  check_caption_norms(rc, rc, t_hat, t_hat);
+  return symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma, threshold, rc);
 }
 
 std::tuple<Tensor, Tensor> symmetric_bwd_op(const Tensor& v_hat, const Tensor& t_hat, const Tensor& pos,
                                             const Tensor& inv_tau, const Tensor& delta_r, const Tensor& delta_c,
                                             const Tensor& g, double gamma, c10::optional<double> threshold,
-                                            const Tensor& shift_r, const Tensor& shift_c) {
+                                            const Tensor& shift_r, const Tensor& shift_c,
+                                            const c10::optional<Tensor>& rc) {
   check_symmetric(v_hat, t_hat, pos);
+  check_caption_norms(rc, rc, t_hat, t_hat);
   const int64_t N = v_hat.size(0);
   TORCH_CHECK(delta_r.numel() == N && delta_c.numel() == N && g.numel() == N,
               "hnclip: delta_r, delta_c and g need N entries");
   TORCH_CHECK(!threshold.has_value() || (shift_r.numel() == N && shift_c.numel() == N),
               "hnclip: shift_r and shift_c need N entries with a threshold");
-  return symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma, threshold, shift_r, shift_c);
+  return symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma, threshold, shift_r, shift_c, rc);
 }
 
 }  // namespace
@@ -88,19 +102,22 @@ std::tuple<Tensor, Tensor> symmetric_bwd_op(const Tensor& v_hat, const Tensor& t
 TORCH_LIBRARY(hnclip, m) {
   m.def(
       "cpp_raw_directional_fwd(Tensor q_hat, Tensor k_hat, Tensor a, Tensor b, Tensor ra, Tensor rb, Tensor pos, "
-      "Tensor inv_tau, int offset, float gamma, bool need_grad, float? threshold, float eps) "
+      "Tensor inv_tau, int offset, float gamma, bool need_grad, float? threshold, float eps, Tensor? ca=None, "
+      "Tensor? cb=None) "
       "-> (Tensor delta, Tensor mean_neg, Tensor dsum, Tensor kept, Tensor row_acc, Tensor col_acc)");
   m.def(
       "cpp_raw_directional_bwd(Tensor q_hat, Tensor k_hat, Tensor a, Tensor b, Tensor ra, Tensor rb, Tensor pos, "
       "Tensor inv_tau, Tensor delta, Tensor row_acc, Tensor col_acc, Tensor g, int offset, float gamma, "
-      "float? threshold, Tensor shift) -> (Tensor d_q_neg, Tensor d_k_neg)");
+      "float? threshold, Tensor shift, Tensor? ca=None, Tensor? cb=None) -> (Tensor d_q_neg, Tensor d_k_neg)");
   m.def(
-      "cpp_raw_symmetric_fwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, float gamma, float? threshold) "
+      "cpp_raw_symmetric_fwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, float gamma, float? threshold, "
+      "Tensor? rc=None) "
       "-> (Tensor delta_r, Tensor mean_neg_r, Tensor dsum_r, Tensor kept_r, Tensor delta_c, Tensor mean_neg_c, "
       "Tensor dsum_c, Tensor kept_c)");
   m.def(
       "cpp_raw_symmetric_bwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, Tensor delta_r, Tensor delta_c, "
-      "Tensor g, float gamma, float? threshold, Tensor shift_r, Tensor shift_c) -> (Tensor d_v_neg, Tensor d_t_neg)");
+      "Tensor g, float gamma, float? threshold, Tensor shift_r, Tensor shift_c, Tensor? rc=None) "
+      "-> (Tensor d_v_neg, Tensor d_t_neg)");
 }
 
 TORCH_LIBRARY_IMPL(hnclip, CPU, m) {

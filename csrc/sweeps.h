@@ -184,7 +184,8 @@ void RowSweep<T, kMode>::block_masked(const TileGrid& grid, int64_t i0, int64_t 
 // Against two directional calls (three products each) this is four products instead of six.
 // ---------------------------------------------------------------------------------------
 // False-negative masking of the symmetric sweeps (null: none): a pair whose captions' cosine
-// t̂_i · t̂_k is ≥ thr is no negative in either direction. The forward counts each row's and
+// t̂_i · t̂_k is ≥ thr is no negative in either direction (t̂: the normalised ``captions`` when
+// given, else the kernel's t̂ itself). The forward counts each row's and
 // column's kept negatives into kept_r / kept_c; the backward takes each direction's smoothing
 // share of a row, s = ε / n (s_r, s_c).
 template <typename T>
@@ -194,6 +195,8 @@ struct SymMask {
   T* kept_c = nullptr;
   const T* s_r = nullptr;
   const T* s_c = nullptr;
+  Tensor captions;  // undefined: the caption tile is formed from R = t̂
+  const Tensor& factor(const Tensor& R) const { return captions.defined() ? captions : R; }
 };
 
 template <typename T>
@@ -225,7 +228,7 @@ void symmetric_stats(const Tensor& L, const Tensor& R, const T* pos, T* delta_r,
           const int64_t nb = std::min(bn, N - n0);
           form_tile(L, R, i0, rows, n0, nb, scratch);
           if (mask) {
-            form_tile(R, R, i0, rows, n0, nb, gscratch);
+            form_tile(mask->factor(R), mask->factor(R), i0, rows, n0, nb, gscratch);
             for (int64_t r = 0; r < rows; ++r) {
               update_row_masked<T>(sp + r * bn, gp + r * bn, nb, i0 + r - n0, pos[i0 + r], mask->thr, st[r]);
             }
@@ -278,7 +281,7 @@ void symmetric_grads(const Tensor& L, const Tensor& R, const Tensor& vh, const T
     if (mask) {
       Tensor gscratch = grid.scratch(L.options());
       const T *s_r = mask->s_r, *s_c = mask->s_c;
-      sweep_strip_masked<T>(grid, L, R, R, R, i0, rows, scratch, gscratch,
+      sweep_strip_masked<T>(grid, L, R, mask->factor(R), mask->factor(R), i0, rows, scratch, gscratch,
                             [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z, const T* gt) {
         sym_prob_masked(z, gt, bp + r * N + n0, nb, pos[i], nll_r[i], g[i], s_r[i], pos + n0, nll_c + n0, g + n0,
                         s_c + n0, mask->thr);

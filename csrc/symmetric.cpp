@@ -23,7 +23,7 @@ Tensor softplus_of(const Tensor& x, at::ScalarType dt) {
 // Row (i2t) and column (t2i) statistics of the single-process loss from one product.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symmetric_fwd(
     const Tensor& v_hat, const Tensor& t_hat, const Tensor& pos, const Tensor& inv_tau, double gamma,
-    c10::optional<double> threshold) {
+    c10::optional<double> threshold, const c10::optional<Tensor>& rc) {
   at::NoGradGuard no_grad;
   const auto dt = v_hat.scalar_type();
   const int64_t N = v_hat.size(0);
@@ -38,6 +38,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symme
     const Tensor L = margin_left<scalar_t>(vh, th, gamma, inv_tau.to(dt).item<scalar_t>());
     SymMask<scalar_t> mask{static_cast<scalar_t>(threshold.value_or(0.0)), kr.data_ptr<scalar_t>(),
                            kc.data_ptr<scalar_t>()};
+    if (threshold.has_value() && rc.has_value()) mask.captions = scaled_rows<scalar_t>(th, *rc, opts);
     symmetric_stats<scalar_t>(L, th, pos_c.data_ptr<scalar_t>(), dr.data_ptr<scalar_t>(), mr.data_ptr<scalar_t>(),
                               sr.data_ptr<scalar_t>(), dc.data_ptr<scalar_t>(), mc.data_ptr<scalar_t>(),
                               sc.data_ptr<scalar_t>(), threshold.has_value() ? &mask : nullptr);
@@ -49,7 +50,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symme
 std::tuple<Tensor, Tensor> symmetric_bwd(const Tensor& v_hat, const Tensor& t_hat, const Tensor& pos,
                                          const Tensor& inv_tau, const Tensor& delta_r, const Tensor& delta_c,
                                          const Tensor& g, double gamma, c10::optional<double> threshold,
-                                         const Tensor& shift_r, const Tensor& shift_c) {
+                                         const Tensor& shift_r, const Tensor& shift_c,
+                                         const c10::optional<Tensor>& rc) {
   at::NoGradGuard no_grad;
   const auto dt = v_hat.scalar_type();
   const int64_t N = v_hat.size(0), D = v_hat.size(1);
@@ -67,6 +69,7 @@ std::tuple<Tensor, Tensor> symmetric_bwd(const Tensor& v_hat, const Tensor& t_ha
       s_c = shift_c.to(dt).contiguous();
       mask.s_r = s_r.data_ptr<scalar_t>();
       mask.s_c = s_c.data_ptr<scalar_t>();
+      if (rc.has_value()) mask.captions = scaled_rows<scalar_t>(th, *rc, opts);
     }
     symmetric_grads<scalar_t>(L, th, vh, pos_c.data_ptr<scalar_t>(), nll_r.data_ptr<scalar_t>(),
                               nll_c.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), d_v, d_t,

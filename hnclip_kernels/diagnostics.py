@@ -199,13 +199,16 @@ def saturation_report(
         else:  # the naive losses always see float32 logits from float32 features
             v32, t32 = _normalised(img, torch.float32, normalize), _normalised(txt, torch.float32, normalize)
 
+        rho = 1.0 / torch.linalg.vector_norm(t, dim=1, dtype=torch.float64).clamp_min(NORM_EPS).to(dt)
         per_dir = {}
         for name, (q, k, q32, k32) in (("i2t", (v, t, v32, t32)), ("t2i", (t, v, t32, v32))):
             parts = {key: [] for key in ("delta", "mean_neg", "dsum", "hard", "ce32", "ce16", "lost", "masked")}
             for start in range(0, n, chunk):
                 stop = min(start + chunk, n)
                 logits, margin = _chunk_logits(q[start:stop], k, t[start:stop], t, start, gamma, tau_value)
-                masked = _false_negatives(margin, start, fn_thr)
+                # the threshold is a cosine whatever normalize says: the raw product over the norms
+                cosine = margin if normalize or fn_thr is None else margin * rho[start:stop, None] * rho[None, :]
+                masked = _false_negatives(cosine, start, fn_thr)
                 delta, mean_neg, dsum, hard = _direction_chunk(logits, margin, start, gamma, masked)
                 del margin
                 if dt != torch.float32:

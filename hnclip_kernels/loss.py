@@ -92,7 +92,9 @@ def hn_clip_loss(
             t2i (and Z_ji likewise: the mask is symmetric), gets no margin and no gradient; with
             label smoothing ε spreads over the classes each row keeps. For batches with
             duplicate or near-duplicate captions (not part of the paper). The cosine is the
-            margin's own caption product as each backend forms it, in float32 (float64 for
+            margin's own caption product as each backend forms it (with ``normalize=False``
+            divided by the captions' norms: c is a cosine whatever ``normalize`` says; a cosine
+            equal to c is masked), in float32 (float64 for
             float64 inputs) with c rounded to that dtype; a pair within a few float32 ulps
             (~1e-7; ~1e-6 under Triton's ``precision="bf16x3"``) of c may fall on different sides
             on different backends (or, for i ≠ j,

@@ -39,7 +39,8 @@ class LossOptions:
         tau_value: τ as read on the host by :meth:`bind` (None before, under
             ``torch.compile`` and for meta tensors, where nothing is read).
         false_negative_threshold: None (no masking) or a caption cosine in (−1, 1]: a pair
-            i ≠ j with t̂_i·t̂_j ≥ it is not a negative in either direction (not in the paper;
+            i ≠ j with t̂_i·t̂_j ≥ it (the captions' cosine, also with ``normalize=False``) is not
+            a negative in either direction (not in the paper;
             see :func:`hnclip_kernels.hn_clip_loss`).
 
     Raises:

@@ -72,7 +72,12 @@ def plain_number(x):
     if _np is not None and isinstance(x, (_np.generic, _np.ndarray)) and x.ndim == 0:
         # Dynamo traces a NumPy scalar as a 0-dim array backed by a tensor, a graph input: as a
         # 0-dim tensor it stays one (no recompile per value), which is what the operators take
-        return torch.as_tensor(x) if torch.compiler.is_compiling() else x.item()
+        if not torch.compiler.is_compiling():
+            return x.item()
+        value = torch.as_tensor(x)
+        # an integer scalar (np.int64(1)) is a real number: a float64 tensor, as eagerly a float
+        integral = not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+        return value.to(torch.float64) if integral else value
     if isinstance(x, numbers.Rational) and not isinstance(x, int):  # fractions.Fraction: tensors take no Fraction
         return float(x)
     return x

@@ -16,8 +16,8 @@ def hn_clip_loss_f64(img, txt, tau, gamma=0.5, label_smoothing=0.0, reduction="m
     to 0 even in float64); label smoothing uses ε·(Z_ii − mean_j Z_ij). Takes and returns
     tensors that keep autograd, so gradients of the truth come from float64 autograd.
 
-    ``false_negative_threshold`` c: the pairs i ≠ j with float64 caption cosine t_i·t_j ≥ c
-    leave both softmaxes (the sums over j run over the kept columns) and label smoothing
+    ``false_negative_threshold`` c: the pairs i ≠ j with float64 caption cosine t̂_i·t̂_j ≥ c
+    (the captions' cosine whatever ``normalize`` says) leave both softmaxes (the sums over j run over the kept columns) and label smoothing
     averages over the kept classes. Callers keep every cosine away from c (float32 backends
     compare a float32 cosine).
     """
@@ -31,7 +31,8 @@ def hn_clip_loss_f64(img, txt, tau, gamma=0.5, label_smoothing=0.0, reduction="m
     logits = (v @ t.T + gamma * margin) / tau
     dropped = eye
     if false_negative_threshold is not None:
-        cos = (t @ t.T).detach()
+        unit = F.normalize(t.detach(), dim=1)
+        cos = unit @ unit.T
         dropped = eye | (0.5 * (cos + cos.T) >= false_negative_threshold)  # symmetric by construction
     per_dir = []
     for z in (logits, logits.T):

@@ -44,11 +44,22 @@ def triton_directional() -> Callable:
 
 
 def _triton_interpreting() -> bool:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return True
-    from .triton import launch  # the kernels' own type says whether they were created interpreted
+    """Do the Triton kernels run in the interpreter (on CPU tensors)? They do when they and
+    triton's own library (``tl.sum``, made when triton is imported) were both created
+    interpreted. Raises ``ValueError`` when ``TRITON_INTERPRET=1`` came after ``import triton``
+    (directly or by ``torch._dynamo``): the kernels would fail inside with an InterpreterError."""
+    triton_directional()  # the install hint first
+    from .triton import launch  # the functions' own types say whether they were created interpreted
 
-    return launch._is_interpreting()
+    ours, library = launch._is_interpreting(), launch._library_interpreting()
+    if ours and library:
+        return True
+    if ours != library or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise ValueError("backend='triton' on CPU tensors: TRITON_INTERPRET=1 was set after triton was imported "
+                         "(by `import triton`, or by torch._dynamo / torch.compile), so Triton is only partly "
+                         "interpreting; set TRITON_INTERPRET=1 before importing triton (in the environment, or "
+                         "first thing in the program), or use backend='cpp' / 'torch'")
+    return False
 
 
 def cpp_directional():

@@ -85,6 +85,12 @@ def test_rank_op_equals_two_directional_ops_bitwise(launch, monkeypatch, dtype, 
             # float32's rank walk takes 64 × 16 tiles (three float32 accumulators), _fwd_kernel 64 × 32:
             # the online LSEs merge their tiles in another order
             assert_close_rel(x, y, 2e-6, name)
+        elif launch == "gpu" and dtype == torch.float16 and name not in ("rows", "d tau"):
+            # fp16 on the GPU's tiles: the dS heads and the GEMM shapes are the directional ops', but
+            # the low parts of the 16-bit dS split (its rounding compensation) are not, so the CPU
+            # GEMMs' sums differ by up to one fp16 ulp of a gradient (seen on AVX2, not AVX-512):
+            # bitwise only for the rows and dτ, the feature gradients within one ulp
+            assert_close_rel(x, y, 2 ** -10, name)
         else:
             assert torch.equal(x, y), f"{name}: max |Δ| {(x.float() - y.float()).abs().max():.3g}"
 

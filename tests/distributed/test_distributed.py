@@ -441,6 +441,19 @@ def _worker_two(rank, world, failures, info):
     info["ddp_s"] = time.monotonic() - t0
 
 
+def _worker_thresholds(rank, world, failures, info):
+    """Two thresholds, 0.9 and 0.95 (both set: the values differ, not whether one is set), raise
+    the consensus error on every rank; a rank that trained on would mask other pairs than its peers."""
+    base = F.normalize(torch.randn(3, 8), dim=1)
+    for backend in ("torch", "cpp") if cpp_directional() is not None else ("torch",):
+        loss = HNClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world, backend=backend,
+                          false_negative_threshold=0.9 if rank == 0 else 0.95)
+        msg = _expect_error_everywhere(rank, failures, f"{backend}: thresholds 0.9 / 0.95",
+                                       lambda loss=loss: loss(base, base, torch.tensor(S0)))
+        if msg is not None and "false_negative_threshold values differ across ranks: [0.9, 0.95]" not in msg:
+            failures.append(f"{backend}: thresholds 0.9 / 0.95: unclear message {msg!r}")
+
+
 def _worker_three(rank, world, failures, info):
     t0 = time.monotonic()
     _loss_checks(rank, world, failures, equal=[2, 2, 2], unequal=[3, 1, 2])
@@ -458,6 +471,10 @@ def test_two_ranks_truth_clip_loss_and_open_clip_ddp_step(tmp_path):
 
 def test_three_ranks_truth_clip_loss_unequal_and_errors(tmp_path):
     _spawn(3, "_worker_three", tmp_path)
+
+
+def test_two_ranks_with_different_thresholds_raise_on_every_rank(tmp_path):
+    _spawn(2, "_worker_thresholds", tmp_path, timeout=90.0)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

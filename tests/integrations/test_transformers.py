@@ -154,6 +154,30 @@ def test_return_outputs_holds_normalised_embeddings():
     torch.testing.assert_close(out.text_embeds, stock.text_embeds)
 
 
+def test_bf16_model_temperature_is_the_float32_exp_of_logit_scale(monkeypatch):
+    """A bf16 CLIPModel: the loss gets s = exp(logit_scale) taken in float32 (the bf16 parameter
+    upcast first), never exp in bf16. At logit_scale = ln 100 (4.59375 in bf16) that is
+    98.86 against bf16's 99.0, a 1.4e-3 other temperature; the loss's value and its gradient
+    towards logit_scale follow it."""
+    seen = []
+    original = HNClipLoss.forward
+
+    def forward(self, image_features, text_features, logit_scale, *args, **kwargs):
+        seen.append(logit_scale.detach().clone())
+        return original(self, image_features, text_features, logit_scale, *args, **kwargs)
+
+    monkeypatch.setattr(HNClipLoss, "forward", forward)
+    model = tiny_model().to(torch.bfloat16)
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(100.0))
+    want = model.logit_scale.detach().float().exp()
+    assert want != model.logit_scale.detach().exp().float()  # the two temperatures differ here
+    ids, pixels, mask = batch()
+    loss = clip_model_loss(model, ids, pixels.bfloat16(), mask, backend="torch")
+    assert torch.isfinite(loss) and len(seen) == 1
+    assert seen[0].dtype == torch.float32 and torch.equal(seen[0].reshape(()), want.reshape(()))
+
+
 def test_bad_models_and_options_raise():
     ids, pixels, mask = batch()
     with pytest.raises(TypeError, match="get_image_features"):

@@ -83,6 +83,13 @@ def _threshold(threshold: Tensor, masked: bool):
     return _value(threshold) if masked else None
 
 
+def _caption_norms(captions, normalize: bool, masked: bool, dt) -> list:
+    """The raw kernels' caption norms of the masking, one per caption matrix: None (the kernels
+    normalise the captions with the margin's norms) unless masking without ``normalize``, where
+    the margin's norms are ones: then 1/‖t‖ in ``dt``, so the threshold stays a cosine."""
+    return [epilogue.inv_norms(x, True, dt) if masked and not normalize else None for x in captions]
+
+
 def _stats(pos, delta, mean_neg, dsum, kept, masked: bool) -> epilogue.RowStats:
     return epilogue.RowStats(pos, delta, mean_neg, dsum, kept if masked else None)
 
@@ -106,7 +113,7 @@ def _directional_nll(q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor, ga
     pos = epilogue.positive_logits(q_hat, k_hat, offset, inv_tau)
     delta, mean_neg, dsum, kept, row_acc, col_acc = RAW.cpp_raw_directional_fwd(
         q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, _threshold(threshold, masked),
-        label_smoothing)
+        label_smoothing, *_caption_norms((a, b), normalize, masked, dt))
     loss = epilogue.row_losses(_stats(pos, delta, mean_neg, dsum, kept, masked), k.shape[0], label_smoothing)
     return loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, kept, row_acc, col_acc
 
@@ -140,7 +147,7 @@ def _directional_nll_backward(
     if need_qk:
         d_q_neg, d_k_neg = RAW.cpp_raw_directional_bwd(
             q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma,
-            _threshold(threshold, masked), shift)
+            _threshold(threshold, masked), shift, *_caption_norms((a, b), normalize, masked, dt))
     else:  # only τ wants a gradient: it needs the row statistics alone
         d_q_neg, d_k_neg = torch.zeros_like(q_hat), torch.zeros_like(k_hat)
     del q_hat, k_hat  # peak memory: the finisher forms them again after the kernel's temporaries are gone
@@ -173,7 +180,8 @@ def _symmetric_nll(img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_s
     inv_tau = 1.0 / tau.detach().to(dt)
     v_hat, t_hat = epilogue.scaled(img, rv, dt), epilogue.scaled(txt, rt, dt)
     pos = epilogue.positive_logits(v_hat, t_hat, 0, inv_tau)  # Z_kk, the same for both directions
-    stats = RAW.cpp_raw_symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma, _threshold(threshold, masked))
+    stats = RAW.cpp_raw_symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma, _threshold(threshold, masked),
+                                      *_caption_norms((txt,), normalize, masked, dt))
     pairs = epilogue.pair_losses(_stats(pos, *stats[:4], masked), _stats(pos, *stats[4:], masked),
                                  img.shape[0], label_smoothing)
     return (pairs, rv, rt, pos, *stats)
@@ -201,7 +209,8 @@ def _symmetric_nll_backward(
     if need_vt:
         d_v, d_t = RAW.cpp_raw_symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma,
                                              _threshold(threshold, masked), _shift(i2t, label_smoothing, masked),
-                                             _shift(t2i, label_smoothing, masked))
+                                             _shift(t2i, label_smoothing, masked),
+                                             *_caption_norms((txt,), normalize, masked, dt))
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t = torch.zeros_like(v_hat), torch.zeros_like(t_hat)
     del v_hat, t_hat
@@ -221,7 +230,8 @@ _SymmetricNLL = glue.fused_op(
 
 # ---- fakes of the raw C++ kernels (so they can be traced on their own too)
 @torch.library.register_fake("hnclip::cpp_raw_directional_fwd")
-def _directional_fwd_fake(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, eps):
+def _directional_fwd_fake(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, eps, ca=None,
+                          cb=None):
     m, d = q_hat.shape
     n = k_hat.shape[0]
     vec = [q_hat.new_empty((m,)) for _ in range(3)]
@@ -231,18 +241,18 @@ def _directional_fwd_fake(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamm
 
 @torch.library.register_fake("hnclip::cpp_raw_directional_bwd")
 def _directional_bwd_fake(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma,
-                          threshold, shift):
+                          threshold, shift, ca=None, cb=None):
     return q_hat.new_empty(q_hat.shape), k_hat.new_empty(k_hat.shape)
 
 
 @torch.library.register_fake("hnclip::cpp_raw_symmetric_fwd")
-def _symmetric_fwd_fake(v_hat, t_hat, pos, inv_tau, gamma, threshold):
+def _symmetric_fwd_fake(v_hat, t_hat, pos, inv_tau, gamma, threshold, rc=None):
     n, kept = v_hat.shape[0], (0 if threshold is None else v_hat.shape[0])
     return tuple(v_hat.new_empty((kept if i in (3, 7) else n,)) for i in range(8))
 
 
 @torch.library.register_fake("hnclip::cpp_raw_symmetric_bwd")
-def _symmetric_bwd_fake(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma, threshold, shift_r, shift_c):
+def _symmetric_bwd_fake(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma, threshold, shift_r, shift_c, rc=None):
     return v_hat.new_empty(v_hat.shape), t_hat.new_empty(t_hat.shape)
 
 

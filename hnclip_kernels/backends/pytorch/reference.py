@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...numerics import compute_dtype, ieee_float32, matmul_nt, normalized
+from ...numerics import NORM_EPS, compute_dtype, ieee_float32, matmul_nt, normalized
 from ...validation import check_directional
 from ..epilogue import RowStats, smooths
 
@@ -47,7 +47,9 @@ def directional_nll_torch(
 
     False-negative masking (``false_negative_threshold`` c, not in the paper): column k ≠ offset + i
     with caption cosine ``â_i · b̂_k ≥ c`` (the margin's own product, in the compute dtype: float32,
-    float64 for float64 inputs, c rounded to it) is no negative of row i: it leaves the LSE, gets
+    float64 for float64 inputs, c rounded to it; with ``normalize=False`` that product times the
+    captions' inverse norms, ``(a_i · b_k)·ρ_i·ρ_k``: the threshold is a cosine whatever
+    ``normalize`` says) is no negative of row i: it leaves the LSE, gets
     no margin and no gradient, and label smoothing spreads ε over the row's n_i kept classes,
     ``ε · mean_{k kept} (Z[i, pos] - Z[i, k])``.
 
@@ -73,7 +75,8 @@ def directional_nll_torch(
     is_pos = torch.zeros_like(delta, dtype=torch.bool)
     is_pos[rows, pos_cols] = True
     if false_negative_threshold is not None:
-        return _masked_rows(delta, pos, is_pos, margin >= false_negative_threshold, label_smoothing, return_stats)
+        cosine = margin if normalize else margin * _inv_norms(a)[:, None] * _inv_norms(b)[None, :]
+        return _masked_rows(delta, pos, is_pos, cosine >= false_negative_threshold, label_smoothing, return_stats)
     lse_neg = _lse_of_kept(delta, is_pos)
     nll = F.softplus(lse_neg)
     if smooths(label_smoothing):  # a tensor ε (under torch.compile) is taken to be non-zero
@@ -81,6 +84,11 @@ def directional_nll_torch(
     if not return_stats:
         return nll
     return nll, _row_stats(pos, delta.detach(), is_pos, lse_neg.detach())
+
+
+def _inv_norms(x):
+    """1 / max(‖x_i‖, eps) per row, the norm in float64 (``normalized``'s), in x's dtype."""
+    return (1.0 / torch.linalg.vector_norm(x, dim=1, dtype=torch.float64).clamp_min(NORM_EPS)).to(x.dtype)
 
 
 def _masked_rows(delta, pos, is_pos, masked, label_smoothing, return_stats):

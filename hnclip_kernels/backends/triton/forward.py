@@ -58,7 +58,7 @@ def _fwd_kernel(
     Per-row inputs (float32):
         rq_ptr (M), rk_ptr (N), r_mq_ptr (M), r_mk_ptr (N): inverse row norms;
         pos_ptr (M): the positive logit Z[i, offset + i]; tau_ptr, gamma_ptr: 1-element τ, γ;
-        thr_ptr: 1-element false-negative threshold (read with MASK).
+        thr_ptr: the false-negative masking block (``ops._threshold_block``; read with MASK).
     Outputs (float32, planes = 3 + SMOOTHING + MASK: max, Σexp, Σexp·d[, Σd][, #kept]):
         row_part_ptr (splits, planes, M): each split's summary of each row (with MASK over the
         kept negatives only, and their count).
@@ -126,7 +126,7 @@ def _fwd_rank_kernel(
         va_ptr, ta_ptr (N, D) the gathered ones; strides ``stride_<matrix><axis>``.
     Per-row inputs (float32): rv_ptr, rt_ptr (M), rva_ptr, rta_ptr (N) inverse norms;
         pos_ptr (2M): the positives, i2t rows then t2i rows (Z[i, offset + i]); tau_ptr,
-        gamma_ptr, thr_ptr 1-element τ, γ and the false-negative threshold (read with MASK).
+        gamma_ptr 1-element τ, γ; thr_ptr the false-negative masking block (read with MASK).
     Outputs (float32, planes = 3 + SMOOTHING + MASK): row_part_ptr (splits, planes, 2M): line i
         the i2t row i, line M + i the t2i row i (with MASK over the kept negatives, and their
         count: a pair masked in i2t is masked in t2i too, the same caption cosine).
@@ -190,8 +190,8 @@ def _fwd_pair_kernel(
 
     Lines: line c < N stands for column c's statistics, line N + r for row r's.
     Inputs: v_ptr, t_ptr (N, D) features (strides ``stride_<v|t><m|d>``), rv_ptr, rt_ptr (N)
-        float32 inverse norms, pos_ptr (N) the positives Z_ii, tau_ptr/gamma_ptr/thr_ptr 1-element
-        τ, γ and the false-negative threshold (read with MASK: the entries whose caption cosine
+        float32 inverse norms, pos_ptr (N) the positives Z_ii, tau_ptr/gamma_ptr 1-element τ, γ,
+        thr_ptr the false-negative masking block (read with MASK: the entries whose caption cosine
         is ≥ it leave their row's and their column's summaries, which then count their kept
         entries in one more plane).
     Outputs (float32, planes = 3 + SMOOTHING + MASK):
@@ -431,8 +431,8 @@ def forward_stats(ops, norms, pos, tau32, gamma32, has_margin: bool, offset: int
     ``ops`` = (q, k, margin_q, margin_k) features, ``norms`` their float32 inverse row norms,
     ``pos`` the positive logits; ``tau32``/``gamma32``: 1-element float32 tensors on the
     features' device; ``has_margin``: γ ≠ 0 (the kernels skip the margin product without it);
-    ``thr32``: None, or the false-negative threshold as a 1-element float32 tensor: the entries
-    whose caption cosine (the margin factors' float32 product, ``tiles._caption_keep``) is ≥ it
+    ``thr32``: None, or the false-negative masking block (``ops._threshold_block``): the entries
+    whose caption cosine (``tiles._caption_keep``, also with normalize=False) is ≥ the threshold
     are no negatives, and the statistics gain ``kept``, each line's kept negatives.
 
     The directional op (no ``columns``): ``_fwd_kernel`` over (row blocks × column splits),

@@ -31,6 +31,14 @@ def _is_interpreting() -> bool:
     return bool(INTERPRET)
 
 
+def _library_interpreting() -> bool:
+    """Were triton's own library functions (``tl.sum`` & co., jitted when triton is imported)
+    created interpreted? Not when TRITON_INTERPRET=1 was set only after ``import triton``."""
+    import triton.language.standard as standard
+
+    return "Interpreted" in type(standard.sum).__name__
+
+
 def traced(kernel) -> bool:
     """Is ``kernel`` (from a ``wrap_triton`` switch) a traceable wrapper, i.e. is an operator being traced?"""
     return USE_TRITON_OP and not isinstance(kernel, (triton.runtime.JITFunction, triton.runtime.Autotuner))

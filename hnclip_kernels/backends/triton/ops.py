@@ -48,6 +48,7 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ...validation import check_directional, resolve_precision
@@ -72,16 +73,33 @@ def _kept(kept: Tensor, masked: bool):
     return kept if masked else None
 
 
-def _masking(threshold: Tensor, like: Tensor, masked: bool, smoothing: bool, eps, rows: epilogue.RowStats,
-             key_rows: epilogue.RowStats) -> dict:
-    """The backward launchers' masking keywords (none without masking): the threshold, and each
-    side's ε/n_i (``rows``: the rows', ``key_rows``: the key side's, or the rows' again for one
-    direction)."""
+def _threshold_block(threshold: Tensor, captions, norms, normalize: bool) -> Tensor:
+    """The kernels' false-negative masking block (``tiles._caption_keep``), float32, 1-D: the
+    threshold c twice, then the key captions' and the query captions' inverse norms interleaved
+    (key k at 2 + 2k, query i at 3 + 2i; zeros pad the shorter side).
+
+    ``captions`` = (query captions (M, D), key captions (N, D)), ``norms`` their inverse norms as
+    the margin uses them. The masking compares the captions' cosine G_ik·ρ_i·ρ_k whatever
+    ``normalize`` says: normalising, ρ is ``norms`` itself (the margin's product, to the bit);
+    otherwise ρ = 1/‖t‖ is taken here (``norms`` are ones then)."""
+    rho_q, rho_k = norms if normalize else (epilogue.inv_norms(x, True) for x in captions)
+    m, n = rho_q.shape[0], rho_k.shape[0]
+    size = max(m, n)
+    pairs = torch.stack((F.pad(rho_k, (0, size - n)), F.pad(rho_q, (0, size - m))), dim=1).reshape(-1)
+    return torch.cat((_scalar32(threshold, rho_q).expand(2), pairs))
+
+
+def _masking(threshold: Tensor, captions, norms, normalize: bool, masked: bool, smoothing: bool, eps,
+             rows: epilogue.RowStats, key_rows: epilogue.RowStats) -> dict:
+    """The backward launchers' masking keywords (none without masking): the threshold's block
+    (:func:`_threshold_block` of ``captions``, ``norms``), and each side's ε/n_i (``rows``: the
+    rows', ``key_rows``: the key side's, or the rows' again for one direction)."""
     if not masked:
         return {}
     shift = epilogue.smoothing_shift(rows, eps)
     key_shift = shift if key_rows is rows else epilogue.smoothing_shift(key_rows, eps)
-    return dict(thr32=_scalar32(threshold, like), smoothing=smoothing, shifts=(shift, key_shift))
+    return dict(thr32=_threshold_block(threshold, captions, norms, normalize), smoothing=smoothing,
+                shifts=(shift, key_shift))
 
 
 def _no_kept(like: Tensor) -> Tensor:
@@ -100,7 +118,8 @@ def _symmetric_nll(img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_s
     inv_tau = 1.0 / tau32
     pos = epilogue.positive_logits(epilogue.scaled(img, rv), epilogue.scaled(txt, rt), 0, inv_tau)
     i2t, t2i = forward_stats((img, txt, txt, txt), (rv, rt, rt, rt), pos, tau32, gamma32, has_margin, 0,
-                              smoothing, precision, columns=True, thr32=_scalar32(threshold, img) if masked else None)
+                              smoothing, precision, columns=True,
+                              thr32=_threshold_block(threshold, (txt, txt), (rt, rt), normalize) if masked else None)
     pairs = epilogue.pair_losses(i2t, t2i, img.shape[0], label_smoothing if smoothing else 0.0)
     kept = (i2t.kept, t2i.kept) if masked else (_no_kept(img), _no_kept(img))
     return (pairs, rv, rt, pos, *i2t[1:4], kept[0], *t2i[1:4], kept[1])
@@ -127,7 +146,7 @@ def _symmetric_nll_backward(
     eps = label_smoothing if smoothing else 0.0
     g = 0.5 * grad.float().contiguous()  # each direction's rows get half
     if need_vt:
-        masking = _masking(threshold, img, masked, smoothing, eps, i2t, t2i)
+        masking = _masking(threshold, (txt, txt), (rt, rt), normalize, masked, smoothing, eps, i2t, t2i)
         d_v, d_t = backward_shares((img, txt, txt, txt), (rv, rt, rt, rt), i2t, g, tau32, gamma32, has_margin, 0,
                                     precision, key_side=(t2i, g), **masking)
     else:  # only τ wants a gradient: it needs the statistics alone
@@ -150,7 +169,7 @@ def _directional_nll(q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor, ga
     inv_tau = 1.0 / tau32
     pos = epilogue.positive_logits(epilogue.scaled(q, norms[0]), epilogue.scaled(k, norms[1]), offset, inv_tau)
     stats = forward_stats((q, k, a, b), norms, pos, tau32, gamma32, has_margin, offset, smoothing, precision,
-                          thr32=_scalar32(threshold, q) if masked else None)
+                          thr32=_threshold_block(threshold, (a, b), norms[2:], normalize) if masked else None)
     return (epilogue.row_losses(stats, k.shape[0], label_smoothing if smoothing else 0.0), *norms, *stats[:4],
             stats.kept if masked else _no_kept(q))
 
@@ -175,7 +194,7 @@ def _directional_nll_backward(
     eps = label_smoothing if smoothing else 0.0
     g = grad.float().contiguous()
     if need_qk:
-        masking = _masking(threshold, q, masked, smoothing, eps, stats, stats)
+        masking = _masking(threshold, (a, b), (ra, rb), normalize, masked, smoothing, eps, stats, stats)
         d_q, d_k = backward_shares((q, k, a, b), (rq, rk, ra, rb), stats, g, tau32, gamma32, has_margin, offset,
                                     precision, **masking)
     else:  # only τ wants a gradient: it needs the row statistics alone
@@ -204,7 +223,9 @@ def _rank_nll(img: Tensor, txt: Tensor, all_img: Tensor, all_txt: Tensor, tau: T
         epilogue.positive_logits(epilogue.scaled(img, norms[0]), epilogue.scaled(all_txt, norms[3]), offset, inv_tau),
         epilogue.positive_logits(epilogue.scaled(txt, norms[1]), epilogue.scaled(all_img, norms[2]), offset, inv_tau)))
     stats = rank_stats((img, txt, all_img, all_txt), norms, pos, tau32, gamma32, has_margin, offset, smoothing,
-                       precision, thr32=_scalar32(threshold, img) if masked else None)
+                       precision,
+                       thr32=_threshold_block(threshold, (txt, all_txt), (norms[1], norms[3]), normalize) if masked
+                       else None)
     # each direction's losses from its own slice: torch's vectorised softplus rounds an element
     # differently in a loop's tail, and the directional op's tails are M long
     eps, n = label_smoothing if smoothing else 0.0, all_img.shape[0]
@@ -242,7 +263,7 @@ def _rank_nll_backward(
     g = 0.5 * grad.float().contiguous()  # each direction's row gets half
     ops, norms = (img, txt, all_img, all_txt), (rv, rt, rv_all, rt_all)
     if need_features:
-        masking = _masking(threshold, img, masked, smoothing, eps, i2t, t2i)
+        masking = _masking(threshold, (txt, all_txt), (rt, rt_all), normalize, masked, smoothing, eps, i2t, t2i)
         (d_v, d_ta), (d_t, d_va) = rank_shares(ops, norms, (i2t, t2i), g, tau32, gamma32, has_margin, offset,
                                                precision, **masking)
     else:  # only τ wants a gradient: it needs the statistics alone
@@ -299,8 +320,9 @@ def directional_nll_triton(queries, keys, *, query_txt, key_txt, tau, offset, ga
     γ, ε or τ does not recompile), ``torch.export``, ``torch.func.grad``/``vjp`` and
     ``torch.func.vmap`` (one kernel call per batch entry). Second derivatives raise the
     ``RuntimeError`` naming backend="torch". ``false_negative_threshold``: as the reference's; the
-    kernels compare the caption cosine (m_q·m_k)·r_q·r_k, the margin's float32 product on each
-    tile (``tiles._caption_keep``), with the threshold rounded to float32."""
+    kernels compare the caption cosine (m_q·m_k)·ρ_q·ρ_k, the margin's float32 product on each
+    tile times the captions' inverse norms whatever ``normalize`` says (``tiles._caption_keep``),
+    with the threshold rounded to float32."""
     check_directional(queries, keys, query_txt, key_txt, offset)
     gamma_t, eps_t, has_margin, smoothing, precision = _scalar_args(gamma, label_smoothing, precision, queries)
     thr_t, masked = glue.threshold_args(false_negative_threshold, queries)

@@ -3,7 +3,8 @@ loading γ, block offsets, a tile's statistics, the online-LSE combine, partial 
 
 False-negative masking (MASK, a threshold c): ``_logits_masked_tile`` / ``_pair_masked_tiles``
 form the caption tile G = m_q m_kᵀ where the margin is formed (also at γ = 0) and return the
-logits with the entries whose float32 caption cosine is ≥ c (``_caption_keep``) at −inf; a kernel
+logits with the entries whose float32 caption cosine G_ik·ρ_i·ρ_k is ≥ c (``_caption_keep``; ρ the
+captions' inverse norms, whatever ``normalize`` says) at −inf; a kernel
 ands ``_kept(z)`` into its negatives (a −inf logit, not a bool tile beside it: registers).
 ``_logits_tile`` / ``_pair_tiles`` are the same tiles without it. Kept-negative counts travel in one more plane after a summary's
 (``_store_count`` / ``_load_count``).
@@ -66,14 +67,14 @@ def _logits_masked_tile(
         margin_q, margin_k: the margin factors (M, D) and (N, D) (read with HAS_MARGIN or MASK).
     Blocks, each ``(offsets, bounds mask, r, r_margin)``, r the float32 inverse norms:
         rows: this tile's query rows; cols: its key rows (Z's columns).
-    Scalars: D (feature width), gamma (γ, float32), inv_tau (1/τ), thr (the false-negative
-        threshold, float32, read with MASK).
+    Scalars: D (feature width), gamma (γ, float32), inv_tau (1/τ), thr (with MASK, the
+        false-negative threshold and its block, from ``_load_threshold``).
     Constexprs: HAS_MARGIN (γ ≠ 0), MASK (false-negative masking), PREC (see ``precision._dot``),
         tile sizes.
 
     With MASK an entry whose caption cosine, the margin's own float32 product
-    ``(m_q·m_k) · r_margin_q · r_margin_k`` (``_caption_keep``), is at or above ``thr`` comes
-    back as −inf: a kernel drops it from its negatives with ``_kept`` (no bool tile stays live
+    ``(m_q·m_k) · ρ_q · ρ_k`` (``_caption_keep``: ρ the captions' inverse norms, r_margin itself
+    when normalising), is at or above the threshold comes back as −inf: a kernel drops it from its negatives with ``_kept`` (no bool tile stays live
     beside the logits: registers). Without the margin (γ = 0) the caption product is formed for
     MASK only. (The positive's entry may come back −inf too: callers exclude it by index.)
     """
@@ -91,20 +92,26 @@ def _logits_masked_tile(
                               _col_block(margin_k, offs_n, mask_n, offs_d, mask_d), acc_margin, PREC)
     # the norms scale float32 tiles: the normalised vectors are never rounded to bf16
     z = acc * rq[:, None] * rk[None, :]
-    if HAS_MARGIN or MASK:
-        cosine = acc_margin * r_mq[:, None] * r_mk[None, :]
-        if HAS_MARGIN:
-            z += gamma * cosine
-        if MASK:
-            z = tl.where(_caption_keep(cosine, thr), z, float("-inf"))
+    if HAS_MARGIN:
+        z += gamma * (acc_margin * r_mq[:, None] * r_mk[None, :])
+    if MASK:
+        z = tl.where(_caption_keep(acc_margin, offs_m, mask_m, offs_n, mask_n, thr), z, float("-inf"))
     return z * inv_tau
 
 
 @triton.jit
-def _caption_keep(cosine, thr):
-    """Which entries stay negatives under false-negative masking: caption cosine < thr (both
-    float32; an entry at or above the threshold is masked, a NaN cosine is masked too)."""
-    return cosine < thr
+def _caption_keep(product, offs_m, mask_m, offs_n, mask_n, thr):
+    """Which entries of a caption tile stay negatives under false-negative masking: caption
+    cosine ``product · ρ_m · ρ_n`` < c, float32 (an entry at or above the threshold is masked, a
+    NaN cosine is masked too). ``product`` the tile's raw float32 caption products over D, rows
+    ``offs_m`` and columns ``offs_n`` (with their bounds masks); ``thr`` = (c, the block's
+    pointer) from ``_load_threshold``: the block holds c, c, then each column's and each row's
+    inverse norm interleaved (``ρ_n`` at 2 + 2n, ``ρ_m`` at 3 + 2m). With ``normalize`` the
+    norms are the margin's own, so the cosine is the margin's product to the bit."""
+    c, block = thr
+    rho_m = tl.load(block + 3 + 2 * offs_m, mask=mask_m, other=0.0)
+    rho_n = tl.load(block + 2 + 2 * offs_n, mask=mask_n, other=0.0)
+    return product * rho_m[:, None] * rho_n[None, :] < c
 
 
 @triton.jit
@@ -116,10 +123,12 @@ def _kept(z):
 
 @triton.jit
 def _load_threshold(thr_ptr, MASK: tl.constexpr):
-    """The false-negative threshold, float32, read from device memory like γ; not read without MASK."""
+    """With MASK, (the false-negative threshold c, float32, read from device memory like γ; the
+    masking block's pointer, which ``_caption_keep`` reads the captions' inverse norms from);
+    nothing is read without MASK."""
     thr = 0.0
     if MASK:
-        thr = tl.load(thr_ptr).to(tl.float32)
+        thr = (tl.load(thr_ptr).to(tl.float32), thr_ptr)
     return thr
 
 
@@ -143,8 +152,8 @@ def _load_count(ptr, plane, offs, mask, SMOOTHING: tl.constexpr):
 
 @triton.jit
 def _load_scalars(tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN: tl.constexpr, MASK: tl.constexpr):
-    """(1/τ, γ, the false-negative threshold), float32, read from device memory (γ only with
-    HAS_MARGIN, the threshold only with MASK; see ``_load_gamma``). Loads only."""
+    """(1/τ, γ, the false-negative threshold as ``_load_threshold`` gives it), read from device
+    memory (γ only with HAS_MARGIN, the threshold only with MASK; see ``_load_gamma``). Loads only."""
     return 1.0 / tl.load(tau_ptr), _load_gamma(gamma_ptr, HAS_MARGIN), _load_threshold(thr_ptr, MASK)
 
 
@@ -304,7 +313,8 @@ def _pair_masked_tiles(
     logit in the same role (direct, mirror or diagonal super-tile), bit-identical to each other.
 
     With MASK (false-negative masking at ``thr``) the entries whose caption cosine
-    G_IJ[i, j] · r_t,i · r_t,j (z's margin product) is at or above ``thr`` come back as −inf in z
+    G_IJ[i, j] · ρ_i · ρ_j (``_caption_keep``; z's margin product when normalising) is at or above
+    the threshold come back as −inf in z
     and in zm alike (zm[i, j] is the same caption pair: one comparison for both), so the mask
     off the diagonal super-tiles is symmetric to the bit; ``_kept`` reads it back.
     """
@@ -318,7 +328,7 @@ def _pair_masked_tiles(
         z += gamma * (acc_margin * rt_m[:, None] * rt_n[None, :])
         zm += gamma * (acc_margin * rt_n[None, :] * rt_m[:, None])
     if MASK:
-        keep = _caption_keep(acc_margin * rt_m[:, None] * rt_n[None, :], thr)
+        keep = _caption_keep(acc_margin, offs_m, mask_m, offs_n, mask_n, thr)
         z = tl.where(keep, z, float("-inf"))
         zm = tl.where(keep, zm, float("-inf"))
     return z * inv_tau, zm * inv_tau
@@ -341,8 +351,9 @@ def _rank_tiles(
     (BLOCK_M), gathered columns J (BLOCK_N). Returns the two (BLOCK_M, BLOCK_N) float32 tiles,
     each as ``_logits_masked_tile`` forms it for that direction's directional op (i2t: q = v,
     k = t_all; t2i: q = t, k = v_all; margin factors t, t_all), to the bit. With MASK (false-negative
-    masking at ``thr``) an entry whose caption cosine G_IJ[i, j] is at or above ``thr`` is −inf
-    in both tiles (one comparison: the same caption pair in both directions).
+    masking at ``thr``) an entry whose caption cosine G_IJ[i, j] · ρ_i · ρ_j (``_caption_keep``) is
+    at or above the threshold is −inf in both tiles (one comparison: the same caption pair in
+    both directions).
     """
     offs_m, mask_m, rv_m, rt_m = rows
     offs_n, mask_n, rv_n, rt_n = cols
@@ -350,16 +361,14 @@ def _rank_tiles(
                                                HAS_MARGIN or MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     z = acc * rv_m[:, None] * rt_n[None, :]
     zt = acc_t2i * rt_m[:, None] * rv_n[None, :]
-    if HAS_MARGIN or MASK:
-        cosine = acc_margin * rt_m[:, None] * rt_n[None, :]
-        if HAS_MARGIN:
-            margin = gamma * cosine
-            z += margin
-            zt += margin
-        if MASK:
-            keep = _caption_keep(cosine, thr)
-            z = tl.where(keep, z, float("-inf"))
-            zt = tl.where(keep, zt, float("-inf"))
+    if HAS_MARGIN:
+        margin = gamma * (acc_margin * rt_m[:, None] * rt_n[None, :])
+        z += margin
+        zt += margin
+    if MASK:
+        keep = _caption_keep(acc_margin, offs_m, mask_m, offs_n, mask_n, thr)
+        z = tl.where(keep, z, float("-inf"))
+        zt = tl.where(keep, zt, float("-inf"))
     return z * inv_tau, zt * inv_tau
 
 
