@@ -1,6 +1,6 @@
-"""Regression tests of issue 22: false-negative masking compares the captions' cosine whatever
-``normalize`` says (item 2), its boundary (item 6), TRITON_INTERPRET set too late and integer
-NumPy γ under torch.compile (item 4).
+"""False-negative masking compares the captions' cosine whatever ``normalize`` says, a cosine
+equal to c is masked, TRITON_INTERPRET set too late raises our error, and integer NumPy γ works
+under torch.compile.
 
 Every backend, and each of its three ops (the symmetric loss, the directional op, a rank's op),
 at interpreter shapes (N ≤ 16, D ≤ 32): a few seconds per backend.
