@@ -1,13 +1,16 @@
-"""The README's snippets and commands run as printed: the quickstart (a real open_clip ViT-B-32,
-random weights), the CPU smoke run of ``python -m hnclip_kernels.train`` and the Hugging Face
-snippets (tiny models). Bound: about a minute on 2 idle cores."""
+"""The snippets and commands of the README and the docs run as printed: the README's quickstart
+(a real open_clip ViT-B-32, random weights), docs/train.md's CPU smoke run of
+``python -m hnclip_kernels.train`` and docs/transformers.md's snippets (tiny models). Bound:
+about a minute on 2 idle cores."""
 import os
 import re
+import sys
 
 import pytest
 
 pytest.importorskip("open_clip")
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+README = os.path.join(ROOT, "README.md")
 
 
 def test_quickstart_snippet_runs(capsys):
@@ -23,21 +26,21 @@ def test_quickstart_snippet_runs(capsys):
     assert out.startswith(f"loss {loss.item():.4f}, dL/d model.logit_scale ")
 
 
-def _section(title):
-    text = open(README, encoding="utf-8").read()
+def _section(title, page):
+    text = open(os.path.join(ROOT, "docs", page), encoding="utf-8").read()
     start = text.index(title)
     end = text.find("\n## ", start + len(title))
     return text[start:end if end >= 0 else None]
 
 
 def test_smoke_run_commands_train(tmp_path):
-    """The two commands of "A smoke run on CPU", run in a scratch folder (about 20 s on 2 cores)."""
+    """The two commands of docs/train.md's "A smoke run on CPU", run in a scratch folder (about 20 s on 2 cores)."""
     import subprocess
     import sys
 
     pytest.importorskip("open_clip_train.main")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    block = re.search(r"```bash\n(.*?)```", _section("### A smoke run on CPU"), re.S).group(1)
+    block = re.search(r"```bash\n(.*?)```", _section("## A smoke run on CPU", "train.md"), re.S).group(1)
     commands = [c.strip() for c in block.replace("\\\n", " ").splitlines() if c.strip()]
     assert len(commands) == 2 and commands[1].startswith("python -m hnclip_kernels.train ")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
@@ -58,10 +61,11 @@ def test_transformers_snippets_run(tmp_path):
     """The Hugging Face section's two snippets, with a tiny CLIPModel and an in-memory dataset."""
     pytest.importorskip("transformers")
     import torch
+    sys.path.insert(0, os.path.join(ROOT, "tests", "integrations"))  # the tiny models' home
     from test_transformers import PairData, batch, tiny_model
     from transformers import TrainingArguments
 
-    snippets = re.findall(r"```python\n(.*?)```", _section("## Hugging Face transformers"), re.S)
+    snippets = re.findall(r"```python\n(.*?)```", _section("# Hugging Face transformers", "transformers.md"), re.S)
     assert len(snippets) == 2 and len(snippets[0].strip().splitlines()) == 5
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
                              report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
