@@ -19,3 +19,19 @@ def test_chunked_encode_rejects_an_output_without_one_row_per_input_row(chunk_si
     with pytest.raises(ValueError, match="one row per input row"):
         chunked_encode(lambda a: a.sum(), x, chunk_size)
     assert torch.equal(chunked_encode(lambda a: 2 * a, x, chunk_size), 2 * x)
+
+
+# ---- a guard, not a fixed defect: NumPy integers (a config's or an argparse-into-NumPy chunk
+# size) are integers, and come back as Python ints; NumPy floats and bools are not
+def test_numpy_integer_chunk_sizes_are_accepted():
+    import numpy as np
+
+    from hnclip_kernels.chunked import check_chunk_size
+
+    x = torch.randn(5, 4)
+    for size in (np.int64(2), np.int32(2), np.uint8(2)):
+        assert type(check_chunk_size(size)) is int
+        assert torch.equal(chunked_encode(lambda a: 3 * a, x, size), 3 * x)
+    for bad in (np.float64(2.0), np.bool_(True)):
+        with pytest.raises(TypeError, match="chunk_size"):
+            chunked_encode(lambda a: a, x, bad)
