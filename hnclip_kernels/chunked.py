@@ -82,6 +82,9 @@ def _call(encoder: Callable, inputs: Inputs) -> torch.Tensor:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"encoder must return a tensor of per-row features, got {type(out).__name__} (wrap it, "
                         "e.g. lambda **kw: model.get_text_features(**kw).pooler_output)")
+    rows = _tensors(inputs)[0].shape[0]
+    if out.dim() == 0 or out.shape[0] != rows:  # a batch-pooled output would be cat'ed per chunk, silently
+        raise ValueError(f"encoder must return one row per input row, got shape {tuple(out.shape)} for {rows} rows")
     return out
 
 
@@ -151,7 +154,8 @@ def chunked_encode(encoder: Callable, inputs: Inputs, chunk_size: int) -> torch.
     Raises:
         TypeError: ``chunk_size`` not an integer (a bool, a float), inputs of another type,
             an encoder that returns no tensor.
-        ValueError: ``chunk_size`` < 1; tensors of different sizes along dim 0.
+        ValueError: ``chunk_size`` < 1; tensors of different sizes along dim 0; an encoder
+            output without one row per input row.
     """
     chunk_size = check_chunk_size(chunk_size)
     if chunk_size is None:
