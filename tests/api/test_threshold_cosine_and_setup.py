@@ -161,7 +161,7 @@ def test_numpy_gamma_under_compile_fullgraph(backend, gamma):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_saturation_report_masks_the_16bit_duplicates_too(dtype):
-    from hnclip_kernels import saturation_report
+    from hnclip_kernels.diagnostics import saturation_report
 
     img, txt = _open_clip_duplicates(dtype)
     report = saturation_report(img, txt, 0.05, normalize=False, backend="torch", false_negative_threshold=0.9999)
