@@ -185,6 +185,15 @@ def warmup_cosine(warmup: int, total: int):
                                                                             / max(1, total - warmup)))
 
 
+def _optimizer_step(loss, opt, sched, model):
+    """One AdamW step and the scheduler's, then the logit scale's clamp (both stages)."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    sched.step()
+    _clamp_scale(model)
+
+
 def _clamp_scale(model) -> None:
     with torch.no_grad():
         model.logit_scale.clamp_(0, math.log(100))
@@ -236,11 +245,7 @@ def stage1(args, log) -> tuple:
         idx, order = order[:BATCH], order[BATCH:]
         img_f, txt_f, scale = model(images[idx], tokens[idx])
         loss = loss_fn(img_f, txt_f, scale)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        _clamp_scale(model)
+        _optimizer_step(loss, opt, sched, model)
         step += 1
         if step % cfg["s1_eval_every"] == 0 or step == cfg["s1_steps"]:
             model.eval()
@@ -343,11 +348,7 @@ def fine_tune(arm: str, seed: int, init: dict, data: dict, args, progress) -> Li
             else:
                 img_f, txt_f, scale = model(images, tokens)
             loss = loss_fn(img_f, txt_f, scale)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            _clamp_scale(model)
+            _optimizer_step(loss, opt, sched, model)
             s, z = batch_saturation(img_f, txt_f, scale)
             losses.append(loss.item())
             sat.append(float(s))
