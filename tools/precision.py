@@ -48,10 +48,9 @@ from dataclasses import dataclass  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from hnclip_kernels.backends.triton import config as cfg  # noqa: E402
-from hnclip_kernels.backends.triton import forward as tk  # noqa: E402
+from hnclip_kernels.backends.triton.precision import INTERPRET  # noqa: E402
 from hnclip_kernels.backends.triton import ops as ht  # noqa: E402
 
 # The float64 truth and the test inputs live with the tests; tests/ is a folder of plain
@@ -112,7 +111,7 @@ COLUMNS = ["precision", "regime", "n", "d", "tau", "gamma", "seeds", "mma_passes
 
 
 def _require_interpreted_kernels() -> None:
-    if not isinstance(tk._fwd_kernel, InterpretedFunction):
+    if not INTERPRET:
         raise RuntimeError("tools.precision needs the Triton kernels interpreted (their tensor-core rounding "
                            "is emulated there), but hnclip_kernels was imported without TRITON_INTERPRET=1; "
                            "run `python -m tools.precision` in a fresh process")

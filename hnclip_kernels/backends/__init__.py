@@ -23,7 +23,6 @@ have been built.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable, Optional
 
 import torch
@@ -44,22 +43,13 @@ def triton_directional() -> Callable:
 
 
 def _triton_interpreting() -> bool:
-    """Do the Triton kernels run in the interpreter (on CPU tensors)? They do when they and
-    triton's own library (``tl.sum``, made when triton is imported) were both created
-    interpreted. Raises ``ValueError`` when ``TRITON_INTERPRET=1`` came after ``import triton``
-    (directly or by ``torch._dynamo``): the kernels would fail inside with an InterpreterError."""
+    """Do the Triton kernels run in the interpreter (on CPU tensors)? The gate of
+    backend="triton" on CPU tensors: ``triton.launch.interpreting`` (which raises ``ValueError``
+    when ``TRITON_INTERPRET=1`` came after ``import triton``), after the install hint."""
     triton_directional()  # the install hint first
-    from .triton import launch  # the functions' own types say whether they were created interpreted
+    from .triton.launch import interpreting
 
-    ours, library = launch._is_interpreting(), launch._library_interpreting()
-    if ours and library:
-        return True
-    if ours != library or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise ValueError("backend='triton' on CPU tensors: TRITON_INTERPRET=1 was set after triton was imported "
-                         "(by `import triton`, or by torch._dynamo / torch.compile), so Triton is only partly "
-                         "interpreting; set TRITON_INTERPRET=1 before importing triton (in the environment, or "
-                         "first thing in the program), or use backend='cpp' / 'torch'")
-    return False
+    return interpreting()
 
 
 def cpp_directional():

@@ -1,7 +1,7 @@
 """The 16-bit backward's split modes at kernel level: what ``_dscore_kernel`` writes for the GEMMs.
 
 The dS kernel writes W = diag(a)·dS·diag(b) (dS = g·P over the negatives) once, in the type the
-torch GEMMs read (``backends/triton/backward.py``):
+torch GEMMs read (``backends/triton/dscore.py``):
 
 * ROUND16 without TAIL (bf16 features): W̃ = float16(W), rounded to nearest;
 * ROUND16 with TAIL (fp16 features): W̃ and the tail W̃_lo = float16(W − W̃), W ≈ W̃ + W̃_lo to ~22 bits;
@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from hnclip_kernels.backends import epilogue
-from hnclip_kernels.backends.triton import backward as bw
 from hnclip_kernels.backends.triton import config as cfg
+from hnclip_kernels.backends.triton.dscore import _dscore_kernel
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter checks (CPU tensors)")
 
 M, N, D, OFFSET, GAMMA, TAU = 64, 96, 16, 20, 0.5, 0.1
-SLICE = bw.RESIDUAL_SLICE
+SLICE = cfg.RESIDUAL_SLICE
 
 
 def _inputs(dtype, seed=0):
@@ -54,19 +54,18 @@ def _run(dtype):
     ops, norms, pos, nll, grad, a, b, w64 = _inputs(dtype)
     round16, tail = dtype != torch.float32, dtype == torch.float16
     w = torch.empty(M * N, dtype=torch.float16 if round16 else torch.float32)
-    lo = torch.empty_like(w) if tail else w
+    lo = torch.empty_like(w) if tail else None
     sr, sc = M // SLICE, N // SLICE
-    res_r = torch.full((sc * M,), float("nan")) if round16 else w
-    res_c = torch.full((sr * N,), float("nan")) if round16 else w
-    tau32, gamma32 = torch.tensor([TAU]), torch.tensor([GAMMA])
-    # no false-negative masking: τ stands in for the threshold and shift pointers (not read)
-    args = (*ops, *[s for x in ops for s in x.stride()], *norms, pos, nll, grad, tau32, gamma32, nll, grad, a, b,
-            tau32, tau32, tau32, w, lo, N, 1, res_r, M, res_c, N, 0, M, 0, N, D, OFFSET)
+    res_r = torch.full((sc * M,), float("nan")) if round16 else None
+    res_c = torch.full((sr * N,), float("nan")) if round16 else None
+    inv_tau, gamma32 = 1.0 / torch.tensor([TAU]), torch.tensor([GAMMA])
+    # no false-negative masking: no threshold, no shifts (MASK and SHIFT derive from the Nones);
+    # ROUND16 and TAIL derive from res_r and lo
+    args = (*ops, *[s for x in ops for s in x.stride()], *norms, pos, nll, grad, inv_tau, gamma32, a, b,
+            None, None, w, lo, res_r, res_c, 0, M, 0, N, D, OFFSET)
     tile = cfg.INTERPRET_TILE
-    bw._kernel("dscore", False)[(M // tile, N // tile)](
-        *args, SYMMETRIC=False, HAS_MARGIN=True, MASK=False, SHIFT=False, PREC="ieee",
-        ROUND16="fp16" if round16 else "", TAIL=tail,
-        SLICE=SLICE, BLOCK_M=tile, BLOCK_N=tile, BLOCK_K=tile, num_warps=1, num_stages=1)
+    _dscore_kernel[(M // tile, N // tile)](*args, HAS_MARGIN=True, PREC="ieee", SLICE=SLICE, BLOCK_M=tile,
+                                           BLOCK_N=tile, BLOCK_K=tile, num_warps=1, num_stages=1)
     return (w.view(M, N), lo.view(M, N) if tail else None, res_r.view(sc, M) if round16 else None,
             res_c.view(sr, N) if round16 else None, a, b, w64)
 

@@ -132,12 +132,13 @@ def test_autotune_drops_the_dscore_tile_that_spills_with_masked_smoothing():
     from hnclip_kernels.backends.triton import config as cfg
 
     prune = cfg.pruner("dscore", "q_ptr")
-    half, single = torch.empty(1, dtype=torch.float16), torch.empty(1)
+    half, single, shifts = torch.empty(1, dtype=torch.float16), torch.empty(1), torch.empty(1)
     configs = cfg.all_candidates("dscore")
-    plain = prune(configs, {"q_ptr": half}, SHIFT=False)
-    shifted = prune(configs, {"q_ptr": half}, SHIFT=True)
+    # SHIFT derives from s_ptr (the rows' ε/n, None without it): the pruner reads the pointer
+    plain = prune(configs, {"q_ptr": half, "s_ptr": None})
+    shifted = prune(configs, {"q_ptr": half, "s_ptr": shifts})
     assert len(plain) == 2 and len(shifted) == 1
     assert (shifted[0].kwargs["BLOCK_M"], shifted[0].num_warps) == (64, 8)
-    assert prune(configs, {"q_ptr": single}, SHIFT=True) == prune(configs, {"q_ptr": single}, SHIFT=False)
+    assert prune(configs, {"q_ptr": single, "s_ptr": shifts}) == prune(configs, {"q_ptr": single, "s_ptr": None})
     bf16 = torch.empty(1, dtype=torch.bfloat16)
-    assert len(prune(configs, {"q_ptr": bf16}, SHIFT=True)) == 2
+    assert len(prune(configs, {"q_ptr": bf16, "s_ptr": shifts})) == 2

@@ -1,10 +1,10 @@
 """The Triton path's workspace: ``hnclip_kernels.workspace_bytes`` equals what the operators
 actually allocate (counted, not computed), and the forward's statistics are O(N).
 
-The count: every ``torch.empty`` called from the kernel layers (``forward.py``, ``backward.py``)
-during a forward + backward, under the interpreter with the GPU launch configuration, is
-recorded with its bytes and the moments it is allocated and freed; a buffer still alive when its
-launcher (``forward_stats`` / ``backward_shares``) returns is an output (statistics, gradients),
+The count: every ``torch.empty`` called from the host walks and their helpers (``forward.py``,
+``merge.py``, ``backward.py``, ``scales.py``) during a forward + backward, under the interpreter
+with the GPU launch configuration, is recorded with its bytes and the moments it is allocated and
+freed; a buffer still alive when its walk (``*_stats`` / ``*_shares``) returns is an output (statistics, gradients),
 one freed inside it is workspace. The workspace of each launcher is the peak of its live
 workspace buffers; ``workspace_bytes`` must equal the sum of the two peaks.
 """
@@ -22,7 +22,7 @@ from hnclip_kernels.backends.triton import workspace
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only: counts CPU allocations")
 
-_LAYERS = ("hnclip_kernels.backends.triton.forward", "hnclip_kernels.backends.triton.backward")
+_LAYERS = tuple(f"hnclip_kernels.backends.triton.{m}" for m in ("forward", "merge", "backward", "scales"))
 
 
 class _Counter:
@@ -79,10 +79,10 @@ def counter(monkeypatch):
         return run
 
     monkeypatch.setattr(torch, "empty", empty)
-    monkeypatch.setattr(tops, "forward_stats", phased("fwd", tops.forward_stats))
-    monkeypatch.setattr(tops, "backward_shares", phased("bwd", tops.backward_shares))
-    monkeypatch.setattr(tops, "rank_stats", phased("fwd", tops.rank_stats))
-    monkeypatch.setattr(tops, "rank_shares", phased("bwd", tops.rank_shares))
+    for walk in ("symmetric_stats", "directional_stats", "rank_stats"):
+        monkeypatch.setattr(tops, walk, phased("fwd", getattr(tops, walk)))
+    for walk in ("symmetric_shares", "directional_shares", "rank_shares"):
+        monkeypatch.setattr(tops, walk, phased("bwd", getattr(tops, walk)))
     return c
 
 

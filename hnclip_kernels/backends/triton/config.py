@@ -13,7 +13,8 @@ Three launch modes (``launch_mode()``):
 Every candidate below compiles for sm_90a (H100/H200) without register spills and within
 the 227 KiB shared-memory limit: ``tests/tooling/test_sm90_compile.py`` holds that guarantee on CPU.
 
-Under the interpreter (``precision.INTERPRET``) ``tl.dot`` operands are upcast (the
+Under the interpreter (``precision.INTERPRET``, the one answer to "are the kernels
+interpreted?") ``tl.dot`` operands are upcast (the
 interpreter multiplies raw bf16 bits, triton#11584) and rounded the way the GPU's tensor
 cores round them for the chosen input precision (see ``precision._dot``), so a CPU run
 computes what a GPU computes.
@@ -32,6 +33,7 @@ import triton
 
 # the modes and their default live with the checks (validation.resolve_precision applies it)
 from ...validation import DEFAULT_FP32_PRECISION, FP32_PRECISIONS  # noqa: F401
+from .precision import INTERPRET
 
 # Backward workspace: dS is materialised chunk by chunk (R rows × C columns, at most 4 bytes an
 # entry: float32, or a float16 head and tail; bf16 features write one float16 dS, 2 bytes) and
@@ -41,9 +43,9 @@ BWD_WORKSPACE_BYTES = 256 << 20
 SM_COUNT_IF_UNKNOWN = 132  # an H100/H200: the grid heuristics' target when no GPU can be asked
 INTERPRET_TILE = 32
 
-
-def is_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# the dS kernels' residual sums' slice: every dS tile (32, 64 or 128 wide) holds whole slices, so
+# the partial buffers' layout does not depend on the tile an autotuner picks
+RESIDUAL_SLICE = 32
 
 
 # a launch mode forced for the current context (``forced_launch``): workspace_bytes asks what
@@ -66,7 +68,7 @@ def launch_mode() -> str:
     forced = _FORCED_MODE.get()
     if forced is not None:
         return forced
-    if is_interpreting():
+    if INTERPRET:
         return "gpu" if os.environ.get("HNCLIP_TRITON_LAUNCH", "") == "gpu" else "interpret"
     return "gpu" if os.environ.get("HNCLIP_AUTOTUNE", "1") == "0" else "autotune"
 
@@ -111,24 +113,24 @@ CANDIDATES = {
     # 44-196 B with the margin (tf32x3), 64x16 at 4 warps is clean (255 registers)
     "pair": {2: [_cfg(8, 3, BLOCK_N=32), _cfg(8, 4, BLOCK_N=32)],
              4: [_cfg(4, 2, BLOCK_N=16)]},
-    # a rank's two directions (``forward._fwd_rank_kernel``): three float32 tiles (Z, Z', G) like
+    # a rank's two directions (``forward_kernels._fwd_rank_kernel``): three float32 tiles (Z, Z', G) like
     # the pair walk, the forward's BLOCK_M; only row statistics, so 128 x 64 fits (sm_90a, D 512-1024,
     # γ and ε on and off: 236-250 registers, no spills; 128 x 32: 168-197) and tiles as ``_fwd_kernel``
     "rank": {2: [_cfg(8, 3, BLOCK_N=64), _cfg(8, 3, BLOCK_N=32), _cfg(8, 4, BLOCK_N=32)],
              4: [_cfg(4, 2, BLOCK_N=16)]},
     "dscore": {2: [_cfg(8, 3, BLOCK_M=64, BLOCK_N=128), _cfg(4, 4, BLOCK_M=128, BLOCK_N=64)],
                4: [_cfg(4, 3, BLOCK_M=64, BLOCK_N=32), _cfg(8, 2, BLOCK_M=64, BLOCK_N=64)]},
-    # the symmetric loss's chunk pairs (``backward._dscore_pair_kernel``): the pair forward's tiles
+    # the symmetric loss's chunk pairs (``dscore._dscore_pair_kernel``): the pair forward's tiles
     # (Z_IJ, Z_JIᵀ and G_IJ live together), BLOCK_N dividing BLOCK_M
     # (128 x 64 spills 8 B with fp16's tail and the margin: 255 registers)
     "dscore_pair": {2: [_cfg(8, 3, BLOCK_M=128, BLOCK_N=32), _cfg(8, 4, BLOCK_M=128, BLOCK_N=32)],
                     4: [_cfg(4, 2, BLOCK_M=64, BLOCK_N=16)]},
-    # a rank's two directions' dS (``backward._dscore_rank_kernel``): 128 x 64 first (wgmma m64n64;
+    # a rank's two directions' dS (``dscore._dscore_rank_kernel``): 128 x 64 first (wgmma m64n64;
     # sm_90a, D 512-1024: 184-222 registers, no spills), 128 x 32 (112-130) after it
     "dscore_rank": {2: [_cfg(8, 3, BLOCK_M=128, BLOCK_N=64), _cfg(8, 3, BLOCK_M=128, BLOCK_N=32),
                         _cfg(8, 4, BLOCK_M=128, BLOCK_N=32)],
                     4: [_cfg(4, 2, BLOCK_M=64, BLOCK_N=16)]},
-    # (the backward's GEMMs are torch's: cuBLAS on CUDA, see backward.py)
+    # (the backward's GEMMs are torch's: cuBLAS on CUDA, see backward.py's walks)
 }
 
 
@@ -155,11 +157,12 @@ def candidates(kernel: str, elem_size: int) -> list:
 def pruner(kernel: str, width_arg: str):
     """``early_config_prune`` for ``triton.autotune``: keep the candidates of the operand
     width found in the launch's argument ``width_arg`` (a tensor), less those that spill with
-    the launch's SHIFT constexpr (``SHIFT_SPILLS``)."""
+    SHIFT (``SHIFT_SPILLS``; SHIFT derives from ``s_ptr``, see ``dscore``: the pruner runs
+    before the kernel's heuristics)."""
     def prune(configs, named_args, **kwargs):
         x = named_args.get(width_arg, kwargs.get(width_arg))
         allowed = candidates(kernel, x.element_size())
-        if kwargs.get("SHIFT"):
+        if named_args.get("s_ptr", kwargs.get("s_ptr")) is not None:
             spills = SHIFT_SPILLS.get(kernel, {}).get(x.dtype, [])
             allowed = [c for c in allowed if not any(_same(c, bad) for bad in spills)] or allowed
         return [c for c in configs if c in allowed] or allowed

@@ -5,11 +5,15 @@ How the operators are registered (see ``ops``): ``torch.library.triton_op`` for 
 kernels, ``custom_op`` under the interpreter (and on a torch without ``triton_op``).
 ``triton_op`` must find every kernel of its operators in their source (torch hashes the
 kernels' code into its compile-cache keys): it reads the operator's code and follows the
-functions it calls *by name*, down to ``wrap_triton(<kernel>)``. So each layer (``forward``,
-``backward``) spells out its kernels in its own ``_kernel(name, tuned)`` switch and hands
-:func:`launch` a ``lambda tuned: _kernel(name, tuned)``: a call by name that torch follows.
+functions it calls *by name*, down to ``wrap_triton(<kernel>)``. So each kernel has one named
+launcher beside it (``forward_kernels.launch_fwd`` … ``dscore.launch_dscore_rank``) that hands
+:func:`launch` a ``lambda tuned: wrap_triton(<twin>) if tuned else wrap_triton(<kernel>)``,
+and the host walks call the launchers by name (``tests/backends/test_triton_ops_kernels.py``
+holds that each operator finds exactly its kernels).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -26,22 +30,25 @@ else:
         return kernel
 
 
-def _is_interpreting() -> bool:
-    """Were the kernels created interpreted (TRITON_INTERPRET=1 when triton.jit ran)?"""
-    return bool(INTERPRET)
+def interpreting() -> bool:
+    """Do the kernels run in Triton's interpreter? ``precision.INTERPRET`` (they were created
+    interpreted: TRITON_INTERPRET=1 when ``triton.jit`` ran), checked against triton's own
+    library (``tl.sum`` & co., made when triton is imported).
 
-
-def _library_interpreting() -> bool:
-    """Were triton's own library functions (``tl.sum`` & co., jitted when triton is imported)
-    created interpreted? Not when TRITON_INTERPRET=1 was set only after ``import triton``."""
+    Raises ``ValueError`` when the two disagree, or TRITON_INTERPRET=1 is set now but the
+    kernels are compiled: it was set after ``import triton`` (directly or by ``torch._dynamo``),
+    and the kernels would fail inside with an InterpreterError."""
     import triton.language.standard as standard
 
-    return "Interpreted" in type(standard.sum).__name__
-
-
-def traced(kernel) -> bool:
-    """Is ``kernel`` (from a ``wrap_triton`` switch) a traceable wrapper, i.e. is an operator being traced?"""
-    return USE_TRITON_OP and not isinstance(kernel, (triton.runtime.JITFunction, triton.runtime.Autotuner))
+    library = "Interpreted" in type(standard.sum).__name__
+    if INTERPRET and library:
+        return True
+    if bool(INTERPRET) != library or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise ValueError("backend='triton' on CPU tensors: TRITON_INTERPRET=1 was set after triton was imported "
+                         "(by `import triton`, or by torch._dynamo / torch.compile), so Triton is only partly "
+                         "interpreting; set TRITON_INTERPRET=1 before importing triton (in the environment, or "
+                         "first thing in the program), or use backend='cpp' / 'torch'")
+    return False
 
 
 def strides(*xs):
@@ -50,18 +57,31 @@ def strides(*xs):
 
 
 def launch(kernel, name: str, width: int, grid, args, **constexprs):
-    """Launch ``kernel(tuned)`` (a layer's switch: the kernel through ``wrap_triton``, its
+    """Launch ``kernel(tuned)`` (a launcher's switch: the kernel through ``wrap_triton``, its
     autotuned twin when ``tuned``) in mode "autotune", else the kernel with ``cfg.heuristic(name,
-    width)``; ``grid(tiles)`` maps the chosen constexprs to the launch grid.
-
-    Traced, an accumulating GEMM (ACCUMULATE) takes the fixed configuration: torch re-wraps a
-    traced autotuner without its ``restore_value``, so benchmarking the candidates outside
-    Inductor (``backend="aot_eager"``) would add the product into the output once per candidate."""
+    width)``; ``grid(tiles)`` maps the chosen constexprs to the launch grid. ``args``: the
+    kernel's positional arguments (None for a pointer it does not read: its flag derives from
+    that, see the kernels' ``triton.heuristics``)."""
     if cfg.launch_mode() == "autotune":
-        tuned = kernel(True)
-        if not (constexprs.get("ACCUMULATE") and traced(tuned)):
-            tuned[lambda meta: grid(meta)](*args, **constexprs)
-            return
+        kernel(True)[lambda meta: grid(meta)](*args, **constexprs)
+        return
     fixed = cfg.heuristic(name, width)
     tiles = {**constexprs, **fixed.constexprs}
     kernel(False)[grid(tiles)](*args, **tiles, num_warps=fixed.num_warps, num_stages=fixed.num_stages)
+
+
+# the kernels' flags that follow from a pointer being None (not read), as cut-cross-entropy
+# derives HAS_BIAS. They need no autotune key: the autotuner's key holds the dtypes of the
+# tensor arguments in order, so a None pointer already keys apart (HAS_MARGIN, whose γ pointer
+# is None without it too, stays explicit: γ and the threshold are both float32 and would not).
+_DERIVED = {
+    "MASK": lambda args: args["thr_ptr"] is not None,  # false-negative masking: the threshold block
+    "SHIFT": lambda args: args["s_ptr"] is not None,  # masking with label smoothing: each row's ε/n_i
+    "ROUND16": lambda args: args["res_r_ptr"] is not None,  # 16-bit W: its residual sums
+    "TAIL": lambda args: args["lo_ptr"] is not None,  # fp16: W's float16 tail
+}
+
+
+def derived(*flags: str):
+    """``triton.heuristics`` deriving ``flags`` (MASK, SHIFT, ROUND16, TAIL) from their pointers."""
+    return triton.heuristics({flag: _DERIVED[flag] for flag in flags})

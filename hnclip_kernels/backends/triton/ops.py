@@ -1,9 +1,9 @@
 """The Triton backend as operators: ``hnclip::triton_symmetric_nll`` and
 ``hnclip::triton_directional_nll`` with their ``*_backward`` operators, and the public wrappers.
 
-The kernels and their launchers live beside this module (:mod:`.forward`: one walk over the
-logit tiles for the row and column statistics; :mod:`.backward`: the chunked dS and its
-GEMMs). Here, per operator: the O(N·D) algebra around them (:mod:`..epilogue`), and its
+The kernels and their launchers live beside this module (:mod:`.forward_kernels` and
+:mod:`.merge`, walked by :mod:`.forward`: one walk over the logit tiles for the row and column
+statistics; :mod:`.dscore`, walked by :mod:`.backward`: the chunked dS and its GEMMs). Here, per operator: the O(N·D) algebra around them (:mod:`..epilogue`), and its
 registration through :func:`..glue.fused_op`, the glue the C++ backend's ``hnclip::cpp_*``
 operators share (autograd formula, raising second derivative, vmap rule, ``torch.func``).
 
@@ -25,12 +25,9 @@ operators share (autograd formula, raising second derivative, vmap rule, ``torch
 of any of them reuses a compiled graph; ``has_margin`` (γ ≠ 0) and ``smoothing`` (ε ≠ 0) are the
 kernels' HAS_MARGIN and SMOOTHING flags. False-negative masking: ``threshold`` (a 0-dim float64
 tensor like γ) and ``masked`` (the kernels' MASK); ``kept`` (each row's kept negatives) is empty
-without it. The kernels read τ and γ from device memory as
-(1,) float32 tensors and take no float argument at all: Inductor types a Python float fp64
-inside a user kernel, and with γ a float argument the float32 tiles become fp64 and the
-forward kernel fails to compile ("Loop-carried variable run_max has initial type fp32 but is
-re-assigned to fp64"). ``python -m tools.sm90 --wide-scalars`` compiles the kernels with
-Inductor's scalar types. ``precision`` is the tensor-core mode string
+without it. What the kernels read of τ, γ and the threshold is one ``params.Scalars``, built once per
+operator body (float32 tensors, never float arguments: see :mod:`.params`). ``python -m tools.sm90
+--wide-scalars`` compiles the kernels with Inductor's scalar types. ``precision`` is the tensor-core mode string
 (``validation.FP32_PRECISIONS``).
 
 With compiled kernels the operators are ``torch.library.triton_op``s launching every kernel
@@ -48,14 +45,14 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ...validation import check_directional, resolve_precision
 from .. import epilogue, glue
-from .backward import backward_shares, rank_shares
-from .forward import forward_stats, rank_stats
+from .backward import directional_shares, rank_shares, symmetric_shares
+from .forward import directional_stats, rank_stats, symmetric_stats
 from .launch import USE_TRITON_OP
+from .params import scalars, threshold_block
 
 # ------------------------------------------------------------------ operators
 _SymOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -64,42 +61,18 @@ _Grads = Tuple[Tensor, Tensor, Tensor]
 _RankGrads = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-def _scalar32(x: Tensor, like: Tensor) -> Tensor:
-    """A one-element tensor (τ, γ) as the kernels read it: float32, shape (1,), on ``like``'s device."""
-    return x.to(device=like.device, dtype=torch.float32).reshape(1)
-
-
 def _kept(kept: Tensor, masked: bool):
     return kept if masked else None
 
 
-def _threshold_block(threshold: Tensor, captions, norms, normalize: bool) -> Tensor:
-    """The kernels' false-negative masking block (``tiles._caption_keep``), float32, 1-D: the
-    threshold c twice, then the key captions' and the query captions' inverse norms interleaved
-    (key k at 2 + 2k, query i at 3 + 2i; zeros pad the shorter side).
-
-    ``captions`` = (query captions (M, D), key captions (N, D)), ``norms`` their inverse norms as
-    the margin uses them. The masking compares the captions' cosine G_ik·ρ_i·ρ_k whatever
-    ``normalize`` says: normalising, ρ is ``norms`` itself (the margin's product, to the bit);
-    otherwise ρ = 1/‖t‖ is taken here (``norms`` are ones then)."""
-    rho_q, rho_k = norms if normalize else (epilogue.inv_norms(x, True) for x in captions)
-    m, n = rho_q.shape[0], rho_k.shape[0]
-    size = max(m, n)
-    pairs = torch.stack((F.pad(rho_k, (0, size - n)), F.pad(rho_q, (0, size - m))), dim=1).reshape(-1)
-    return torch.cat((_scalar32(threshold, rho_q).expand(2), pairs))
-
-
-def _masking(threshold: Tensor, captions, norms, normalize: bool, masked: bool, smoothing: bool, eps,
-             rows: epilogue.RowStats, key_rows: epilogue.RowStats) -> dict:
-    """The backward launchers' masking keywords (none without masking): the threshold's block
-    (:func:`_threshold_block` of ``captions``, ``norms``), and each side's ε/n_i (``rows``: the
-    rows', ``key_rows``: the key side's, or the rows' again for one direction)."""
-    if not masked:
-        return {}
+def _shifts(sc, smoothing: bool, eps, rows: epilogue.RowStats, key_rows: epilogue.RowStats):
+    """The backward's ε/n_i of each side (``rows``: the rows', ``key_rows``: the key side's, or the
+    rows' again for one direction; ``epilogue.smoothing_shift``), read by the dS kernels only with
+    masking and label smoothing (SHIFT); None otherwise."""
+    if not (sc.masked and smoothing):
+        return None
     shift = epilogue.smoothing_shift(rows, eps)
-    key_shift = shift if key_rows is rows else epilogue.smoothing_shift(key_rows, eps)
-    return dict(thr32=_threshold_block(threshold, captions, norms, normalize), smoothing=smoothing,
-                shifts=(shift, key_shift))
+    return shift, (shift if key_rows is rows else epilogue.smoothing_shift(key_rows, eps))
 
 
 def _no_kept(like: Tensor) -> Tensor:
@@ -114,12 +87,10 @@ def _symmetric_nll(img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_s
 
     Forward: one walk over the tiles of Z gives its rows' (i2t) and columns' (t2i) statistics."""
     rv, rt = epilogue.inv_norms(img, normalize), epilogue.inv_norms(txt, normalize)
-    tau32, gamma32 = _scalar32(tau, img), _scalar32(gamma, img)
-    inv_tau = 1.0 / tau32
-    pos = epilogue.positive_logits(epilogue.scaled(img, rv), epilogue.scaled(txt, rt), 0, inv_tau)
-    i2t, t2i = forward_stats((img, txt, txt, txt), (rv, rt, rt, rt), pos, tau32, gamma32, has_margin, 0,
-                              smoothing, precision, columns=True,
-                              thr32=_threshold_block(threshold, (txt, txt), (rt, rt), normalize) if masked else None)
+    sc = scalars(img, tau, gamma, has_margin, smoothing, precision,
+                 threshold_block(threshold, (txt, txt), (rt, rt), normalize) if masked else None)
+    pos = epilogue.positive_logits(epilogue.scaled(img, rv), epilogue.scaled(txt, rt), 0, sc.inv_tau)
+    i2t, t2i = symmetric_stats((img, txt, txt, txt), (rv, rt, rt, rt), pos, sc)
     pairs = epilogue.pair_losses(i2t, t2i, img.shape[0], label_smoothing if smoothing else 0.0)
     kept = (i2t.kept, t2i.kept) if masked else (_no_kept(img), _no_kept(img))
     return (pairs, rv, rt, pos, *i2t[1:4], kept[0], *t2i[1:4], kept[1])
@@ -141,18 +112,18 @@ def _symmetric_nll_backward(
     recomputed tile carries both directions' softmax into one dS workspace."""
     i2t = epilogue.RowStats(pos, delta_r, mean_neg_r, dsum_r, _kept(kept_r, masked))
     t2i = epilogue.RowStats(pos, delta_c, mean_neg_c, dsum_c, _kept(kept_c, masked))
-    tau32, gamma32 = _scalar32(tau, img), _scalar32(gamma, img)
-    inv_tau = 1.0 / tau32
+    sc = scalars(img, tau, gamma, has_margin, smoothing, precision,
+                 threshold_block(threshold, (txt, txt), (rt, rt), normalize) if masked and need_vt else None)
     eps = label_smoothing if smoothing else 0.0
     g = 0.5 * grad.float().contiguous()  # each direction's rows get half
     if need_vt:
-        masking = _masking(threshold, (txt, txt), (rt, rt), normalize, masked, smoothing, eps, i2t, t2i)
-        d_v, d_t = backward_shares((img, txt, txt, txt), (rv, rt, rt, rt), i2t, g, tau32, gamma32, has_margin, 0,
-                                    precision, key_side=(t2i, g), **masking)
+        d_v, d_t = symmetric_shares((img, txt, txt, txt), (rv, rt, rt, rt), (i2t, g), (t2i, g), sc,
+                                    _shifts(sc, smoothing, eps, i2t, t2i))
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (img, txt))
-    d_img, d_txt, dz_z = epilogue.finish_symmetric(i2t, t2i, g, img, txt, rv, rt, d_v, d_t, inv_tau, eps, normalize)
-    return d_img, d_txt, epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
+    d_img, d_txt, dz_z = epilogue.finish_symmetric(i2t, t2i, g, img, txt, rv, rt, d_v, d_t, sc.inv_tau, eps,
+                                                   normalize)
+    return d_img, d_txt, epilogue.tau_grad(dz_z, sc.inv_tau, tau.dtype, tau.shape)
 
 
 def _symmetric_grads_fake(grad, img, txt, tau, *rest):
@@ -165,11 +136,10 @@ def _directional_nll(q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor, ga
     """Per-row losses (M,) of one direction and what the backward needs:
     (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, kept)."""
     norms = tuple(epilogue.inv_norms(x, normalize) for x in (q, k, a, b))
-    tau32, gamma32 = _scalar32(tau, q), _scalar32(gamma, q)
-    inv_tau = 1.0 / tau32
-    pos = epilogue.positive_logits(epilogue.scaled(q, norms[0]), epilogue.scaled(k, norms[1]), offset, inv_tau)
-    stats = forward_stats((q, k, a, b), norms, pos, tau32, gamma32, has_margin, offset, smoothing, precision,
-                          thr32=_threshold_block(threshold, (a, b), norms[2:], normalize) if masked else None)
+    sc = scalars(q, tau, gamma, has_margin, smoothing, precision,
+                 threshold_block(threshold, (a, b), norms[2:], normalize) if masked else None)
+    pos = epilogue.positive_logits(epilogue.scaled(q, norms[0]), epilogue.scaled(k, norms[1]), offset, sc.inv_tau)
+    stats = directional_stats((q, k, a, b), norms, pos, sc, offset)
     return (epilogue.row_losses(stats, k.shape[0], label_smoothing if smoothing else 0.0), *norms, *stats[:4],
             stats.kept if masked else _no_kept(q))
 
@@ -189,19 +159,19 @@ def _directional_nll_backward(
 ) -> _Grads:
     """(dL/dq in q's dtype, dL/dk in k's dtype, dL/dτ in τ's dtype and shape)."""
     stats = epilogue.RowStats(pos, delta, mean_neg, dsum, _kept(kept, masked))
-    tau32, gamma32 = _scalar32(tau, q), _scalar32(gamma, q)
-    inv_tau = 1.0 / tau32
+    sc = scalars(q, tau, gamma, has_margin, smoothing, precision,
+                 threshold_block(threshold, (a, b), (ra, rb), normalize) if masked and need_qk else None)
     eps = label_smoothing if smoothing else 0.0
     g = grad.float().contiguous()
     if need_qk:
-        masking = _masking(threshold, (a, b), (ra, rb), normalize, masked, smoothing, eps, stats, stats)
-        d_q, d_k = backward_shares((q, k, a, b), (rq, rk, ra, rb), stats, g, tau32, gamma32, has_margin, offset,
-                                    precision, **masking)
+        shifts = _shifts(sc, smoothing, eps, stats, stats)
+        d_q, d_k = directional_shares((q, k, a, b), (rq, rk, ra, rb), stats, g, sc, offset,
+                                      None if shifts is None else shifts[:1])
     else:  # only τ wants a gradient: it needs the row statistics alone
         d_q, d_k = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (q, k))
-    d_q_in, d_k_in, dz_z = epilogue.finish_directional(stats, g, q, k, rq, rk, d_q, d_k, offset, inv_tau, eps,
+    d_q_in, d_k_in, dz_z = epilogue.finish_directional(stats, g, q, k, rq, rk, d_q, d_k, offset, sc.inv_tau, eps,
                                                        normalize)
-    return d_q_in, d_k_in, epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
+    return d_q_in, d_k_in, epilogue.tau_grad(dz_z, sc.inv_tau, tau.dtype, tau.shape)
 
 
 def _directional_grads_fake(grad, q, k, a, b, tau, *rest):
@@ -216,16 +186,13 @@ def _rank_nll(img: Tensor, txt: Tensor, all_img: Tensor, all_txt: Tensor, tau: T
     (i2t rows, then t2i rows; ``kept`` empty without masking). Each direction's values are its
     directional op's to the bit (the same positives, tiles and partial order)."""
     norms = tuple(epilogue.inv_norms(x, normalize) for x in (img, txt, all_img, all_txt))
-    tau32, gamma32 = _scalar32(tau, img), _scalar32(gamma, img)
-    inv_tau = 1.0 / tau32
-    m = img.shape[0]
+    sc = scalars(img, tau, gamma, has_margin, smoothing, precision,
+                 threshold_block(threshold, (txt, all_txt), (norms[1], norms[3]), normalize) if masked else None)
+    m, inv_tau = img.shape[0], sc.inv_tau
     pos = torch.cat((
         epilogue.positive_logits(epilogue.scaled(img, norms[0]), epilogue.scaled(all_txt, norms[3]), offset, inv_tau),
         epilogue.positive_logits(epilogue.scaled(txt, norms[1]), epilogue.scaled(all_img, norms[2]), offset, inv_tau)))
-    stats = rank_stats((img, txt, all_img, all_txt), norms, pos, tau32, gamma32, has_margin, offset, smoothing,
-                       precision,
-                       thr32=_threshold_block(threshold, (txt, all_txt), (norms[1], norms[3]), normalize) if masked
-                       else None)
+    stats = rank_stats((img, txt, all_img, all_txt), norms, pos, sc, offset)
     # each direction's losses from its own slice: torch's vectorised softplus rounds an element
     # differently in a loop's tail, and the directional op's tails are M long
     eps, n = label_smoothing if smoothing else 0.0, all_img.shape[0]
@@ -257,15 +224,16 @@ def _rank_nll_backward(
     i2t gives img and all_txt theirs, t2i txt and all_img (the margin is a constant)."""
     m = img.shape[0]
     i2t, t2i = _rank_directions(epilogue.RowStats(pos, delta, mean_neg, dsum, kept), m, masked)
-    tau32, gamma32 = _scalar32(tau, img), _scalar32(gamma, img)
-    inv_tau = 1.0 / tau32
+    sc = scalars(img, tau, gamma, has_margin, smoothing, precision,
+                 threshold_block(threshold, (txt, all_txt), (rt, rt_all), normalize) if masked and need_features
+                 else None)
+    inv_tau = sc.inv_tau
     eps = label_smoothing if smoothing else 0.0
     g = 0.5 * grad.float().contiguous()  # each direction's row gets half
     ops, norms = (img, txt, all_img, all_txt), (rv, rt, rv_all, rt_all)
     if need_features:
-        masking = _masking(threshold, (txt, all_txt), (rt, rt_all), normalize, masked, smoothing, eps, i2t, t2i)
-        (d_v, d_ta), (d_t, d_va) = rank_shares(ops, norms, (i2t, t2i), g, tau32, gamma32, has_margin, offset,
-                                               precision, **masking)
+        (d_v, d_ta), (d_t, d_va) = rank_shares(ops, norms, (i2t, t2i), g, sc, offset,
+                                               _shifts(sc, smoothing, eps, i2t, t2i))
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t, d_va, d_ta = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in ops)
     d_img, d_all_txt, dz_i2t = epilogue.finish_directional(i2t, g, img, all_txt, rv, rt_all, d_v, d_ta, offset,

@@ -1,13 +1,12 @@
 """Tile helpers shared by the forward and backward kernels: forming a tile of logits,
 loading γ, block offsets, a tile's statistics, the online-LSE combine, partial stores and loads.
 
-False-negative masking (MASK, a threshold c): ``_logits_masked_tile`` / ``_pair_masked_tiles``
+False-negative masking (MASK, a threshold c): ``_logits_tile`` / ``_pair_tiles``
 form the caption tile G = m_q m_kᵀ where the margin is formed (also at γ = 0) and return the
 logits with the entries whose float32 caption cosine G_ik·ρ_i·ρ_k is ≥ c (``_caption_keep``; ρ the
 captions' inverse norms, whatever ``normalize`` says) at −inf; a kernel
 ands ``_kept(z)`` into its negatives (a −inf logit, not a bool tile beside it: registers).
-``_logits_tile`` / ``_pair_tiles`` are the same tiles without it. Kept-negative counts travel in one more plane after a summary's
-(``_store_count`` / ``_load_count``).
+Kept-negative counts travel in one more plane after a summary's (``_store_count`` / ``_load_count``).
 
 Matrices travel as tuples ``(ptr, stride_row, stride_col)``, blocks of rows (or columns)
 as ``(offsets, mask, inverse norms, inverse norms of the margin factor)``.
@@ -39,20 +38,6 @@ def _col_block(mat, offs, mask, offs_d, mask_d):
 
 @triton.jit
 def _logits_tile(
-    q, k, margin_q, margin_k,
-    rows, cols,
-    D, gamma, inv_tau,
-    HAS_MARGIN: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """(BLOCK_M, BLOCK_N) float32 tile of Z = (q̂ k̂ᵀ + γ · m̂_q m̂_kᵀ) / τ, dots accumulated in
-    float32 over D: ``_logits_masked_tile`` without false-negative masking (its arguments)."""
-    return _logits_masked_tile(q, k, margin_q, margin_k, rows, cols, D, gamma, inv_tau, 0.0, HAS_MARGIN, False, PREC,
-                               BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def _logits_masked_tile(
     q, k, margin_q, margin_k,
     rows, cols,
     D, gamma, inv_tau, thr,
@@ -116,7 +101,7 @@ def _caption_keep(product, offs_m, mask_m, offs_n, mask_n, thr):
 
 @triton.jit
 def _kept(z):
-    """The entries of a tile from ``_logits_masked_tile`` / ``_pair_masked_tiles`` that masking
+    """The entries of a tile from ``_logits_tile`` / ``_pair_tiles`` that masking
     kept (not −inf; a NaN logit counts as kept, so it shows in the loss)."""
     return z != float("-inf")
 
@@ -151,10 +136,12 @@ def _load_count(ptr, plane, offs, mask, SMOOTHING: tl.constexpr):
 
 
 @triton.jit
-def _load_scalars(tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN: tl.constexpr, MASK: tl.constexpr):
+def _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN: tl.constexpr, MASK: tl.constexpr):
     """(1/τ, γ, the false-negative threshold as ``_load_threshold`` gives it), read from device
-    memory (γ only with HAS_MARGIN, the threshold only with MASK; see ``_load_gamma``). Loads only."""
-    return 1.0 / tl.load(tau_ptr), _load_gamma(gamma_ptr, HAS_MARGIN), _load_threshold(thr_ptr, MASK)
+    memory: the host's 1/τ (``params.Scalars``: the positives and the epilogue use the same
+    float32 value), γ only with HAS_MARGIN, the threshold only with MASK (their pointers are
+    None otherwise; see ``_load_gamma``). Loads only."""
+    return tl.load(inv_tau_ptr), _load_gamma(gamma_ptr, HAS_MARGIN), _load_threshold(thr_ptr, MASK)
 
 
 @triton.jit
@@ -281,19 +268,6 @@ def _three_products(
 def _pair_tiles(
     v, t,
     rows, cols,
-    D, gamma, inv_tau,
-    HAS_MARGIN: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """``_pair_masked_tiles`` without false-negative masking: (z, zm)."""
-    return _pair_masked_tiles(v, t, rows, cols, D, gamma, inv_tau, 0.0, HAS_MARGIN, False, PREC,
-                              BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def _pair_masked_tiles(
-    v, t,
-    rows, cols,
     D, gamma, inv_tau, thr,
     HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -349,7 +323,7 @@ def _rank_tiles(
     Matrices ``(ptr, stride along rows, stride along D)``: v, t the local features (M, D),
     v_all, t_all the gathered ones (N, D). Blocks ``(offsets, mask, r_v, r_t)``: local rows I
     (BLOCK_M), gathered columns J (BLOCK_N). Returns the two (BLOCK_M, BLOCK_N) float32 tiles,
-    each as ``_logits_masked_tile`` forms it for that direction's directional op (i2t: q = v,
+    each as ``_logits_tile`` forms it for that direction's directional op (i2t: q = v,
     k = t_all; t2i: q = t, k = v_all; margin factors t, t_all), to the bit. With MASK (false-negative
     masking at ``thr``) an entry whose caption cosine G_IJ[i, j] · ρ_i · ρ_j (``_caption_keep``) is
     at or above the threshold is −inf in both tiles (one comparison: the same caption pair in

@@ -3,16 +3,16 @@
 Two workspaces, never live together (the forward's is freed before the forward operator
 returns, the backward's is allocated inside the backward operator):
 
-* the forward's partial statistics (``forward.forward_stats``): float32, planes = 3 (max, Σexp,
+* the forward's partial statistics (:mod:`.forward`): float32, planes = 3 (max, Σexp,
   Σexp·d), 4 with label smoothing (also Σd); for a distributed rank's op (both directions of its
   M local rows in one walk) row partials (splits, planes, 2M); for the symmetric loss, over 2N lines (the columns' and the rows' statistics), the running
   summaries (planes, 2N) and one slab's partials: its row blocks' (slab row blocks, planes, 2N)
   and its splits' (splits, planes, 2 · slab rows), the grid of ``config.fwd_grid``;
-* the backward's dS chunk (``backward.backward_shares``, ``backward.rank_shares``): one R × C chunk
+* the backward's dS chunk (``backward.directional_shares``, ``symmetric_shares``, ``rank_shares``): one R × C chunk
   of ``config.chunk_shape`` at a time (for the symmetric loss one square chunk pair, W_ab and W_ba,
   at a time; for a rank both directions' W of one chunk) (float32 dS, a float16 head and tail for fp16 features, one float16 dS and float16
   copies of the chunk's feature rows for bf16), with its residual slice sums for 16-bit
-  features (``backward.workspace_bytes`` states it).
+  features (:func:`backward_bytes` states it).
 
 :func:`workspace_bytes` reports their sum (a bound on the peak), for the GPU launch
 configuration. ``tests/backends/test_workspace.py`` counts what the operators actually allocate
@@ -25,6 +25,7 @@ workspace.
 from __future__ import annotations
 
 import torch
+import triton
 
 from . import config as cfg
 
@@ -56,15 +57,46 @@ def forward_bytes(m: int, n: int, elem_size: int, columns: bool, smoothing: bool
     return 4 * planes * (2 * n + slab * 2 * n + splits * 2 * min(slab * block_m, n))
 
 
-def backward_bytes(m: int, n: int, d: int, dtype: torch.dtype = torch.float32, symmetric: bool = False) -> int:
-    """Bytes of the backward's workspace for M rows against N columns of width D at its peak:
-    one dS chunk (both directions' for a rank, not ``symmetric``), and for bf16 the chunk's
-    features in float16 (``backward.workspace_bytes``, which sizes it as ``backward_shares`` /
-    ``rank_shares`` allocate it)."""
-    from . import backward
+def _chunk_bytes(rows: int, cols: int, d: int, dtype: torch.dtype, buffers: int, copies: int | None = None) -> int:
+    """Bytes of ``buffers`` R × C dS buffers of ``dtype`` features with their residual slice
+    sums, and for bf16 the float16 copies of the feature rows they meet: ``copies`` (default
+    ``buffers``) blocks of R rows and as many of C columns (q and k of both chunks for a pair:
+    2·(R + C)·D; a rank's two directions keep both row blocks and one column block: 2·R·D + C·D)."""
+    if dtype == torch.float32:
+        return 4 * rows * cols * buffers
+    residuals = 4 * (triton.cdiv(cols, cfg.RESIDUAL_SLICE) * rows + triton.cdiv(rows, cfg.RESIDUAL_SLICE) * cols) * buffers
+    if dtype == torch.float16:
+        return 4 * rows * cols * buffers + residuals
+    if copies is None:
+        return 2 * rows * cols * buffers + residuals + 2 * (rows + cols) * d * buffers
+    return 2 * rows * cols * buffers + residuals + 2 * copies
 
+
+def backward_bytes(m: int, n: int, d: int, dtype: torch.dtype = torch.float32, symmetric: bool = False,
+                   rank: bool = True) -> int:
+    """Bytes the backward (``backward.directional_shares``, ``symmetric_shares``, ``rank_shares``)
+    allocates at its peak for M rows against N columns of ``dtype`` features of width D, in the
+    GPU launch configuration: one chunk of ``config.chunk_shape`` (the first, the largest):
+    float32 dS (float32 features), a float16 head and tail (fp16) or one float16 W (bf16), for
+    16-bit features the residual slice sums, and for bf16 the chunk's rows and columns of the
+    features in float16 (R·D + C·D). ``symmetric`` (the single-process loss, M = N, square
+    chunks): a chunk pair (a, b > a) holds two chunk buffers (W_ab and W_ba) at once, the largest
+    pair the first: R × min(R, N − R); a single chunk (N ≤ R) one. Else ``rank`` (a rank's two
+    directions): two chunk buffers, both directions' row blocks in float16 and one column block
+    at a time; or one direction (the directional op): one chunk buffer."""
     with cfg.forced_launch("gpu"):
-        return int(backward.workspace_bytes(m, n, d, dtype, symmetric, rank=not symmetric))
+        return _backward_bytes(m, n, d, dtype, symmetric, rank)
+
+
+def _backward_bytes(m: int, n: int, d: int, dtype: torch.dtype, symmetric: bool, rank: bool) -> int:
+    if symmetric:
+        rows, _ = cfg.chunk_shape(m, n, square=True)
+        single = _chunk_bytes(rows, rows, d, dtype, 1)
+        return single if n <= rows else max(single, _chunk_bytes(rows, min(rows, n - rows), d, dtype, 2))
+    rows, cols = cfg.chunk_shape(m, n)
+    if rank:
+        return _chunk_bytes(rows, cols, d, dtype, 2, copies=(2 * rows + cols) * d)
+    return _chunk_bytes(rows, cols, d, dtype, 1)
 
 
 def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, label_smoothing: float = 0.0,
@@ -87,7 +119,7 @@ def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, l
 
     Returns: bytes (an int): the sum of the two workspaces, a bound on the peak (they are never live together).
     Raises: ValueError for a dtype other than float16/bfloat16/float32, or n, d, local_rows < 1.
-    Source: the allocations of ``forward.forward_stats`` and ``backward.backward_shares``
+    Source: the allocations of :mod:`.forward` and :mod:`.backward`
     (``tests/backends/test_workspace.py`` counts them).
     """
     if dtype not in _SIZES:

@@ -1,0 +1,361 @@
+"""dS kernels: one chunk of W = diag(a) · dS · diag(b) at a time, with their tile stores.
+
+``_dscore_kernel`` forms each tile of Z once more and writes W = diag(a) · dS · diag(b)
+(dS = dL/dZ times τ, negatives only; a, b the inverse norms times exact powers of two) to the
+workspace, once, in the type the GEMMs read:
+
+* bf16 features: W̃ = float16(W), one pass. cuBLAS multiplies operands of one type, so each
+  chunk's feature rows are copied to float16 exactly: bf16's 8-bit significand fits float16's
+  11 bits once a row is scaled by an exact power of two s (every |x·s| < 1; 1/s folded into W's
+  scales). Entries below 2⁻¹⁷ of their row lose bits to float16's subnormals, below 2⁻²⁵ flush:
+  at most 2⁻²⁵ absolute an entry. 2 GEMMs a chunk (float16 × float16 → float32).
+* fp16 features: a float16 head W̃ and tail W̃_lo = float16(W − W̃), 4 GEMMs a chunk (a single
+  float16 pass measured 1.12–1.17× the two-pass error here: fp16 gradients are fine enough that
+  the dS rounding shows).
+* float32 features: float32 W and an IEEE-float32 GEMM (TF32 off), 2 GEMMs a chunk.
+
+The GEMMs are torch's (cuBLAS on CUDA, float32 results from 16-bit operands), accumulated over
+chunks; the O(N·D) epilogue divides the scales back out.
+
+The single-process loss walks chunk pairs instead (``_dscore_pair_kernel``), as the
+forward walks tile pairs: square chunks, pairs (a, b ≥ a); each program forms a tile Z_IJ of
+chunk (a, b) and its mirror Z_JIᵀ from 3 products sharing the margin's G_IJ = t_I t_Jᵀ
+(``tiles._pair_tiles``, 2 without the margin) and writes W_IJ into chunk buffer ab and W_JI into
+buffer ba; a diagonal chunk pairs its tiles across its diagonal super-tiles. dS with the margin
+then costs 1.5 products a logit away from the diagonal instead of 2, and two chunk buffers are
+alive at once (``workspace.backward_bytes``).
+
+Compensation. Let dS̃ be what the GEMMs see (W̃, or W̃ + W̃_lo, over a_i b_k), dS_ik = dS̃_ik + ε_ik dS_ik.
+Row i's share is Σ_k dS_ik k̂_k = Σ_k dS̃_ik k̂_k + Σ_k ε_ik dS_ik k̂_k. The kernel also writes,
+per row, ρ_i = Σ_k ε_ik dS_ik (= r_i − r̃_i, the row sums of dS and dS̃), summed in float32 from
+the exact per-element residuals (W − W̃, or W − W̃ − W̃_lo; not as a difference of the two sums, which would
+cancel), and the epilogue adds ρ_i k̂_p(i), p(i) = offset + i the row's positive. Then
+    GEMM + ρ_i k̂_p(i) − exact = −Σ_k ε_ik dS_ik (k̂_k − k̂_p(i)):
+the rounding error of dS enters only through the keys' differences from the row's positive,
+and vanishes as the captions a row confuses approach each other (the near-duplicates the
+margin is for, where the share, Σ_k dS_ik (k̂_k − k̂_p(i)) with the positive's term, is small
+against its terms). The column side is the same with σ_k = Σ_i ε_ik dS_ik and q̂ of the
+column's positive row (k − offset, when that row is local; a column without a local positive
+row, only in the directional op, is uncompensated). Residual sums are taken per 32-column
+(32-row) slice of a tile into per-chunk partial buffers (each slot written by one program) and
+merged by ``torch.sum`` in a fixed order: no atomics, bit-reproducible.
+
+Why float16 for bf16 (a bf16 dS kept the text gradient's 2⁻⁹ error; float16's 2⁻¹² is 8× finer):
+measured in ``docs/triton.md``. W's scales are :mod:`.scales`'; the chunk walks that launch these
+kernels and run the GEMMs are :mod:`.backward`'s.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import config as cfg
+from .launch import derived, launch, wrap_triton
+from .tiles import _block, _kept, _load2, _load_scalars, _logits_tile, _pair_tiles, _rank_tiles
+
+
+@triton.jit
+def _chunk_tile(row0, row_end, col0, col_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile of a dS chunk [row0, row_end) × [col0, col_end) (grid: the chunk's
+    tiles): its rows and columns ``(offsets, mask)`` and the chunk's sides R and C. No pointer
+    goes in (see ``tiles._block``): the offsets reach the stores."""
+    offs_m, mask_m = _block(row0 + tl.program_id(0) * BLOCK_M, row_end, BLOCK_M)
+    offs_n, mask_n = _block(col0 + tl.program_id(1) * BLOCK_N, col_end, BLOCK_N)
+    return (offs_m, mask_m), (offs_n, mask_n), row_end - row0, col_end - col0
+
+
+@derived("MASK", "SHIFT", "ROUND16", "TAIL")
+@triton.jit
+def _dscore_kernel(
+    q_ptr, k_ptr, mq_ptr, mk_ptr,
+    stride_qm, stride_qd, stride_kn, stride_kd, stride_mqm, stride_mqd, stride_mkn, stride_mkd,
+    rq_ptr, rk_ptr, r_mq_ptr, r_mk_ptr, pos_ptr, nll_ptr, g_ptr, inv_tau_ptr, gamma_ptr, a_ptr, b_ptr, thr_ptr, s_ptr,
+    w_ptr, lo_ptr, res_r_ptr, res_c_ptr,
+    row0, row_end, col0, col_end, D, offset,
+    HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr,
+    ROUND16: tl.constexpr, TAIL: tl.constexpr,
+    SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The directional op's W[i − row0, k − col0] = a_i · dS_ik · b_k over one chunk
+    [row0, row_end) × [col0, col_end) (dS_ik = g_i P_ik over the negatives, P = exp(d − nll));
+    with ROUND16 rounded to float16 (with TAIL also a float16 tail), and the residuals' slice
+    sums written. Grid: (⌈rows / BLOCK_M⌉, ⌈columns / BLOCK_N⌉) of the chunk.
+
+    Features and per-row inputs: as ``forward_kernels._fwd_kernel`` (q_ptr … mk_ptr, their
+        strides, rq_ptr … r_mk_ptr, pos_ptr, inv_tau_ptr, gamma_ptr, thr_ptr).
+    Per-row inputs of the backward (float32):
+        nll_ptr (M): each row's LSE of the gaps (P's normaliser); g_ptr (M): upstream gradient;
+        a_ptr (M), b_ptr (N): W's row and column scales (:func:`.scales.w_scales`).
+        s_ptr (M): each row's ε/n_i with masking and label smoothing, else None (SHIFT):
+        dS_ik = g_i (P_ik − s_i) on the entries kept (caption cosine < thr), 0 on the masked ones.
+    Outputs, the chunk's R × C (R = row_end − row0, C = col_end − col0), row-major: w_ptr, W in
+        float32, or float16 with ROUND16; lo_ptr the float16 tail (None without TAIL); with
+        ROUND16 the residuals E_ik = (W_ik − W̃_ik − W̃_lo,ik) / (a_i b_k) (= ε_ik dS_ik) summed
+        over SLICE columns into res_r_ptr (⌈C / SLICE⌉, R) and over SLICE rows into res_c_ptr
+        (⌈R / SLICE⌉, C) (None without ROUND16).
+    Shapes and scalars: the chunk's bounds row0, row_end (≤ M), col0, col_end (≤ N); D;
+        offset (row i's positive is column offset + i).
+    Constexprs: HAS_MARGIN (γ ≠ 0), PREC (``precision._dot``), SLICE (``cfg.RESIDUAL_SLICE``,
+        dividing both tile sides), BLOCK_M × BLOCK_N tiles, BLOCK_K the reduction step (the
+        forward's: the same tiles to the bit). Derived (``launch.derived``): MASK (thr_ptr),
+        SHIFT (s_ptr), ROUND16 (res_r_ptr), TAIL (lo_ptr).
+    """
+    (offs_m, mask_m), (offs_n, mask_n), rows_c, cols_c = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
+    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
+    rq, r_mq = _load2(rq_ptr, r_mq_ptr, offs_m, mask_m)
+    rk, r_mk = _load2(rk_ptr, r_mk_ptr, offs_n, mask_n)
+    z = _logits_tile((q_ptr, stride_qm, stride_qd), (k_ptr, stride_kn, stride_kd),
+                     (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
+                     (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
+                     D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, None, None,
+                            a_ptr, b_ptr, False, s_ptr, None, MASK, SHIFT)
+    _store_w(w, a, b, mask, (offs_m, mask_m, row0, row_end, tl.program_id(0) * (BLOCK_M // SLICE)),
+             (offs_n, mask_n, col0, col_end, tl.program_id(1) * (BLOCK_N // SLICE)),
+             w_ptr, lo_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
+             ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr, a_ptr, b_ptr,
+            SYMMETRIC: tl.constexpr, s_ptr, s_c_ptr, MASK: tl.constexpr, SHIFT: tl.constexpr):
+    """W = a_i · dS_ik · b_k (float32) of a tile z of logits (rows ``offs_m``, columns ``offs_n``;
+    row i's positive is column offset + i), with the row scales a, column scales b and the
+    tile's bounds mask. With SYMMETRIC (the single-process loss, offset 0) dS also gains
+    g'_k P'_ki, the softmax of column k (``nll_c_ptr``, ``g_c_ptr``; None without it), so one
+    tile serves i2t and t2i. With MASK (z from ``tiles._logits_tile``, masked entries −inf) only
+    the kept entries are negatives, each less its row's (and column's) smoothing share s = ε/n
+    (``s_ptr``, ``s_c_ptr``; only with SHIFT, label smoothing: without it a masked tile costs
+    what an unmasked one does, the fp16 128x64 dS is at 255 registers). Loads only."""
+    neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
+    pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
+    nll = tl.load(nll_ptr + offs_m, mask=mask_m, other=0.0)
+    g = tl.load(g_ptr + offs_m, mask=mask_m, other=0.0)
+    if MASK:
+        neg = neg & _kept(z)
+    if SHIFT:
+        s = tl.load(s_ptr + offs_m, mask=mask_m, other=0.0)
+        p = tl.exp(tl.where(neg, z - pos[:, None] - nll[:, None], float("-inf")))
+        dscore = tl.where(neg, p - s[:, None], 0.0) * g[:, None]
+    else:
+        # mask before exp: the positive's tile entry carries a margin and may overflow
+        dscore = tl.exp(tl.where(neg, z - pos[:, None] - nll[:, None], float("-inf"))) * g[:, None]
+    if SYMMETRIC:
+        pos_c = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
+        nll_c = tl.load(nll_c_ptr + offs_n, mask=mask_n, other=0.0)
+        g_c = tl.load(g_c_ptr + offs_n, mask=mask_n, other=0.0)
+        if SHIFT:
+            s_c = tl.load(s_c_ptr + offs_n, mask=mask_n, other=0.0)
+            p_c = tl.exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf")))
+            dscore += tl.where(neg, p_c - s_c[None, :], 0.0) * g_c[None, :]
+        else:
+            dscore += tl.exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf"))) * g_c[None, :]
+    # W_ik = a_i · dS_ik · b_k (a, b: the products' scales, see scales.w_scales)
+    a = tl.load(a_ptr + offs_m, mask=mask_m, other=0.0)
+    b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0)
+    w = dscore * a[:, None] * b[None, :]
+    return w, a, b, mask_m[:, None] & mask_n[None, :]
+
+
+@triton.jit
+def _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, w0, stride_w, res_r_ptr, r0, stride_rr, res_c_ptr, c0,
+             stride_rc, ROUND16: tl.constexpr, TAIL: tl.constexpr, SLICE: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store a W tile (``_w_tile``) at rows ``rows`` = (offsets, mask, the chunk's first row, its end,
+    the tile's first row slice) and columns ``cols`` alike of a row-major chunk buffer at entry w0
+    of ``w_ptr`` (row stride ``stride_w``; the tail alike in ``lo_ptr``): with ROUND16 rounded to
+    float16 (with TAIL also the tail), and the residuals' slice sums at entry r0 of ``res_r_ptr``
+    (stride ``stride_rr`` between slices) and c0 of ``res_c_ptr`` (``stride_rc``); see
+    ``_dscore_kernel``. The offsets are added here, under the flags: unread pointers are None."""
+    offs_m, mask_m, row0, row_end, first_m = rows
+    offs_n, mask_n, col0, col_end, first_n = cols
+    if ROUND16:
+        w16 = w.to(tl.float16).to(tl.float32)  # round to nearest even
+        if TAIL:
+            lo16 = (w - w16).to(tl.float16).to(tl.float32)  # the tail: W ≈ W̃ + W̃_lo to ~22 bits
+            rest = (w - w16) - lo16
+        else:
+            rest = w - w16
+        # ε_ik dS_ik, exact residual of the rounding(s), in dS's units; 0 off the chunk (a, b are 0 there)
+        err = tl.where(mask, rest / b[None, :] / a[:, None], 0.0)
+        row_part = tl.sum(tl.reshape(err, (BLOCK_M, BLOCK_N // SLICE, SLICE)), axis=2)  # (BLOCK_M, slices)
+        col_part = tl.sum(tl.reshape(err, (BLOCK_M // SLICE, SLICE, BLOCK_N)), axis=1)  # (slices, BLOCK_N)
+        slices_n = tl.arange(0, BLOCK_N // SLICE)
+        slices_m = tl.arange(0, BLOCK_M // SLICE)
+        tl.store(res_r_ptr + r0 + (first_n + slices_n)[None, :] * stride_rr + (offs_m - row0)[:, None], row_part,
+                 mask=mask_m[:, None] & (col0 + (first_n + slices_n) * SLICE < col_end)[None, :])
+        tl.store(res_c_ptr + c0 + (first_m + slices_m)[:, None] * stride_rc + (offs_n - col0)[None, :], col_part,
+                 mask=(row0 + (first_m + slices_m) * SLICE < row_end)[:, None] & mask_n[None, :])
+        if TAIL:
+            tl.store(lo_ptr + w0 + (offs_m - row0)[:, None] * stride_w + (offs_n - col0)[None, :],
+                     lo16.to(lo_ptr.dtype.element_ty), mask=mask)
+        w = w16
+    tl.store(w_ptr + w0 + (offs_m - row0)[:, None] * stride_w + (offs_n - col0)[None, :],
+             w.to(w_ptr.dtype.element_ty), mask=mask)
+
+
+@derived("MASK", "SHIFT", "ROUND16", "TAIL")
+@triton.jit
+def _dscore_pair_kernel(
+    v_ptr, t_ptr, stride_vm, stride_vd, stride_tm, stride_td,
+    rv_ptr, rt_ptr, pos_ptr, nll_ptr, g_ptr, inv_tau_ptr, gamma_ptr, nll_c_ptr, g_c_ptr, a_ptr, b_ptr,
+    thr_ptr, s_ptr, s_c_ptr,
+    w_ptr, lo_ptr, res_r_ptr, res_c_ptr, mirror_w, mirror_r, mirror_c,
+    row0, row_end, col0, col_end, D,
+    HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr, ROUND16: tl.constexpr,
+    TAIL: tl.constexpr,
+    SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The symmetric loss's dS over a chunk pair: chunk (a, b) = [row0, row_end) × [col0, col_end)
+    and its mirror (b, a), both W's (``_w_tile`` with SYMMETRIC, offset 0) from the tile pairs of
+    ``tiles._pair_tiles`` (3 products a pair sharing the margin's G_IJ = t_I t_Jᵀ).
+
+    Program (I, J) takes the tile of rows I (BLOCK_M) and columns J (BLOCK_N) of chunk (a, b),
+    forms Z_IJ and Z_JIᵀ, and writes W_IJ into buffer ab and W_JI (transposed back) into buffer ba,
+    with the residual slice sums of both. A diagonal chunk (row0 = col0, a square chunk) is its
+    own mirror (mirror offsets 0): there tile rows I pair with the columns J right of their
+    diagonal super-tile (BLOCK_M × BLOCK_M), the super-tile's tiles are formed alone (the
+    positives; ``_logits_tile``), and programs left of it write nothing (their tiles are
+    mirrors). Every logit is formed as the forward forms it (the same BLOCK_K): bit-identical.
+    Grid: (⌈rows / BLOCK_M⌉, ⌈columns / BLOCK_N⌉) of chunk (a, b).
+
+    Inputs: v_ptr, t_ptr (N, D) features (strides ``stride_<v|t><m|d>``), rv_ptr, rt_ptr (N)
+        inverse norms, pos_ptr … b_ptr, thr_ptr, s_ptr as ``_dscore_kernel`` (q = v, k = t),
+        nll_c_ptr, g_c_ptr (N) the columns' (t2i rows') LSE and upstream gradient, s_c_ptr their
+        ε/n (None without SHIFT). MASK: the pair tiles' one caption tile masks W_IJ and W_JI alike.
+    Outputs: w_ptr, one flat buffer: W_ab (R × C, row-major) at 0, W_ba (C × R) at mirror_w;
+        with TAIL lo_ptr alike; with ROUND16 res_r_ptr: ab's row slice sums (⌈C / SLICE⌉, R)
+        at 0, ba's (⌈R / SLICE⌉, C) at mirror_r; res_c_ptr: ab's column slice sums
+        (⌈R / SLICE⌉, C) at 0, ba's (⌈C / SLICE⌉, R) at mirror_c (R = row_end − row0,
+        C = col_end − col0). Diagonal chunk: the mirror offsets 0 (one buffer each).
+    Constexprs: as ``_dscore_kernel``; BLOCK_N divides BLOCK_M; chunk sides multiples of BLOCK_M.
+    """
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    (offs_m, mask_m), (offs_n, mask_n), rows_c, cols_c = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
+    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
+    rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
+    rv_n, rt_n = _load2(rv_ptr, rt_ptr, offs_n, mask_n)
+    v = (v_ptr, stride_vm, stride_vd)
+    t = (t_ptr, stride_tm, stride_td)
+    rows = (offs_m, mask_m, row0, row_end, pid_m * (BLOCK_M // SLICE))
+    cols = (offs_n, mask_n, col0, col_end, pid_n * (BLOCK_N // SLICE))
+    local_m = pid_m * BLOCK_M
+    local_n = pid_n * BLOCK_N
+    diagonal = row0 == col0
+    if diagonal & (local_n >= local_m) & (local_n < local_m + BLOCK_M):
+        # the diagonal super-tile: its tiles hold the positives and are formed alone, as the forward forms them
+        z = _logits_tile(v, t, t, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
+                         D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
+                                a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
+        _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
+                 ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
+    elif (row0 != col0) | (local_n >= local_m + BLOCK_M):
+        z, zm = _pair_tiles(v, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
+                            D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
+                                a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
+        _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
+                 ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
+        # the mirror: rows J, columns I of chunk (b, a), a C × R buffer
+        wm, am, bm, maskm = _w_tile(tl.trans(zm), offs_n, mask_n, offs_m, mask_m, 0, pos_ptr, nll_ptr, g_ptr,
+                                    nll_c_ptr, g_c_ptr, a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
+        _store_w(wm, am, bm, maskm, cols, rows, w_ptr, lo_ptr, mirror_w, rows_c, res_r_ptr, mirror_r, cols_c,
+                 res_c_ptr, mirror_c, rows_c, ROUND16, TAIL, SLICE, BLOCK_N, BLOCK_M)
+
+
+@derived("MASK", "SHIFT", "ROUND16", "TAIL")
+@triton.jit
+def _dscore_rank_kernel(
+    v_ptr, t_ptr, va_ptr, ta_ptr,
+    stride_vm, stride_vd, stride_tm, stride_td, stride_van, stride_vad, stride_tan, stride_tad,
+    rv_ptr, rt_ptr, rva_ptr, rta_ptr, pos_ptr, nll_ptr, g_ptr, inv_tau_ptr, gamma_ptr, a_ptr, b_ptr, thr_ptr, s_ptr,
+    w_ptr, lo_ptr, res_r_ptr, res_c_ptr, second_w, second_r, second_c,
+    M, N, row0, row_end, col0, col_end, D, offset,
+    HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr,
+    ROUND16: tl.constexpr, TAIL: tl.constexpr,
+    SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """A distributed rank's dS of both directions over one chunk [row0, row_end) × [col0, col_end)
+    of its M local rows against the N gathered columns: each program forms the i2t and t2i
+    tiles from 3 products sharing G (``tiles._rank_tiles``) and writes both W's (each as
+    ``_dscore_kernel`` writes its direction's), with their residual slice sums.
+    Grid: (⌈rows / BLOCK_M⌉, ⌈columns / BLOCK_N⌉) of the chunk.
+
+    Inputs: the features and inverse norms as ``forward_kernels._fwd_rank_kernel``; per line (2M:
+        i2t rows, then t2i rows) pos_ptr, nll_ptr, g_ptr, the row scales a_ptr and (SHIFT) each
+        line's ε/n_i s_ptr; per direction's columns (2N: i2t's keys t_all, then t2i's keys
+        v_all) the column scales b_ptr; inv_tau_ptr, gamma_ptr, thr_ptr as ``_dscore_kernel``.
+    Outputs: w_ptr, one flat buffer: the i2t W (R × C, row-major) at 0 and the t2i W at
+        second_w; with TAIL lo_ptr alike; with ROUND16 res_r_ptr (⌈C / SLICE⌉, R) and res_c_ptr
+        (⌈R / SLICE⌉, C), the t2i direction's at second_r / second_c (R = row_end − row0,
+        C = col_end − col0).
+    Scalars and constexprs: M, N; the rest as ``_dscore_kernel``.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    (offs_m, mask_m), (offs_n, mask_n), rows_c, cols_c = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
+    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
+    rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
+    rv_n, rt_n = _load2(rva_ptr, rta_ptr, offs_n, mask_n)
+    z, zt = _rank_tiles((v_ptr, stride_vm, stride_vd), (t_ptr, stride_tm, stride_td),
+                        (va_ptr, stride_van, stride_vad), (ta_ptr, stride_tan, stride_tad),
+                        (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
+                        D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    rows = (offs_m, mask_m, row0, row_end, pid_m * (BLOCK_M // SLICE))
+    cols = (offs_n, mask_n, col0, col_end, pid_n * (BLOCK_N // SLICE))
+    w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, None, None,
+                            a_ptr, b_ptr, False, s_ptr, None, MASK, SHIFT)
+    _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
+             ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
+    s_t2i = s_ptr  # None without SHIFT: the t2i lines' shifts only exist with it
+    if SHIFT:
+        s_t2i = s_ptr + M
+    w, a, b, mask = _w_tile(zt, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr + M, nll_ptr + M, g_ptr + M,
+                            None, None, a_ptr + M, b_ptr + N, False, s_t2i, None, MASK, SHIFT)
+    _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, second_w, cols_c, res_r_ptr, second_r, rows_c, res_c_ptr,
+             second_c, cols_c, ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
+
+
+# autotuned twins (GPU only; the interpreter and HNCLIP_AUTOTUNE=0 use cfg.heuristic). Key: D,
+# HAS_MARGIN, PREC (MASK, SHIFT, ROUND16 and TAIL derive from their pointers: ``launch.derived``);
+# the pruner keeps the operand width's candidates, less those SHIFT spills with
+_KEY = ["D", "HAS_MARGIN", "PREC"]
+_dscore_tuned = triton.autotune(cfg.all_candidates("dscore"), key=_KEY,
+                                prune_configs_by={"early_config_prune": cfg.pruner("dscore", "q_ptr")})(_dscore_kernel)
+_dscore_pair_tuned = triton.autotune(cfg.all_candidates("dscore_pair"), key=_KEY,
+                                     prune_configs_by={"early_config_prune": cfg.pruner("dscore_pair", "v_ptr")}
+                                     )(_dscore_pair_kernel)
+_dscore_rank_tuned = triton.autotune(cfg.all_candidates("dscore_rank"), key=_KEY,
+                                     prune_configs_by={"early_config_prune": cfg.pruner("dscore_rank", "v_ptr")}
+                                     )(_dscore_rank_kernel)
+
+
+def _chunk_grid(rows: int, cols: int):
+    """The launch grid of an R × C chunk for the chosen tiles."""
+    return lambda tiles: (triton.cdiv(rows, tiles["BLOCK_M"]), triton.cdiv(cols, tiles["BLOCK_N"]))
+
+
+def _constexprs(sc, width: int) -> dict:
+    """The dS kernels' explicit constexprs from the operator's ``params.Scalars``."""
+    return dict(HAS_MARGIN=sc.has_margin, PREC=sc.prec, SLICE=cfg.RESIDUAL_SLICE, BLOCK_K=cfg.score_block_k(width))
+
+
+def launch_dscore(sc, width: int, rows: int, cols: int, args):
+    """Launch ``_dscore_kernel`` over an R × C chunk (autotuned, or ``cfg.heuristic``; see :func:`.launch.launch`)."""
+    launch(lambda tuned: wrap_triton(_dscore_tuned) if tuned else wrap_triton(_dscore_kernel), "dscore", width,
+           _chunk_grid(rows, cols), args, **_constexprs(sc, width))
+
+
+def launch_dscore_pair(sc, width: int, rows: int, cols: int, args):
+    """Launch ``_dscore_pair_kernel`` over chunk pair (a, b) of R × C (as :func:`launch_dscore`)."""
+    launch(lambda tuned: wrap_triton(_dscore_pair_tuned) if tuned else wrap_triton(_dscore_pair_kernel),
+           "dscore_pair", width, _chunk_grid(rows, cols), args, **_constexprs(sc, width))
+
+
+def launch_dscore_rank(sc, width: int, rows: int, cols: int, args):
+    """Launch ``_dscore_rank_kernel`` over an R × C chunk (as :func:`launch_dscore`)."""
+    launch(lambda tuned: wrap_triton(_dscore_rank_tuned) if tuned else wrap_triton(_dscore_rank_kernel),
+           "dscore_rank", width, _chunk_grid(rows, cols), args, **_constexprs(sc, width))

@@ -1,0 +1,74 @@
+"""The scalars every launcher of one operator body reads, built once per body (:func:`scalars`).
+
+The kernels read 1/τ, γ and the false-negative threshold from device memory as float32
+tensors and take no float argument at all: Inductor types a Python float fp64 inside a user
+kernel, and with γ a float argument the float32 tiles become fp64 and the forward kernel fails
+to compile ("Loop-carried variable run_max has initial type fp32 but is re-assigned to fp64");
+a tensor also lets a compiled graph take a new τ or γ without recompiling. The kernels take the
+host's 1/τ, the value the positives and the epilogue use. A pointer a kernel does not read is
+None (γ without the margin, the threshold without masking), and the kernel's flag derives from
+it (``triton.heuristics``).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import epilogue
+from . import config as cfg
+
+
+class Scalars(NamedTuple):
+    """One operator body's scalars and flags, as its launchers pass them to the kernels.
+
+    inv_tau: (1,) float32, 1/τ on the features' device (the kernels' ``inv_tau_ptr``).
+    gamma: (1,) float32 γ, or None without the margin (``gamma_ptr``, read with HAS_MARGIN).
+    thr: the false-negative masking block (:func:`threshold_block`), or None (``thr_ptr``; MASK).
+    has_margin: γ ≠ 0, the kernels' HAS_MARGIN. smoothing: ε ≠ 0, the forward's SMOOTHING.
+    prec: the score products' ``input_precision`` for the features' dtype (``cfg.dot_precision``).
+    """
+
+    inv_tau: Tensor
+    gamma: Optional[Tensor]
+    thr: Optional[Tensor]
+    has_margin: bool
+    smoothing: bool
+    prec: str
+
+    @property
+    def masked(self) -> bool:
+        """False-negative masking (the kernels' MASK)."""
+        return self.thr is not None
+
+
+def scalar32(x: Tensor, like: Tensor) -> Tensor:
+    """A one-element tensor (τ, γ) as the kernels read it: float32, shape (1,), on ``like``'s device."""
+    return x.to(device=like.device, dtype=torch.float32).reshape(1)
+
+
+def scalars(like: Tensor, tau: Tensor, gamma: Tensor, has_margin: bool, smoothing: bool, precision: str,
+            thr: Optional[Tensor] = None) -> Scalars:
+    """The :class:`Scalars` of an operator body on features ``like``: 1/τ in float32 (one
+    division, on the host), γ (None without ``has_margin``), the masking block ``thr`` (None:
+    no masking), the flags, and ``precision`` (a resolved mode) for ``like``'s dtype."""
+    return Scalars(1.0 / scalar32(tau, like), scalar32(gamma, like) if has_margin else None, thr, has_margin,
+                   smoothing, cfg.dot_precision(like.dtype, precision))
+
+
+def threshold_block(threshold: Tensor, captions, norms, normalize: bool) -> Tensor:
+    """The kernels' false-negative masking block (``tiles._caption_keep``), float32, 1-D: the
+    threshold c twice, then the key captions' and the query captions' inverse norms interleaved
+    (key k at 2 + 2k, query i at 3 + 2i; zeros pad the shorter side).
+
+    ``captions`` = (query captions (M, D), key captions (N, D)), ``norms`` their inverse norms as
+    the margin uses them. The masking compares the captions' cosine G_ik·ρ_i·ρ_k whatever
+    ``normalize`` says: normalising, ρ is ``norms`` itself (the margin's product, to the bit);
+    otherwise ρ = 1/‖t‖ is taken here (``norms`` are ones then)."""
+    rho_q, rho_k = norms if normalize else (epilogue.inv_norms(x, True) for x in captions)
+    m, n = rho_q.shape[0], rho_k.shape[0]
+    size = max(m, n)
+    pairs = torch.stack((F.pad(rho_k, (0, size - n)), F.pad(rho_q, (0, size - m))), dim=1).reshape(-1)
+    return torch.cat((scalar32(threshold, rho_q).expand(2), pairs))
