@@ -50,8 +50,8 @@ from typing import Callable  # noqa: E402
 import torch  # noqa: E402
 
 from hnclip_kernels.backends.triton import config as cfg  # noqa: E402
-from hnclip_kernels.backends.triton.precision import INTERPRET  # noqa: E402
 from hnclip_kernels.backends.triton import ops as ht  # noqa: E402
+from hnclip_kernels.backends.triton.precision import INTERPRET  # noqa: E402
 
 # The float64 truth and the test inputs live with the tests; tests/ is a folder of plain
 # modules (cases.py itself imports `helpers`), put on sys.path as pytest does.

@@ -17,6 +17,7 @@ split-K atomics in its default mode; with several streams, set CUBLAS_WORKSPACE_
 as ``torch.use_deterministic_algorithms`` asks): deterministic. ``workspace.backward_bytes``
 states the peak.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,11 +55,33 @@ def directional_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=No
     a, b = scales[0][0], scales[0][1]
 
     def launch_chunk(row0, row_end, col0, col_end, w, lo, res_r, res_c):
-        args = (*ops, *strides(*ops), *norms, stats.pos, nll, g, sc.inv_tau, sc.gamma, a, b, sc.thr, s, w, lo, res_r,
-                res_c, row0, row_end, col0, col_end, q.shape[1], offset)
+        args = (
+            *ops,
+            *strides(*ops),
+            *norms,
+            stats.pos,
+            nll,
+            g,
+            sc.inv_tau,
+            sc.gamma,
+            a,
+            b,
+            sc.thr,
+            s,
+            w,
+            lo,
+            res_r,
+            res_c,
+            row0,
+            row_end,
+            col0,
+            col_end,
+            q.shape[1],
+            offset,
+        )
         launch_dscore(sc, q.element_size(), row_end - row0, col_end - col0, args)
 
-    (d_q, d_k), = _walk(((q, k, norms[0], norms[1]),), scales, offset, launch_chunk)
+    ((d_q, d_k),) = _walk(((q, k, norms[0], norms[1]),), scales, offset, launch_chunk)
     return d_q, d_k
 
 
@@ -81,16 +104,42 @@ def rank_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=None):
     s = None if shifts is None else torch.cat(shifts)
     round16, tail, _ = _modes(v)
     lines = (slice(0, m), slice(m, 2 * m))  # each direction's rows' bound on |dS|
-    scales = [w_scales(*d, ((g[sl], nll[sl], None if s is None else s[sl]),), round16, tail)
-              for d, sl in zip(dirs, lines)]
+    scales = [
+        w_scales(*d, ((g[sl], nll[sl], None if s is None else s[sl]),), round16, tail) for d, sl in zip(dirs, lines)
+    ]
     a, b = torch.cat([x[0] for x in scales]), torch.cat([x[1] for x in scales])
 
     def launch_chunk(row0, row_end, col0, col_end, w, lo, res_r, res_c):
         r, c = row_end - row0, col_end - col0
         sr, sc_ = triton.cdiv(r, cfg.RESIDUAL_SLICE), triton.cdiv(c, cfg.RESIDUAL_SLICE)
         second = (r * c, sc_ * r, sr * c) if round16 else (r * c, 0, 0)  # the t2i W and its sums
-        args = (*ops, *strides(*ops), *norms, pos, nll, g, sc.inv_tau, sc.gamma, a, b, sc.thr, s, w, lo, res_r, res_c,
-                *second, m, n, row0, row_end, col0, col_end, v.shape[1], offset)
+        args = (
+            *ops,
+            *strides(*ops),
+            *norms,
+            pos,
+            nll,
+            g,
+            sc.inv_tau,
+            sc.gamma,
+            a,
+            b,
+            sc.thr,
+            s,
+            w,
+            lo,
+            res_r,
+            res_c,
+            *second,
+            m,
+            n,
+            row0,
+            row_end,
+            col0,
+            col_end,
+            v.shape[1],
+            offset,
+        )
         launch_dscore_rank(sc, v.element_size(), r, c, args)
 
     return _walk(dirs, scales, offset, launch_chunk)
@@ -116,9 +165,10 @@ def _walk(dirs, scales, offset: int, launch_chunk):
         for row0 in range(0, m, rows):
             row_end = min(row0 + rows, m)
             acc_q, rho = [None] * n_dirs, [None] * n_dirs
-            q_rows = [_rows(q, row0, row_end) if sc[4] is None else to_f16(_rows(q, row0, row_end),
-                                                                            sc[4][0][row0:row_end])
-                      for (q, _, _, _), sc in zip(dirs, scales)]
+            q_rows = [
+                _rows(q, row0, row_end) if sc[4] is None else to_f16(_rows(q, row0, row_end), sc[4][0][row0:row_end])
+                for (q, _, _, _), sc in zip(dirs, scales)
+            ]
             for j, col0 in enumerate(range(0, n, cols)):
                 col_end = min(col0 + cols, n)
                 r, c = row_end - row0, col_end - col0
@@ -126,21 +176,22 @@ def _walk(dirs, scales, offset: int, launch_chunk):
                 # a fresh workspace per chunk, the previous one freed first (the allocator hands its
                 # memory back): never a view into a shared buffer, which a traced operator would
                 # write through a scatter. Each direction's row slice sums (sc, r), column ones (sr, c)
-                w, lo, res_r, res_c = _w_buffers(n_dirs * r * c, n_dirs * sc_ * r, n_dirs * sr * c, w_dtype, round16,
-                                                 tail, dev)
+                w, lo, res_r, res_c = _w_buffers(
+                    n_dirs * r * c, n_dirs * sc_ * r, n_dirs * sr * c, w_dtype, round16, tail, dev
+                )
                 launch_chunk(row0, row_end, col0, col_end, w, lo, res_r, res_c)
                 for i, (_, k, _, _) in enumerate(dirs):
                     k_cols = _rows(k, col0, col_end)
                     if scales[i][4] is not None:
                         k_cols = to_f16(k_cols, scales[i][4][1][col0:col_end])  # this column block's float16 copy
                     for buf in [w, lo] if tail else [w]:  # the head, then the tail's products
-                        w_i = buf[i * r * c:(i + 1) * r * c].view(r, c)
+                        w_i = buf[i * r * c : (i + 1) * r * c].view(r, c)
                         acc_q[i] = _mm(w_i, k_cols, acc_q[i])
                         d_k_parts[i][j] = _mm(w_i.t(), q_rows[i], d_k_parts[i][j])
                     if round16:  # slice sums merged in a fixed order, then over chunks in chunk order
-                        s = res_r[i * sc_ * r:(i + 1) * sc_ * r].view(sc_, r).sum(0)
+                        s = res_r[i * sc_ * r : (i + 1) * sc_ * r].view(sc_, r).sum(0)
                         rho[i] = s if rho[i] is None else rho[i] + s
-                        s = res_c[i * sr * c:(i + 1) * sr * c].view(sr, c).sum(0)
+                        s = res_c[i * sr * c : (i + 1) * sr * c].view(sr, c).sum(0)
                         sigma_parts[i][j] = s if sigma_parts[i][j] is None else sigma_parts[i][j] + s
                     del k_cols, buf, w_i
                 del w, lo, res_r, res_c  # one chunk alive at a time
@@ -153,8 +204,9 @@ def _walk(dirs, scales, offset: int, launch_chunk):
         d_q = _cat(d_q_parts[i]).div_(scales[i][2][:, None])
         d_k = _cat(d_k_parts[i]).div_(scales[i][3][:, None])
         if round16:
-            epilogue.add_rounding_compensation(d_q, d_k, _cat(rho_parts[i]), _cat(sigma_parts[i]), q, k, r_q, r_k,
-                                               offset)
+            epilogue.add_rounding_compensation(
+                d_q, d_k, _cat(rho_parts[i]), _cat(sigma_parts[i]), q, k, r_q, r_k, offset
+            )
         out.append((d_q, d_k))
     return out
 
@@ -201,27 +253,63 @@ def symmetric_shares(ops, norms, rows, cols, sc: Scalars, shifts=None):
                 pair = ib > ia
                 q_b, k_b = copies(col0, col_end) if pair else (q_a, k_a)
                 # fresh buffers per chunk pair (the previous ones freed first): W_ab then W_ba, flat
-                sr, sc_ = (triton.cdiv(r, cfg.RESIDUAL_SLICE), triton.cdiv(c, cfg.RESIDUAL_SLICE)) if round16 else (0, 0)
+                sr, sc_ = (
+                    (triton.cdiv(r, cfg.RESIDUAL_SLICE), triton.cdiv(c, cfg.RESIDUAL_SLICE)) if round16 else (0, 0)
+                )
                 # ab's row sums (sc, r) then ba's (sr, c); ab's column sums (sr, c) then ba's (sc, r)
-                w, lo, res_r, res_c = _w_buffers((2 if pair else 1) * r * c, sc_ * r + (sr * c if pair else 0),
-                                                 sr * c + (sc_ * r if pair else 0), w_dtype, round16, tail, dev)
+                w, lo, res_r, res_c = _w_buffers(
+                    (2 if pair else 1) * r * c,
+                    sc_ * r + (sr * c if pair else 0),
+                    sr * c + (sc_ * r if pair else 0),
+                    w_dtype,
+                    round16,
+                    tail,
+                    dev,
+                )
                 mirror = (r * c, sc_ * r, sr * c) if pair else (0, 0, 0)
-                args = (v, t, *strides(v, t), norms[0], norms[1], stats.pos, nll, g, sc.inv_tau, sc.gamma, nll_c, g_c,
-                        a, b, sc.thr, s[0], s[1], w, lo, res_r, res_c, *mirror, row0, row_end, col0, col_end, d)
+                args = (
+                    v,
+                    t,
+                    *strides(v, t),
+                    norms[0],
+                    norms[1],
+                    stats.pos,
+                    nll,
+                    g,
+                    sc.inv_tau,
+                    sc.gamma,
+                    nll_c,
+                    g_c,
+                    a,
+                    b,
+                    sc.thr,
+                    s[0],
+                    s[1],
+                    w,
+                    lo,
+                    res_r,
+                    res_c,
+                    *mirror,
+                    row0,
+                    row_end,
+                    col0,
+                    col_end,
+                    d,
+                )
                 launch_dscore_pair(sc, v.element_size(), r, c, args)
                 for buf in [w, lo] if tail else [w]:  # W_ab (and its tail): rows a against columns b
-                    d_q[ia] = _mm(buf[:r * c].view(r, c), k_b, d_q[ia])
-                    d_k[ib] = _mm(buf[:r * c].view(r, c).t(), q_a, d_k[ib])
+                    d_q[ia] = _mm(buf[: r * c].view(r, c), k_b, d_q[ia])
+                    d_k[ib] = _mm(buf[: r * c].view(r, c).t(), q_a, d_k[ib])
                     if pair:  # W_ba: rows b against columns a
-                        d_q[ib] = _mm(buf[r * c:].view(c, r), k_a, d_q[ib])
-                        d_k[ia] = _mm(buf[r * c:].view(c, r).t(), q_b, d_k[ia])
+                        d_q[ib] = _mm(buf[r * c :].view(c, r), k_a, d_q[ib])
+                        d_k[ia] = _mm(buf[r * c :].view(c, r).t(), q_b, d_k[ia])
                 del buf
                 if round16:  # slice sums merged in a fixed order, then over pairs in pair order
-                    add(rho, ia, res_r[:sc_ * r].view(sc_, r).sum(0))
-                    add(sigma, ib, res_c[:sr * c].view(sr, c).sum(0))
+                    add(rho, ia, res_r[: sc_ * r].view(sc_, r).sum(0))
+                    add(sigma, ib, res_c[: sr * c].view(sr, c).sum(0))
                     if pair:
-                        add(rho, ib, res_r[sc_ * r:].view(sr, c).sum(0))
-                        add(sigma, ia, res_c[sr * c:].view(sc_, r).sum(0))
+                        add(rho, ib, res_r[sc_ * r :].view(sr, c).sum(0))
+                        add(sigma, ia, res_c[sr * c :].view(sc_, r).sum(0))
                 del w, lo, res_r, res_c, args, q_b, k_b  # one chunk pair alive at a time
             del q_a, k_a
     d_v, d_t = _cat(d_q).div_(rq[:, None]), _cat(d_k).div_(rk[:, None])
@@ -238,8 +326,12 @@ def _w_buffers(w_len: int, res_r_len: int, res_c_len: int, w_dtype, round16: boo
     if not round16:
         return w, None, None, None
     lo = torch.empty(w.shape, device=dev, dtype=w_dtype) if tail else None
-    return (w, lo, torch.empty(res_r_len, device=dev, dtype=torch.float32),
-            torch.empty(res_c_len, device=dev, dtype=torch.float32))
+    return (
+        w,
+        lo,
+        torch.empty(res_r_len, device=dev, dtype=torch.float32),
+        torch.empty(res_c_len, device=dev, dtype=torch.float32),
+    )
 
 
 def _cat(parts):
@@ -262,4 +354,3 @@ def _rows(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """x[start:end], or x itself when that is all of it (a traced operator then writes the
     tensor, not a view of it: no scatter back into a base)."""
     return x if (start, end) == (0, x.shape[0]) else x[start:end]
-

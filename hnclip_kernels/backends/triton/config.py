@@ -19,6 +19,7 @@ interpreter multiplies raw bf16 bits, triton#11584) and rounded the way the GPU'
 cores round them for the chosen input precision (see ``precision._dot``), so a CPU run
 computes what a GPU computes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,7 +65,7 @@ def forced_launch(mode: str):
 
 
 def launch_mode() -> str:
-    """"interpret", "gpu" or "autotune" (see the module docstring)."""
+    """ "interpret", "gpu" or "autotune" (see the module docstring)."""
     forced = _FORCED_MODE.get()
     if forced is not None:
         return forced
@@ -106,30 +107,36 @@ def _cfg(num_warps, num_stages, **tiles):
 # by operand width (bytes): only candidates that compile for sm_90a without spills
 # (registers are the limit: two float32 tiles when γ ≠ 0, plus the column statistics)
 CANDIDATES = {
-    "fwd": {2: [_cfg(8, 4, BLOCK_N=64), _cfg(8, 3, BLOCK_N=64)],
-            4: [_cfg(4, 3, BLOCK_N=32), _cfg(8, 2, BLOCK_N=64)]},
+    "fwd": {2: [_cfg(8, 4, BLOCK_N=64), _cfg(8, 3, BLOCK_N=64)], 4: [_cfg(4, 3, BLOCK_N=32), _cfg(8, 2, BLOCK_N=64)]},
     # the symmetric walk over tile pairs: three float32 tiles (Z_IJ, Z_JIᵀ, G_IJ) when γ ≠ 0; sm_90a
     # --quick: 128x64 at 8 warps spills 28-160 B, 128x32 at 4 warps 200-360 B; float32 64x32 spills
     # 44-196 B with the margin (tf32x3), 64x16 at 4 warps is clean (255 registers)
-    "pair": {2: [_cfg(8, 3, BLOCK_N=32), _cfg(8, 4, BLOCK_N=32)],
-             4: [_cfg(4, 2, BLOCK_N=16)]},
+    "pair": {2: [_cfg(8, 3, BLOCK_N=32), _cfg(8, 4, BLOCK_N=32)], 4: [_cfg(4, 2, BLOCK_N=16)]},
     # a rank's two directions (``forward_kernels._fwd_rank_kernel``): three float32 tiles (Z, Z', G) like
     # the pair walk, the forward's BLOCK_M; only row statistics, so 128 x 64 fits (sm_90a, D 512-1024,
     # γ and ε on and off: 236-250 registers, no spills; 128 x 32: 168-197) and tiles as ``_fwd_kernel``
-    "rank": {2: [_cfg(8, 3, BLOCK_N=64), _cfg(8, 3, BLOCK_N=32), _cfg(8, 4, BLOCK_N=32)],
-             4: [_cfg(4, 2, BLOCK_N=16)]},
-    "dscore": {2: [_cfg(8, 3, BLOCK_M=64, BLOCK_N=128), _cfg(4, 4, BLOCK_M=128, BLOCK_N=64)],
-               4: [_cfg(4, 3, BLOCK_M=64, BLOCK_N=32), _cfg(8, 2, BLOCK_M=64, BLOCK_N=64)]},
+    "rank": {2: [_cfg(8, 3, BLOCK_N=64), _cfg(8, 3, BLOCK_N=32), _cfg(8, 4, BLOCK_N=32)], 4: [_cfg(4, 2, BLOCK_N=16)]},
+    "dscore": {
+        2: [_cfg(8, 3, BLOCK_M=64, BLOCK_N=128), _cfg(4, 4, BLOCK_M=128, BLOCK_N=64)],
+        4: [_cfg(4, 3, BLOCK_M=64, BLOCK_N=32), _cfg(8, 2, BLOCK_M=64, BLOCK_N=64)],
+    },
     # the symmetric loss's chunk pairs (``dscore._dscore_pair_kernel``): the pair forward's tiles
     # (Z_IJ, Z_JIᵀ and G_IJ live together), BLOCK_N dividing BLOCK_M
     # (128 x 64 spills 8 B with fp16's tail and the margin: 255 registers)
-    "dscore_pair": {2: [_cfg(8, 3, BLOCK_M=128, BLOCK_N=32), _cfg(8, 4, BLOCK_M=128, BLOCK_N=32)],
-                    4: [_cfg(4, 2, BLOCK_M=64, BLOCK_N=16)]},
+    "dscore_pair": {
+        2: [_cfg(8, 3, BLOCK_M=128, BLOCK_N=32), _cfg(8, 4, BLOCK_M=128, BLOCK_N=32)],
+        4: [_cfg(4, 2, BLOCK_M=64, BLOCK_N=16)],
+    },
     # a rank's two directions' dS (``dscore._dscore_rank_kernel``): 128 x 64 first (wgmma m64n64;
     # sm_90a, D 512-1024: 184-222 registers, no spills), 128 x 32 (112-130) after it
-    "dscore_rank": {2: [_cfg(8, 3, BLOCK_M=128, BLOCK_N=64), _cfg(8, 3, BLOCK_M=128, BLOCK_N=32),
-                        _cfg(8, 4, BLOCK_M=128, BLOCK_N=32)],
-                    4: [_cfg(4, 2, BLOCK_M=64, BLOCK_N=16)]},
+    "dscore_rank": {
+        2: [
+            _cfg(8, 3, BLOCK_M=128, BLOCK_N=64),
+            _cfg(8, 3, BLOCK_M=128, BLOCK_N=32),
+            _cfg(8, 4, BLOCK_M=128, BLOCK_N=32),
+        ],
+        4: [_cfg(4, 2, BLOCK_M=64, BLOCK_N=16)],
+    },
     # (the backward's GEMMs are torch's: cuBLAS on CUDA, see backward.py's walks)
 }
 
@@ -159,6 +166,7 @@ def pruner(kernel: str, width_arg: str):
     width found in the launch's argument ``width_arg`` (a tensor), less those that spill with
     SHIFT (``SHIFT_SPILLS``; SHIFT derives from ``s_ptr``, see ``dscore``: the pruner runs
     before the kernel's heuristics)."""
+
     def prune(configs, named_args, **kwargs):
         x = named_args.get(width_arg, kwargs.get(width_arg))
         allowed = candidates(kernel, x.element_size())
@@ -166,6 +174,7 @@ def pruner(kernel: str, width_arg: str):
             spills = SHIFT_SPILLS.get(kernel, {}).get(x.dtype, [])
             allowed = [c for c in allowed if not any(_same(c, bad) for bad in spills)] or allowed
         return [c for c in configs if c in allowed] or allowed
+
     return prune
 
 
@@ -176,6 +185,7 @@ def _same(a, b) -> bool:
 @dataclass(frozen=True)
 class Fixed:
     """The non-tuned launch choice of one kernel call: constexpr tiles plus warps/stages."""
+
     constexprs: dict
     num_warps: int = 4
     num_stages: int = 2
@@ -185,9 +195,14 @@ def heuristic(kernel: str, elem_size: int) -> Fixed:
     """The launch of mode "gpu" (first surviving candidate) or "interpret" (small fixed tiles)."""
     if launch_mode() == "interpret":
         t = INTERPRET_TILE
-        tiles = {"fwd": dict(BLOCK_N=t), "pair": dict(BLOCK_N=t), "rank": dict(BLOCK_N=t),
-                 "dscore": dict(BLOCK_M=t, BLOCK_N=t), "dscore_pair": dict(BLOCK_M=t, BLOCK_N=t),
-                 "dscore_rank": dict(BLOCK_M=t, BLOCK_N=t)}[kernel]
+        tiles = {
+            "fwd": dict(BLOCK_N=t),
+            "pair": dict(BLOCK_N=t),
+            "rank": dict(BLOCK_N=t),
+            "dscore": dict(BLOCK_M=t, BLOCK_N=t),
+            "dscore_pair": dict(BLOCK_M=t, BLOCK_N=t),
+            "dscore_rank": dict(BLOCK_M=t, BLOCK_N=t),
+        }[kernel]
         return Fixed(tiles, 1, 1)
     c = candidates(kernel, elem_size)[0]
     return Fixed(dict(c.kwargs), c.num_warps, c.num_stages)
@@ -263,7 +278,7 @@ def chunk_shape(m: int, n: int, square: bool = False) -> tuple[int, int]:
     of the largest tile. ``square`` (the symmetric loss's chunk pairs, M = N): R = C."""
     align = INTERPRET_TILE if launch_mode() == "interpret" else 128
     budget = max(align * align, BWD_WORKSPACE_BYTES // 4)
-    rows = min(m, max(align, int(budget ** 0.5) // align * align))
+    rows = min(m, max(align, int(budget**0.5) // align * align))
     if square:
         return rows, min(n, rows)
     cols = min(n, max(align, budget // rows // align * align))

@@ -11,6 +11,7 @@ row blocks, planes, 2N) + (splits, planes, 2 · slab rows); :func:`.workspace.fo
 states it, e.g. 79 MiB at N = 262144 with 16-bit features on 132 SMs. Nothing of size N × N
 or N² / BLOCK.
 """
+
 from __future__ import annotations
 
 import torch
@@ -58,16 +59,44 @@ def symmetric_stats(ops, norms, pos, sc: Scalars):
         # fresh slab workspaces each time (the previous ones freed first): never views
         col_part = torch.empty(blocks, planes, 2 * n, device=v.device, dtype=torch.float32)
         row_part = torch.empty(splits, planes, 2 * slab_rows, device=v.device, dtype=torch.float32)
-        args = (v, t, *strides(v, t), norms[0], norms[1], pos, sc.inv_tau, sc.gamma, sc.thr, row_part, col_part,
-                n, d, block0, col0, per_split, slab_rows, cfg.n_bucket(n))
-        launch_fwd_pair(width, lambda _, b=blocks: (b, splits), args, SMOOTHING=sc.smoothing,
-                        HAS_MARGIN=sc.has_margin, PREC=sc.prec, BLOCK_M=block_m, BLOCK_K=cfg.score_block_k(width))
+        args = (
+            v,
+            t,
+            *strides(v, t),
+            norms[0],
+            norms[1],
+            pos,
+            sc.inv_tau,
+            sc.gamma,
+            sc.thr,
+            row_part,
+            col_part,
+            n,
+            d,
+            block0,
+            col0,
+            per_split,
+            slab_rows,
+            cfg.n_bucket(n),
+        )
+        launch_fwd_pair(
+            width,
+            lambda _, b=blocks: (b, splits),
+            args,
+            SMOOTHING=sc.smoothing,
+            HAS_MARGIN=sc.has_margin,
+            PREC=sc.prec,
+            BLOCK_M=block_m,
+            BLOCK_K=cfg.score_block_k(width),
+        )
         # in order: the slab's row blocks' partials (columns and rows right of col0), then its splits'
         launch_fold(col_part, blocks, n, acc, n, 0, block0, block_m, block0 == 0, sc.smoothing, sc.masked)
         launch_fold(row_part, splits, slab_rows, acc, n, col0, 0, 0, False, sc.smoothing, sc.masked)
         del args, col_part, row_part
-    return (epilogue.RowStats(pos, *merge_stats(acc, sc.smoothing, n, n, sc.masked)),
-            epilogue.RowStats(pos, *merge_stats(acc, sc.smoothing, 0, n, sc.masked)))
+    return (
+        epilogue.RowStats(pos, *merge_stats(acc, sc.smoothing, n, n, sc.masked)),
+        epilogue.RowStats(pos, *merge_stats(acc, sc.smoothing, 0, n, sc.masked)),
+    )
 
 
 def directional_stats(ops, norms, pos, sc: Scalars, offset: int):
@@ -83,10 +112,32 @@ def directional_stats(ops, norms, pos, sc: Scalars, offset: int):
     m, n, width = q.shape[0], ops[3].shape[0], q.element_size()
     _, row_blocks, splits, per_split = cfg.fwd_grid(m, n, width, False, q.device)
     row_part = torch.empty(splits, _planes(sc), m, device=q.device, dtype=torch.float32)
-    args = (*ops, *strides(*ops), *norms, pos, sc.inv_tau, sc.gamma, sc.thr, row_part, m, n, q.shape[1], offset,
-            per_split, cfg.n_bucket(n))
-    launch_fwd(width, lambda _: (row_blocks, splits), args, SMOOTHING=sc.smoothing, HAS_MARGIN=sc.has_margin,
-               PREC=sc.prec, BLOCK_M=cfg.fwd_block_m(width), BLOCK_K=cfg.score_block_k(width))
+    args = (
+        *ops,
+        *strides(*ops),
+        *norms,
+        pos,
+        sc.inv_tau,
+        sc.gamma,
+        sc.thr,
+        row_part,
+        m,
+        n,
+        q.shape[1],
+        offset,
+        per_split,
+        cfg.n_bucket(n),
+    )
+    launch_fwd(
+        width,
+        lambda _: (row_blocks, splits),
+        args,
+        SMOOTHING=sc.smoothing,
+        HAS_MARGIN=sc.has_margin,
+        PREC=sc.prec,
+        BLOCK_M=cfg.fwd_block_m(width),
+        BLOCK_K=cfg.score_block_k(width),
+    )
     return epilogue.RowStats(pos, *merge_stats(row_part, sc.smoothing, masked=sc.masked))
 
 
@@ -103,8 +154,30 @@ def rank_stats(ops, norms, pos, sc: Scalars, offset: int):
     m, n, width = v.shape[0], ops[3].shape[0], v.element_size()
     _, row_blocks, splits, per_split = cfg.fwd_grid(m, n, width, False, v.device)
     row_part = torch.empty(splits, _planes(sc), 2 * m, device=v.device, dtype=torch.float32)
-    args = (*ops, *strides(*ops), *norms, pos, sc.inv_tau, sc.gamma, sc.thr, row_part, m, n, v.shape[1], offset,
-            per_split, cfg.n_bucket(n))
-    launch_fwd_rank(width, lambda _: (row_blocks, splits), args, SMOOTHING=sc.smoothing, HAS_MARGIN=sc.has_margin,
-                    PREC=sc.prec, BLOCK_M=cfg.fwd_block_m(width), BLOCK_K=cfg.score_block_k(width))
+    args = (
+        *ops,
+        *strides(*ops),
+        *norms,
+        pos,
+        sc.inv_tau,
+        sc.gamma,
+        sc.thr,
+        row_part,
+        m,
+        n,
+        v.shape[1],
+        offset,
+        per_split,
+        cfg.n_bucket(n),
+    )
+    launch_fwd_rank(
+        width,
+        lambda _: (row_blocks, splits),
+        args,
+        SMOOTHING=sc.smoothing,
+        HAS_MARGIN=sc.has_margin,
+        PREC=sc.prec,
+        BLOCK_M=cfg.fwd_block_m(width),
+        BLOCK_K=cfg.score_block_k(width),
+    )
     return epilogue.RowStats(pos, *merge_stats(row_part, sc.smoothing, masked=sc.masked))

@@ -11,6 +11,7 @@ launcher beside it (``forward_kernels.launch_fwd`` … ``dscore.launch_dscore_ra
 and the host walks call the launchers by name (``tests/backends/test_triton_ops_kernels.py``
 holds that each operator finds exactly its kernels).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,6 +26,7 @@ USE_TRITON_OP = not INTERPRET and hasattr(torch.library, "triton_op")
 if USE_TRITON_OP:
     from torch.library import wrap_triton
 else:
+
     def wrap_triton(kernel):
         """Under the interpreter the kernels are launched as they are."""
         return kernel
@@ -44,10 +46,12 @@ def interpreting() -> bool:
     if INTERPRET and library:
         return True
     if bool(INTERPRET) != library or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise ValueError("backend='triton' on CPU tensors: TRITON_INTERPRET=1 was set after triton was imported "
-                         "(by `import triton`, or by torch._dynamo / torch.compile), so Triton is only partly "
-                         "interpreting; set TRITON_INTERPRET=1 before importing triton (in the environment, or "
-                         "first thing in the program), or use backend='cpp' / 'torch'")
+        raise ValueError(
+            "backend='triton' on CPU tensors: TRITON_INTERPRET=1 was set after triton was imported "
+            "(by `import triton`, or by torch._dynamo / torch.compile), so Triton is only partly "
+            "interpreting; set TRITON_INTERPRET=1 before importing triton (in the environment, or "
+            "first thing in the program), or use backend='cpp' / 'torch'"
+        )
     return False
 
 

@@ -9,6 +9,7 @@ host's 1/τ, the value the positives and the epilogue use. A pointer a kernel do
 None (γ without the margin, the threshold without masking), and the kernel's flag derives from
 it (``triton.heuristics``).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -49,13 +50,26 @@ def scalar32(x: Tensor, like: Tensor) -> Tensor:
     return x.to(device=like.device, dtype=torch.float32).reshape(1)
 
 
-def scalars(like: Tensor, tau: Tensor, gamma: Tensor, has_margin: bool, smoothing: bool, precision: str,
-            thr: Optional[Tensor] = None) -> Scalars:
+def scalars(
+    like: Tensor,
+    tau: Tensor,
+    gamma: Tensor,
+    has_margin: bool,
+    smoothing: bool,
+    precision: str,
+    thr: Optional[Tensor] = None,
+) -> Scalars:
     """The :class:`Scalars` of an operator body on features ``like``: 1/τ in float32 (one
     division, on the host), γ (None without ``has_margin``), the masking block ``thr`` (None:
     no masking), the flags, and ``precision`` (a resolved mode) for ``like``'s dtype."""
-    return Scalars(1.0 / scalar32(tau, like), scalar32(gamma, like) if has_margin else None, thr, has_margin,
-                   smoothing, cfg.dot_precision(like.dtype, precision))
+    return Scalars(
+        1.0 / scalar32(tau, like),
+        scalar32(gamma, like) if has_margin else None,
+        thr,
+        has_margin,
+        smoothing,
+        cfg.dot_precision(like.dtype, precision),
+    )
 
 
 def threshold_block(threshold: Tensor, captions, norms, normalize: bool) -> Tensor:

@@ -11,6 +11,7 @@ compensated along the positive). Rows of mass > ½ keep B = max|g| (+ max|g'|), 
 c serves all of W: a row whose |g_i|·μ_i is below ~2⁻²⁵ of the largest still flushes (its absolute
 error below ~2⁻²⁵ of the largest row's share). All scales are exact powers of two.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,7 +32,7 @@ def _pow2_fit(sides, w: torch.Tensor) -> torch.Tensor:
         mass = -torch.expm1(-nll) if s is None else torch.maximum(-torch.expm1(-nll), s)
         bound = bound + (g.abs() * torch.ldexp(torch.ones_like(mass), torch.frexp(mass)[1]).clamp_max(1.0)).max()
     _, exponent = torch.frexp(bound.reshape(1))
-    return torch.minimum(torch.ldexp(torch.ones(1, device=w.device), 13 - exponent), 2.0 ** 120 / w)
+    return torch.minimum(torch.ldexp(torch.ones(1, device=w.device), 13 - exponent), 2.0**120 / w)
 
 
 def _f16_scales(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

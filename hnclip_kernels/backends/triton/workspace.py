@@ -22,6 +22,7 @@ O(N)-sized vectors (inverse norms, positive logits, the statistics themselves, t
 gradient accumulators of (N, D)) are inputs, outputs or gradients of the operators, not
 workspace.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,8 +41,9 @@ def _device(device) -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def forward_bytes(m: int, n: int, elem_size: int, columns: bool, smoothing: bool, device=None,
-                  masked: bool = False) -> int:
+def forward_bytes(
+    m: int, n: int, elem_size: int, columns: bool, smoothing: bool, device=None, masked: bool = False
+) -> int:
     """Bytes of the forward's partial statistics: M local rows against N columns, ``columns``
     for the symmetric loss (also the columns' statistics; else a rank's two directions, 2M
     lines), features of ``elem_size`` bytes; ``masked`` (false-negative masking) adds the
@@ -64,7 +66,9 @@ def _chunk_bytes(rows: int, cols: int, d: int, dtype: torch.dtype, buffers: int,
     2·(R + C)·D; a rank's two directions keep both row blocks and one column block: 2·R·D + C·D)."""
     if dtype == torch.float32:
         return 4 * rows * cols * buffers
-    residuals = 4 * (triton.cdiv(cols, cfg.RESIDUAL_SLICE) * rows + triton.cdiv(rows, cfg.RESIDUAL_SLICE) * cols) * buffers
+    residuals = (
+        4 * (triton.cdiv(cols, cfg.RESIDUAL_SLICE) * rows + triton.cdiv(rows, cfg.RESIDUAL_SLICE) * cols) * buffers
+    )
     if dtype == torch.float16:
         return 4 * rows * cols * buffers + residuals
     if copies is None:
@@ -72,8 +76,9 @@ def _chunk_bytes(rows: int, cols: int, d: int, dtype: torch.dtype, buffers: int,
     return 2 * rows * cols * buffers + residuals + 2 * copies
 
 
-def backward_bytes(m: int, n: int, d: int, dtype: torch.dtype = torch.float32, symmetric: bool = False,
-                   rank: bool = True) -> int:
+def backward_bytes(
+    m: int, n: int, d: int, dtype: torch.dtype = torch.float32, symmetric: bool = False, rank: bool = True
+) -> int:
     """Bytes the backward (``backward.directional_shares``, ``symmetric_shares``, ``rank_shares``)
     allocates at its peak for M rows against N columns of ``dtype`` features of width D, in the
     GPU launch configuration: one chunk of ``config.chunk_shape`` (the first, the largest):
@@ -99,8 +104,17 @@ def _backward_bytes(m: int, n: int, d: int, dtype: torch.dtype, symmetric: bool,
     return _chunk_bytes(rows, cols, d, dtype, 1)
 
 
-def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, label_smoothing: float = 0.0,
-                    local_rows: int | None = None, device=None, false_negative_threshold=None) -> int:
+def workspace_bytes(
+    n: int,
+    d: int,
+    dtype: torch.dtype,
+    *,
+    gamma: float = 0.5,
+    label_smoothing: float = 0.0,
+    local_rows: int | None = None,
+    device=None,
+    false_negative_threshold=None,
+) -> int:
     """Bytes the fused Triton path allocates beyond its inputs and outputs for one forward and
     backward, in the GPU launch configuration: the forward's partial statistics plus the
     backward's dS chunk (see the module docstring).
@@ -128,6 +142,6 @@ def workspace_bytes(n: int, d: int, dtype: torch.dtype, *, gamma: float = 0.5, l
         raise ValueError(f"workspace_bytes: n, d and local_rows must be positive, got {n}, {d}, {local_rows}")
     columns = local_rows is None
     m = n if columns else int(local_rows)
-    return (forward_bytes(m, n, _SIZES[dtype], columns, label_smoothing != 0.0, device,
-                          masked=false_negative_threshold is not None)
-            + backward_bytes(m, n, d, dtype, symmetric=columns))
+    return forward_bytes(
+        m, n, _SIZES[dtype], columns, label_smoothing != 0.0, device, masked=false_negative_threshold is not None
+    ) + backward_bytes(m, n, d, dtype, symmetric=columns)

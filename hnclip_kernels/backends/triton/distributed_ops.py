@@ -1,0 +1,259 @@
+"""The distributed path's operator bodies: ``hnclip::triton_directional_nll`` (one direction of
+a rank) and ``hnclip::triton_rank_nll`` (a rank's two directions in one op) with their
+backwards (registered in :mod:`.ops`) and fake implementations.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import epilogue
+from .backward import directional_shares, rank_shares
+from .forward import directional_stats, rank_stats
+from .outputs import DirOut, Grads, RankGrads, kept_or_none, no_kept, rank_directions, smoothing_shifts
+from .params import scalars, threshold_block
+
+
+def _directional_nll(
+    q: Tensor,
+    k: Tensor,
+    a: Tensor,
+    b: Tensor,
+    tau: Tensor,
+    gamma: Tensor,
+    label_smoothing: Tensor,
+    threshold: Tensor,
+    offset: int,
+    has_margin: bool,
+    smoothing: bool,
+    masked: bool,
+    normalize: bool,
+    precision: str,
+) -> DirOut:
+    """Per-row losses (M,) of one direction and what the backward needs:
+    (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, kept)."""
+    norms = tuple(epilogue.inv_norms(x, normalize) for x in (q, k, a, b))
+    sc = scalars(
+        q,
+        tau,
+        gamma,
+        has_margin,
+        smoothing,
+        precision,
+        threshold_block(threshold, (a, b), norms[2:], normalize) if masked else None,
+    )
+    pos = epilogue.positive_logits(epilogue.scaled(q, norms[0]), epilogue.scaled(k, norms[1]), offset, sc.inv_tau)
+    stats = directional_stats((q, k, a, b), norms, pos, sc, offset)
+    return (
+        epilogue.row_losses(stats, k.shape[0], label_smoothing if smoothing else 0.0),
+        *norms,
+        *stats[:4],
+        stats.kept if masked else no_kept(q),
+    )
+
+
+def _directional_nll_fake(
+    q, k, a, b, tau, gamma, label_smoothing, threshold, offset, has_margin, smoothing, masked, normalize, precision
+):
+    m, n = q.shape[0], k.shape[0]
+    sizes = [m, m, n, m, n, m, m, m, m, m if masked else 0]
+    return tuple(q.new_empty((size,), dtype=torch.float32) for size in sizes)
+
+
+def _directional_nll_backward(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    a: Tensor,
+    b: Tensor,
+    tau: Tensor,
+    gamma: Tensor,
+    label_smoothing: Tensor,
+    threshold: Tensor,
+    rq: Tensor,
+    rk: Tensor,
+    ra: Tensor,
+    rb: Tensor,
+    pos: Tensor,
+    delta: Tensor,
+    mean_neg: Tensor,
+    dsum: Tensor,
+    kept: Tensor,
+    offset: int,
+    has_margin: bool,
+    smoothing: bool,
+    masked: bool,
+    normalize: bool,
+    precision: str,
+    need_qk: bool,
+) -> Grads:
+    """(dL/dq in q's dtype, dL/dk in k's dtype, dL/dτ in τ's dtype and shape)."""
+    stats = epilogue.RowStats(pos, delta, mean_neg, dsum, kept_or_none(kept, masked))
+    sc = scalars(
+        q,
+        tau,
+        gamma,
+        has_margin,
+        smoothing,
+        precision,
+        threshold_block(threshold, (a, b), (ra, rb), normalize) if masked and need_qk else None,
+    )
+    eps = label_smoothing if smoothing else 0.0
+    g = grad.float().contiguous()
+    if need_qk:
+        shifts = smoothing_shifts(sc, smoothing, eps, stats, stats)
+        d_q, d_k = directional_shares(
+            (q, k, a, b), (rq, rk, ra, rb), stats, g, sc, offset, None if shifts is None else shifts[:1]
+        )
+    else:  # only τ wants a gradient: it needs the row statistics alone
+        d_q, d_k = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (q, k))
+    d_q_in, d_k_in, dz_z = epilogue.finish_directional(
+        stats, g, q, k, rq, rk, d_q, d_k, offset, sc.inv_tau, eps, normalize
+    )
+    return d_q_in, d_k_in, epilogue.tau_grad(dz_z, sc.inv_tau, tau.dtype, tau.shape)
+
+
+def _directional_grads_fake(grad, q, k, a, b, tau, *rest):
+    return q.new_empty(q.shape), k.new_empty(k.shape), tau.new_empty(tau.shape)
+
+
+def _rank_nll(
+    img: Tensor,
+    txt: Tensor,
+    all_img: Tensor,
+    all_txt: Tensor,
+    tau: Tensor,
+    gamma: Tensor,
+    label_smoothing: Tensor,
+    threshold: Tensor,
+    offset: int,
+    has_margin: bool,
+    smoothing: bool,
+    masked: bool,
+    normalize: bool,
+    precision: str,
+) -> DirOut:
+    """A rank's per-row losses ½(i2t_i + t2i_i) (M,) and what the backward needs:
+    (rows, rv, rt, rv_all, rt_all, pos, delta, mean_neg, dsum, kept), the last five over 2M lines
+    (i2t rows, then t2i rows; ``kept`` empty without masking). Each direction's values are its
+    directional op's to the bit (the same positives, tiles and partial order)."""
+    norms = tuple(epilogue.inv_norms(x, normalize) for x in (img, txt, all_img, all_txt))
+    sc = scalars(
+        img,
+        tau,
+        gamma,
+        has_margin,
+        smoothing,
+        precision,
+        threshold_block(threshold, (txt, all_txt), (norms[1], norms[3]), normalize) if masked else None,
+    )
+    m, inv_tau = img.shape[0], sc.inv_tau
+    pos = torch.cat(
+        (
+            epilogue.positive_logits(
+                epilogue.scaled(img, norms[0]), epilogue.scaled(all_txt, norms[3]), offset, inv_tau
+            ),
+            epilogue.positive_logits(
+                epilogue.scaled(txt, norms[1]), epilogue.scaled(all_img, norms[2]), offset, inv_tau
+            ),
+        )
+    )
+    stats = rank_stats((img, txt, all_img, all_txt), norms, pos, sc, offset)
+    # each direction's losses from its own slice: torch's vectorised softplus rounds an element
+    # differently in a loop's tail, and the directional op's tails are M long
+    eps, n = label_smoothing if smoothing else 0.0, all_img.shape[0]
+    i2t, t2i = rank_directions(stats, m, masked)
+    rows = 0.5 * (epilogue.row_losses(i2t, n, eps) + epilogue.row_losses(t2i, n, eps))
+    return (rows, *norms, *stats[:4], stats.kept if masked else no_kept(img))
+
+
+def _rank_nll_fake(
+    img,
+    txt,
+    all_img,
+    all_txt,
+    tau,
+    gamma,
+    label_smoothing,
+    threshold,
+    offset,
+    has_margin,
+    smoothing,
+    masked,
+    normalize,
+    precision,
+):
+    m, n = img.shape[0], all_img.shape[0]
+    sizes = (m, m, m, n, n, 2 * m, 2 * m, 2 * m, 2 * m, 2 * m if masked else 0)
+    return tuple(img.new_empty((size,), dtype=torch.float32) for size in sizes)
+
+
+def _rank_nll_backward(
+    grad: Tensor,
+    img: Tensor,
+    txt: Tensor,
+    all_img: Tensor,
+    all_txt: Tensor,
+    tau: Tensor,
+    gamma: Tensor,
+    label_smoothing: Tensor,
+    threshold: Tensor,
+    rv: Tensor,
+    rt: Tensor,
+    rv_all: Tensor,
+    rt_all: Tensor,
+    pos: Tensor,
+    delta: Tensor,
+    mean_neg: Tensor,
+    dsum: Tensor,
+    kept: Tensor,
+    offset: int,
+    has_margin: bool,
+    smoothing: bool,
+    masked: bool,
+    normalize: bool,
+    precision: str,
+    need_features: bool,
+) -> RankGrads:
+    """(dL/dimg, dL/dtxt, dL/dall_img, dL/dall_txt in their dtypes, dL/dτ in τ's dtype and shape):
+    i2t gives img and all_txt theirs, t2i txt and all_img (the margin is a constant)."""
+    m = img.shape[0]
+    i2t, t2i = rank_directions(epilogue.RowStats(pos, delta, mean_neg, dsum, kept), m, masked)
+    sc = scalars(
+        img,
+        tau,
+        gamma,
+        has_margin,
+        smoothing,
+        precision,
+        threshold_block(threshold, (txt, all_txt), (rt, rt_all), normalize) if masked and need_features else None,
+    )
+    inv_tau = sc.inv_tau
+    eps = label_smoothing if smoothing else 0.0
+    g = 0.5 * grad.float().contiguous()  # each direction's row gets half
+    ops, norms = (img, txt, all_img, all_txt), (rv, rt, rv_all, rt_all)
+    if need_features:
+        (d_v, d_ta), (d_t, d_va) = rank_shares(
+            ops, norms, (i2t, t2i), g, sc, offset, smoothing_shifts(sc, smoothing, eps, i2t, t2i)
+        )
+    else:  # only τ wants a gradient: it needs the statistics alone
+        d_v, d_t, d_va, d_ta = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in ops)
+    d_img, d_all_txt, dz_i2t = epilogue.finish_directional(
+        i2t, g, img, all_txt, rv, rt_all, d_v, d_ta, offset, inv_tau, eps, normalize
+    )
+    d_txt, d_all_img, dz_t2i = epilogue.finish_directional(
+        t2i, g, txt, all_img, rt, rv_all, d_t, d_va, offset, inv_tau, eps, normalize
+    )
+    # dτ as autograd would sum the two directional ops' (each in τ's dtype)
+    d_tau = epilogue.tau_grad(dz_i2t, inv_tau, tau.dtype, tau.shape) + epilogue.tau_grad(
+        dz_t2i, inv_tau, tau.dtype, tau.shape
+    )
+    return d_img, d_txt, d_all_img, d_all_txt, d_tau
+
+
+def _rank_grads_fake(grad, img, txt, all_img, all_txt, tau, *rest):
+    return tuple(x.new_empty(x.shape) for x in (img, txt, all_img, all_txt, tau))
+
+
+# torch.func-capable Functions of the forward operators (see ..glue)
