@@ -3,7 +3,7 @@
     python -m tools.sm90 [--quick] [--dtypes bf16,fp16,fp32] [--d 64,768] [--gammas 0,0.5]
                               [--smoothings 0,0.1] [--n 4096] [--local-m 512] [--jobs J]
                               [--wide-scalars] [--i64-ints] [--thresholds none,0.9] [--json out.json]
-                              [--cache-dir DIR]
+                              [--cache-dir DIR] [--markdown]
 
 Run it with TRITON_INTERPRET unset. What it does:
 
@@ -55,6 +55,8 @@ from (single: hn_clip_loss, dir: the directional op, rank: a rank's two directio
 led to it; blocks (BLOCK_* constexprs); prec (*PREC constexprs); warps/stages; registers per
 thread; spill store/load bytes; shared memory bytes; MMA instructions (shape.operand type);
 tf32 (a tf32 MMA is present); status; key (the bind key, to find the kernel in --json).
+``--markdown`` prints instead, on stdout, the summary docs/triton.md holds (``markdown_table``:
+registers by kernel, operand width and candidate), the rest on stderr.
 """
 from __future__ import annotations
 
@@ -89,6 +91,20 @@ SMEM_LIMIT = 232448                 # bytes of shared memory per block (opt-in m
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 RESULT_FILE = "hnclip_sm90.json"    # our analysis, stored in Triton's cache entry of the kernel
 DEFAULT_CACHE = os.path.join(tempfile.gettempdir(), "hnclip-sm90-cache")
+
+
+def missing_toolchain():
+    """Why the sm_90a compile cannot run here (None when it can): Triton's CUDA backend and
+    its ptxas, looked up the way the backend itself does (TRITON_PTXAS_PATH, then the wheel's)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+    except Exception as e:  # noqa: BLE001
+        return f"triton's CUDA backend cannot be imported ({type(e).__name__}: {e})"
+    try:
+        _ = get_ptxas(90).path
+    except Exception as e:  # noqa: BLE001 - RuntimeError("Cannot find ptxas")
+        return f"no ptxas for sm_90 ({e}): set TRITON_PTXAS_PATH or install the triton wheel that ships it"
+    return None
 
 
 # ------------------------------------------------------------------ 1. what is driven
@@ -388,6 +404,59 @@ def _table(rows):
     return "\n".join([fmt(cols), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines])
 
 
+def markdown_table(report) -> str:
+    """Registers per thread, spills and shared memory of each kernel by operand width (16-bit:
+    bf16 and fp16 together) and autotune candidate, γ = 0 and γ > 0 (the margin) apart, over every
+    variant driven (D, flags, specialisations); a line of the run's configuration above it. What
+    ``--markdown`` prints and ``python -m tools.docs_tables`` writes into docs/triton.md."""
+    def span(values):
+        values = sorted(v for v in values if v is not None)
+        if not values:
+            return "-"
+        return str(values[0]) if values[0] == values[-1] else f"{values[0]}–{values[-1]}"
+
+    groups = {}
+    for r in report["rows"]:
+        dtypes = r.get("dtypes") or [r["dtype"]]  # every input dtype that launched this kernel
+        widths = tuple(sorted({"32" if d == "fp32" else "16" for d in dtypes}))  # 16-bit, float32 or both
+        key = (r["kernel"], widths, r["cfg"], r["blocks"], r.get("num_warps"), r.get("num_stages"))
+        g = groups.setdefault(key, dict(dtypes=set(), plain=[], margin=[], st=[], ld=[], shared=[], errors=0))
+        g["dtypes"].update(dtypes)
+        for gamma in r["gamma"]:
+            g["margin" if gamma else "plain"].append(r.get("regs"))
+        g["st"].append(r.get("spill_st") or 0)
+        g["ld"].append(r.get("spill_ld") or 0)
+        g["shared"].append(r.get("shared") or 0)
+        g["errors"] += bool(r.get("error"))
+    gammas = sorted({gm for r in report["rows"] for gm in r["gamma"]})
+    margins = ", ".join(f"{gm:g}" for gm in gammas if gm) or "-"
+    lines = ["| kernel | features | candidate | tiles (BLOCK_*) | warps / stages | registers, γ = 0 | "
+             f"registers, γ = {margins} | spill stores / loads (B) | shared memory (KiB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for key in sorted(groups, key=lambda k: k[:4]):
+        kernel, _, cfg, blocks, warps, stages = key
+        g = groups[key]
+        spills = f"{max(g['st'])} / {max(g['ld'])}" if max(g["st"] + g["ld"]) else "0"
+        regs = [span(g["plain"]), span(g["margin"])]
+        if g["errors"]:
+            regs = [f"{x} ({g['errors']} failed)" for x in regs]
+        features = ", ".join(d for d in DTYPES if d in g["dtypes"])
+        lines.append(f"| `{kernel}` | {features} | {cfg or '-'} | {blocks} | {warps} / {stages} | {regs[0]} | "
+                     f"{regs[1]} | {spills} | {fmt_kib(max(g['shared']))} |")
+    c = report["config"]
+    listed = lambda xs: ", ".join(f"{x:g}" if isinstance(x, float) else str(x) for x in xs)  # noqa: E731
+    head = (f"triton {report['triton']}, {report['target']}; {listed(c['dtypes'])}; D = {listed(c['D'])}; "
+            f"γ = {listed(c['gammas'])}; label smoothing {listed(c['smoothings'])}; false-negative threshold "
+            f"{listed(c.get('thresholds') or [None])}; N = {c['n']}, a rank's M = {c['local_m']}: "
+            f"{report['launches']} launches, {len(report['rows'])} distinct kernels, "
+            f"{len(report['problems']) or 'no'} problem{'' if len(report['problems']) == 1 else 's'}.")
+    return head + "\n\n" + "\n".join(lines)
+
+
+def fmt_kib(b: int) -> str:
+    return f"{b / 1024:.2f}".rstrip("0").rstrip(".")
+
+
 def capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars=False, i64_ints=False, thresholds=(None,)):
     """Drive every combination; returns ({key: Job}, {key: where it was launched from}, problems, launches)."""
     backend = make_backend(TARGET)
@@ -413,8 +482,9 @@ def capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars=False, 
                 n_launch += 1
                 job = bind(launch, backend, wide_scalars, i64_ints)
                 jobs.setdefault(job.key, job)
-                w = where.setdefault(job.key, dict(cfg=launch.config, dtype=dt, src=set(), D=set(), gamma=set(), eps=set()))
-                for k, v in (("src", src), ("D", d), ("gamma", gm), ("eps", eps)):
+                w = where.setdefault(job.key, dict(cfg=launch.config, dtype=dt, src=set(), D=set(), gamma=set(), eps=set(),
+                                                   dtypes=set()))
+                for k, v in (("src", src), ("D", d), ("gamma", gm), ("eps", eps), ("dtypes", dt)):
                     w[k].add(v)
     return jobs, where, problems, n_launch
 
@@ -443,7 +513,8 @@ def run_check(dtypes, ds, gammas, smoothings, n=4096, local_m=512, jobs=None, ca
     for key, job in by_key.items():
         w = where[key]
         row = dict(key=key, kernel=job.fn.__name__, cfg=w["cfg"], flags=sorted(k for k, v in job.named.items() if v is True),
-                   ones=job.ones, dtype=w["dtype"], D=sorted(w["D"]), gamma=sorted(w["gamma"]), eps=sorted(w["eps"]),
+                   ones=job.ones, dtype=w["dtype"], dtypes=[d for d in DTYPES if d in w["dtypes"]],
+                   D=sorted(w["D"]), gamma=sorted(w["gamma"]), eps=sorted(w["eps"]),
                    blocks=" ".join(f"{k[len('BLOCK_'):]}{v}" for k, v in job.named.items() if k.startswith("BLOCK_")) or "-",
                    prec=sorted(precisions(job.named)), constexprs=job.named, scalars=job.scalars,
                    **{"from": sorted(w["src"])}, **results[key])
@@ -458,7 +529,7 @@ def run_check(dtypes, ds, gammas, smoothings, n=4096, local_m=512, jobs=None, ca
                 compile_s=round(time.perf_counter() - t0 - t_capture, 1), target=f"sm_{TARGET.arch}a",
                 triton=triton.__version__, package=hnclip_kernels.__file__,
                 config=dict(dtypes=dtypes, D=ds, gammas=gammas, smoothings=smoothings, n=n, local_m=local_m,
-                            wide_scalars=wide_scalars, i64_ints=i64_ints))
+                            wide_scalars=wide_scalars, i64_ints=i64_ints, thresholds=list(thresholds)))
 
 
 def scalar_summary(rows, wide_scalars: bool, i64_ints: bool = False) -> str:
@@ -491,6 +562,8 @@ def main(argv=None):
     ap.add_argument("--wide-scalars", action="store_true",
                     help="type float scalars fp64, as Inductor does for user kernels under torch.compile")
     ap.add_argument("--i64-ints", action="store_true", help="type integer scalars i64 (unbounded SymInts)")
+    ap.add_argument("--markdown", action="store_true",
+                    help="print only the markdown summary (markdown_table; the docs' table) on stdout, the rest on stderr")
     ap.add_argument("--thresholds", type=csv(str), default=["none"],
                     help="false-negative thresholds to drive, 'none' for no masking (default none; e.g. none,0.9)")
     a = ap.parse_args(argv)
@@ -499,25 +572,29 @@ def main(argv=None):
     smoothings = a.smoothings or ([0.0] if a.quick else [0.0, 0.1])
     if unknown := [d for d in a.dtypes if d not in DTYPES]:
         ap.error(f"unknown dtype(s) {unknown}; choose from {list(DTYPES)}")
+    out = sys.stderr if a.markdown else sys.stdout  # --markdown: stdout holds the table only
+    say = lambda *args: print(*args, file=out, flush=True)  # noqa: E731
     try:
         report = run_check(a.dtypes, ds, a.gammas, smoothings, a.n, a.local_m, a.jobs, a.cache_dir, a.wide_scalars,
-                           a.i64_ints, thresholds=thresholds)
+                           a.i64_ints, log=say, thresholds=thresholds)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(_table(report["rows"]))
-    print(f"\n{report['launches']} launches, {len(report['rows'])} distinct kernels, {report['compiled']} compiled "
-          f"(rest cached); capture {report['capture_s']} s, compile {report['compile_s']} s")
-    print(scalar_summary(report["rows"], a.wide_scalars, a.i64_ints))
+    say(_table(report["rows"]))
+    say(f"\n{report['launches']} launches, {len(report['rows'])} distinct kernels, {report['compiled']} compiled "
+        f"(rest cached); capture {report['capture_s']} s, compile {report['compile_s']} s")
+    say(scalar_summary(report["rows"], a.wide_scalars, a.i64_ints))
+    if a.markdown:
+        print(markdown_table(report))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
     if report["problems"]:
-        print(f"\n{len(report['problems'])} problem(s):")
+        say(f"\n{len(report['problems'])} problem(s):")
         for p in report["problems"]:
-            print("  " + p)
+            say("  " + p)
         return 1
-    print("\nall kernels compile for sm_90a: no spills, shared memory within 227 KiB, no tf32 on float32 inputs")
+    say("\nall kernels compile for sm_90a: no spills, shared memory within 227 KiB, no tf32 on float32 inputs")
     return 0
 
 
