@@ -162,10 +162,12 @@ def candidates(kernel: str, elem_size: int) -> list:
 
 
 def pruner(kernel: str, width_arg: str):
-    """``early_config_prune`` for ``triton.autotune``: keep the candidates of the operand
-    width found in the launch's argument ``width_arg`` (a tensor), less those that spill with
-    SHIFT (``SHIFT_SPILLS``; SHIFT derives from ``s_ptr``, see ``dscore``: the pruner runs
-    before the kernel's heuristics)."""
+    """``early_config_prune`` for ``triton.autotune``: keep the configs that are candidates of
+    the operand width found in the launch's argument ``width_arg`` (a tensor), less those that
+    spill with SHIFT (``SHIFT_SPILLS``; SHIFT derives from ``s_ptr``, see ``dscore``: the pruner
+    runs before the kernel's heuristics). The configs are matched by their tiles, warps and
+    stages, not by identity: traced, torch hands the pruner copies that also carry the derived
+    flags."""
 
     def prune(configs, named_args, **kwargs):
         x = named_args.get(width_arg, kwargs.get(width_arg))
@@ -173,13 +175,17 @@ def pruner(kernel: str, width_arg: str):
         if named_args.get("s_ptr", kwargs.get("s_ptr")) is not None:
             spills = SHIFT_SPILLS.get(kernel, {}).get(x.dtype, [])
             allowed = [c for c in allowed if not any(_same(c, bad) for bad in spills)] or allowed
-        return [c for c in configs if c in allowed] or allowed
+        return [c for c in configs if any(_same(c, a) for a in allowed)]
 
     return prune
 
 
-def _same(a, b) -> bool:
-    return (a.kwargs, a.num_warps, a.num_stages) == (b.kwargs, b.num_warps, b.num_stages)
+def _same(config, candidate) -> bool:
+    """Is ``config`` the launch of ``candidate`` (its tiles, warps and stages; other kwargs aside)?"""
+    return (
+        all(config.kwargs.get(k) == v for k, v in candidate.kwargs.items())
+        and (config.num_warps, config.num_stages) == (candidate.num_warps, candidate.num_stages)
+    )
 
 
 @dataclass(frozen=True)
