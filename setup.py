@@ -4,6 +4,7 @@ The C++ CPU kernel in csrc/ is compiled against the torch already installed, so 
 with ``--no-build-isolation`` (see README): build isolation would download torch again.
 HNCLIP_NO_CPP=1 skips the extension (the package then runs without the C++ backend).
 """
+
 import glob
 import os
 

@@ -16,6 +16,7 @@ is skipped (so a shared machine is not pushed into swap or the OOM killer).
 
 Writes DEVICE_chunked_memory.csv and DEVICE_chunked_memory.png under --out (default benchmarks/out).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,19 @@ import subprocess
 import sys
 import time
 
-COLUMNS = ["model", "device", "N", "chunk", "peak_mb", "step_mb", "seconds", "threads", "torch_version", "date",
-           "status"]
+COLUMNS = [
+    "model",
+    "device",
+    "N",
+    "chunk",
+    "peak_mb",
+    "step_mb",
+    "seconds",
+    "threads",
+    "torch_version",
+    "date",
+    "status",
+]
 
 
 def _child(model_name: str, device: str, n: int, chunk: int) -> dict:
@@ -61,8 +73,13 @@ def _child(model_name: str, device: str, n: int, chunk: int) -> dict:
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     seconds = time.perf_counter() - t0
-    return dict(peak_mb=peak / 2**20, step_mb=(peak - base) / 2**20, seconds=seconds,
-                threads=torch.get_num_threads(), torch_version=torch.__version__)
+    return dict(
+        peak_mb=peak / 2**20,
+        step_mb=(peak - base) / 2**20,
+        seconds=seconds,
+        threads=torch.get_num_threads(),
+        torch_version=torch.__version__,
+    )
 
 
 def _rss_kb() -> int:
@@ -74,8 +91,20 @@ def _rss_kb() -> int:
 
 
 def _run_cell(args, n: int, chunk: int) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.chunked_memory", "--child", "--model", args.model,
-           "--device", args.device, "--sizes", str(n), "--chunk", str(chunk)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.chunked_memory",
+        "--child",
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--sizes",
+        str(n),
+        "--chunk",
+        str(chunk),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.cell_timeout)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["killed (out of memory?)"])[-1]
@@ -105,8 +134,11 @@ def format_table(rows: list, device: str) -> str:
         cells = []
         for c in chunks:
             r = next((r for r in rows if r["N"] == n and r["chunk"] == c), None)
-            cells.append(f"{r['peak_mb']:,.0f} MiB ({r['step_mb']:,.0f})" if r and r["status"] == "ok"
-                         else (r["status"] if r else "-"))
+            cells.append(
+                f"{r['peak_mb']:,.0f} MiB ({r['step_mb']:,.0f})"
+                if r and r["status"] == "ok"
+                else (r["status"] if r else "-")
+            )
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -134,8 +166,11 @@ def plot(rows: list, path: str, device: str, model: str) -> None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.chunked_memory", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.chunked_memory",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--model", default="ViT-B-32")
     ap.add_argument("--sizes", default="32,64,128,256", help="contrastive batch sizes N")
@@ -143,8 +178,12 @@ def main(argv=None):
     ap.add_argument("--max-gb", type=float, default=12.0, help="skip a cell whose extrapolated peak is larger")
     ap.add_argument("--cell-timeout", type=float, default=1800.0, help="seconds per cell")
     ap.add_argument("--out", default=os.path.join("benchmarks", "out"))
-    ap.add_argument("--merge", nargs="+", metavar="CSV",
-                    help="measure nothing: merge these CSVs (runs at other sizes) into one CSV, PNG and table")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="CSV",
+        help="measure nothing: merge these CSVs (runs at other sizes) into one CSV, PNG and table",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
@@ -164,9 +203,12 @@ def main(argv=None):
             else:
                 row.update(_run_cell(args, n, chunk))
             rows.append(row)
-            print(f"N={n} chunk={chunk or '-'}: {row.get('peak_mb', float('nan')):.0f} MiB peak, "
-                  f"{row.get('step_mb', float('nan')):.0f} MiB step, {row.get('seconds', float('nan')):.1f} s, "
-                  f"{row['status']}", flush=True)
+            print(
+                f"N={n} chunk={chunk or '-'}: {row.get('peak_mb', float('nan')):.0f} MiB peak, "
+                f"{row.get('step_mb', float('nan')):.0f} MiB step, {row.get('seconds', float('nan')):.1f} s, "
+                f"{row['status']}",
+                flush=True,
+            )
     return _write(args, rows)
 
 

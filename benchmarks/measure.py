@@ -3,6 +3,7 @@
 Peak memory is measured over one call of the timed region, above what is live just before
 it: the inputs for fwd and fwd+bwd, the inputs plus the saved forward graph for bwd.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -18,8 +19,10 @@ MODES = ("fwd", "bwd", "fwd+bwd")
 
 def make_inputs(n: int, d: int, dtype: torch.dtype, device: str, n_sets: int, seed: int = 0):
     gen = torch.Generator(device=device).manual_seed(seed)
-    return [tuple(torch.randn(n, d, generator=gen, device=device, dtype=dtype).requires_grad_(True)
-                  for _ in range(2)) for _ in range(n_sets)]
+    return [
+        tuple(torch.randn(n, d, generator=gen, device=device, dtype=dtype).requires_grad_(True) for _ in range(2))
+        for _ in range(n_sets)
+    ]
 
 
 class Step:
@@ -64,6 +67,7 @@ def summarize(times_ms) -> dict:
 
 
 # ---------------------------------------------------------------- GPU
+
 
 def _l2_flusher():
     from triton import runtime  # the same L2 flush do_bench does between its runs
@@ -116,8 +120,7 @@ def measure_cuda(step: Step, *, warm: bool, rep_ms: float, warmup_ms: float = 25
 
     if step.mode != "bwd" and first * 10 <= rep_ms:
         # return_mode="all": the same quantiles as quantiles=QUANTILES, plus the number of runs
-        times = triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, grad_to_none=step.leaves,
-                                        return_mode="all")
+        times = triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, grad_to_none=step.leaves, return_mode="all")
     elif per_call * 3 <= rep_ms:
         _event_times(step, min(100, max(1, int(warmup_ms / per_call))), flush)
         times = _event_times(step, min(1000, int(rep_ms / per_call)), flush)
@@ -168,8 +171,11 @@ def _reset_peak_rss() -> int:
     except OSError:
         if not _warned_rss:
             _warned_rss = True
-            warnings.warn("cannot reset the peak RSS (/proc/self/clear_refs): peak memory is only "
-                          "right for cells that set a new high-water mark in this process", stacklevel=2)
+            warnings.warn(
+                "cannot reset the peak RSS (/proc/self/clear_refs): peak memory is only "
+                "right for cells that set a new high-water mark in this process",
+                stacklevel=2,
+            )
     return _proc_status_kb("VmRSS")
 
 

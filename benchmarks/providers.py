@@ -5,6 +5,7 @@ directions) at τ = 0.07. Ours runs HN-CLIP with γ = 0.5; the others are plain 
 InfoNCE (γ = 0), the floor a user gives up the margins for. Optional third-party
 providers are imported only when asked for and reported as skipped when they cannot run.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,8 +39,15 @@ def _hnclip(backend: str, device: torch.device, **options) -> Callable:
 
 def _triton_precision(precision: str) -> Provider:
     """Ours on float32 features in another tensor-core input precision (hnclip-triton: tf32x3)."""
-    return Provider(f"hnclip-triton-{precision}", ("cuda",), "triton", "triton",
-                    functools.partial(_hnclip, "triton", precision=precision), "CUDA only", ("float32",))
+    return Provider(
+        f"hnclip-triton-{precision}",
+        ("cuda",),
+        "triton",
+        "triton",
+        functools.partial(_hnclip, "triton", precision=precision),
+        "CUDA only",
+        ("float32",),
+    )
 
 
 def _hnclip_compiled(device: torch.device) -> Callable:
@@ -71,17 +79,36 @@ def _memeff(device: torch.device) -> Callable:
 PROVIDERS = {
     p.name: p
     for p in (
-        Provider("hnclip-triton", ("cuda",), "triton", "triton", functools.partial(_hnclip, "triton"),
-                 "CUDA only (the Triton interpreter on CPU is far too slow to benchmark)"),
+        Provider(
+            "hnclip-triton",
+            ("cuda",),
+            "triton",
+            "triton",
+            functools.partial(_hnclip, "triton"),
+            "CUDA only (the Triton interpreter on CPU is far too slow to benchmark)",
+        ),
         # γ = 0: plain InfoNCE through our kernels, like for like with open_clip and Inf-CL
-        Provider("hnclip-triton-g0", ("cuda",), "triton", "triton", functools.partial(_hnclip, "triton", gamma=0.0),
-                 "CUDA only"),
+        Provider(
+            "hnclip-triton-g0",
+            ("cuda",),
+            "triton",
+            "triton",
+            functools.partial(_hnclip, "triton", gamma=0.0),
+            "CUDA only",
+        ),
         *(_triton_precision(p) for p in ("ieee", "bf16x3", "bf16x6")),
-        Provider("hnclip-torch", ("cuda", "cpu"), "hnclip_kernels", "hnclip-kernels",
-                 functools.partial(_hnclip, "torch")),
+        Provider(
+            "hnclip-torch", ("cuda", "cpu"), "hnclip_kernels", "hnclip-kernels", functools.partial(_hnclip, "torch")
+        ),
         Provider("hnclip-torch-compile", ("cuda", "cpu"), "hnclip_kernels", "hnclip-kernels", _hnclip_compiled),
-        Provider("hnclip-cpp", ("cpu",), "hnclip_kernels", "hnclip-kernels", functools.partial(_hnclip, "cpp"),
-                 "CPU only (the C++ kernel takes CPU tensors)"),
+        Provider(
+            "hnclip-cpp",
+            ("cpu",),
+            "hnclip_kernels",
+            "hnclip-kernels",
+            functools.partial(_hnclip, "cpp"),
+            "CPU only (the C++ kernel takes CPU tensors)",
+        ),
         Provider("open_clip", ("cuda", "cpu"), "open_clip", "open_clip_torch", _open_clip),
         Provider("inf-cl", ("cuda",), "inf_cl", "inf-cl", _inf_cl, "CUDA only (Triton kernels)"),
         Provider("memeff", ("cuda",), "memeff", "memeff", _memeff, "CUDA only (Triton kernels)"),

@@ -1,4 +1,5 @@
 """Benchmark output: the CSV, the table on stdout and the PNG plots."""
+
 from __future__ import annotations
 
 import csv
@@ -9,8 +10,21 @@ from collections import defaultdict
 # One row per (provider, dtype, N, D, mode) cell. The metadata columns are filled in every
 # row; the measured columns only where status == "ok" (empty for "OOM", "skipped: ...",
 # "error: ...").
-META_COLUMNS = ["provider", "device", "device_name", "dtype", "N", "D", "mode", "threads",
-                "matmul_tflops", "torch_version", "triton_version", "date", "status"]
+META_COLUMNS = [
+    "provider",
+    "device",
+    "device_name",
+    "dtype",
+    "N",
+    "D",
+    "mode",
+    "threads",
+    "matmul_tflops",
+    "torch_version",
+    "triton_version",
+    "date",
+    "status",
+]
 MEASURED_COLUMNS = ["median_ms", "q20_ms", "q80_ms", "peak_mem_mb", "tflops", "frac_of_matmul", "reps"]
 # workspace_mb: what ``hnclip_kernels.workspace_bytes`` states the fused Triton path allocates
 # beyond inputs and outputs (GPU launch configuration), beside the measured peak; "n/a" for the
@@ -84,16 +98,23 @@ def format_table(rows: list, provider_order: list, preferred_ref: tuple) -> str:
     for (dtype, d, mode), grp in groups.items():
         ref = _reference(grp, preferred_ref)
         ref_ms = {r["N"]: r["median_ms"] for r in grp if r["provider"] == ref and r["status"] == "ok"}
-        out.append(f"\n== {grp[0]['device']} ({grp[0]['device_name']}) · {dtype} · D={d} · {mode}"
-                   + (f" · ratio = time / time of {ref}" if ref else ""))
-        out.append(f"{'N':>7}  {'provider':<21} {'median ms':>10} {'q20-q80 ms':>19} {'peak MiB':>9} {'ws MiB':>8} "
-                   f"{'TFLOP/s':>8} {'%matmul':>8} {'ratio':>7}")
+        out.append(
+            f"\n== {grp[0]['device']} ({grp[0]['device_name']}) · {dtype} · D={d} · {mode}"
+            + (f" · ratio = time / time of {ref}" if ref else "")
+        )
+        out.append(
+            f"{'N':>7}  {'provider':<21} {'median ms':>10} {'q20-q80 ms':>19} {'peak MiB':>9} {'ws MiB':>8} "
+            f"{'TFLOP/s':>8} {'%matmul':>8} {'ratio':>7}"
+        )
         # a provider with the same non-ok status at every N (e.g. not importable) gets one line
         statuses = defaultdict(set)
         for r in grp:
             statuses[r["provider"]].add(r["status"])
-        uniform = {p: s.pop() for p, s in sorted(statuses.items(), key=lambda kv: provider_order.index(kv[0]))
-                   if len(s) == 1 and "ok" not in s}
+        uniform = {
+            p: s.pop()
+            for p, s in sorted(statuses.items(), key=lambda kv: provider_order.index(kv[0]))
+            if len(s) == 1 and "ok" not in s
+        }
         for r in sorted(grp, key=lambda r: (r["N"], provider_order.index(r["provider"]))):
             if r["provider"] in uniform:
                 continue
@@ -101,9 +122,11 @@ def format_table(rows: list, provider_order: list, preferred_ref: tuple) -> str:
                 out.append(f"{r['N']:>7}  {r['provider']:<21} {r['status']}")
                 continue
             ratio = f"{r['median_ms'] / ref_ms[r['N']]:.2f}x" if r["N"] in ref_ms else "-"
-            out.append(f"{r['N']:>7}  {r['provider']:<21} {r['median_ms']:>10.3f} "
-                       f"{r['q20_ms']:>9.3f}-{r['q80_ms']:<9.3f} {r['peak_mem_mb']:>9.1f} {_mib(r.get('workspace_mb')):>8} "
-                       f"{r['tflops']:>8.3f} {100 * r['frac_of_matmul']:>7.1f}% {ratio:>7}")
+            out.append(
+                f"{r['N']:>7}  {r['provider']:<21} {r['median_ms']:>10.3f} "
+                f"{r['q20_ms']:>9.3f}-{r['q80_ms']:<9.3f} {r['peak_mem_mb']:>9.1f} {_mib(r.get('workspace_mb')):>8} "
+                f"{r['tflops']:>8.3f} {100 * r['frac_of_matmul']:>7.1f}% {ratio:>7}"
+            )
         out += [f"{'all N':>7}  {p:<21} {status}" for p, status in uniform.items()]
     return "\n".join(out)
 
@@ -114,8 +137,11 @@ def _mib(v) -> str:
 
 def format_targets(rows: list, targets=CPU_TARGETS, dtype="float32", d=512, mode="fwd+bwd") -> str:
     """Issue 3's acceptance targets, judged on this run's rows (n/a where a cell is missing)."""
-    cell = {(r["provider"], r["N"]): r for r in rows
-            if r["status"] == "ok" and r["dtype"] == dtype and r["D"] == d and r["mode"] == mode}
+    cell = {
+        (r["provider"], r["N"]): r
+        for r in rows
+        if r["status"] == "ok" and r["dtype"] == dtype and r["D"] == d and r["mode"] == mode
+    }
     lines = [f"\ntargets ({dtype}, D={d}, {mode}):"]
     for what, slow, fast, n, metric, factor in targets:
         a, b = cell.get((slow, n)), cell.get((fast, n))
@@ -145,8 +171,10 @@ def load_note(when: str, load=None, n_cores=None) -> str:
     n_cores = cores() if n_cores is None else n_cores
     line = f"load average {when}: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {n_cores} cores"
     if max(load[0], load[1]) > n_cores:
-        line += (f"\nWARNING: the load average is above the {n_cores} cores: other processes share the CPU, so "
-                 "the times (and the PASS/FAIL targets) are not those of an idle machine; rerun when it is idle")
+        line += (
+            f"\nWARNING: the load average is above the {n_cores} cores: other processes share the CPU, so "
+            "the times (and the PASS/FAIL targets) are not those of an idle machine; rerun when it is idle"
+        )
     return line
 
 
@@ -162,15 +190,23 @@ def plot(rows: list, out_dir: str, prefix: str, provider_order: list) -> list:
     sizes = sorted({r["N"] for r in rows})
     modes = [m for m in USEFUL_FLOPS if any(r["mode"] == m for r in rows)]
     paths = []
-    for metric, label, name in (("median_ms", "median time (ms)", "time_vs_n"),
-                                ("peak_mem_mb", "peak memory above inputs (MiB)", "memory_vs_n")):
-        fig, axes = plt.subplots(len(panels), len(modes), squeeze=False,
-                                 figsize=(4.5 * len(modes), 3.6 * len(panels)))
+    for metric, label, name in (
+        ("median_ms", "median time (ms)", "time_vs_n"),
+        ("peak_mem_mb", "peak memory above inputs (MiB)", "memory_vs_n"),
+    ):
+        fig, axes = plt.subplots(len(panels), len(modes), squeeze=False, figsize=(4.5 * len(modes), 3.6 * len(panels)))
         for (i, (dtype, d)), (j, mode) in ((a, b) for a in enumerate(panels) for b in enumerate(modes)):
             ax = axes[i][j]
             for prov in provider_order:
-                pts = sorted((r["N"], r[metric]) for r in rows if r["provider"] == prov and r["dtype"] == dtype
-                             and r["D"] == d and r["mode"] == mode and r["status"] == "ok")
+                pts = sorted(
+                    (r["N"], r[metric])
+                    for r in rows
+                    if r["provider"] == prov
+                    and r["dtype"] == dtype
+                    and r["D"] == d
+                    and r["mode"] == mode
+                    and r["status"] == "ok"
+                )
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=prov)
             ax.set_xscale("log", base=2)

@@ -7,6 +7,7 @@ Prints a table, and writes DEVICE_results.csv, DEVICE_time_vs_n.png and
 DEVICE_memory_vs_n.png under --out (default benchmarks/out). See benchmarks/__init__.py
 for what each number means.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,14 +30,44 @@ from .providers import PROVIDERS, unavailable
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # (device, quick) -> defaults; every one can be overridden on the command line
 DEFAULTS = {
-    ("cuda", False): dict(sizes=[4096, 16384, 65536, 262144], dims=[512, 768], dtypes=["bfloat16", "float32"],
-                          modes=list(measure.MODES), rep_ms=50, budget_s=210, max_call_s=5),
-    ("cuda", True): dict(sizes=[4096, 16384], dims=[512], dtypes=["bfloat16"],
-                         modes=list(measure.MODES), rep_ms=25, budget_s=90, max_call_s=1),
-    ("cpu", False): dict(sizes=[1024, 4096, 16384], dims=[512], dtypes=["float32"], modes=["fwd+bwd"],
-                         reps=5, cell_s=20, budget_s=0, max_call_s=0),
-    ("cpu", True): dict(sizes=[1024, 4096], dims=[512], dtypes=["float32"], modes=["fwd+bwd"],
-                        reps=3, cell_s=3, budget_s=0, max_call_s=0),
+    ("cuda", False): dict(
+        sizes=[4096, 16384, 65536, 262144],
+        dims=[512, 768],
+        dtypes=["bfloat16", "float32"],
+        modes=list(measure.MODES),
+        rep_ms=50,
+        budget_s=210,
+        max_call_s=5,
+    ),
+    ("cuda", True): dict(
+        sizes=[4096, 16384],
+        dims=[512],
+        dtypes=["bfloat16"],
+        modes=list(measure.MODES),
+        rep_ms=25,
+        budget_s=90,
+        max_call_s=1,
+    ),
+    ("cpu", False): dict(
+        sizes=[1024, 4096, 16384],
+        dims=[512],
+        dtypes=["float32"],
+        modes=["fwd+bwd"],
+        reps=5,
+        cell_s=20,
+        budget_s=0,
+        max_call_s=0,
+    ),
+    ("cpu", True): dict(
+        sizes=[1024, 4096],
+        dims=[512],
+        dtypes=["float32"],
+        modes=["fwd+bwd"],
+        reps=3,
+        cell_s=3,
+        budget_s=0,
+        max_call_s=0,
+    ),
 }
 REFERENCE = {"cuda": ("hnclip-triton", "hnclip-torch"), "cpu": ("hnclip-cpp", "hnclip-torch")}
 INPUT_SETS = {"cuda": 3, "cpu": 2}
@@ -48,11 +79,17 @@ def _csv_list(kind):
 
 
 def parse_args(argv=None):
-    epilog = "defaults:\n" + "\n".join(f"  {dev}{' --quick' if quick else ''}: " + ", ".join(
-        f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in d.items())
-        for (dev, quick), d in DEFAULTS.items())
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__, epilog=epilog,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    epilog = "defaults:\n" + "\n".join(
+        f"  {dev}{' --quick' if quick else ''}: "
+        + ", ".join(f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in d.items())
+        for (dev, quick), d in DEFAULTS.items()
+    )
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description=__doc__,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--quick", action="store_true", help="a small sweep (fewer sizes, shorter timing)")
     ap.add_argument("--out", default=os.path.join("benchmarks", "out"), help="output folder")
@@ -65,15 +102,25 @@ def parse_args(argv=None):
     ap.add_argument("--rep-ms", type=float, help="GPU: do_bench rep time per cell (ms)")
     ap.add_argument("--reps", type=int, help="CPU: timed calls per cell at most (at least min(3, reps))")
     ap.add_argument("--cell-s", type=float, help="CPU: timing budget per cell (s)")
-    ap.add_argument("--budget-s", type=float, help="skip cells predicted to end past this many seconds "
-                    "from the start (0: no limit; GPU default keeps the sweep under 4 minutes)")
-    ap.add_argument("--max-call-s", type=float, help="skip cells whose single call is predicted (from the "
-                    "previous N, ∝ N²) to take longer (0: no limit)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        help="skip cells predicted to end past this many seconds "
+        "from the start (0: no limit; GPU default keeps the sweep under 4 minutes)",
+    )
+    ap.add_argument(
+        "--max-call-s",
+        type=float,
+        help="skip cells whose single call is predicted (from the previous N, ∝ N²) to take longer (0: no limit)",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one provider's CPU cells
     ap.add_argument("--deadline-epoch", type=float, help=argparse.SUPPRESS)  # internal: the parent's budget
     args = ap.parse_args(argv)
-    for name, values, allowed in (("--dtypes", args.dtypes, DTYPES), ("--modes", args.modes, measure.MODES),
-                                  ("--providers", args.providers, PROVIDERS)):
+    for name, values, allowed in (
+        ("--dtypes", args.dtypes, DTYPES),
+        ("--modes", args.modes, measure.MODES),
+        ("--providers", args.providers, PROVIDERS),
+    ):
         bad = [v for v in values or () if v not in allowed]
         if bad:
             ap.error(f"{name}: unknown {bad}; choose from {','.join(allowed)}")
@@ -90,8 +137,15 @@ def parse_args(argv=None):
 def _cells(args, providers):
     """Sweep order: the smallest N of every dtype first (cheap, and it pays every compilation),
     then --dtypes order and growing N, so that a time budget drops the last dtype's largest N."""
-    cells = [(p, dt, n, d, m) for dt in args.dtypes for n in args.sizes for d in args.dims
-             for p in providers for m in args.modes if dt in (PROVIDERS[p].dtypes or (dt,))]
+    cells = [
+        (p, dt, n, d, m)
+        for dt in args.dtypes
+        for n in args.sizes
+        for d in args.dims
+        for p in providers
+        for m in args.modes
+        if dt in (PROVIDERS[p].dtypes or (dt,))
+    ]
     return sorted(cells, key=lambda c: (c[2] != min(args.sizes), args.dtypes.index(c[1]), c[2]))
 
 
@@ -153,8 +207,10 @@ def sweep(args, providers, deadline=None, emit=None):
 
 
 def _skipped_rows(args, prov, reason):
-    return [dict(provider=prov, dtype=dt, N=n, D=d, mode=m, status=f"skipped: {reason}")
-            for _, dt, n, d, m in _cells(args, [prov])]
+    return [
+        dict(provider=prov, dtype=dt, N=n, D=d, mode=m, status=f"skipped: {reason}")
+        for _, dt, n, d, m in _cells(args, [prov])
+    ]
 
 
 def run_cpu(args, argv, providers, deadline=None):
@@ -167,13 +223,21 @@ def run_cpu(args, argv, providers, deadline=None):
         expected = _cells(args, [prov])
         print(f"[{prov}] {len(expected)} cells in a worker process", file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", "benchmarks.run", *argv, "--device", "cpu", "--worker", prov]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        proc = subprocess.run(
+            cmd,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
         got = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
         rows += got
-        for i, (_, dt, n, d, m) in enumerate(expected[len(got):]):  # cells a dead worker never reported
-            died = "OOM (worker killed)" if proc.returncode == -9 and i == 0 else \
-                f"error: worker exited with code {proc.returncode}"
+        for i, (_, dt, n, d, m) in enumerate(expected[len(got) :]):  # cells a dead worker never reported
+            died = (
+                "OOM (worker killed)"
+                if proc.returncode == -9 and i == 0
+                else f"error: worker exited with code {proc.returncode}"
+            )
             rows.append(dict(provider=prov, dtype=dt, N=n, D=d, mode=m, status=died))
     return rows
 
@@ -218,22 +282,37 @@ def main(argv=None) -> int:
         matmul = measure.cuda_matmul_tflops()
     else:
         matmul = measure.cpu_matmul_tflops(1024 if args.quick else 2048)
-    print(f"dense {'bf16' if args.device == 'cuda' else 'float32'} torch.matmul: {matmul:.2f} TFLOP/s "
-          f"(the ceiling for frac_of_matmul)", file=sys.stderr)
+    print(
+        f"dense {'bf16' if args.device == 'cuda' else 'float32'} torch.matmul: {matmul:.2f} TFLOP/s "
+        f"(the ceiling for frac_of_matmul)",
+        file=sys.stderr,
+    )
     if args.device == "cuda":
         rows += sweep(args, runnable, deadline)
     else:
         load_before = report.load_note("before the sweep")
         print(load_before, file=sys.stderr, flush=True)
         rows += run_cpu(args, argv, runnable, deadline)
-    meta = dict(device=args.device, device_name=_device_name(args.device), matmul_tflops=matmul,
-                threads=args.threads if args.device == "cpu" else torch.get_num_threads(),
-                torch_version=torch.__version__, triton_version=_version("triton"),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    meta = dict(
+        device=args.device,
+        device_name=_device_name(args.device),
+        matmul_tflops=matmul,
+        threads=args.threads if args.device == "cpu" else torch.get_num_threads(),
+        torch_version=torch.__version__,
+        triton_version=_version("triton"),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
     report.finalize(rows, meta)
     order = list(PROVIDERS)
-    rows.sort(key=lambda r: (args.dtypes.index(r["dtype"]), r["N"], r["D"], order.index(r["provider"]),
-                             args.modes.index(r["mode"])))
+    rows.sort(
+        key=lambda r: (
+            args.dtypes.index(r["dtype"]),
+            r["N"],
+            r["D"],
+            order.index(r["provider"]),
+            args.modes.index(r["mode"]),
+        )
+    )
     print(report.format_table(rows, order, REFERENCE[args.device]))
     if args.device == "cpu":
         print(report.format_targets(rows))

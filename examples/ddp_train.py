@@ -13,6 +13,7 @@ Every rank computes the HN-CLIP rows of its own pairs against the whole global b
 single-process step on the concatenated global batch. ``--uneven`` gives rank r a batch
 of ``batch_size - r`` pairs to show that unequal local batches are handled exactly.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,9 +68,13 @@ def main():
     ddp_model = DDP(model, device_ids=[local_rank] if use_cuda else None)
 
     loss_fn = HNClipLoss(
-        local_loss=True, gather_with_grad=True, cache_labels=True,
-        rank=rank, world_size=world_size,
-        gamma=args.gamma, backend=args.backend,
+        local_loss=True,
+        gather_with_grad=True,
+        cache_labels=True,
+        rank=rank,
+        world_size=world_size,
+        gamma=args.gamma,
+        backend=args.backend,
     )
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=args.lr, weight_decay=0.1)
     generator = torch.Generator().manual_seed(1234 + rank)  # different data on every rank

@@ -30,6 +30,7 @@ Writes ``history.csv`` (one row per run and epoch), ``steps.csv`` (the loss of e
 ``summary.csv``, ``table.md`` and ``curves.png`` under ``--out`` and prints the table.
 A toy task: its numbers say nothing about the paper's benchmarks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,15 +48,24 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 COLORS = {
-    "red": (0.90, 0.10, 0.10), "green": (0.10, 0.75, 0.15), "blue": (0.15, 0.25, 0.95),
-    "yellow": (0.95, 0.90, 0.10), "purple": (0.60, 0.15, 0.80), "orange": (1.00, 0.55, 0.00),
-    "white": (0.97, 0.97, 0.97), "cyan": (0.10, 0.85, 0.90),
+    "red": (0.90, 0.10, 0.10),
+    "green": (0.10, 0.75, 0.15),
+    "blue": (0.15, 0.25, 0.95),
+    "yellow": (0.95, 0.90, 0.10),
+    "purple": (0.60, 0.15, 0.80),
+    "orange": (1.00, 0.55, 0.00),
+    "white": (0.97, 0.97, 0.97),
+    "cyan": (0.10, 0.85, 0.90),
 }
 BACKGROUNDS = {"black": (0.05, 0.05, 0.05), "gray": (0.45, 0.45, 0.45), "brown": (0.40, 0.25, 0.10)}
 SHAPES = ("square", "circle", "triangle", "diamond")
 SIZES = {"small": 3.0, "large": 6.0}
-OPPOSITE = {"to the left of": "to the right of", "to the right of": "to the left of", "above": "below",
-            "below": "above"}
+OPPOSITE = {
+    "to the left of": "to the right of",
+    "to the right of": "to the left of",
+    "above": "below",
+    "below": "above",
+}
 EDITS = ("color", "shape", "size", "relation", "background")
 IMAGE_SIZE = 32
 CONTEXT_LENGTH = 48
@@ -89,8 +99,12 @@ def sample_scene(rng: random.Random) -> Scene:
     near, far = 8.0 + rng.uniform(-1, 1), 24.0 + rng.uniform(-1, 1)  # along the relation's axis
     mid = rng.uniform(10, 22)
     o1, o2 = mid + rng.uniform(-2, 2), mid + rng.uniform(-2, 2)  # across it
-    first, second = {"to the left of": (near, far), "to the right of": (far, near),
-                     "above": (near, far), "below": (far, near)}[relation]
+    first, second = {
+        "to the left of": (near, far),
+        "to the right of": (far, near),
+        "above": (near, far),
+        "below": (far, near),
+    }[relation]
     if relation in ("to the left of", "to the right of"):
         pa, pb = (first, o1), (second, o2)
     else:
@@ -105,13 +119,15 @@ def edit_scene(scene: Scene, kind: str, rng: random.Random) -> Scene:
         b = dataclasses.replace(scene.b, x=scene.a.x, y=scene.a.y)
         return dataclasses.replace(scene, a=a, b=b, relation=OPPOSITE[scene.relation])
     if kind == "background":
-        return dataclasses.replace(scene, background=rng.choice([c for c in sorted(BACKGROUNDS)
-                                                                  if c != scene.background]))
+        return dataclasses.replace(
+            scene, background=rng.choice([c for c in sorted(BACKGROUNDS) if c != scene.background])
+        )
     which = rng.choice(("a", "b"))
     obj = getattr(scene, which)
     if kind == "color":
-        new = dataclasses.replace(obj, color=rng.choice([c for c in sorted(COLORS)
-                                                         if c not in (scene.a.color, scene.b.color)]))
+        new = dataclasses.replace(
+            obj, color=rng.choice([c for c in sorted(COLORS) if c not in (scene.a.color, scene.b.color)])
+        )
     elif kind == "shape":
         new = dataclasses.replace(obj, shape=rng.choice([s for s in SHAPES if s not in (scene.a.shape, scene.b.shape)]))
     else:
@@ -127,13 +143,18 @@ def region(obj: Obj, relation: str) -> str:
 
 def caption(s: Scene) -> str:
     a, b = s.a, s.b
-    return (f"two shapes on a {s.background} background. a {a.size} {a.color} {a.shape} is "
-            f"{s.relation} a {b.size} {b.color} {b.shape}. the {a.shape} is {a.color} and sits on the "
-            f"{region(a, s.relation)} side, while the {b.shape} is {b.size} and {b.color}.")
+    return (
+        f"two shapes on a {s.background} background. a {a.size} {a.color} {a.shape} is "
+        f"{s.relation} a {b.size} {b.color} {b.shape}. the {a.shape} is {a.color} and sits on the "
+        f"{region(a, s.relation)} side, while the {b.shape} is {b.size} and {b.color}."
+    )
 
 
-_YY, _XX = torch.meshgrid(torch.arange(IMAGE_SIZE, dtype=torch.float32) + 0.5,
-                          torch.arange(IMAGE_SIZE, dtype=torch.float32) + 0.5, indexing="ij")
+_YY, _XX = torch.meshgrid(
+    torch.arange(IMAGE_SIZE, dtype=torch.float32) + 0.5,
+    torch.arange(IMAGE_SIZE, dtype=torch.float32) + 0.5,
+    indexing="ij",
+)
 
 
 def _mask(obj: Obj) -> torch.Tensor:
@@ -193,10 +214,11 @@ def build_model(vocab_size: int, seed: int):
     torch.manual_seed(seed)
     logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))  # "no pretrained weights"
     return open_clip.create_model(
-        "ViT-B-32", pretrained=None, embed_dim=64,
+        "ViT-B-32",
+        pretrained=None,
+        embed_dim=64,
         vision_cfg=dict(image_size=IMAGE_SIZE, patch_size=8, width=64, head_width=32, layers=2, mlp_ratio=2.0),
-        text_cfg=dict(context_length=CONTEXT_LENGTH, vocab_size=vocab_size, width=64, heads=2, layers=2,
-                      mlp_ratio=2.0),
+        text_cfg=dict(context_length=CONTEXT_LENGTH, vocab_size=vocab_size, width=64, heads=2, layers=2, mlp_ratio=2.0),
     )
 
 
@@ -204,7 +226,7 @@ def build_model(vocab_size: int, seed: int):
 def encode(model, images: torch.Tensor, tokens: torch.Tensor, batch: int = 256):
     feats_i, feats_t = [], []
     for s in range(0, images.shape[0], batch):
-        fi, ft, scale = model(images[s:s + batch], tokens[s:s + batch])
+        fi, ft, scale = model(images[s : s + batch], tokens[s : s + batch])
         feats_i.append(fi)
         feats_t.append(ft)
     return torch.cat(feats_i), torch.cat(feats_t), scale
@@ -236,9 +258,13 @@ def saturation(model, batches, gamma: float) -> Dict[str, float]:
             img_f, txt_f, scale = model(images, tokens)
             reports.append(saturation_report(img_f, txt_f, 1.0 / float(scale), gamma=gamma))
     mean = lambda f: sum(getattr(r, f) for r in reports) / len(reports)  # noqa: E731
-    return dict(saturated_rows=mean("saturated_rows"), lost_positive_rows=mean("lost_positive_rows_fp32"),
-                naive_fp32_loss=mean("naive_fp32_loss"), exact_loss=mean("loss"),
-                effective_negatives=mean("effective_negatives"))
+    return dict(
+        saturated_rows=mean("saturated_rows"),
+        lost_positive_rows=mean("lost_positive_rows_fp32"),
+        naive_fp32_loss=mean("naive_fp32_loss"),
+        exact_loss=mean("loss"),
+        effective_negatives=mean("effective_negatives"),
+    )
 
 
 def param_groups(model, weight_decay: float):
@@ -283,7 +309,7 @@ def train_run(name: str, loss_fn, gamma: float, data: dict, args, progress) -> T
         order = torch.randperm(n_groups, generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
         losses = []
         for b in range(per_epoch):
-            groups = order[b * args.batch_groups:(b + 1) * args.batch_groups]
+            groups = order[b * args.batch_groups : (b + 1) * args.batch_groups]
             idx = (groups[:, None] * k + torch.arange(k)).flatten()
             img_f, txt_f, scale = model(data["train_images"][idx], data["train_tokens"][idx])
             loss = loss_fn(img_f, txt_f, scale)
@@ -314,10 +340,18 @@ def deterministic(threads: int):
         torch.set_num_threads(old_threads)
 
 
-TABLE_COLS = [("i2t_R@1", "i→t R@1"), ("i2t_R@5", "i→t R@5"), ("t2i_R@1", "t→i R@1"), ("t2i_R@5", "t→i R@5"),
-              ("i2t_group_acc", "i→t group acc"), ("t2i_group_acc", "t→i group acc"),
-              ("saturated_rows", "saturated rows"), ("lost_positive_rows", "lost-positive rows"),
-              ("tau", "final τ"), ("seconds", "run s")]
+TABLE_COLS = [
+    ("i2t_R@1", "i→t R@1"),
+    ("i2t_R@5", "i→t R@5"),
+    ("t2i_R@1", "t→i R@1"),
+    ("t2i_R@5", "t→i R@5"),
+    ("i2t_group_acc", "i→t group acc"),
+    ("t2i_group_acc", "t→i group acc"),
+    ("saturated_rows", "saturated rows"),
+    ("lost_positive_rows", "lost-positive rows"),
+    ("tau", "final τ"),
+    ("seconds", "run s"),
+]
 
 
 def format_table(finals: List[dict]) -> str:
@@ -358,8 +392,11 @@ def plot(path: str, history: List[dict], steps: List[dict]) -> None:
     axes[0].set(title="training loss per step (each its own loss)", xlabel="step", yscale="log")
     axes[1].set(title="held-out retrieval", xlabel="epoch", ylim=(0, 1))
     top = max([r[key] for r in history for key in ("saturated_rows", "lost_positive_rows")] + [0.0])
-    axes[2].set(title="fraction of directional rows (train batches)", xlabel="epoch",
-                ylim=(-0.005, max(0.05, min(1.02, 1.2 * top))))
+    axes[2].set(
+        title="fraction of directional rows (train batches)",
+        xlabel="epoch",
+        ylim=(-0.005, max(0.05, min(1.02, 1.2 * top))),
+    )
     for ax in axes:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
@@ -411,13 +448,19 @@ def main(argv=None) -> dict:
         eval_images, eval_caps = make_groups(args.eval_groups, args.group_size, args.seed + 1_000_003)
         tokens, vocab = tokenize(train_caps + eval_caps)
         n_train = len(train_caps)
-        data = dict(train_images=train_images, train_tokens=tokens[:n_train], eval_images=eval_images,
-                    eval_tokens=tokens[n_train:], vocab=vocab)
+        data = dict(
+            train_images=train_images,
+            train_tokens=tokens[:n_train],
+            eval_images=eval_images,
+            eval_tokens=tokens[n_train:],
+            vocab=vocab,
+        )
         runs = [("ClipLoss", ClipLoss(), 0.0), ("HN-CLIP", HNClipLoss(gamma=args.gamma), args.gamma)]
         per_run = math.ceil(args.train_groups / args.batch_groups) * args.epochs
         history, steps = [], []
-        with tqdm(total=per_run * len(runs), desc="training", unit="step", disable=args.no_progress,
-                  file=sys.stderr) as progress:
+        with tqdm(
+            total=per_run * len(runs), desc="training", unit="step", disable=args.no_progress, file=sys.stderr
+        ) as progress:
             for name, loss_fn, gamma in runs:
                 rows, st = train_run(name, loss_fn, gamma, data, args, progress)
                 history += rows
@@ -425,10 +468,12 @@ def main(argv=None) -> dict:
     finals = [max((r for r in history if r["loss"] == name), key=lambda r: r["epoch"]) for name, _, _ in runs]
     table = format_table(finals)
     wall = time.perf_counter() - t0
-    note = (f"{args.train_groups} train / {args.eval_groups} held-out groups of {args.group_size} "
-            f"({args.eval_groups * args.group_size} held-out pairs), {args.epochs} epochs × {per_run // args.epochs} "
-            f"steps of {args.batch_groups * args.group_size} pairs, seed {args.seed}, {args.threads} thread(s); "
-            f"total {wall:.0f} s, load average at start {load:.2f}")
+    note = (
+        f"{args.train_groups} train / {args.eval_groups} held-out groups of {args.group_size} "
+        f"({args.eval_groups * args.group_size} held-out pairs), {args.epochs} epochs × {per_run // args.epochs} "
+        f"steps of {args.batch_groups * args.group_size} pairs, seed {args.seed}, {args.threads} thread(s); "
+        f"total {wall:.0f} s, load average at start {load:.2f}"
+    )
     write_csv(os.path.join(args.out, "history.csv"), history)
     write_csv(os.path.join(args.out, "steps.csv"), steps)
     write_csv(os.path.join(args.out, "summary.csv"), finals)

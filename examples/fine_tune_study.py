@@ -106,6 +106,7 @@ mean over seeds); prints the table with wall and CPU times. A toy: a 160-thousan
 model on synthetic scenes; it says what the losses do in this setting, nothing about the
 paper's benchmarks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -136,17 +137,58 @@ SAT_THRESHOLD = 1e-3
 S1_LR = 2e-3
 S1_WARMUP = 50
 
-DEFAULT = dict(seeds=5, train_groups=128, eval_groups=64, epochs=8,
-               s1_train=16384, s1_eval=512, s1_steps=800, s1_eval_every=200)
-QUICK = dict(seeds=2, train_groups=64, eval_groups=16, epochs=2,
-             s1_train=512, s1_eval=128, s1_steps=60, s1_eval_every=30)
+DEFAULT = dict(
+    seeds=5, train_groups=128, eval_groups=64, epochs=8, s1_train=16384, s1_eval=512, s1_steps=800, s1_eval_every=200
+)
+QUICK = dict(
+    seeds=2, train_groups=64, eval_groups=16, epochs=2, s1_train=512, s1_eval=128, s1_steps=60, s1_eval_every=30
+)
 
 ARMS = ("ClipLoss", "HN-CLIP", "HN-CLIP+FN", "HN-CLIP 20%", "HN-CLIP 4×batch")
-METRICS = ("i2t_R@1", "t2i_R@1", "i2t_R@5", "t2i_R@5", "i2t_group_acc", "t2i_group_acc",
-           "sat_batches", "zero_grad_rows", "tau")
+METRICS = (
+    "i2t_R@1",
+    "t2i_R@1",
+    "i2t_R@5",
+    "t2i_R@5",
+    "i2t_group_acc",
+    "t2i_group_acc",
+    "sat_batches",
+    "zero_grad_rows",
+    "tau",
+)
 # 0.975 quantiles of Student's t for 1..30 degrees of freedom (no scipy here)
-T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 def coarse_caption(s: demo.Scene) -> str:
@@ -155,15 +197,19 @@ def coarse_caption(s: demo.Scene) -> str:
 
 
 # every word either caption kind can use, so the renumbered vocabulary is the same in both stages
-_VOCAB_TEXTS = [" ".join(sorted(demo.COLORS)), " ".join(demo.SHAPES + tuple(demo.SIZES)),
-                " ".join(sorted(demo.BACKGROUNDS)) + " left right top bottom", " ".join(sorted(demo.OPPOSITE))]
+_VOCAB_TEXTS = [
+    " ".join(sorted(demo.COLORS)),
+    " ".join(demo.SHAPES + tuple(demo.SIZES)),
+    " ".join(sorted(demo.BACKGROUNDS)) + " left right top bottom",
+    " ".join(sorted(demo.OPPOSITE)),
+]
 _S = demo.sample_scene(random.Random(0))
 _VOCAB_TEXTS += [demo.caption(_S), coarse_caption(_S)]
 
 
 def tokenize(captions: Sequence[str]):
     tokens, vocab = demo.tokenize(_VOCAB_TEXTS + list(captions))
-    return tokens[len(_VOCAB_TEXTS):], vocab
+    return tokens[len(_VOCAB_TEXTS) :], vocab
 
 
 VOCAB = tokenize([])[1]
@@ -181,8 +227,9 @@ def _cpu_seconds() -> float:
 
 def warmup_cosine(warmup: int, total: int):
     """The lr factor at a step: linear warmup, then cosine to 0 at ``total``."""
-    return lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup)
-                                                                            / max(1, total - warmup)))
+    return lambda s: (
+        (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, total - warmup)))
+    )
 
 
 def _optimizer_step(loss, opt, sched, model):
@@ -201,17 +248,32 @@ def _clamp_scale(model) -> None:
 
 # ---------------------------------------------------------------- stage 1
 
+
 def coarse_recall(img_f: torch.Tensor, txt_f: torch.Tensor, caption_ids: torch.Tensor) -> Dict[str, float]:
     """R@1 where the top-1 item counts as right when its caption equals the query's."""
     sims = img_f @ txt_f.T
-    return {f"{name}_R@1": (caption_ids[s.argmax(dim=1)] == caption_ids).double().mean().item()
-            for name, s in (("i2t", sims), ("t2i", sims.T))}
+    return {
+        f"{name}_R@1": (caption_ids[s.argmax(dim=1)] == caption_ids).double().mean().item()
+        for name, s in (("i2t", sims), ("t2i", sims.T))
+    }
 
 
 def stage1_config(args) -> dict:
-    return dict(s1_train=args.s1_train, s1_eval=args.s1_eval, s1_steps=args.s1_steps,
-                s1_eval_every=args.s1_eval_every, lr=S1_LR, batch=BATCH, warmup=S1_WARMUP,
-                model_seed=0, data_seed=123, vocab=VOCAB, threads=args.threads, captions="dense", version=3)
+    return dict(
+        s1_train=args.s1_train,
+        s1_eval=args.s1_eval,
+        s1_steps=args.s1_steps,
+        s1_eval_every=args.s1_eval_every,
+        lr=S1_LR,
+        batch=BATCH,
+        warmup=S1_WARMUP,
+        model_seed=0,
+        data_seed=123,
+        vocab=VOCAB,
+        threads=args.threads,
+        captions="dense",
+        version=3,
+    )
 
 
 def stage1(args, log) -> tuple:
@@ -253,15 +315,23 @@ def stage1(args, log) -> tuple:
             model.train()
             rec = coarse_recall(fi, ft, eval_ids)
             rows.append(dict(step=step, train_loss=loss.item(), tau=1.0 / float(scale), **rec))
-            log(f"stage 1: step {step} loss {loss.item():.3f} held-out R@1 i2t {rec['i2t_R@1']:.3f} "
-                f"t2i {rec['t2i_R@1']:.3f}")
-    record = dict(steps=step, seconds=time.perf_counter() - t0,
-                  cpu_seconds=_cpu_seconds() - c0, history=rows, **{k: rows[-1][k] for k in ("i2t_R@1", "t2i_R@1")})
+            log(
+                f"stage 1: step {step} loss {loss.item():.3f} held-out R@1 i2t {rec['i2t_R@1']:.3f} "
+                f"t2i {rec['t2i_R@1']:.3f}"
+            )
+    record = dict(
+        steps=step,
+        seconds=time.perf_counter() - t0,
+        cpu_seconds=_cpu_seconds() - c0,
+        history=rows,
+        **{k: rows[-1][k] for k in ("i2t_R@1", "t2i_R@1")},
+    )
     torch.save(dict(config=cfg, state_dict=model.state_dict(), record=record), path)
     return model.state_dict(), dict(record, reused=False)
 
 
 # ---------------------------------------------------------------- stage 2
+
 
 def batch_saturation(img_f: torch.Tensor, txt_f: torch.Tensor, scale: torch.Tensor) -> tuple:
     """(ClipLoss value < 1e-3, fraction of rows with an exactly-zero float32 positive gradient)."""
@@ -321,7 +391,7 @@ def fine_tune(arm: str, seed: int, init: dict, data: dict, args, progress) -> Li
     pool = torch.arange(n_pool)
     if arm == "HN-CLIP 20%":
         pool = torch.randperm(n_pool, generator=torch.Generator().manual_seed(20_000 + seed))
-        pool = pool[:max(BATCH, round(SUBSET * n_pool))]
+        pool = pool[: max(BATCH, round(SUBSET * n_pool))]
     batch = BIG_BATCH if arm == "HN-CLIP 4×batch" else BATCH
     order = torch.empty(0, dtype=torch.long)
 
@@ -331,8 +401,12 @@ def fine_tune(arm: str, seed: int, init: dict, data: dict, args, progress) -> Li
         model.train()
         row = dict(arm=arm, seed=seed, epoch=epoch, step=epoch * per_epoch, tau=1.0 / float(scale))
         row.update(demo.retrieval_metrics(img_f, txt_f, GROUP_SIZE))
-        row.update(stats or dict(train_loss=float("nan"), sat_batches=float("nan"),
-                                 zero_grad_rows=float("nan"), dup_rows=float("nan")))
+        row.update(
+            stats
+            or dict(
+                train_loss=float("nan"), sat_batches=float("nan"), zero_grad_rows=float("nan"), dup_rows=float("nan")
+            )
+        )
         return row
 
     rows = [evaluate(0, None)]
@@ -356,12 +430,17 @@ def fine_tune(arm: str, seed: int, init: dict, data: dict, args, progress) -> Li
             dups.append(dup_fraction(idx))
             progress(1)
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-        rows.append(evaluate(epoch, dict(train_loss=mean(losses), sat_batches=mean(sat),
-                                         zero_grad_rows=mean(zero), dup_rows=mean(dups))))
+        rows.append(
+            evaluate(
+                epoch,
+                dict(train_loss=mean(losses), sat_batches=mean(sat), zero_grad_rows=mean(zero), dup_rows=mean(dups)),
+            )
+        )
     return rows
 
 
 # ---------------------------------------------------------------- statistics
+
 
 def t_interval(values: Sequence[float]) -> tuple:
     """(mean, half-width of the 95% Student-t interval); half-width nan for one value."""
@@ -388,7 +467,7 @@ def sign_test(diffs: Sequence[float]) -> tuple:
     n = wins + losses
     if n == 0:
         return wins, losses, 1.0
-    tail = sum(math.comb(n, k) for k in range(min(wins, losses) + 1)) / 2 ** n
+    tail = sum(math.comb(n, k) for k in range(min(wins, losses) + 1)) / 2**n
     return wins, losses, min(1.0, 2 * tail)
 
 
@@ -400,21 +479,39 @@ def summarise(finals: List[dict], arms: Sequence[str]) -> tuple:
         for metric in METRICS:
             values = [r[metric] for r in rows]
             mean, half = t_interval(values)
-            summary.append(dict(arm=arm, metric=metric, n=len(values), mean=mean, ci_low=mean - half,
-                                ci_high=mean + half))
+            summary.append(
+                dict(arm=arm, metric=metric, n=len(values), mean=mean, ci_low=mean - half, ci_high=mean + half)
+            )
             if arm != "ClipLoss" and base:
                 diffs = [r[metric] - base[r["seed"]][metric] for r in rows]
                 lo, hi = bootstrap_ci(diffs)
                 wins, losses, p = sign_test(diffs)
-                paired.append(dict(arm=arm, metric=metric, n=len(diffs), mean_diff=sum(diffs) / len(diffs),
-                                   boot_low=lo, boot_high=hi, wins=wins, losses=losses, sign_p=p))
+                paired.append(
+                    dict(
+                        arm=arm,
+                        metric=metric,
+                        n=len(diffs),
+                        mean_diff=sum(diffs) / len(diffs),
+                        boot_low=lo,
+                        boot_high=hi,
+                        wins=wins,
+                        losses=losses,
+                        sign_p=p,
+                    )
+                )
     return summary, paired
 
 
 # ---------------------------------------------------------------- output
 
-TABLE_COLS = (("t2i_R@1", "t→i R@1"), ("i2t_R@1", "i→t R@1"), ("t2i_R@5", "t→i R@5"), ("i2t_R@5", "i→t R@5"),
-              ("t2i_group_acc", "t→i group"), ("i2t_group_acc", "i→t group"))
+TABLE_COLS = (
+    ("t2i_R@1", "t→i R@1"),
+    ("i2t_R@1", "i→t R@1"),
+    ("t2i_R@5", "t→i R@5"),
+    ("i2t_R@5", "i→t R@5"),
+    ("t2i_group_acc", "t→i group"),
+    ("i2t_group_acc", "i→t group"),
+)
 
 
 def epoch_mean(history: List[dict], arm: str, key: str, epoch: int) -> float:
@@ -423,12 +520,16 @@ def epoch_mean(history: List[dict], arm: str, key: str, epoch: int) -> float:
     return sum(values) / len(values)
 
 
-def format_tables(summary: List[dict], paired: List[dict], history: List[dict], arms: Sequence[str],
-                  missing: Dict[str, str]) -> str:
+def format_tables(
+    summary: List[dict], paired: List[dict], history: List[dict], arms: Sequence[str], missing: Dict[str, str]
+) -> str:
     get = {(r["arm"], r["metric"]): r for r in summary}
-    lines = ["| arm | " + " | ".join(label for _, label in TABLE_COLS)
-             + " | ClipLoss<1e-3 batches, ep 1 / last | fp32 zero-grad rows, ep 1 / last | final τ |",
-             "|---|" + "---:|" * (len(TABLE_COLS) + 3)]
+    lines = [
+        "| arm | "
+        + " | ".join(label for _, label in TABLE_COLS)
+        + " | ClipLoss<1e-3 batches, ep 1 / last | fp32 zero-grad rows, ep 1 / last | final τ |",
+        "|---|" + "---:|" * (len(TABLE_COLS) + 3),
+    ]
     for arm in arms:
         cells = []
         for key, _ in TABLE_COLS:
@@ -443,9 +544,14 @@ def format_tables(summary: List[dict], paired: List[dict], history: List[dict], 
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     for arm, why in missing.items():
         lines.append(f"| {arm} | not run: {why} |" + " |" * (len(TABLE_COLS) + 2))
-    lines += ["", "Paired difference against ClipLoss (same seed and initialisation): mean [95% bootstrap], "
-              "wins/losses, sign-test p", "",
-              "| arm | " + " | ".join(label for _, label in TABLE_COLS) + " |", "|---|" + "---:|" * len(TABLE_COLS)]
+    lines += [
+        "",
+        "Paired difference against ClipLoss (same seed and initialisation): mean [95% bootstrap], "
+        "wins/losses, sign-test p",
+        "",
+        "| arm | " + " | ".join(label for _, label in TABLE_COLS) + " |",
+        "|---|" + "---:|" * len(TABLE_COLS),
+    ]
     pget = {(r["arm"], r["metric"]): r for r in paired}
     for arm in arms:
         if arm == "ClipLoss":
@@ -453,8 +559,10 @@ def format_tables(summary: List[dict], paired: List[dict], history: List[dict], 
         cells = []
         for key, _ in TABLE_COLS:
             r = pget[(arm, key)]
-            cells.append(f"{r['mean_diff']:+.3f} [{r['boot_low']:+.3f}, {r['boot_high']:+.3f}] "
-                         f"{r['wins']}/{r['losses']} p={r['sign_p']:.2f}")
+            cells.append(
+                f"{r['mean_diff']:+.3f} [{r['boot_low']:+.3f}, {r['boot_high']:+.3f}] "
+                f"{r['wins']}/{r['losses']} p={r['sign_p']:.2f}"
+            )
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -520,8 +628,16 @@ def main(argv=None) -> dict:
         arms.remove("HN-CLIP 4×batch")
         warnings.warn("arm 'HN-CLIP 4×batch' not run: hnclip_kernels.chunked_encode is not available", stacklevel=1)
     per_run = (args.train_groups * GROUP_SIZE // BATCH) * args.epochs
-    with demo.deterministic(args.threads), tqdm(total=per_run * len(arms) * args.seeds, desc="fine-tuning",
-                                                unit="step", disable=args.no_progress, file=sys.stderr) as bar:
+    with (
+        demo.deterministic(args.threads),
+        tqdm(
+            total=per_run * len(arms) * args.seeds,
+            desc="fine-tuning",
+            unit="step",
+            disable=args.no_progress,
+            file=sys.stderr,
+        ) as bar,
+    ):
         init, s1 = stage1(args, lambda msg: bar.write(msg) if not args.no_progress else None)
         history = []
         for seed in range(args.seeds):
@@ -530,8 +646,9 @@ def main(argv=None) -> dict:
             tokens, vocab = tokenize([demo.caption(s) for s in train_scenes + eval_scenes])
             _check_vocab(vocab)
             n = len(train_scenes)
-            data = dict(train_images=train_images, train_tokens=tokens[:n], eval_images=eval_images,
-                        eval_tokens=tokens[n:])
+            data = dict(
+                train_images=train_images, train_tokens=tokens[:n], eval_images=eval_images, eval_tokens=tokens[n:]
+            )
             for arm in arms:
                 bar.set_postfix_str(f"seed {seed} {arm}")
                 history += fine_tune(arm, seed, init, data, args, bar.update)
@@ -541,15 +658,17 @@ def main(argv=None) -> dict:
     summary, paired = summarise(finals, arms)
     table = format_tables(summary, paired, history, arms, missing)
     n_pool = args.train_groups * GROUP_SIZE
-    note = (f"stage 1: {'reused, ' if s1['reused'] else ''}{s1['steps']} steps, stage-1 held-out R@1 i→t "
-            f"{s1['i2t_R@1']:.3f} / t→i {s1['t2i_R@1']:.3f}, "
-            f"{s1['seconds']:.0f} s wall, "
-            f"{s1['cpu_seconds']:.0f} s CPU when trained.\n"
-            f"stage 2: {args.seeds} seeds × {len(arms)} arms × {per_run} steps; pool {n_pool} pairs in groups of "
-            f"{GROUP_SIZE}, batch {BATCH} (expected near-duplicate pairs per pair in a batch "
-            f"{(GROUP_SIZE - 1) * (BATCH - 1) / (n_pool - 1):.3f}), held-out {args.eval_groups * GROUP_SIZE} pairs; "
-            f"lr {args.lr}, {args.threads} thread(s). Total {wall:.0f} s wall, {cpu:.0f} s CPU (user+sys), "
-            f"load average at start {load:.2f}.")
+    note = (
+        f"stage 1: {'reused, ' if s1['reused'] else ''}{s1['steps']} steps, stage-1 held-out R@1 i→t "
+        f"{s1['i2t_R@1']:.3f} / t→i {s1['t2i_R@1']:.3f}, "
+        f"{s1['seconds']:.0f} s wall, "
+        f"{s1['cpu_seconds']:.0f} s CPU when trained.\n"
+        f"stage 2: {args.seeds} seeds × {len(arms)} arms × {per_run} steps; pool {n_pool} pairs in groups of "
+        f"{GROUP_SIZE}, batch {BATCH} (expected near-duplicate pairs per pair in a batch "
+        f"{(GROUP_SIZE - 1) * (BATCH - 1) / (n_pool - 1):.3f}), held-out {args.eval_groups * GROUP_SIZE} pairs; "
+        f"lr {args.lr}, {args.threads} thread(s). Total {wall:.0f} s wall, {cpu:.0f} s CPU (user+sys), "
+        f"load average at start {load:.2f}."
+    )
     write = demo.write_csv
     write(os.path.join(args.out, "stage1.csv"), s1["history"])
     write(os.path.join(args.out, "history.csv"), history)
@@ -563,8 +682,17 @@ def main(argv=None) -> dict:
     print(table)
     print(note)
     print(f"wrote stage1.csv, history.csv, final.csv, summary.csv, paired.csv, table.md, curves.png to {args.out}/")
-    return dict(history=history, finals=finals, summary=summary, paired=paired, table=table, stage1=s1,
-                missing=missing, seconds=wall, cpu_seconds=cpu)
+    return dict(
+        history=history,
+        finals=finals,
+        summary=summary,
+        paired=paired,
+        table=table,
+        stage1=s1,
+        missing=missing,
+        seconds=wall,
+        cpu_seconds=cpu,
+    )
 
 
 if __name__ == "__main__":

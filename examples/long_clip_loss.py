@@ -28,6 +28,7 @@ The model is a tiny random-init open_clip CLIP (nothing is downloaded). At step 
 features are gathered once more and both losses recomputed by one process on the global
 batch: the mean of the ranks' losses equals it (printed as ``check:``; exit status 1 if not).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,12 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--gamma", type=float, default=0.5, help="HN-CLIP margin scale (0: Long-CLIP's InfoNCE)")
     p.add_argument("--label-smoothing", type=float, default=0.1, help="ε (Long-CLIP: 0.1)")
-    p.add_argument("--components", type=int, default=8, help="principal components of the short-caption image "
-                                                               "features (Long-CLIP: 32 of 512)")
+    p.add_argument(
+        "--components",
+        type=int,
+        default=8,
+        help="principal components of the short-caption image features (Long-CLIP: 32 of 512)",
+    )
     p.add_argument("--backend", default="auto", help="auto | torch | triton | cpp")
     return p.parse_args(argv)
 
@@ -75,9 +80,11 @@ def batch(n, generator, prototypes):
     for _ in range(n):
         color, thing = pick(COLORS), pick(THINGS)
         first = f"a {COLORS[color]} {THINGS[thing]} {PLACES[pick(PLACES)]}."
-        long.append(f"{first} behind the {THINGS[thing]} stands a {COLORS[pick(COLORS)]} {THINGS[pick(THINGS)]}, "
-                    f"and the light comes from the {['left', 'right'][pick('lr')]}. the {THINGS[thing]} looks "
-                    f"{['old', 'new', 'small', 'large'][pick('onsl')]}.")
+        long.append(
+            f"{first} behind the {THINGS[thing]} stands a {COLORS[pick(COLORS)]} {THINGS[pick(THINGS)]}, "
+            f"and the light comes from the {['left', 'right'][pick('lr')]}. the {THINGS[thing]} looks "
+            f"{['old', 'new', 'small', 'large'][pick('onsl')]}."
+        )
         short.append(first)
         which.append(color * len(THINGS) + thing)
     images = prototypes[which] + 0.5 * torch.randn(n, *prototypes.shape[1:], generator=generator)
@@ -101,8 +108,13 @@ def encode(model, images, long_tokens, short_tokens, k):
     short_text = model.encode_text(short_tokens)
     short_image = principal_projection(image, k)
     norm = F.normalize
-    return norm(image, dim=-1), norm(long_text, dim=-1), norm(short_image, dim=-1), norm(short_text, dim=-1), \
-        model.logit_scale.exp()
+    return (
+        norm(image, dim=-1),
+        norm(long_text, dim=-1),
+        norm(short_image, dim=-1),
+        norm(short_text, dim=-1),
+        model.logit_scale.exp(),
+    )
 
 
 def gathered(x):
@@ -122,20 +134,31 @@ def train(args, rank, world):
     ddp = DDP(model)
     sizes = [int(s) for s in args.sizes.split(",")]
     n = sizes[rank % len(sizes)]
-    pair = dict(local_loss=True, gather_with_grad=True, rank=rank, world_size=world, gamma=args.gamma,
-                label_smoothing=args.label_smoothing, backend=args.backend)
+    pair = dict(
+        local_loss=True,
+        gather_with_grad=True,
+        rank=rank,
+        world_size=world,
+        gamma=args.gamma,
+        label_smoothing=args.label_smoothing,
+        backend=args.backend,
+    )
     long_loss, short_loss = HNClipLoss(**pair), HNClipLoss(**pair)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
     generator = torch.Generator().manual_seed(100 + rank)  # each rank its own pairs
     prototypes = torch.randn(len(COLORS) * len(THINGS), 3, 32, 32, generator=torch.Generator().manual_seed(0))
     if rank == 0:
-        print(f"{world} ranks, local pairs {[sizes[r % len(sizes)] for r in range(world)]}, gamma {args.gamma}, "
-              f"label smoothing {args.label_smoothing}", flush=True)
+        print(
+            f"{world} ranks, local pairs {[sizes[r % len(sizes)] for r in range(world)]}, gamma {args.gamma}, "
+            f"label smoothing {args.label_smoothing}",
+            flush=True,
+        )
     ok = True
     for step in range(args.steps):
         images, long, short = batch(n, generator, prototypes)
-        image, long_text, short_image, short_text, scale = encode_through(ddp, images, tokenizer(long),
-                                                                          tokenizer(short), args.components)
+        image, long_text, short_image, short_text, scale = encode_through(
+            ddp, images, tokenizer(long), tokenizer(short), args.components
+        )
         loss_long = long_loss(image, long_text, scale)
         loss_short = short_loss(short_image, short_text, scale)
         loss = loss_long + loss_short
@@ -149,8 +172,10 @@ def train(args, rank, world):
         if step == 0:
             ok = check_against_one_process(args, rank, both, image, long_text, short_image, short_text, scale)
         if rank == 0:
-            print(f"step {step}: long {both[0].item():.5f}  short {both[1].item():.5f}  "
-                  f"total {both.sum().item():.5f}", flush=True)
+            print(
+                f"step {step}: long {both[0].item():.5f}  short {both[1].item():.5f}  total {both.sum().item():.5f}",
+                flush=True,
+            )
     return ok
 
 
@@ -172,31 +197,37 @@ def check_against_one_process(args, rank, both, image, long_text, short_image, s
         targets = rank * n + torch.arange(n)
         s = scale.detach()
         i2t, t2i = s * image.detach() @ feats[1].T, s * long_text.detach() @ feats[0].T
-        theirs = 0.5 * (F.cross_entropy(i2t, targets, label_smoothing=args.label_smoothing)
-                        + F.cross_entropy(t2i, targets, label_smoothing=args.label_smoothing))
+        theirs = 0.5 * (
+            F.cross_entropy(i2t, targets, label_smoothing=args.label_smoothing)
+            + F.cross_entropy(t2i, targets, label_smoothing=args.label_smoothing)
+        )
         dist.all_reduce(theirs)
         theirs /= dist.get_world_size()
         if rank == 0:
-            print(f"long-clip: its formula (targets rank * bs + arange(bs)) gives {theirs.item()} for the long pair, "
-                  f"HNClipLoss {both[0].item()}: relative difference {abs(theirs.item() / both[0].item() - 1):.1e}",
-                  flush=True)
+            print(
+                f"long-clip: its formula (targets rank * bs + arange(bs)) gives {theirs.item()} for the long pair, "
+                f"HNClipLoss {both[0].item()}: relative difference {abs(theirs.item() / both[0].item() - 1):.1e}",
+                flush=True,
+            )
     if rank != 0:
         return True
     one = HNClipLoss(gamma=args.gamma, label_smoothing=args.label_smoothing, backend=args.backend)
     want = torch.stack([one(feats[0], feats[1], scale.detach()), one(feats[2], feats[3], scale.detach())])
     rel = ((both - want).abs() / want.abs()).max().item()
     ok = rel <= 1e-5
-    print(f"check: mean of the ranks' losses (long, short) = {both.tolist()}; one process on the global batch "
-          f"of {feats[0].shape[0]} pairs = {want.tolist()}; max relative difference {rel:.1e} "
-          f"({'ok' if ok else 'MISMATCH'})", flush=True)
+    print(
+        f"check: mean of the ranks' losses (long, short) = {both.tolist()}; one process on the global batch "
+        f"of {feats[0].shape[0]} pairs = {want.tolist()}; max relative difference {rel:.1e} "
+        f"({'ok' if ok else 'MISMATCH'})",
+        flush=True,
+    )
     return ok
 
 
 def _worker(rank, world, init_method, args, results):
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         results[rank] = train(args, rank, world)
     finally:

@@ -7,6 +7,7 @@ the HN-CLIP loss. Each step prints both losses, the parameter gradient norm and 
 
     python examples/open_clip_step.py --batch-size 8 --steps 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,10 @@ def make_batch(n: int, rng: random.Random):
         color, shape = rng.choice(COLORS), rng.choice(SHAPES)
         background = rng.choice([c for c in COLORS if c != color])
         images.append(draw(color, shape, background))
-        captions.append(f"a photo of a large {color} {shape} centred on a plain {background} background, "
-                        f"with nothing else in the picture")
+        captions.append(
+            f"a photo of a large {color} {shape} centred on a plain {background} background, "
+            f"with nothing else in the picture"
+        )
     return images, captions
 
 
@@ -70,15 +73,23 @@ def main(argv=None) -> list:
     clip_loss = ClipLoss()
     rng = random.Random(args.seed)
 
-    print(f"{'step':>4} {'hn_clip_loss':>14} {'ClipLoss':>12} {'grad_norm':>10} {'dL/dlogit_scale':>16} {'logit_scale':>11}")
+    print(
+        f"{'step':>4} {'hn_clip_loss':>14} {'ClipLoss':>12} {'grad_norm':>10} {'dL/dlogit_scale':>16} {'logit_scale':>11}"
+    )
     history = []
     for step in range(args.steps):
         pil_images, captions = make_batch(args.batch_size, rng)
         images = torch.stack([preprocess(im) for im in pil_images]).to(args.device)
         texts = tokenizer(captions).to(args.device)
         image_features, text_features, logit_scale = model(images, texts)  # normalised; scale = exp(.)
-        loss = hn_clip_loss(image_features, text_features, 1.0 / logit_scale, gamma=args.gamma,
-                            label_smoothing=args.label_smoothing, backend=args.backend)
+        loss = hn_clip_loss(
+            image_features,
+            text_features,
+            1.0 / logit_scale,
+            gamma=args.gamma,
+            label_smoothing=args.label_smoothing,
+            backend=args.backend,
+        )
         with torch.no_grad():
             baseline = clip_loss(image_features, text_features, logit_scale)
         optimizer.zero_grad(set_to_none=True)
@@ -86,11 +97,19 @@ def main(argv=None) -> list:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
         scale_grad = model.logit_scale.grad.item()
         optimizer.step()
-        row = dict(step=step, loss=loss.item(), clip_loss=baseline.item(), grad_norm=grad_norm,
-                   logit_scale_grad=scale_grad, logit_scale=logit_scale.item())
+        row = dict(
+            step=step,
+            loss=loss.item(),
+            clip_loss=baseline.item(),
+            grad_norm=grad_norm,
+            logit_scale_grad=scale_grad,
+            logit_scale=logit_scale.item(),
+        )
         history.append(row)
-        print(f"{step:>4} {row['loss']:>14.6f} {row['clip_loss']:>12.6f} {grad_norm:>10.4f} "
-              f"{scale_grad:>16.3e} {row['logit_scale']:>11.4f}")
+        print(
+            f"{step:>4} {row['loss']:>14.6f} {row['clip_loss']:>12.6f} {grad_norm:>10.4f} "
+            f"{scale_grad:>16.3e} {row['logit_scale']:>11.4f}"
+        )
     return history
 
 

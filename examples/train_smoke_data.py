@@ -14,6 +14,7 @@ writes
 
 The README's "A smoke run on CPU" trains on these files.
 """
+
 from __future__ import annotations
 
 import argparse

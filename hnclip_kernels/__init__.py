@@ -7,6 +7,7 @@ Backends: ``hnclip_kernels.backends.pytorch.reference`` (pure PyTorch),
 ``hnclip_kernels.backends.triton.ops`` (fused Triton kernels), ``hnclip_kernels.backends.cpp.ops``
 (fused C++ CPU kernel).
 """
+
 from .chunked import chunked_encode, chunked_features
 from .clip_loss import HNClipLoss
 from .distributed import gather_features
@@ -14,17 +15,34 @@ from .loss import hn_clip_loss
 from .options import LossOptions
 
 
-def workspace_bytes(n, d, dtype, *, gamma=0.5, label_smoothing=0.0, local_rows=None, device=None,
-                    false_negative_threshold=None) -> int:
+def workspace_bytes(
+    n, d, dtype, *, gamma=0.5, label_smoothing=0.0, local_rows=None, device=None, false_negative_threshold=None
+) -> int:
     """Bytes the fused Triton path allocates beyond inputs and outputs (forward statistics plus
     the backward's dS chunk), GPU launch configuration; ``local_rows``: a rank's M for the
     distributed loss's per-rank op (both directions of its M local rows against n gathered columns). See :func:`hnclip_kernels.backends.triton.workspace.workspace_bytes`
     (imported on call: Triton is an optional dependency)."""
     from .backends.triton.workspace import workspace_bytes as _workspace_bytes
-    return _workspace_bytes(n, d, dtype, gamma=gamma, label_smoothing=label_smoothing, local_rows=local_rows,
-                            device=device, false_negative_threshold=false_negative_threshold)
+
+    return _workspace_bytes(
+        n,
+        d,
+        dtype,
+        gamma=gamma,
+        label_smoothing=label_smoothing,
+        local_rows=local_rows,
+        device=device,
+        false_negative_threshold=false_negative_threshold,
+    )
 
 
-__all__ = ["hn_clip_loss", "HNClipLoss", "gather_features", "LossOptions", "workspace_bytes", "chunked_encode",
-           "chunked_features"]
+__all__ = [
+    "hn_clip_loss",
+    "HNClipLoss",
+    "gather_features",
+    "LossOptions",
+    "workspace_bytes",
+    "chunked_encode",
+    "chunked_features",
+]
 __version__ = "0.1.0"

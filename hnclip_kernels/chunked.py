@@ -7,6 +7,7 @@ the encoders hold the activations of one chunk at a time, while the concatenated
 features go to one fused loss over the whole batch. One optimizer step is one loss and one
 backward (under DDP: one gradient all-reduce).
 """
+
 from __future__ import annotations
 
 import numbers
@@ -30,8 +31,10 @@ def check_chunk_size(chunk_size, name: str = "chunk_size") -> Optional[int]:
     if chunk_size is None:
         return None
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
-        raise TypeError(f"{name} must be a positive integer (pairs per encoder chunk) or None, "
-                        f"got {chunk_size!r} ({type(chunk_size).__name__})")
+        raise TypeError(
+            f"{name} must be a positive integer (pairs per encoder chunk) or None, "
+            f"got {chunk_size!r} ({type(chunk_size).__name__})"
+        )
     if chunk_size < 1:
         raise ValueError(f"{name} must be a positive integer (pairs per encoder chunk) or None, got {chunk_size}")
     return int(chunk_size)
@@ -40,12 +43,15 @@ def check_chunk_size(chunk_size, name: str = "chunk_size") -> Optional[int]:
 def _batch_size(inputs: Inputs) -> int:
     tensors = _tensors(inputs)
     if not tensors:
-        raise TypeError("inputs must be a tensor or a dict/tuple/list holding at least one tensor, "
-                        f"got {type(inputs).__name__}")
+        raise TypeError(
+            f"inputs must be a tensor or a dict/tuple/list holding at least one tensor, got {type(inputs).__name__}"
+        )
     sizes = {t.shape[0] if t.dim() else None for t in tensors}
     if None in sizes or len(sizes) != 1:
-        raise ValueError("every tensor in inputs must have the same batch size along dim 0, got shapes "
-                         f"{[tuple(t.shape) for t in tensors]}")
+        raise ValueError(
+            "every tensor in inputs must have the same batch size along dim 0, got shapes "
+            f"{[tuple(t.shape) for t in tensors]}"
+        )
     return sizes.pop()
 
 
@@ -63,8 +69,10 @@ def _tensors(inputs: Inputs) -> list:
 
 def _slice(inputs: Inputs, start: int, stop: int) -> Inputs:
     """Rows start:stop of every tensor in inputs (non-tensors, e.g. None masks, pass unchanged)."""
+
     def cut(v):
         return v[start:stop] if isinstance(v, torch.Tensor) else v
+
     if isinstance(inputs, torch.Tensor):
         return inputs[start:stop]
     if isinstance(inputs, Mapping):
@@ -80,8 +88,10 @@ def _call(encoder: Callable, inputs: Inputs) -> torch.Tensor:
     else:
         out = encoder(*inputs)
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"encoder must return a tensor of per-row features, got {type(out).__name__} (wrap it, "
-                        "e.g. lambda **kw: model.get_text_features(**kw).pooler_output)")
+        raise TypeError(
+            f"encoder must return a tensor of per-row features, got {type(out).__name__} (wrap it, "
+            "e.g. lambda **kw: model.get_text_features(**kw).pooler_output)"
+        )
     rows = _tensors(inputs)[0].shape[0]
     if out.dim() == 0 or out.shape[0] != rows:  # a batch-pooled output would be cat'ed per chunk, silently
         raise ValueError(f"encoder must return one row per input row, got shape {tuple(out.shape)} for {rows} rows")
@@ -164,13 +174,15 @@ def chunked_encode(encoder: Callable, inputs: Inputs, chunk_size: int) -> torch.
     if n <= chunk_size:
         return _call(encoder, inputs)
     plain = not torch.is_grad_enabled() or torch.is_inference_mode_enabled()
-    outs = [(_call if plain else _checkpointed)(encoder, _slice(inputs, i, i + chunk_size))
-            for i in range(0, n, chunk_size)]
+    outs = [
+        (_call if plain else _checkpointed)(encoder, _slice(inputs, i, i + chunk_size)) for i in range(0, n, chunk_size)
+    ]
     return torch.cat(outs, dim=0)
 
 
-def chunked_features(model, images: torch.Tensor, texts: Inputs, chunk_size: int
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chunked_features(
+    model, images: torch.Tensor, texts: Inputs, chunk_size: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An open_clip model's ``(image_features, text_features, logit_scale)``, as its ``forward``
     returns them (features L2-normalised, ``logit_scale`` exponentiated), with both towers run
     ``chunk_size`` pairs at a time (:func:`chunked_encode`): all image chunks first, then all
@@ -191,8 +203,10 @@ def chunked_features(model, images: torch.Tensor, texts: Inputs, chunk_size: int
             (SigLIP) raises TypeError.
     """
     if getattr(model, "logit_bias", None) is not None:
-        raise TypeError("chunked_features returns CLIP's (image, text, logit_scale); this model has a logit_bias "
-                        "(SigLIP), which HN-CLIP does not use")
+        raise TypeError(
+            "chunked_features returns CLIP's (image, text, logit_scale); this model has a logit_bias "
+            "(SigLIP), which HN-CLIP does not use"
+        )
     image = chunked_encode(lambda x: model.encode_image(x, normalize=True), images, chunk_size)
     text = chunked_encode(lambda x: model.encode_text(x, normalize=True), texts, chunk_size)
     return image, text, model.logit_scale.exp()

@@ -1,8 +1,8 @@
 """``HNClipLoss``: a drop-in replacement for ``open_clip.loss.ClipLoss`` computing HN-CLIP."""
+
 from __future__ import annotations
 
 import copy
-import math
 import numbers
 from typing import Union
 
@@ -13,7 +13,7 @@ from . import validation
 from .backends import symmetric_losses
 from .distributed import rank_loss
 from .numerics import autocast_disabled
-from .options import LossOptions, as_tau_tensor, option_attribute
+from .options import LossOptions, as_tau_tensor, option_attribute, tau_from_scale
 from .plausibility import warn_if_implausible_logit_scale
 from .reports import report_of_call
 
@@ -141,14 +141,26 @@ class HNClipLoss(nn.Module):
         false_negative_threshold=None,
     ):
         super().__init__()
-        _check_positional_flags(local_loss=local_loss, gather_with_grad=gather_with_grad, cache_labels=cache_labels,
-                                use_horovod=use_horovod, rank=rank, world_size=world_size)
+        _check_positional_flags(
+            local_loss=local_loss,
+            gather_with_grad=gather_with_grad,
+            cache_labels=cache_labels,
+            use_horovod=use_horovod,
+            rank=rank,
+            world_size=world_size,
+        )
         _check_horovod(use_horovod)
         _check_layout(rank, world_size)
         # bad options fail here, where they are written, not at the first forward; the option
         # attributes (gamma, ...) read and write this one object (options.option_attribute)
-        self.options = LossOptions(gamma=gamma, label_smoothing=label_smoothing, normalize=normalize, backend=backend,
-                                   precision=precision, false_negative_threshold=false_negative_threshold)
+        self.options = LossOptions(
+            gamma=gamma,
+            label_smoothing=label_smoothing,
+            normalize=normalize,
+            backend=backend,
+            precision=precision,
+            false_negative_threshold=false_negative_threshold,
+        )
         self.local_loss = local_loss
         self.gather_with_grad = gather_with_grad
         self.cache_labels = cache_labels
@@ -191,20 +203,24 @@ class HNClipLoss(nn.Module):
         return state
 
     def extra_repr(self) -> str:
-        return (f"local_loss={self.local_loss}, gather_with_grad={self.gather_with_grad}, "
-                f"rank={self.rank}, world_size={self.world_size}, gamma={self.gamma}, "
-                f"label_smoothing={self.label_smoothing}, backend={self.backend!r}, "
-                f"normalize={self.normalize}, precision={self.precision!r}, return_stats={self.return_stats}, "
-                f"false_negative_threshold={self.false_negative_threshold}")
+        return (
+            f"local_loss={self.local_loss}, gather_with_grad={self.gather_with_grad}, "
+            f"rank={self.rank}, world_size={self.world_size}, gamma={self.gamma}, "
+            f"label_smoothing={self.label_smoothing}, backend={self.backend!r}, "
+            f"normalize={self.normalize}, precision={self.precision!r}, return_stats={self.return_stats}, "
+            f"false_negative_threshold={self.false_negative_threshold}"
+        )
 
     def _single_process(self, image_features, text_features, tau, tau_value):
         """The loss on one process: the fused symmetric op of :func:`hnclip_kernels.hn_clip_loss`,
         its mean over the batch (and the row statistics with ``return_stats``)."""
-        options = self.options.bind(image_features, text_features, tau, tau_value=tau_value,
-                                    names=("image_features", "text_features"))
+        options = self.options.bind(
+            image_features, text_features, tau, tau_value=tau_value, names=("image_features", "text_features")
+        )
         with autocast_disabled(image_features.device):
-            out = symmetric_losses(image_features, text_features, as_tau_tensor(tau, image_features), options,
-                                   self.return_stats)
+            out = symmetric_losses(
+                image_features, text_features, as_tau_tensor(tau, image_features), options, self.return_stats
+            )
         if not self.return_stats:
             return out.mean()
         rows, stats = out
@@ -235,10 +251,12 @@ class HNClipLoss(nn.Module):
             A float32 scalar (float64 for float64 features), or the dict; as ``ClipLoss``.
         """
         if logit_bias is not None:
-            raise ValueError("HNClipLoss does not take a logit_bias (HN-CLIP has no bias term); "
-                             "use a model without init_logit_bias or open_clip's SigLipLoss")
+            raise ValueError(
+                "HNClipLoss does not take a logit_bias (HN-CLIP has no bias term); "
+                "use a model without init_logit_bias or open_clip's SigLipLoss"
+            )
         logit_scale = validation.plain_number(logit_scale)
-        scale_value, problem = _read_logit_scale(logit_scale)
+        scale_value, problem = validation.read_logit_scale(logit_scale)
         tau_value = None if scale_value is None else 1.0 / scale_value  # τ's one host read is s's
         warn_if_implausible_logit_scale(scale_value)
         if problem is not None:
@@ -248,25 +266,38 @@ class HNClipLoss(nn.Module):
             # all-ranks check inside, which raises on every rank; this rank then names logit_scale
             tau, tau_value = float("nan"), None
         else:
-            tau = _tau_from_scale(logit_scale, image_features)
+            tau = tau_from_scale(logit_scale, image_features)
         if self.world_size > 1 and self.group is None and self.__dict__.get("_group_dropped", False):
-            raise ValueError("this HNClipLoss was unpickled without its process group (process groups cannot be "
-                             "pickled): set loss.group to the group of this process before the first forward")
+            raise ValueError(
+                "this HNClipLoss was unpickled without its process group (process groups cannot be "
+                "pickled): set loss.group to the group of this process before the first forward"
+            )
         if self.world_size == 1:
             loss = self._single_process(image_features, text_features, tau, tau_value)
         else:
             try:
-                loss = rank_loss(image_features, text_features, tau, self.options, local_loss=self.local_loss,
-                                 gather_with_grad=self.gather_with_grad, rank=self.rank, world_size=self.world_size,
-                                 group=self.group, return_stats=self.return_stats, tau_value=tau_value)
+                loss = rank_loss(
+                    image_features,
+                    text_features,
+                    tau,
+                    self.options,
+                    local_loss=self.local_loss,
+                    gather_with_grad=self.gather_with_grad,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    group=self.group,
+                    return_stats=self.return_stats,
+                    tau_value=tau_value,
+                )
             except (TypeError, ValueError) as exc:
                 if problem is not None:
                     raise problem from exc
                 raise
         if self.return_stats:
             loss, (i2t, t2i, n_keys) = loss
-            self.last_stats = report_of_call(i2t, t2i, image_features, label_smoothing=self.options.label_smoothing,
-                                             n_keys=n_keys)
+            self.last_stats = report_of_call(
+                i2t, t2i, image_features, label_smoothing=self.options.label_smoothing, n_keys=n_keys
+            )
         return {"contrastive_loss": loss} if output_dict else loss
 
 
@@ -281,8 +312,10 @@ def _check_positional_flags(*, rank, world_size, **flags) -> None:
 
 def _check_flag(name, value) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}; the options of the loss are "
-                        f"keyword-only (HNClipLoss(gamma=0.0), not HNClipLoss(0.0))")
+        raise TypeError(
+            f"{name} must be True or False, got {value!r}; the options of the loss are "
+            f"keyword-only (HNClipLoss(gamma=0.0), not HNClipLoss(0.0))"
+        )
 
 
 def _check_int(name, value) -> None:
@@ -292,15 +325,16 @@ def _check_int(name, value) -> None:
 
 def _check_layout(rank, world_size) -> None:
     if int(world_size) < 1 or not 0 <= int(rank) < int(world_size):
-        raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got rank={rank}, "
-                         f"world_size={world_size}")
+        raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
 
 
 def _check_horovod(value) -> None:
     _check_flag("use_horovod", value)
     if value:
-        raise ValueError("HNClipLoss does not support horovod (use_horovod=True); launch with "
-                         "torchrun / torch.distributed (NCCL on GPUs, gloo on CPU) instead")
+        raise ValueError(
+            "HNClipLoss does not support horovod (use_horovod=True); launch with "
+            "torchrun / torch.distributed (NCCL on GPUs, gloo on CPU) instead"
+        )
 
 
 def _checked_attribute(name: str) -> property:
@@ -335,37 +369,3 @@ def _is_default_group(group) -> bool:
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return False
     return group is dist.group.WORLD or group is dist.distributed_c10d._get_default_group()
-
-
-def _tau_from_scale(logit_scale, like):
-    """τ = 1/s, formed in float32 or better: float64 for a float64 s or float64 features.
-
-    Under ``--precision pure_bf16``/``pure_fp16`` the model's ``logit_scale`` is 16-bit, and a
-    16-bit 1/s is a different temperature (s = 100 in bf16 gives τ = 0.01000977, the loss of a
-    saturated batch 3% off). Upcasting s first keeps τ = 1/s of the scale as given; ds still
-    comes back in s's own dtype (autograd through the cast)."""
-    if not isinstance(logit_scale, torch.Tensor):
-        return 1.0 / float(logit_scale)
-    wide = logit_scale.dtype == torch.float64 or (isinstance(like, torch.Tensor) and like.dtype == torch.float64)
-    return logit_scale.to(torch.float64 if wide else torch.float32).reciprocal()
-
-
-def _read_logit_scale(logit_scale):
-    """(s as a host float or None where it cannot be read, the error naming ``logit_scale`` (not
-    the τ = 1/s it becomes) or None if it is valid). Reads a tensor s once (one host sync)."""
-    if isinstance(logit_scale, torch.Tensor):
-        if logit_scale.numel() != 1 or not logit_scale.is_floating_point():
-            return None, ValueError(f"logit_scale must be a floating 0-dim tensor (model(...)'s third output), "
-                                    f"got {logit_scale.dtype} of shape {tuple(logit_scale.shape)}")
-        if torch.compiler.is_compiling() or logit_scale.device.type == "meta":
-            return None, None  # no value to read: a graph break under compile; meta tensors have none
-        value = float(logit_scale.detach())
-    elif isinstance(logit_scale, bool) or not isinstance(logit_scale, numbers.Real):
-        return None, TypeError(f"logit_scale must be a tensor or a float, got {type(logit_scale).__name__}")
-    elif torch.compiler.is_compiling():
-        return None, None  # a symbolic float under torch.compile: no value to check (eager calls check it)
-    else:
-        value = float(logit_scale)
-    if not math.isfinite(value) or value <= 0:
-        return None, ValueError(f"logit_scale (s = 1/tau, already exponentiated) must be finite and > 0, got {value}")
-    return value, None

@@ -30,6 +30,7 @@ run over the row's kept negatives only (a row whose negatives are all masked has
 0 and 0 effective negatives), and ``masked_pairs`` reports how many entries of the logits the
 mask removed (the kernels' ``kept`` counts give it at no extra pass).
 """
+
 from __future__ import annotations
 
 import numbers
@@ -61,8 +62,9 @@ def _normalised(x: torch.Tensor, dtype: torch.dtype, normalize: bool) -> torch.T
     return F.normalize(x, dim=1, eps=NORM_EPS) if normalize else x
 
 
-def _chunk_logits(q: torch.Tensor, k: torch.Tensor, a: torch.Tensor, t_all: torch.Tensor, start: int,
-                  gamma: float, tau: float) -> tuple:
+def _chunk_logits(
+    q: torch.Tensor, k: torch.Tensor, a: torch.Tensor, t_all: torch.Tensor, start: int, gamma: float, tau: float
+) -> tuple:
     """(logits, margin) of query rows [start, start + m): (q kᵀ + γ·a tᵀ·[k ≠ pos]) / τ and a tᵀ
     (the caption cosines, which false-negative masking compares with its threshold)."""
     m = q.shape[0]
@@ -174,8 +176,9 @@ def saturation_report(
         ``false_negative_threshold`` not None or a float in (−1, 1].
     """
     _validation.check_features(img, txt)
-    LossOptions(gamma=gamma, backend=backend, normalize=normalize,
-                false_negative_threshold=false_negative_threshold)  # raises for a bad option
+    LossOptions(
+        gamma=gamma, backend=backend, normalize=normalize, false_negative_threshold=false_negative_threshold
+    )  # raises for a bad option
     fn_thr = None if false_negative_threshold is None else float(false_negative_threshold)
     thr = _check_threshold(threshold)
     chunk = _check_chunk_rows(chunk_rows)
@@ -189,8 +192,11 @@ def saturation_report(
     _warn_if_tau_looks_like_logit_scale(tau_value, "saturation_report")  # once: hn_clip_loss below stays quiet
 
     with torch.no_grad():
-        loss = float(hn_clip_loss(img, txt, tau_value, gamma=gamma, normalize=normalize, backend=backend,
-                                  false_negative_threshold=fn_thr))
+        loss = float(
+            hn_clip_loss(
+                img, txt, tau_value, gamma=gamma, normalize=normalize, backend=backend, false_negative_threshold=fn_thr
+            )
+        )
 
         dt = compute_dtype(img.dtype)
         v, t = _normalised(img, dt, normalize), _normalised(txt, dt, normalize)
@@ -221,13 +227,30 @@ def saturation_report(
             per_dir[name] = {key: torch.cat(vals) for key, vals in parts.items()}
 
         i2t, t2i = per_dir["i2t"], per_dir["t2i"]
-        fields = _stats_fields(RowStats(None, i2t["delta"], i2t["mean_neg"], i2t["dsum"]),
-                               RowStats(None, t2i["delta"], t2i["mean_neg"], t2i["dsum"]), thr)
+        fields = _stats_fields(
+            RowStats(None, i2t["delta"], i2t["mean_neg"], i2t["dsum"]),
+            RowStats(None, t2i["delta"], t2i["mean_neg"], t2i["dsum"]),
+            thr,
+        )
         fields["loss"] = loss
         both = {key: torch.cat([i2t[key], t2i[key]]) for key in ("hard", "ce32", "ce16", "lost", "masked")}
         hard = both["hard"].double()
-        values = torch.stack([both["ce32"].mean(), both["ce16"].mean(), both["lost"].double().mean(),
-                              hard.mean(), hard.max(), 0.5 * both["masked"].double().sum()]).tolist()  # one sync
+        values = torch.stack(
+            [
+                both["ce32"].mean(),
+                both["ce16"].mean(),
+                both["lost"].double().mean(),
+                hard.mean(),
+                hard.max(),
+                0.5 * both["masked"].double().sum(),
+            ]
+        ).tolist()  # one sync
         fields["masked_pairs"] = int(round(values[5])) if fn_thr is not None else None
-    return SaturationReport(naive_fp32_loss=values[0], naive_bf16_loss=values[1], lost_positive_rows_fp32=values[2],
-                            hardest_margin_mean=values[3], hardest_margin_max=values[4], **fields)
+    return SaturationReport(
+        naive_fp32_loss=values[0],
+        naive_bf16_loss=values[1],
+        lost_positive_rows_fp32=values[2],
+        hardest_margin_mean=values[3],
+        hardest_margin_max=values[4],
+        **fields,
+    )

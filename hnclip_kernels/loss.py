@@ -1,4 +1,5 @@
 """``hn_clip_loss``: the public entry point of the single-process loss."""
+
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -20,10 +21,14 @@ def _warn_if_tau_looks_like_logit_scale(tau_value: Optional[float], caller: str 
     if tau_value is None or scale_mistake(1.0 / tau_value) != "tau":
         return
     # stacklevel 4: warn_once, this function, the caller, then the line that called it
-    warn_once("tau>1", f"{caller} got tau = {tau_value:g} > 1: tau is the temperature, and a value above 1 "
-                       f"is almost always open_clip's logit_scale passed by mistake (1/tau = {1.0 / tau_value:g} "
-                       "would then be the temperature). Pass tau = 1 / logit_scale.exp() (or 1 / logit_scale "
-                       "if it is already exponentiated). This warning is shown once.", stacklevel=4)
+    warn_once(
+        "tau>1",
+        f"{caller} got tau = {tau_value:g} > 1: tau is the temperature, and a value above 1 "
+        f"is almost always open_clip's logit_scale passed by mistake (1/tau = {1.0 / tau_value:g} "
+        "would then be the temperature). Pass tau = 1 / logit_scale.exp() (or 1 / logit_scale "
+        "if it is already exponentiated). This warning is shown once.",
+        stacklevel=4,
+    )
 
 
 def reduce_rows(rows: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -132,9 +137,15 @@ def hn_clip_loss(
             tensors. Under ``torch.compile`` value checks are skipped (no graph breaks).
     """
     tau = validation.plain_number(tau)
-    options = LossOptions(gamma=gamma, label_smoothing=label_smoothing, reduction=reduction, normalize=normalize,
-                          backend=backend, precision=precision,
-                          false_negative_threshold=false_negative_threshold).bind(img, txt, tau)
+    options = LossOptions(
+        gamma=gamma,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+        normalize=normalize,
+        backend=backend,
+        precision=precision,
+        false_negative_threshold=false_negative_threshold,
+    ).bind(img, txt, tau)
     if not isinstance(return_stats, bool):
         raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
     _warn_if_tau_looks_like_logit_scale(options.tau_value)

@@ -1,5 +1,6 @@
 """Numerics shared by every backend: the norm clamp, the accumulation dtype, autocast off, IEEE
 float32 matmuls (no TF32), and a float32 ``a @ bᵀ`` whose backward keeps both."""
+
 from __future__ import annotations
 
 import contextlib

@@ -12,6 +12,7 @@ bound options that every backend and the distributed path receive.
 boundary (:func:`hnclip_kernels.backends.glue.hyperparameter`), so a new value of either
 reuses a compiled graph on both fused backends.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,9 +69,16 @@ class LossOptions:
             object.__setattr__(self, "false_negative_threshold", validation.plain_number(self.false_negative_threshold))
         validation.check_false_negative_threshold(self.false_negative_threshold)
 
-    def bind(self, img: torch.Tensor, txt: torch.Tensor, tau: Union[float, torch.Tensor], *,
-             tau_value: Optional[float] = None, n_rows: Optional[int] = None,
-             names: tuple = ("img", "txt")) -> "LossOptions":
+    def bind(
+        self,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        tau: Union[float, torch.Tensor],
+        *,
+        tau_value: Optional[float] = None,
+        n_rows: Optional[int] = None,
+        names: tuple = ("img", "txt"),
+    ) -> "LossOptions":
         """These options for one single-process call on ``img``/``txt`` (N, D) with temperature
         ``tau``: the features and τ checked (τ read once, or ``tau_value`` used where the caller
         already read it), the backend resolved for these tensors, the precision default applied.
@@ -87,8 +95,9 @@ class LossOptions:
         if n_rows is None:
             n_rows = n if self.reduction != "none" else 1
         checked = tau if tau_value is None else tau_value
-        value = validation.check_tau(checked, img.device, img.dtype, self.gamma, label_smoothing=self.label_smoothing,
-                                     n_keys=n, n_rows=n_rows)
+        value = validation.check_tau(
+            checked, img.device, img.dtype, self.gamma, label_smoothing=self.label_smoothing, n_keys=n, n_rows=n_rows
+        )
         if not self.normalize:
             validation.check_feature_range(img, txt, value, self.gamma, self.label_smoothing, *names, n_rows=n_rows)
         return self.resolved(img, value)
@@ -116,8 +125,12 @@ def option_attribute(name: str) -> property:
     def set_(self, value):
         self.options = dataclasses.replace(self.options, **{name: value})
 
-    return property(get, set_, doc=f"The loss's ``{name}`` (see :class:`LossOptions`), read from and "
-                                   "written to ``self.options``; assignment validates and takes effect at once.")
+    return property(
+        get,
+        set_,
+        doc=f"The loss's ``{name}`` (see :class:`LossOptions`), read from and "
+        "written to ``self.options``; assignment validates and takes effect at once.",
+    )
 
 
 def as_tau_tensor(tau: Union[float, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
@@ -133,3 +146,16 @@ def as_tau_tensor(tau: Union[float, torch.Tensor], like: torch.Tensor) -> torch.
     # float instead of being specialised into a new graph at every value of a schedule
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
     return torch.zeros((), device=like.device, dtype=dtype) + tau
+
+
+def tau_from_scale(logit_scale, like):
+    """τ = 1/s, formed in float32 or better: float64 for a float64 s or float64 features.
+
+    Under ``--precision pure_bf16``/``pure_fp16`` the model's ``logit_scale`` is 16-bit, and a
+    16-bit 1/s is a different temperature (s = 100 in bf16 gives τ = 0.01000977, the loss of a
+    saturated batch 3% off). Upcasting s first keeps τ = 1/s of the scale as given; ds still
+    comes back in s's own dtype (autograd through the cast)."""
+    if not isinstance(logit_scale, torch.Tensor):
+        return 1.0 / float(logit_scale)
+    wide = logit_scale.dtype == torch.float64 or (isinstance(like, torch.Tensor) and like.dtype == torch.float64)
+    return logit_scale.to(torch.float64 if wide else torch.float32).reciprocal()

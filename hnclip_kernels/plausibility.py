@@ -14,6 +14,7 @@ One home for each rule, so that every entry point (``hn_clip_loss``, ``HNClipLos
 
 No module of the package is imported here (the bottom layer: every module may warn).
 """
+
 from __future__ import annotations
 
 import math
@@ -44,8 +45,9 @@ def warn_once(key: str, message: str, stacklevel: Optional[int] = 3) -> None:
 
 def _outside_level() -> int:
     frame, level = sys._getframe(2), 2  # level 2: warn_once's caller
-    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
-                                 or os.path.abspath(frame.f_code.co_filename) == _MODULE_CALL):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE) or os.path.abspath(frame.f_code.co_filename) == _MODULE_CALL
+    ):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -73,11 +75,15 @@ def warn_if_not_unit_norm(deviation: Optional[float], names: tuple) -> None:
     """Warn once per process when ``normalize=False`` got rows off unit norm by ``deviation``
     (at the user's line that called the loss)."""
     if unit_norm_mistake(deviation):
-        warn_once("normalize=False", f"normalize=False but the rows of {names[0]}/{names[1]} have norms off 1 by up "
-                                     f"to {deviation:.3g}: the loss then takes dot products, not cosines, and differs "
-                                     "from the normalised loss. Pass normalize=True, or L2-normalise the features "
-                                     "(torch.nn.functional.normalize(x, dim=-1)) before the loss. This warning is "
-                                     "shown once.", stacklevel=None)
+        warn_once(
+            "normalize=False",
+            f"normalize=False but the rows of {names[0]}/{names[1]} have norms off 1 by up "
+            f"to {deviation:.3g}: the loss then takes dot products, not cosines, and differs "
+            "from the normalised loss. Pass normalize=True, or L2-normalise the features "
+            "(torch.nn.functional.normalize(x, dim=-1)) before the loss. This warning is "
+            "shown once.",
+            stacklevel=None,
+        )
 
 
 def warn_if_implausible_logit_scale(scale: Optional[float]) -> None:
@@ -85,13 +91,21 @@ def warn_if_implausible_logit_scale(scale: Optional[float]) -> None:
     s = ``logit_scale`` (a host float; None: not read) is τ or open_clip's raw log-scale."""
     mistake = scale_mistake(scale)
     if mistake == "tau":
-        warn_once("logit_scale<1", f"HNClipLoss got logit_scale = {scale:g} < 1: logit_scale is 1/tau (open_clip's "
-                                   f"model(...) returns it exponentiated, 14.3 at init), so this trains at tau = "
-                                   f"{1.0 / scale:g}. If {scale:g} is the temperature, pass logit_scale = 1 / tau = "
-                                   f"{1.0 / scale:g}. This warning is shown once.", stacklevel=None)
+        warn_once(
+            "logit_scale<1",
+            f"HNClipLoss got logit_scale = {scale:g} < 1: logit_scale is 1/tau (open_clip's "
+            f"model(...) returns it exponentiated, 14.3 at init), so this trains at tau = "
+            f"{1.0 / scale:g}. If {scale:g} is the temperature, pass logit_scale = 1 / tau = "
+            f"{1.0 / scale:g}. This warning is shown once.",
+            stacklevel=None,
+        )
     elif mistake == "log-scale":
-        warn_once("logit_scale=log", f"HNClipLoss got logit_scale = {scale:g}, in the range of open_clip's "
-                                     f"un-exponentiated log-scale [0, log 100 = 4.61]: this trains at tau = "
-                                     f"{1.0 / scale:g}. Pass model.logit_scale.exp() (model(...)'s third output), "
-                                     "not model.logit_scale; if a temperature this warm is meant, filter this "
-                                     "RuntimeWarning. This warning is shown once.", stacklevel=None)
+        warn_once(
+            "logit_scale=log",
+            f"HNClipLoss got logit_scale = {scale:g}, in the range of open_clip's "
+            f"un-exponentiated log-scale [0, log 100 = 4.61]: this trains at tau = "
+            f"{1.0 / scale:g}. Pass model.logit_scale.exp() (model(...)'s third output), "
+            "not model.logit_scale; if a temperature this warm is meant, filter this "
+            "RuntimeWarning. This warning is shown once.",
+            stacklevel=None,
+        )

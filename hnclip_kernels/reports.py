@@ -6,6 +6,7 @@ for ``return_stats=True``; :mod:`hnclip_kernels.diagnostics` adds the materialis
 (:func:`~hnclip_kernels.diagnostics.saturation_report`) on top. Rows, δ, μ and H: see
 :mod:`hnclip_kernels.diagnostics`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -85,8 +86,9 @@ def _check_threshold(threshold) -> float:
     return value
 
 
-def _stats_fields(i2t: RowStats, t2i: RowStats, threshold: float, label_smoothing: float = 0.0,
-                  n_keys: Optional[int] = None) -> dict:
+def _stats_fields(
+    i2t: RowStats, t2i: RowStats, threshold: float, label_smoothing: float = 0.0, n_keys: Optional[int] = None
+) -> dict:
     """loss, saturated_rows, effective_negatives, rows (and masked_pairs with false-negative
     masking, from the ``kept`` counts and ``n_keys``) from both directions' statistics."""
     delta = torch.cat([i2t.delta.reshape(-1), t2i.delta.reshape(-1)]).double()
@@ -105,12 +107,19 @@ def _stats_fields(i2t: RowStats, t2i: RowStats, threshold: float, label_smoothin
     if masked:
         parts.append(0.5 * (n_keys - 1.0 - kept).sum())
     values = torch.stack(parts).tolist()  # one sync
-    return dict(loss=values[0], saturated_rows=values[1], effective_negatives=values[2], rows=int(delta.numel()),
-                threshold=threshold, masked_pairs=int(round(values[3])) if masked else None)
+    return dict(
+        loss=values[0],
+        saturated_rows=values[1],
+        effective_negatives=values[2],
+        rows=int(delta.numel()),
+        threshold=threshold,
+        masked_pairs=int(round(values[3])) if masked else None,
+    )
 
 
-def report_of_call(i2t: RowStats, t2i: RowStats, like: torch.Tensor, *, label_smoothing,
-                   n_keys: int) -> Optional[SaturationReport]:
+def report_of_call(
+    i2t: RowStats, t2i: RowStats, like: torch.Tensor, *, label_smoothing, n_keys: int
+) -> Optional[SaturationReport]:
     """:func:`report_from_row_stats` for a loss call on ``like``'s device, or None where a report
     (host floats) cannot be made: for meta tensors (no values) and inside a compiled graph."""
     if torch.compiler.is_compiling() or like.device.type == "meta":
@@ -118,8 +127,9 @@ def report_of_call(i2t: RowStats, t2i: RowStats, like: torch.Tensor, *, label_sm
     return report_from_row_stats(i2t, t2i, label_smoothing=label_smoothing, n_keys=n_keys)
 
 
-def report_from_row_stats(i2t: RowStats, t2i: RowStats, *, threshold: float = 1e-3,
-                          label_smoothing: float = 0.0, n_keys: Optional[int] = None) -> SaturationReport:
+def report_from_row_stats(
+    i2t: RowStats, t2i: RowStats, *, threshold: float = 1e-3, label_smoothing: float = 0.0, n_keys: Optional[int] = None
+) -> SaturationReport:
     """A :class:`SaturationReport` from the row statistics a fused kernel saved in its forward.
 
     ``i2t`` and ``t2i`` are the two directions' :class:`~hnclip_kernels.backends.epilogue.RowStats`
@@ -141,8 +151,11 @@ def report_from_row_stats(i2t: RowStats, t2i: RowStats, *, threshold: float = 1e
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     masked = getattr(i2t, "kept", None) is not None and getattr(t2i, "kept", None) is not None
     if (masked or ls != 0.0) and (isinstance(n_keys, bool) or not isinstance(n_keys, numbers.Integral) or n_keys < 1):
-        why = ("for statistics of a false-negative-masked loss (they count the masked pairs)" if masked
-               else "when label_smoothing is not 0")
+        why = (
+            "for statistics of a false-negative-masked loss (they count the masked pairs)"
+            if masked
+            else "when label_smoothing is not 0"
+        )
         raise ValueError(f"n_keys (the number of key columns N) must be a positive int {why}, got {n_keys!r}")
     for name, stats in (("i2t", i2t), ("t2i", t2i)):
         fields = ("delta", "mean_neg") + (("dsum",) if ls != 0.0 else ())
@@ -151,15 +164,23 @@ def report_from_row_stats(i2t: RowStats, t2i: RowStats, *, threshold: float = 1e
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{name}.{field} must be a tensor (pass epilogue.RowStats), got {type(x).__name__}")
             if x.dim() != 1 or not x.is_floating_point():
-                raise ValueError(f"{name}.{field} must be a 1-D floating tensor, got {x.dtype} of shape "
-                                 f"{tuple(x.shape)}")
-    if i2t.delta.shape != t2i.delta.shape or i2t.mean_neg.shape != i2t.delta.shape \
-            or t2i.mean_neg.shape != t2i.delta.shape:
-        raise ValueError(f"i2t and t2i statistics must all have the same length, got delta {tuple(i2t.delta.shape)}/"
-                         f"{tuple(t2i.delta.shape)}, mean_neg {tuple(i2t.mean_neg.shape)}/{tuple(t2i.mean_neg.shape)}")
+                raise ValueError(
+                    f"{name}.{field} must be a 1-D floating tensor, got {x.dtype} of shape {tuple(x.shape)}"
+                )
+    if (
+        i2t.delta.shape != t2i.delta.shape
+        or i2t.mean_neg.shape != i2t.delta.shape
+        or t2i.mean_neg.shape != t2i.delta.shape
+    ):
+        raise ValueError(
+            f"i2t and t2i statistics must all have the same length, got delta {tuple(i2t.delta.shape)}/"
+            f"{tuple(t2i.delta.shape)}, mean_neg {tuple(i2t.mean_neg.shape)}/{tuple(t2i.mean_neg.shape)}"
+        )
     if ls != 0.0 and (i2t.dsum.shape != i2t.delta.shape or t2i.dsum.shape != t2i.delta.shape):
-        raise ValueError(f"dsum must have the length of delta, got {tuple(i2t.dsum.shape)}/{tuple(t2i.dsum.shape)} "
-                         f"for delta {tuple(i2t.delta.shape)}")
+        raise ValueError(
+            f"dsum must have the length of delta, got {tuple(i2t.dsum.shape)}/{tuple(t2i.dsum.shape)} "
+            f"for delta {tuple(i2t.delta.shape)}"
+        )
     if i2t.delta.numel() == 0:
         raise ValueError("i2t and t2i statistics are empty (M = 0 rows)")
     with torch.no_grad():

@@ -54,6 +54,7 @@ Errors:
         open_clip_train or its dependencies (webdataset, pandas, ...) cannot be imported; run
         with ``-m`` it exits 1 with that message.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,22 +75,44 @@ _INSTALL = 'pip install "open_clip_torch[training]"'
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=_PROG, add_help=False, allow_abbrev=False,
-                                description="HN-CLIP flags; all other arguments go to open_clip_train.main.")
-    p.add_argument("--hn-gamma", type=float, default=0.5, metavar="G",
-                   help="margin scale γ >= 0 (default 0.5; 0 reproduces ClipLoss)")
-    p.add_argument("--hn-label-smoothing", type=float, default=0.0, metavar="E",
-                   help="label smoothing ε in [0, 1) (default 0)")
-    p.add_argument("--hn-backend", default="auto", metavar="B",
-                   help='"auto" (default), "torch", "triton" or "cpp"')
-    p.add_argument("--hn-log-stats", action="store_true",
-                   help="log rank 0's saturated rows and effective negatives every --log-every-n-steps")
-    p.add_argument("--hn-false-negative-threshold", type=float, default=None, metavar="C",
-                   help="caption cosine in (-1, 1] at and above which a pair is masked as a false negative "
-                        "(default: no masking; e.g. 0.95 for near-duplicate captions)")
-    p.add_argument("--hn-chunk-size", type=int, default=None, metavar="C",
-                   help="run the encoders C pairs at a time, recomputed in the backward: --batch-size is then the "
-                        "contrastive batch, the activation memory that of C pairs (default: no chunking)")
+    p = argparse.ArgumentParser(
+        prog=_PROG,
+        add_help=False,
+        allow_abbrev=False,
+        description="HN-CLIP flags; all other arguments go to open_clip_train.main.",
+    )
+    p.add_argument(
+        "--hn-gamma",
+        type=float,
+        default=0.5,
+        metavar="G",
+        help="margin scale γ >= 0 (default 0.5; 0 reproduces ClipLoss)",
+    )
+    p.add_argument(
+        "--hn-label-smoothing", type=float, default=0.0, metavar="E", help="label smoothing ε in [0, 1) (default 0)"
+    )
+    p.add_argument("--hn-backend", default="auto", metavar="B", help='"auto" (default), "torch", "triton" or "cpp"')
+    p.add_argument(
+        "--hn-log-stats",
+        action="store_true",
+        help="log rank 0's saturated rows and effective negatives every --log-every-n-steps",
+    )
+    p.add_argument(
+        "--hn-false-negative-threshold",
+        type=float,
+        default=None,
+        metavar="C",
+        help="caption cosine in (-1, 1] at and above which a pair is masked as a false negative "
+        "(default: no masking; e.g. 0.95 for near-duplicate captions)",
+    )
+    p.add_argument(
+        "--hn-chunk-size",
+        type=int,
+        default=None,
+        metavar="C",
+        help="run the encoders C pairs at a time, recomputed in the backward: --batch-size is then the "
+        "contrastive batch, the activation memory that of C pairs (default: no chunking)",
+    )
     return p
 
 
@@ -130,11 +153,13 @@ def _check_csv_header(parser, args) -> None:
             header = fh.readline().rstrip("\r\n").split(args.csv_separator)
         missing = [key for key in (args.csv_img_key, args.csv_caption_key) if key not in header]
         if missing:
-            parser.error(f"argument {flag}: {path}'s header, split on --csv-separator {args.csv_separator!r}, is "
-                         f"{header}: no column {', '.join(repr(k) for k in missing)}. open_clip reads tab-separated "
-                         "files with columns 'filepath' (image path) and 'title' (caption) by default: pass "
-                         "--csv-separator ',' for a comma-separated file, --csv-img-key/--csv-caption-key for "
-                         "other column names")
+            parser.error(
+                f"argument {flag}: {path}'s header, split on --csv-separator {args.csv_separator!r}, is "
+                f"{header}: no column {', '.join(repr(k) for k in missing)}. open_clip reads tab-separated "
+                "files with columns 'filepath' (image path) and 'title' (caption) by default: pass "
+                "--csv-separator ',' for a comma-separated file, --csv-img-key/--csv-caption-key for "
+                "other column names"
+            )
 
 
 class StatsLoggingHNClipLoss(HNClipLoss):
@@ -152,8 +177,10 @@ class StatsLoggingHNClipLoss(HNClipLoss):
         out = super().forward(*args, **kwargs)
         if self.rank == 0 and self.last_stats is not None and self.calls % self.log_every == 0:
             r = self.last_stats
-            logging.info(f"HN-CLIP stats (call {self.calls}, rank 0's {r.rows} directional rows): loss {r.loss:.6g} "
-                         f"saturated_rows {r.saturated_rows:.4f} effective_negatives {r.effective_negatives:.3f}")
+            logging.info(
+                f"HN-CLIP stats (call {self.calls}, rank 0's {r.rows} directional rows): loss {r.loss:.6g} "
+                f"saturated_rows {r.saturated_rows:.4f} effective_negatives {r.effective_negatives:.3f}"
+            )
         self.calls += 1
         return out
 
@@ -168,8 +195,10 @@ def _import_open_clip_train():
         from open_clip.loss import ClipLoss
         from open_clip_train.params import parse_args
     except ImportError as exc:
-        raise MissingTrainExtra(f"{_PROG} runs open_clip_train, which could not be imported ({exc}); "
-                                f"install it with: {_INSTALL}  (or the hnclip-kernels[train] extra)") from exc
+        raise MissingTrainExtra(
+            f"{_PROG} runs open_clip_train, which could not be imported ({exc}); "
+            f"install it with: {_INSTALL}  (or the hnclip-kernels[train] extra)"
+        ) from exc
     return oc_main, ClipLoss, parse_args
 
 
@@ -194,8 +223,12 @@ def main(argv=None):
         argv = argv[1:]
     hn, rest = parser.parse_known_args(argv)
     _reject_unknown_hn_flags(parser, rest)
-    kwargs = dict(gamma=hn.hn_gamma, label_smoothing=hn.hn_label_smoothing, backend=hn.hn_backend,
-                  false_negative_threshold=hn.hn_false_negative_threshold)
+    kwargs = dict(
+        gamma=hn.hn_gamma,
+        label_smoothing=hn.hn_label_smoothing,
+        backend=hn.hn_backend,
+        false_negative_threshold=hn.hn_false_negative_threshold,
+    )
     for name, value in kwargs.items():  # each flag is checked before anything is built
         try:
             HNClipLoss(**{name: value})
@@ -208,8 +241,10 @@ def main(argv=None):
     oc_args = parse_args(rest)
     why = _not_clip_loss(oc_args)
     if why is not None:
-        parser.error(f"HN-CLIP replaces only open_clip's ClipLoss, not the loss of {why}; "
-                     "run python -m open_clip_train.main for that")
+        parser.error(
+            f"HN-CLIP replaces only open_clip's ClipLoss, not the loss of {why}; "
+            "run python -m open_clip_train.main for that"
+        )
     _check_backend_device(parser, hn.hn_backend, oc_args)
     _check_csv_header(parser, oc_args)
     _check_chunking(parser, hn, oc_args)
@@ -221,8 +256,14 @@ def main(argv=None):
         if type(loss) is not ClipLoss:  # not reached for the runs checked above; guards new losses
             raise ValueError(f"HN-CLIP replaces only open_clip's ClipLoss, got {type(loss).__name__}")
         loss_cls = StatsLoggingHNClipLoss if hn.hn_log_stats else HNClipLoss
-        loss = loss_cls(local_loss=args.local_loss, gather_with_grad=args.gather_with_grad,
-                        cache_labels=True, rank=args.rank, world_size=args.world_size, **kwargs)
+        loss = loss_cls(
+            local_loss=args.local_loss,
+            gather_with_grad=args.gather_with_grad,
+            cache_labels=True,
+            rank=args.rank,
+            world_size=args.world_size,
+            **kwargs,
+        )
         if hn.hn_log_stats:
             loss.log_every = max(1, int(args.log_every_n_steps))
         logging.info(f"Contrastive loss: {loss}")
@@ -253,11 +294,13 @@ def main(argv=None):
 
 def _check_chunking(parser, hn, args) -> None:
     if args.accum_freq > 1:
-        parser.error(f"argument --accum-freq: {args.accum_freq} is refused with the HN-CLIP loss: open_clip's "
-                     f"accumulation runs the loss {args.accum_freq} times a step, giving logit_scale "
-                     f"{args.accum_freq}× its gradient, and re-forwards without replaying dropout. Use "
-                     f"--batch-size {args.accum_freq * args.batch_size} --hn-chunk-size {args.batch_size} for the "
-                     "same contrastive batch with exact gradients")
+        parser.error(
+            f"argument --accum-freq: {args.accum_freq} is refused with the HN-CLIP loss: open_clip's "
+            f"accumulation runs the loss {args.accum_freq} times a step, giving logit_scale "
+            f"{args.accum_freq}× its gradient, and re-forwards without replaying dropout. Use "
+            f"--batch-size {args.accum_freq * args.batch_size} --hn-chunk-size {args.batch_size} for the "
+            "same contrastive batch with exact gradients"
+        )
     if hn.hn_chunk_size is None:
         return
     try:
@@ -274,6 +317,7 @@ def _chunked_epoch(train_one_epoch, chunk_size: int):
     It calls ``model(images, texts)`` once a step, ``model`` being the CLIP model or DDP around
     it; an instance ``forward`` on the CLIP model makes that call run :func:`chunked_features`
     inside DDP's forward (DDP's hooks and one all-reduce per step stay as they are)."""
+
     @functools.wraps(train_one_epoch)
     def wrapped(model, *args, **kwargs):
         inner = getattr(model, "module", model)  # DDP's module, as open_clip_train's unwrap_model
@@ -286,6 +330,7 @@ def _chunked_epoch(train_one_epoch, chunk_size: int):
                 del inner.forward
             else:
                 inner.forward = saved
+
     return wrapped
 
 

@@ -3,6 +3,7 @@
 Each check raises ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind,
 bad value) with a message that names the argument and says how to fix it.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,9 +41,11 @@ def check_features(img: torch.Tensor, txt: torch.Tensor, img_name: str = "img", 
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of shape (N, D), got {type(x).__name__}")
         if _is_dtensor(x):
-            raise TypeError(f"{name} is a DTensor (placements {tuple(x.placements)}); the loss takes plain tensors: "
-                            f"pass {name}.full_tensor() (its global value as a plain tensor; gradients flow back to "
-                            f"the DTensor)")
+            raise TypeError(
+                f"{name} is a DTensor (placements {tuple(x.placements)}); the loss takes plain tensors: "
+                f"pass {name}.full_tensor() (its global value as a plain tensor; gradients flow back to "
+                f"the DTensor)"
+            )
         if x.dim() != 2:
             raise ValueError(f"{name} must be 2-D (N, D), got shape {tuple(x.shape)}; flatten or reshape it first")
         if x.dtype not in FLOAT_DTYPES:
@@ -58,9 +61,13 @@ def check_features(img: torch.Tensor, txt: torch.Tensor, img_name: str = "img", 
     if img.shape[1] == 0:
         raise ValueError(f"{img_name} and {txt_name} have D = 0 columns; embeddings need at least one dimension")
     if img.dtype != txt.dtype:
-        raise TypeError(f"{img_name} ({img.dtype}) and {txt_name} ({txt.dtype}) must have the same dtype; cast one of them")
+        raise TypeError(
+            f"{img_name} ({img.dtype}) and {txt_name} ({txt.dtype}) must have the same dtype; cast one of them"
+        )
     if img.device != txt.device:
-        raise ValueError(f"{img_name} ({img.device}) and {txt_name} ({txt.device}) must be on the same device; move one of them")
+        raise ValueError(
+            f"{img_name} ({img.device}) and {txt_name} ({txt.device}) must be on the same device; move one of them"
+        )
 
 
 def plain_number(x):
@@ -90,8 +97,10 @@ def hyperparameter(name: str, x):
     x = plain_number(x)
     if isinstance(x, torch.Tensor):
         if x.numel() != 1 or not x.is_floating_point():
-            raise TypeError(f"{name} must be a real number or a one-element floating tensor, got a {x.dtype} "
-                            f"tensor of shape {tuple(x.shape)}")
+            raise TypeError(
+                f"{name} must be a real number or a one-element floating tensor, got a {x.dtype} "
+                f"tensor of shape {tuple(x.shape)}"
+            )
         if torch.compiler.is_compiling() or x.device.type == "meta":
             return x.detach().reshape(())
         return float(x.detach())
@@ -118,8 +127,15 @@ def _real(name: str, x) -> float:
         raise ValueError(f"{name} = {x} does not fit in a float") from None
 
 
-def largest_intermediate(tau: float, gamma: float, label_smoothing: float = 0.0, n_keys: int = 1,
-                         img_norm: float = 1.0, txt_norm: float = 1.0, n_rows: int = 1) -> float:
+def largest_intermediate(
+    tau: float,
+    gamma: float,
+    label_smoothing: float = 0.0,
+    n_keys: int = 1,
+    img_norm: float = 1.0,
+    txt_norm: float = 1.0,
+    n_rows: int = 1,
+) -> float:
     """The largest magnitude any backend forms on the way to the loss.
 
     With ‖v_i‖ ≤ img_norm and ‖t_j‖ ≤ txt_norm (1 for normalised features):
@@ -141,9 +157,16 @@ def _finite_limit(dtype: torch.dtype) -> float:
     return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
 
 
-def check_tau(tau: Union[float, torch.Tensor], device: torch.device, dtype: torch.dtype = torch.float32,
-              gamma: float = 0.0, *, label_smoothing: float = 0.0, n_keys: int = 1,
-              n_rows: int = 1) -> Optional[float]:
+def check_tau(
+    tau: Union[float, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    gamma: float = 0.0,
+    *,
+    label_smoothing: float = 0.0,
+    n_keys: int = 1,
+    n_rows: int = 1,
+) -> Optional[float]:
     """τ must be a positive finite number or a one-element floating tensor, large enough that
     every intermediate of normalised features (:func:`largest_intermediate`: the gaps reach
     (2 + γ)/τ) stays finite in the compute ``dtype`` (float32 for all but float64). Pass the
@@ -158,8 +181,9 @@ def check_tau(tau: Union[float, torch.Tensor], device: torch.device, dtype: torc
         return None  # τ may be a symbolic float or a traced tensor: eager calls check it
     if isinstance(tau, torch.Tensor):
         if tau.numel() != 1:
-            raise ValueError(f"tau must be a scalar: a Python number or a one-element tensor, got shape "
-                             f"{tuple(tau.shape)}")
+            raise ValueError(
+                f"tau must be a scalar: a Python number or a one-element tensor, got shape {tuple(tau.shape)}"
+            )
         if not tau.is_floating_point():
             raise TypeError(f"tau tensor must be floating point, got {tau.dtype}; pass e.g. 1 / logit_scale.exp()")
         if tau.device != device and tau.device.type != "cpu":
@@ -179,10 +203,12 @@ def check_tau(tau: Union[float, torch.Tensor], device: torch.device, dtype: torc
     limit = _finite_limit(dtype)
     if largest_intermediate(value, gamma, label_smoothing, n_keys, n_rows=n_rows) >= limit:
         smallest = largest_intermediate(1.0, gamma, label_smoothing, n_keys, n_rows=n_rows) / limit
-        raise ValueError(f"tau = {value} makes the logit gaps (2 + gamma) / tau"
-                         + (f" summed over N = {n_keys} columns (label smoothing)" if label_smoothing else "")
-                         + (f" or the {n_rows} rows' losses summed by the reduction" if n_rows > 1 else "")
-                         + f" overflow {dtype} arithmetic (gamma = {gamma}); use tau > {smallest:.2e}")
+        raise ValueError(
+            f"tau = {value} makes the logit gaps (2 + gamma) / tau"
+            + (f" summed over N = {n_keys} columns (label smoothing)" if label_smoothing else "")
+            + (f" or the {n_rows} rows' losses summed by the reduction" if n_rows > 1 else "")
+            + f" overflow {dtype} arithmetic (gamma = {gamma}); use tau > {smallest:.2e}"
+        )
     return value
 
 
@@ -208,14 +234,22 @@ def row_norm_extremes(img: torch.Tensor, txt: torch.Tensor) -> tuple:
     and in the same sync."""
     img, txt = _unwrapped(img), _unwrapped(txt)
     norms = [torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64) for x in (img, txt)]
-    img_norm, txt_norm, *off = torch.stack([norms[0].max(), norms[1].max(),
-                                            *((n - 1.0).abs().max() for n in norms)]).tolist()
+    img_norm, txt_norm, *off = torch.stack(
+        [norms[0].max(), norms[1].max(), *((n - 1.0).abs().max() for n in norms)]
+    ).tolist()
     return img_norm, txt_norm, max(off)
 
 
-def check_feature_range(img: torch.Tensor, txt: torch.Tensor, tau_value: Optional[float], gamma: float,
-                        label_smoothing: float = 0.0, img_name: str = "img", txt_name: str = "txt",
-                        n_rows: int = 1) -> None:
+def check_feature_range(
+    img: torch.Tensor,
+    txt: torch.Tensor,
+    tau_value: Optional[float],
+    gamma: float,
+    label_smoothing: float = 0.0,
+    img_name: str = "img",
+    txt_name: str = "txt",
+    n_rows: int = 1,
+) -> None:
     """With ``normalize=False`` the logits grow with the feature norms: raise ``ValueError`` if
     they would overflow the compute dtype (one host sync for the two largest row norms), so
     that no backend returns a silently non-finite loss for finite features; otherwise warn once
@@ -229,28 +263,36 @@ def check_feature_range(img: torch.Tensor, txt: torch.Tensor, tau_value: Optiona
     limit = _finite_limit(img.dtype)
     largest = largest_intermediate(tau_value, gamma, label_smoothing, img.shape[-2], img_norm, txt_norm, n_rows)
     if largest >= limit:
-        raise ValueError(f"with normalize=False, {img_name} (row norms up to {img_norm:.3g}) and {txt_name} "
-                         f"(up to {txt_norm:.3g}) at tau = {tau_value:g} give logit gaps up to {largest:.3g}, beyond "
-                         f"{'float64' if img.dtype == torch.float64 else 'float32'} range; pass normalize=True or "
-                         "scale the features down")
+        raise ValueError(
+            f"with normalize=False, {img_name} (row norms up to {img_norm:.3g}) and {txt_name} "
+            f"(up to {txt_norm:.3g}) at tau = {tau_value:g} give logit gaps up to {largest:.3g}, beyond "
+            f"{'float64' if img.dtype == torch.float64 else 'float32'} range; pass normalize=True or "
+            "scale the features down"
+        )
     warn_if_not_unit_norm(off_unit, (img_name, txt_name))
 
 
-def check_directional(queries: torch.Tensor, keys: torch.Tensor, query_txt: torch.Tensor, key_txt: torch.Tensor,
-                      offset) -> None:
+def check_directional(
+    queries: torch.Tensor, keys: torch.Tensor, query_txt: torch.Tensor, key_txt: torch.Tensor, offset
+) -> None:
     """The shapes and the positive's ``offset`` of a directional op (M query rows against N key
     columns, positive of row i at column offset + i): every backend raises the same
     ``ValueError``/``TypeError`` instead of reading out of bounds."""
     if isinstance(offset, bool) or not isinstance(offset, int):
-        raise TypeError(f"offset must be an int (the global column of the first query row's positive), "
-                        f"got {type(offset).__name__}")
+        raise TypeError(
+            f"offset must be an int (the global column of the first query row's positive), got {type(offset).__name__}"
+        )
     m, n = queries.shape[0], keys.shape[0]
     if not 0 <= offset <= n - m:
-        raise ValueError(f"offset must satisfy 0 <= offset and offset + M <= N (M = {m} query rows, N = {n} key "
-                         f"columns), got offset = {offset}")
+        raise ValueError(
+            f"offset must satisfy 0 <= offset and offset + M <= N (M = {m} query rows, N = {n} key "
+            f"columns), got offset = {offset}"
+        )
     if query_txt.shape[0] != m or key_txt.shape[0] != n:
-        raise ValueError(f"query_txt must have the M = {m} rows of queries and key_txt the N = {n} rows of keys, "
-                         f"got {query_txt.shape[0]} and {key_txt.shape[0]}")
+        raise ValueError(
+            f"query_txt must have the M = {m} rows of queries and key_txt the N = {n} rows of keys, "
+            f"got {query_txt.shape[0]} and {key_txt.shape[0]}"
+        )
     dims = {x.shape[-1] for x in (queries, keys, query_txt, key_txt)}
     if len(dims) != 1:
         raise ValueError(f"queries, keys, query_txt and key_txt must share the feature dimension D, got {sorted(dims)}")
@@ -275,9 +317,11 @@ def check_false_negative_threshold(threshold) -> None:
     if torch.compiler.is_compiling():
         return  # may be a symbolic float under torch.compile; eager calls check it
     if not (-1.0 < value <= 1.0):  # NaN fails too
-        raise ValueError(f"false_negative_threshold must be None or a caption cosine in (-1, 1], got {threshold}; "
-                         "e.g. 0.95 masks near-duplicate captions, 0.9999 exact duplicates (the float32 cosine of two "
-                         "identical captions can round below 1.0)")
+        raise ValueError(
+            f"false_negative_threshold must be None or a caption cosine in (-1, 1], got {threshold}; "
+            "e.g. 0.95 masks near-duplicate captions, 0.9999 exact duplicates (the float32 cosine of two "
+            "identical captions can round below 1.0)"
+        )
 
 
 def check_options(gamma: float, label_smoothing: float, reduction: str, backend: str, normalize: bool = True) -> None:
@@ -301,3 +345,26 @@ def check_options(gamma: float, label_smoothing: float, reduction: str, backend:
         raise ValueError(f"gamma (margin scale) must be >= 0, got {gamma}; gamma = 0 is plain InfoNCE")
     if not 0.0 <= values["label_smoothing"] < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+
+
+def read_logit_scale(logit_scale):
+    """(s as a host float or None where it cannot be read, the error naming ``logit_scale`` (not
+    the τ = 1/s it becomes) or None if it is valid). Reads a tensor s once (one host sync)."""
+    if isinstance(logit_scale, torch.Tensor):
+        if logit_scale.numel() != 1 or not logit_scale.is_floating_point():
+            return None, ValueError(
+                f"logit_scale must be a floating 0-dim tensor (model(...)'s third output), "
+                f"got {logit_scale.dtype} of shape {tuple(logit_scale.shape)}"
+            )
+        if torch.compiler.is_compiling() or logit_scale.device.type == "meta":
+            return None, None  # no value to read: a graph break under compile; meta tensors have none
+        value = float(logit_scale.detach())
+    elif isinstance(logit_scale, bool) or not isinstance(logit_scale, numbers.Real):
+        return None, TypeError(f"logit_scale must be a tensor or a float, got {type(logit_scale).__name__}")
+    elif torch.compiler.is_compiling():
+        return None, None  # a symbolic float under torch.compile: no value to check (eager calls check it)
+    else:
+        value = float(logit_scale)
+    if not math.isfinite(value) or value <= 0:
+        return None, ValueError(f"logit_scale (s = 1/tau, already exponentiated) must be finite and > 0, got {value}")
+    return value, None

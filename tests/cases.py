@@ -1,4 +1,5 @@
 """Shared test inputs and the check that runs any backend against the float64 truth."""
+
 from __future__ import annotations
 
 import itertools
@@ -57,9 +58,26 @@ def make_pair(n: int, d: int, dtype=torch.float32, seed: int = 0, aligned: float
     return img.to(dtype), txt.to(dtype)
 
 
-def check_against_truth(backend, n, d, dtype, gamma, tau, eps, reduction, *, tau_grad=True,
-                        upstream=None, normalize=True, img=None, txt=None, seed=0, loss_tol=None,
-                        threshold=None, errors=None):
+def check_against_truth(
+    backend,
+    n,
+    d,
+    dtype,
+    gamma,
+    tau,
+    eps,
+    reduction,
+    *,
+    tau_grad=True,
+    upstream=None,
+    normalize=True,
+    img=None,
+    txt=None,
+    seed=0,
+    loss_tol=None,
+    threshold=None,
+    errors=None,
+):
     """Run ``backend`` and the float64 truth on the same inputs; assert loss and all grads.
     ``threshold``: false-negative masking at that caption cosine (both sides). ``errors``: a
     dict that receives the relative errors (loss, d img, d txt, d tau) for reporting."""
@@ -67,13 +85,22 @@ def check_against_truth(backend, n, d, dtype, gamma, tau, eps, reduction, *, tau
         img, txt = make_pair(n, d, dtype, seed=seed)
     leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt)]
     tau_arg = torch.tensor(tau, dtype=torch.float32, requires_grad=True) if tau_grad else tau
-    loss = hn_clip_loss(leaves[0], leaves[1], tau_arg, gamma=gamma, label_smoothing=eps,
-                        reduction=reduction, normalize=normalize, backend=backend,
-                        **({} if threshold is None else {"false_negative_threshold": threshold}))
+    loss = hn_clip_loss(
+        leaves[0],
+        leaves[1],
+        tau_arg,
+        gamma=gamma,
+        label_smoothing=eps,
+        reduction=reduction,
+        normalize=normalize,
+        backend=backend,
+        **({} if threshold is None else {"false_negative_threshold": threshold}),
+    )
     ref_leaves = [x.detach().double().requires_grad_(True) for x in (img, txt)]
     ref_tau = torch.tensor(tau, dtype=torch.float64, requires_grad=True)
-    ref = hn_clip_loss_f64(ref_leaves[0], ref_leaves[1], ref_tau, gamma, eps, reduction, normalize,
-                           false_negative_threshold=threshold)
+    ref = hn_clip_loss_f64(
+        ref_leaves[0], ref_leaves[1], ref_tau, gamma, eps, reduction, normalize, false_negative_threshold=threshold
+    )
     if errors is not None:
         errors["loss"] = rel_err(loss, ref)
 
@@ -85,8 +112,9 @@ def check_against_truth(backend, n, d, dtype, gamma, tau, eps, reduction, *, tau
     loss.backward(upstream.to(loss.dtype))
     ref.backward(upstream.double())
     if errors is not None:
-        errors.update({"d img": rel_err(leaves[0].grad, ref_leaves[0].grad),
-                       "d txt": rel_err(leaves[1].grad, ref_leaves[1].grad)})
+        errors.update(
+            {"d img": rel_err(leaves[0].grad, ref_leaves[0].grad), "d txt": rel_err(leaves[1].grad, ref_leaves[1].grad)}
+        )
         if tau_grad:
             errors["d tau"] = rel_err(tau_arg.grad, ref_tau.grad)
     for leaf, ref_leaf, name in zip(leaves, ref_leaves, ("d img", "d txt")):
@@ -135,13 +163,13 @@ def directional_case(kind, m=5, n=19, d=8, offset=7, dtype=torch.float32, seed=4
     ``kind``: "i2t", "t2i" or "general" (margin factors unrelated to the features)."""
     gen = torch.Generator().manual_seed(seed)
     q, k = torch.randn(m, d, generator=gen), torch.randn(n, d, generator=gen)
-    k[offset:offset + m] = q + 0.1 * k[offset:offset + m]
+    k[offset : offset + m] = q + 0.1 * k[offset : offset + m]
     if kind == "i2t":  # q local images, k = b global texts, a the local slice of the texts
         b = k
-        a = k[offset:offset + m]
+        a = k[offset : offset + m]
     elif kind == "t2i":  # q = a local texts, k global images, b global texts
         b = torch.randn(n, d, generator=gen)
-        b[offset:offset + m] = q
+        b[offset : offset + m] = q
         a = q
     else:  # unrelated margin factors
         a, b = torch.randn(m, d, generator=gen), torch.randn(n, d, generator=gen)
@@ -194,7 +222,7 @@ def masked_case(kind: str, n: int = 12, d: int = 16, seed: int = 0, dtype=torch.
             txt[row] = 0.8 * basis[:, 0] + 0.6 * basis[:, row]
     else:
         raise ValueError(kind)
-    img = (txt + 0.6 * torch.randn(n, d, generator=gen, dtype=torch.float64) / d ** 0.5).to(dtype)
+    img = (txt + 0.6 * torch.randn(n, d, generator=gen, dtype=torch.float64) / d**0.5).to(dtype)
     txt = txt.to(dtype)
     cos = _unit(txt.double()) @ _unit(txt.double()).T
     off = cos[~torch.eye(n, dtype=torch.bool)]
@@ -226,27 +254,56 @@ def op_loss(op: str, backend: str, img, txt, tau: float, gamma: float, eps: floa
         img, txt = img.double(), txt.double()
     if op == "symmetric":
         leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt)]
-        loss = hn_clip_loss_f64(*leaves, tau_t, **kw) if backend == "f64" else hn_clip_loss(*leaves, tau_t,
-                                                                                           backend=backend, **kw)
+        loss = (
+            hn_clip_loss_f64(*leaves, tau_t, **kw)
+            if backend == "f64"
+            else hn_clip_loss(*leaves, tau_t, backend=backend, **kw)
+        )
         return loss, [*leaves, tau_t]
     all_img, all_txt = (x.detach().clone().requires_grad_(True) for x in (img, txt))
-    loc_img, loc_txt = (x.detach()[offset:offset + m].clone().requires_grad_(True) for x in (img, txt))
+    loc_img, loc_txt = (x.detach()[offset : offset + m].clone().requires_grad_(True) for x in (img, txt))
     if op == "directional":
         fn = directional_nll_torch if backend == "f64" else directional_fn(backend)
-        rows = fn(loc_img, all_txt, query_txt=loc_txt.detach(), key_txt=all_txt.detach(), tau=tau_t, offset=offset,
-                  normalize=True, **kw)
+        rows = fn(
+            loc_img,
+            all_txt,
+            query_txt=loc_txt.detach(),
+            key_txt=all_txt.detach(),
+            tau=tau_t,
+            offset=offset,
+            normalize=True,
+            **kw,
+        )
         return rows.mean(), [loc_img, all_txt, tau_t]
     options = LossOptions(backend="torch" if backend == "f64" else backend, **kw)
-    return rank_losses(loc_img, loc_txt, all_img, all_txt, tau_t, offset, options).mean(), [loc_img, loc_txt, all_img,
-                                                                                           all_txt, tau_t]
+    return rank_losses(loc_img, loc_txt, all_img, all_txt, tau_t, offset, options).mean(), [
+        loc_img,
+        loc_txt,
+        all_img,
+        all_txt,
+        tau_t,
+    ]
 
 
-OP_GRADS = {"symmetric": ("d img", "d txt", "d tau"), "directional": ("d img", "d all_txt", "d tau"),
-            "rank": ("d img", "d txt", "d all_img", "d all_txt", "d tau")}
+OP_GRADS = {
+    "symmetric": ("d img", "d txt", "d tau"),
+    "directional": ("d img", "d all_txt", "d tau"),
+    "rank": ("d img", "d txt", "d all_img", "d all_txt", "d tau"),
+}
 
 
-def op_errors(op: str, backend: str, img, txt, tau: float, gamma: float = 0.5, eps: float = 0.0, threshold=None,
-              m: int = 0, offset: int = 0) -> dict:
+def op_errors(
+    op: str,
+    backend: str,
+    img,
+    txt,
+    tau: float,
+    gamma: float = 0.5,
+    eps: float = 0.0,
+    threshold=None,
+    m: int = 0,
+    offset: int = 0,
+) -> dict:
     """{name: (relative error, bound)} of ``op`` (:func:`op_loss`) on ``backend`` against float64:
     the loss (bound TOL_LOWP_LOSS), d τ (TOL_LOWP_LOSS) and each feature gradient (2× the error
     of rounding the float64 gradient to the features' dtype + 2e-3, the suite's 16-bit bound).

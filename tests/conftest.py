@@ -2,6 +2,7 @@
 
 TRITON_INTERPRET must be set before triton is first imported (torch does not import it).
 """
+
 import os
 
 import pytest

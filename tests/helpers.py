@@ -1,4 +1,5 @@
 """Float64 truth for the HN-CLIP loss and comparison helpers that say where values mismatch."""
+
 from __future__ import annotations
 
 import queue
@@ -8,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 
-def hn_clip_loss_f64(img, txt, tau, gamma=0.5, label_smoothing=0.0, reduction="mean", normalize=True,
-                     false_negative_threshold=None):
+def hn_clip_loss_f64(
+    img, txt, tau, gamma=0.5, label_smoothing=0.0, reduction="mean", normalize=True, false_negative_threshold=None
+):
     """Float64 evaluation of arXiv 2608.18521 Eq. 2, written independently of the package.
 
     The NLL is log(1 + Σ_{j≠i} exp(Z_ij − Z_ii)) (a plain LSE − Z_ii would round a 1e-30 loss

@@ -26,6 +26,7 @@ interpreters (``tools.work`` TRITON_INTERPRET=1, ``tools.sm90`` unset):
 
 ``tests/docs/test_tables.py`` regenerates every table and fails where the docs differ.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,9 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md", "docs"]  # files, or folders whose *.md are scanned
-REGION = re.compile(r"(?P<open><!-- generated: (?P<name>[\w-]+)[^\n]*-->\n)(?P<body>.*?)(?P<close><!-- end generated -->)",
-                    re.S)
+REGION = re.compile(
+    r"(?P<open><!-- generated: (?P<name>[\w-]+)[^\n]*-->\n)(?P<body>.*?)(?P<close><!-- end generated -->)", re.S
+)
 FIX = "python -m tools.docs_tables --write"
 
 
@@ -66,15 +68,24 @@ def md_table(header, rows) -> str:
 # (table, row label, cases): one case is (kind, n, m, d); a cell shows each distinct result of
 # the row's cases (" / " between them), so a row that claims "alike" shows where they differ
 WORK_ROWS = [
-    ("work-loss", "`tl.dot` + torch GEMMs, N = 256, D = 512 and 768",
-     [("loss", 256, None, 512), ("loss", 256, None, 768)]),
+    (
+        "work-loss",
+        "`tl.dot` + torch GEMMs, N = 256, D = 512 and 768",
+        [("loss", 256, None, 512), ("loss", 256, None, 768)],
+    ),
     ("work-loss", "`tl.dot` + torch GEMMs, N = 1024, D = 512", [("loss", 1024, None, 512)]),
-    ("work-rank", "one direction (the directional op, 3 useful), M = 64, N = 256, D = 512 and 768",
-     [("directional", 256, 64, 512), ("directional", 256, 64, 768)]),
+    (
+        "work-rank",
+        "one direction (the directional op, 3 useful), M = 64, N = 256, D = 512 and 768",
+        [("directional", 256, 64, 512), ("directional", 256, 64, 768)],
+    ),
     ("work-rank", "one direction, M = 256, N = 1024, D = 512", [("directional", 1024, 256, 512)]),
-    ("work-rank", "a rank's op (`_fwd_rank_kernel`, `_dscore_rank_kernel`: both directions, 6 useful), "
-                  "M = 128, N = 512 and M = 256, N = 1024, D = 512",
-     [("rank", 512, 128, 512), ("rank", 1024, 256, 512)]),
+    (
+        "work-rank",
+        "a rank's op (`_fwd_rank_kernel`, `_dscore_rank_kernel`: both directions, 6 useful), "
+        "M = 128, N = 512 and M = 256, N = 1024, D = 512",
+        [("rank", 512, 128, 512), ("rank", 1024, 256, 512)],
+    ),
 ]
 WORK_GAMMAS = (0.0, 0.5)
 
@@ -87,8 +98,7 @@ def _count(case):
 
 
 def _work_cell(r) -> str:
-    return (f"{fmt(r['dot_products'])} + {fmt(r['torch_products'])} = {fmt(r['products'])} "
-            f"({fmt(r['x_useful'])}×)")
+    return f"{fmt(r['dot_products'])} + {fmt(r['torch_products'])} = {fmt(r['products'])} ({fmt(r['x_useful'])}×)"
 
 
 def work_table(name: str, jobs: int) -> str:
@@ -97,16 +107,19 @@ def work_table(name: str, jobs: int) -> str:
     from concurrent.futures import ProcessPoolExecutor
 
     rows = [(label, cases) for table, label, cases in WORK_ROWS if table == name]
-    todo = sorted({(*case, g) for _, cases in rows for case in cases for g in WORK_GAMMAS},
-                  key=lambda c: -(c[1] * (c[2] or c[1])))  # the largest first: the pool ends sooner
+    todo = sorted(
+        {(*case, g) for _, cases in rows for case in cases for g in WORK_GAMMAS}, key=lambda c: -(c[1] * (c[2] or c[1]))
+    )  # the largest first: the pool ends sooner
     if jobs > 1:  # spawned: each worker enters the interpreter before it imports triton
         with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
             counted = dict(zip(todo, pool.map(_count, todo)))
     else:
         counted = {case: _count(case) for case in todo}
     header = [""] + [f"γ = {fmt(g)}" for g in WORK_GAMMAS]
-    return md_table(header, [[label] + [joined(_work_cell(counted[(*c, g)]) for c in cases) for g in WORK_GAMMAS]
-                             for label, cases in rows])
+    return md_table(
+        header,
+        [[label] + [joined(_work_cell(counted[(*c, g)]) for c in cases) for g in WORK_GAMMAS] for label, cases in rows],
+    )
 
 
 # ------------------------------------------------------------------ workspace (hnclip_kernels.workspace_bytes)
@@ -136,8 +149,10 @@ def workspace_table() -> str:
             rows.append([name, str(n), f"{mib(fwd)} MiB", f"{mib(back)} MiB", f"{mib(total)} MiB"])
     for name, dtype in dtypes.items():
         parts = [split(n, dtype, n // WORKSPACE_RANK_SHARE) for n in WORKSPACE_NS]
-        rows.append([f"a rank's op, M = N / {WORKSPACE_RANK_SHARE}, {name}", " / ".join(map(str, WORKSPACE_NS))]
-                    + [joined(mib(p[i]) for p in parts) + " MiB" for i in range(3)])
+        rows.append(
+            [f"a rank's op, M = N / {WORKSPACE_RANK_SHARE}, {name}", " / ".join(map(str, WORKSPACE_NS))]
+            + [joined(mib(p[i]) for p in parts) + " MiB" for i in range(3)]
+        )
     return md_table(["features", "N", "forward statistics", "backward", "`workspace_bytes`"], rows)
 
 
@@ -151,8 +166,11 @@ TABLES = {
     "work-loss": (_emit("work-loss"), True, "`tools.work.count_products`"),
     "work-rank": (_emit("work-rank"), True, "`tools.work.count_products`"),
     "workspace": (_emit("workspace"), False, "`hnclip_kernels.workspace_bytes`"),
-    "sm90-registers": ([sys.executable, "-m", "tools.sm90", "--quick", "--markdown"], False,
-                       "`python -m tools.sm90 --quick --markdown`"),
+    "sm90-registers": (
+        [sys.executable, "-m", "tools.sm90", "--quick", "--markdown"],
+        False,
+        "`python -m tools.sm90 --quick --markdown`",
+    ),
 }
 
 
@@ -168,8 +186,9 @@ def generate(name: str, jobs: int | None = None, timeout: float = 1800) -> str:
         cmd = cmd + ["--jobs", str(jobs)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not proc.stdout.strip():
-        raise RuntimeError(f"`{' '.join(cmd[1:])}` exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-                           f"{proc.stderr[-6000:]}")
+        raise RuntimeError(
+            f"`{' '.join(cmd[1:])}` exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc.stdout.strip("\n")
 
 
@@ -205,8 +224,13 @@ def diff(name: str, page: str, old: str, new: str) -> str:
     """'' when the region holds ``new``; else a unified diff and the command that fixes it."""
     if old == body(name, new):
         return ""
-    lines = difflib.unified_diff(old.splitlines(), body(name, new).splitlines(), f"{page} ({name}, in the docs)",
-                                 f"{name} (as the tool prints it now)", lineterm="")
+    lines = difflib.unified_diff(
+        old.splitlines(),
+        body(name, new).splitlines(),
+        f"{page} ({name}, in the docs)",
+        f"{name} (as the tool prints it now)",
+        lineterm="",
+    )
     return "\n".join(lines) + f"\n\nregenerate it: {FIX} --tables {name}"
 
 
@@ -216,8 +240,9 @@ def write(tables: dict) -> list:
     for page in pages():
         with open(page, encoding="utf-8") as f:
             text = f.read()
-        new = REGION.sub(lambda m: m["open"] + body(m["name"], tables[m["name"]]) + m["close"] if m["name"] in tables
-                         else m[0], text)
+        new = REGION.sub(
+            lambda m: m["open"] + body(m["name"], tables[m["name"]]) + m["close"] if m["name"] in tables else m[0], text
+        )
         if new != text:
             with open(page, "w", encoding="utf-8") as f:
                 f.write(new)
@@ -226,10 +251,15 @@ def write(tables: dict) -> list:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.docs_tables", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tables", type=lambda s: [x for x in s.split(",") if x], default=list(TABLES),
-                    help=f"which tables (default all: {','.join(TABLES)})")
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.docs_tables", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--tables",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=list(TABLES),
+        help=f"which tables (default all: {','.join(TABLES)})",
+    )
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="rewrite the generated regions of the docs")
     mode.add_argument("--check", action="store_true", help="exit 1 where a region differs from its tool")

@@ -4,6 +4,7 @@ interpreter, the GPU's launch configuration inside it, and their CSV rows.
 ``enter_interpreter`` must run before anything imports triton: TRITON_INTERPRET is read
 when triton is first imported.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,8 @@ def enter_interpreter(program: str, why: str) -> None:
         raise RuntimeError(
             f"{program} {why}, but triton was imported without TRITON_INTERPRET=1, so its kernels would be "
             f"compiled ones; run `python -m {program}` in a fresh process, or set TRITON_INTERPRET=1 before "
-            "anything imports triton")
+            "anything imports triton"
+        )
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
@@ -38,8 +40,9 @@ def gpu_launch():
     os.environ[LAUNCH_ENV] = "gpu"
     try:
         if triton_config.launch_mode() != "gpu":
-            raise RuntimeError(f"{LAUNCH_ENV}=gpu did not give the GPU launch mode "
-                               f"(got {triton_config.launch_mode()!r})")
+            raise RuntimeError(
+                f"{LAUNCH_ENV}=gpu did not give the GPU launch mode (got {triton_config.launch_mode()!r})"
+            )
         yield
     finally:
         if previous is None:

@@ -27,6 +27,7 @@ dense rates (tf32 MMA at half the bf16 rate; ieee is FMA on the CUDA cores, 66.9
 989.4 dense bf16 TFLOPS on an H100 SXM, the H200 has the same compute). The recommended
 default is the cheapest mode that keeps every guarantee in both regimes.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,7 @@ import sys
 
 from .interpreted import LAUNCH_ENV, enter_interpreter, gpu_launch, write_rows  # before anything imports triton
 
-enter_interpreter("tools.precision",
-                  "measures the tensor cores' operand rounding as emulated in Triton's interpreter")
+enter_interpreter("tools.precision", "measures the tensor cores' operand rounding as emulated in Triton's interpreter")
 
 if __name__ == "__main__":
     # run as a program: the whole process uses the GPU's launch configuration. Imported (by a
@@ -83,8 +83,16 @@ class Mode:
         return "0 (FMA)" if self.unit == "fma" else f"{self.passes} {self.unit}"
 
 
-MODES = {m.name: m for m in (Mode("ieee", 0, "fma"), Mode("tf32x3", 3, "tf32"), Mode("bf16x6", 6, "bf16"),
-                             Mode("bf16x3", 3, "bf16"), Mode("tf32", 1, "tf32"))}
+MODES = {
+    m.name: m
+    for m in (
+        Mode("ieee", 0, "fma"),
+        Mode("tf32x3", 3, "tf32"),
+        Mode("bf16x6", 6, "bf16"),
+        Mode("bf16x3", 3, "bf16"),
+        Mode("tf32", 1, "tf32"),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -99,22 +107,50 @@ class Regime:
 
 
 REGIMES = {
-    "random": Regime("random", 0.07, 0.5, lambda seed, n, d: make_pair(n, d, torch.float32, seed=seed),
-                     TOL_F32_LOSS, TOL_F32_GRAD),
-    "saturated": Regime("saturated", 0.01, 0.5, lambda seed, n, d: saturated_pair(seed, n, d),
-                        TOL_F32_LOSS_SATURATED, TOL_F32_GRAD, max_true_loss=1e-20),
+    "random": Regime(
+        "random", 0.07, 0.5, lambda seed, n, d: make_pair(n, d, torch.float32, seed=seed), TOL_F32_LOSS, TOL_F32_GRAD
+    ),
+    "saturated": Regime(
+        "saturated",
+        0.01,
+        0.5,
+        lambda seed, n, d: saturated_pair(seed, n, d),
+        TOL_F32_LOSS_SATURATED,
+        TOL_F32_GRAD,
+        max_true_loss=1e-20,
+    ),
 }
 GRADS = ("d_img", "d_txt", "d_tau")
-COLUMNS = ["precision", "regime", "n", "d", "tau", "gamma", "seeds", "mma_passes", "pass_unit", "bf16_pass_equiv",
-           "loss_err", "grad_err", "d_img_err", "d_txt_err", "d_tau_err", "loss_tol", "grad_tol", "ok",
-           "max_true_loss"]
+COLUMNS = [
+    "precision",
+    "regime",
+    "n",
+    "d",
+    "tau",
+    "gamma",
+    "seeds",
+    "mma_passes",
+    "pass_unit",
+    "bf16_pass_equiv",
+    "loss_err",
+    "grad_err",
+    "d_img_err",
+    "d_txt_err",
+    "d_tau_err",
+    "loss_tol",
+    "grad_tol",
+    "ok",
+    "max_true_loss",
+]
 
 
 def _require_interpreted_kernels() -> None:
     if not INTERPRET:
-        raise RuntimeError("tools.precision needs the Triton kernels interpreted (their tensor-core rounding "
-                           "is emulated there), but hnclip_kernels was imported without TRITON_INTERPRET=1; "
-                           "run `python -m tools.precision` in a fresh process")
+        raise RuntimeError(
+            "tools.precision needs the Triton kernels interpreted (their tensor-core rounding "
+            "is emulated there), but hnclip_kernels was imported without TRITON_INTERPRET=1; "
+            "run `python -m tools.precision` in a fresh process"
+        )
 
 
 def truth(img, txt, tau32, gamma):
@@ -130,8 +166,9 @@ def errors(mode: str, img, txt, tau32, gamma, ref) -> dict:
     """Relative errors of one Triton forward+backward in ``mode`` against ``ref`` (from :func:`truth`)."""
     leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt)]
     tau = tau32.detach().clone().requires_grad_(True)
-    loss = ht.hn_clip_pairs_triton(leaves[0], leaves[1], tau=tau, gamma=gamma, label_smoothing=0.0, normalize=True,
-                                   precision=mode).mean()
+    loss = ht.hn_clip_pairs_triton(
+        leaves[0], leaves[1], tau=tau, gamma=gamma, label_smoothing=0.0, normalize=True, precision=mode
+    ).mean()
     loss.backward()
     ref_loss, ref_grads = ref
     out = {"loss_err": rel_err(loss, ref_loss)}
@@ -156,21 +193,38 @@ def study(modes=tuple(MODES), regimes=tuple(REGIMES), n: int = 130, d: int = 128
                 ref = truth(img, txt, tau32, reg.gamma)
                 max_true = max(max_true, ref[0].item())
                 if reg.max_true_loss is not None and not ref[0].item() < reg.max_true_loss:
-                    raise ValueError(f"regime {rname!r}, seed {seed}, N={n}, D={d}: true loss {ref[0].item():.3e} "
-                                     f"is not < {reg.max_true_loss:g}, so the batch is not saturated; choose a "
-                                     "larger D (the default 128 is)")
+                    raise ValueError(
+                        f"regime {rname!r}, seed {seed}, N={n}, D={d}: true loss {ref[0].item():.3e} "
+                        f"is not < {reg.max_true_loss:g}, so the batch is not saturated; choose a "
+                        "larger D (the default 128 is)"
+                    )
                 for m in modes:
                     for key, err in errors(m, img, txt, tau32, reg.gamma, ref).items():
                         worst[m][key] = max(worst[m].get(key, 0.0), err)
             for m in modes:
                 w, mode = worst[m], MODES[m]
                 grad_err = max(w[f"{g}_err"] for g in GRADS)
-                rows.append(dict(
-                    precision=m, regime=rname, n=n, d=d, tau=reg.tau, gamma=reg.gamma,
-                    seeds=" ".join(map(str, seeds)), mma_passes=mode.passes, pass_unit=mode.unit,
-                    bf16_pass_equiv=round(mode.bf16_equiv, 2), loss_err=w["loss_err"], grad_err=grad_err,
-                    **{f"{g}_err": w[f"{g}_err"] for g in GRADS}, loss_tol=reg.loss_tol, grad_tol=reg.grad_tol,
-                    ok=w["loss_err"] <= reg.loss_tol and grad_err <= reg.grad_tol, max_true_loss=max_true))
+                rows.append(
+                    dict(
+                        precision=m,
+                        regime=rname,
+                        n=n,
+                        d=d,
+                        tau=reg.tau,
+                        gamma=reg.gamma,
+                        seeds=" ".join(map(str, seeds)),
+                        mma_passes=mode.passes,
+                        pass_unit=mode.unit,
+                        bf16_pass_equiv=round(mode.bf16_equiv, 2),
+                        loss_err=w["loss_err"],
+                        grad_err=grad_err,
+                        **{f"{g}_err": w[f"{g}_err"] for g in GRADS},
+                        loss_tol=reg.loss_tol,
+                        grad_tol=reg.grad_tol,
+                        ok=w["loss_err"] <= reg.loss_tol and grad_err <= reg.grad_tol,
+                        max_true_loss=max_true,
+                    )
+                )
     return rows
 
 
@@ -188,8 +242,12 @@ def recommend(rows) -> tuple[list, list]:
 
 def headroom(rows, mode: str) -> float:
     """Smallest tolerance / error over the mode's checks (how far inside the guarantees it stays)."""
-    ratios = [r[tol] / max(r[err], 1e-300) for r in rows if r["precision"] == mode
-              for err, tol in (("loss_err", "loss_tol"), ("grad_err", "grad_tol"))]
+    ratios = [
+        r[tol] / max(r[err], 1e-300)
+        for r in rows
+        if r["precision"] == mode
+        for err, tol in (("loss_err", "loss_tol"), ("grad_err", "grad_tol"))
+    ]
     return min(ratios)
 
 
@@ -213,19 +271,25 @@ def format_table(rows) -> str:
         for rg in regimes:
             r = by[(m, rg)]
             flag = lambda e, t: "*" if e > t else " "  # noqa: E731
-            line += f"   {r['loss_err']:>8.1e}{flag(r['loss_err'], r['loss_tol'])}" \
-                    f"{r['grad_err']:>9.1e}{flag(r['grad_err'], r['grad_tol'])}"
+            line += (
+                f"   {r['loss_err']:>8.1e}{flag(r['loss_err'], r['loss_tol'])}"
+                f"{r['grad_err']:>9.1e}{flag(r['grad_err'], r['grad_tol'])}"
+            )
             ok &= r["ok"]
         lines.append(line + f"   {'kept' if ok else 'BROKEN'}")
-    tols = "; ".join(f"{rg}: loss ≤ {by[(rows[0]['precision'], rg)]['loss_tol']:g}, "
-                     f"grads ≤ {by[(rows[0]['precision'], rg)]['grad_tol']:g}" for rg in regimes)
+    tols = "; ".join(
+        f"{rg}: loss ≤ {by[(rows[0]['precision'], rg)]['loss_tol']:g}, "
+        f"grads ≤ {by[(rows[0]['precision'], rg)]['grad_tol']:g}"
+        for rg in regimes
+    )
     lines.append(f"(* over the guarantee; {tols})")
     return "\n".join(lines)
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m tools.precision", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.precision", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--n", type=int, default=130, help="batch size N")
     ap.add_argument("--d", type=int, default=128, help="embedding dim D")
     ap.add_argument("--seeds", type=int, default=4, help="seeds 0..S-1 per regime (worst reported)")
@@ -246,10 +310,12 @@ def main(argv=None) -> list:
     start = time.perf_counter()
     rows = study(args.modes, tuple(REGIMES), args.n, args.d, range(args.seeds))
     elapsed = time.perf_counter() - start
-    print(f"float32 accuracy of the Triton loss per input precision: N={args.n}, D={args.d}, γ=0.5, seeds "
-          f"0..{args.seeds - 1} (worst), relative error in norm vs float64; grads = max(d img, d txt, d τ); "
-          f"Triton interpreter with emulated tensor-core rounding, {LAUNCH_ENV}=gpu; bf16-eq = cost per product "
-          "in bf16 MMA passes at H100/H200 dense rates")
+    print(
+        f"float32 accuracy of the Triton loss per input precision: N={args.n}, D={args.d}, γ=0.5, seeds "
+        f"0..{args.seeds - 1} (worst), relative error in norm vs float64; grads = max(d img, d txt, d τ); "
+        f"Triton interpreter with emulated tensor-core rounding, {LAUNCH_ENV}=gpu; bf16-eq = cost per product "
+        "in bf16 MMA passes at H100/H200 dense rates"
+    )
     print(format_table(rows))
     sat = [r["max_true_loss"] for r in rows if r["regime"] == "saturated"]
     if sat:
@@ -264,10 +330,13 @@ def main(argv=None) -> list:
             print(f"recommended default: {best[0]}")
         else:
             room = ", ".join(f"{m} {headroom(rows, m):.1f}x" for m in best)
-            print(f"cheapest tied at {MODES[best[0]].bf16_equiv:g} bf16-pass equivalents: {', '.join(best)} "
-                  f"(headroom, min tolerance/error: {room}); only GPU timing can separate them")
-    print(f"current default (validation.DEFAULT_FP32_PRECISION): {cfg.DEFAULT_FP32_PRECISION}; "
-          f"study took {elapsed:.1f} s")
+            print(
+                f"cheapest tied at {MODES[best[0]].bf16_equiv:g} bf16-pass equivalents: {', '.join(best)} "
+                f"(headroom, min tolerance/error: {room}); only GPU timing can separate them"
+            )
+    print(
+        f"current default (validation.DEFAULT_FP32_PRECISION): {cfg.DEFAULT_FP32_PRECISION}; study took {elapsed:.1f} s"
+    )
     if args.csv:
         write_rows(rows, args.csv, COLUMNS)
     return rows

@@ -58,6 +58,7 @@ tf32 (a tf32 MMA is present); status; key (the bind key, to find the kernel in -
 ``--markdown`` prints instead, on stdout, the summary docs/triton.md holds (``markdown_table``:
 registers by kernel, operand width and candidate), the rest on stderr.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,9 +88,9 @@ import hnclip_kernels
 import hnclip_kernels.backends
 
 TARGET = GPUTarget("cuda", 90, 32)  # sm_90a: H100 / H200
-SMEM_LIMIT = 232448                 # bytes of shared memory per block (opt-in maximum on sm_90)
+SMEM_LIMIT = 232448  # bytes of shared memory per block (opt-in maximum on sm_90)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-RESULT_FILE = "hnclip_sm90.json"    # our analysis, stored in Triton's cache entry of the kernel
+RESULT_FILE = "hnclip_sm90.json"  # our analysis, stored in Triton's cache entry of the kernel
 DEFAULT_CACHE = os.path.join(tempfile.gettempdir(), "hnclip-sm90-cache")
 
 
@@ -117,8 +118,15 @@ def drive_single(n, d, dtype, gamma, eps, threshold=None):
     """The public single-process loss, forward + backward (``threshold``: false-negative masking)."""
     img, txt = _features(n, d, dtype)
     tau = torch.tensor(0.07, requires_grad=True)
-    loss = hnclip_kernels.hn_clip_loss(img.requires_grad_(), txt.requires_grad_(), tau, gamma=gamma,
-                                       label_smoothing=eps, backend="triton", false_negative_threshold=threshold)
+    loss = hnclip_kernels.hn_clip_loss(
+        img.requires_grad_(),
+        txt.requires_grad_(),
+        tau,
+        gamma=gamma,
+        label_smoothing=eps,
+        backend="triton",
+        false_negative_threshold=threshold,
+    )
     loss.backward()
 
 
@@ -127,11 +135,21 @@ def drive_directional(m, n, d, dtype, gamma, eps, offset, threshold=None):
     rows against the n gathered texts, positive of row i at column offset + i."""
     op = hnclip_kernels.backends.triton_directional()
     all_img, all_txt = _features(n, d, dtype)
-    img = all_img[offset:offset + m].clone().requires_grad_()
-    txt = all_txt[offset:offset + m].clone()
+    img = all_img[offset : offset + m].clone().requires_grad_()
+    txt = all_txt[offset : offset + m].clone()
     tau = torch.tensor(0.07, requires_grad=True)
-    rows = op(img, all_txt.requires_grad_(), query_txt=txt, key_txt=all_txt, tau=tau, offset=offset, gamma=gamma,
-              label_smoothing=eps, normalize=True, false_negative_threshold=threshold)
+    rows = op(
+        img,
+        all_txt.requires_grad_(),
+        query_txt=txt,
+        key_txt=all_txt,
+        tau=tau,
+        offset=offset,
+        gamma=gamma,
+        label_smoothing=eps,
+        normalize=True,
+        false_negative_threshold=threshold,
+    )
     rows.sum().backward()
 
 
@@ -141,10 +159,20 @@ def drive_rank(m, n, d, dtype, gamma, eps, offset, threshold=None):
     from hnclip_kernels.backends.triton.ops import rank_nll_triton
 
     all_img, all_txt = _features(n, d, dtype)
-    img, txt = (x[offset:offset + m].clone().requires_grad_() for x in (all_img, all_txt))
+    img, txt = (x[offset : offset + m].clone().requires_grad_() for x in (all_img, all_txt))
     tau = torch.tensor(0.07, requires_grad=True)
-    rows = rank_nll_triton(img, txt, all_img.requires_grad_(), all_txt.requires_grad_(), tau=tau, offset=offset,
-                           gamma=gamma, label_smoothing=eps, normalize=True, false_negative_threshold=threshold)
+    rows = rank_nll_triton(
+        img,
+        txt,
+        all_img.requires_grad_(),
+        all_txt.requires_grad_(),
+        tau=tau,
+        offset=offset,
+        gamma=gamma,
+        label_smoothing=eps,
+        normalize=True,
+        false_negative_threshold=threshold,
+    )
     rows.sum().backward()
 
 
@@ -206,15 +234,16 @@ def kernel_id(fn: JITFunction) -> str:
 @dataclasses.dataclass
 class Job:
     """One distinct compilation: everything triton.compile needs, plus the launch's constexprs."""
+
     key: str
     fn: JITFunction
     signature: dict
     constexprs: dict  # {(arg index,): value}, as Triton's _pack_args returns them
     attrs: dict
     options: dict
-    named: dict       # tl.constexpr parameter name -> value (for the table and the precision rule)
-    ones: list        # other parameters specialised as the constant 1 (e.g. a unit stride)
-    scalars: dict     # scalar (non-pointer, non-constexpr) parameter name -> its type in the signature
+    named: dict  # tl.constexpr parameter name -> value (for the table and the precision rule)
+    ones: list  # other parameters specialised as the constant 1 (e.g. a unit stride)
+    scalars: dict  # scalar (non-pointer, non-constexpr) parameter name -> its type in the signature
 
     def payload(self):  # what a worker process needs (the kernel by its registry name)
         return kernel_id(self.fn), self.signature, self.constexprs, self.attrs, self.options
@@ -245,9 +274,13 @@ def bind(launch: Launch, backend, wide_scalars: bool = False, i64_ints: bool = F
     key = hashlib.sha1(f"{kernel_id(fn)}|{spec}|{sorted(opts.items())}{wide}".encode()).hexdigest()[:12]
     named = {p.name: bound[p.name] for p in fn.params if p.is_constexpr}
     ones = [p.name for p in fn.params if not p.is_constexpr and signature.get(p.name) == "constexpr"]
-    scalars = {p.name: signature[p.name] for p in fn.params
-               if not p.is_constexpr and signature.get(p.name, "constexpr") != "constexpr"
-               and not signature[p.name].startswith("*")}
+    scalars = {
+        p.name: signature[p.name]
+        for p in fn.params
+        if not p.is_constexpr
+        and signature.get(p.name, "constexpr") != "constexpr"
+        and not signature[p.name].startswith("*")
+    }
     return Job(key, fn, signature, constexprs, attrs, dict(options.__dict__), named, ones, scalars)
 
 
@@ -258,8 +291,12 @@ def _triton_hash(fn, signature, constexprs, attrs, options):
         from triton.runtime.cache import get_cache_key
 
         backend = make_backend(TARGET)
-        key = get_cache_key(ASTSource(fn, signature, constexprs, attrs), backend, backend.parse_options(options),
-                            get_cache_invalidating_env_vars())
+        key = get_cache_key(
+            ASTSource(fn, signature, constexprs, attrs),
+            backend,
+            backend.parse_options(options),
+            get_cache_invalidating_env_vars(),
+        )
         return hashlib.sha256(key.encode()).hexdigest()
     except Exception:
         return None
@@ -294,16 +331,29 @@ _DOT_16BIT = re.compile(r"\btt\.dot\b.*:\s*tensor<[^>]*x(?:bf16|f16)>")
 
 def analyse(ck, log) -> dict:
     """Resources (ptxas -v, metadata) and instruction mix (PTX, TTIR) of a compiled kernel."""
+
     def num(pattern):
         m = re.search(pattern, log)
         return int(m.group(1)) if m else None
-    mma = sorted({f"{'wgmma' if op.startswith('wgmma') else 'mma'}.{shape}.{ty}"
-                  for op, shape, ty in _MMA.findall(ck.asm["ptx"])})
-    return dict(regs=num(r"Used (\d+) registers"), spill_st=num(r"(\d+) bytes spill stores"),
-                spill_ld=num(r"(\d+) bytes spill loads"), stack=num(r"(\d+) bytes stack frame"),
-                shared=ck.metadata.shared, num_warps=ck.metadata.num_warps, num_stages=ck.metadata.num_stages,
-                mma=mma, tf32=any(k.endswith(".tf32") for k in mma),
-                dot16=bool(_DOT_16BIT.search(ck.asm.get("ttir", ""))))
+
+    mma = sorted(
+        {
+            f"{'wgmma' if op.startswith('wgmma') else 'mma'}.{shape}.{ty}"
+            for op, shape, ty in _MMA.findall(ck.asm["ptx"])
+        }
+    )
+    return dict(
+        regs=num(r"Used (\d+) registers"),
+        spill_st=num(r"(\d+) bytes spill stores"),
+        spill_ld=num(r"(\d+) bytes spill loads"),
+        stack=num(r"(\d+) bytes stack frame"),
+        shared=ck.metadata.shared,
+        num_warps=ck.metadata.num_warps,
+        num_stages=ck.metadata.num_stages,
+        mma=mma,
+        tf32=any(k.endswith(".tf32") for k in mma),
+        dot16=bool(_DOT_16BIT.search(ck.asm.get("ttir", ""))),
+    )
 
 
 def compile_kernel(fn, signature, constexprs, attrs, options) -> dict:
@@ -350,8 +400,10 @@ def compile_all(jobs, n_proc):
                 try:
                     results[key] = fut.result()
                 except Exception as e:  # noqa: BLE001 - e.g. a compiler crash took the worker down
-                    results[key] = dict(error=f"compile process failed ({type(e).__name__}: {e}); "
-                                              "rerun with --jobs 1 to see which kernel crashes")
+                    results[key] = dict(
+                        error=f"compile process failed ({type(e).__name__}: {e}); "
+                        "rerun with --jobs 1 to see which kernel crashes"
+                    )
     else:
         for job in todo:
             results[job.key] = compile_kernel(job.fn, job.signature, job.constexprs, job.attrs, job.options)
@@ -385,18 +437,51 @@ def problems_of(row: dict) -> list:
 
 def _table(rows):
     """One line per distinct compiled kernel."""
-    cols = ["kernel", "cfg", "flags", "ints=1", "from", "dtype", "D", "gamma", "blocks", "prec", "w/s", "regs",
-            "spill st/ld", "smem", "mma", "tf32", "status", "key"]
+    cols = [
+        "kernel",
+        "cfg",
+        "flags",
+        "ints=1",
+        "from",
+        "dtype",
+        "D",
+        "gamma",
+        "blocks",
+        "prec",
+        "w/s",
+        "regs",
+        "spill st/ld",
+        "smem",
+        "mma",
+        "tf32",
+        "status",
+        "key",
+    ]
     lines = []
     for r in rows:
-        vals = [r["kernel"], r["cfg"] or "-", ",".join(r["flags"]) or "-", ",".join(r["ones"]) or "-",
-                "+".join(r["from"]), r["dtype"], ",".join(map(str, r["D"])), ",".join(map(str, r["gamma"])),
-                r["blocks"], "/".join(r["prec"]) or "-"]
+        vals = [
+            r["kernel"],
+            r["cfg"] or "-",
+            ",".join(r["flags"]) or "-",
+            ",".join(r["ones"]) or "-",
+            "+".join(r["from"]),
+            r["dtype"],
+            ",".join(map(str, r["D"])),
+            ",".join(map(str, r["gamma"])),
+            r["blocks"],
+            "/".join(r["prec"]) or "-",
+        ]
         if r.get("error"):
             vals += ["-"] * 6
         else:
-            vals += [f"{r['num_warps']}/{r['num_stages']}", r["regs"], f"{r['spill_st']}/{r['spill_ld']}", r["shared"],
-                     ",".join(r["mma"]) or "-", "yes" if r["tf32"] else "no"]
+            vals += [
+                f"{r['num_warps']}/{r['num_stages']}",
+                r["regs"],
+                f"{r['spill_st']}/{r['spill_ld']}",
+                r["shared"],
+                ",".join(r["mma"]) or "-",
+                "yes" if r["tf32"] else "no",
+            ]
         status = "; ".join(r["problems"]) or "ok" + (f" (tf32 on {r['dtype']} inputs)" if r.get("tf32") else "")
         lines.append([str(v) for v in vals] + [status, r["key"]])
     widths = [max([len(c)] + [len(line[i]) for line in lines]) for i, c in enumerate(cols)]
@@ -409,6 +494,7 @@ def markdown_table(report) -> str:
     bf16 and fp16 together) and autotune candidate, γ = 0 and γ > 0 (the margin) apart, over every
     variant driven (D, flags, specialisations); a line of the run's configuration above it. What
     ``--markdown`` prints and ``python -m tools.docs_tables`` writes into docs/triton.md."""
+
     def span(values):
         values = sorted(v for v in values if v is not None)
         if not values:
@@ -430,9 +516,11 @@ def markdown_table(report) -> str:
         g["errors"] += bool(r.get("error"))
     gammas = sorted({gm for r in report["rows"] for gm in r["gamma"]})
     margins = ", ".join(f"{gm:g}" for gm in gammas if gm) or "-"
-    lines = ["| kernel | features | candidate | tiles (BLOCK_*) | warps / stages | registers, γ = 0 | "
-             f"registers, γ = {margins} | spill stores / loads (B) | shared memory (KiB) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| kernel | features | candidate | tiles (BLOCK_*) | warps / stages | registers, γ = 0 | "
+        f"registers, γ = {margins} | spill stores / loads (B) | shared memory (KiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for key in sorted(groups, key=lambda k: k[:4]):
         kernel, _, cfg, blocks, warps, stages = key
         g = groups[key]
@@ -441,15 +529,19 @@ def markdown_table(report) -> str:
         if g["errors"]:
             regs = [f"{x} ({g['errors']} failed)" for x in regs]
         features = ", ".join(d for d in DTYPES if d in g["dtypes"])
-        lines.append(f"| `{kernel}` | {features} | {cfg or '-'} | {blocks} | {warps} / {stages} | {regs[0]} | "
-                     f"{regs[1]} | {spills} | {fmt_kib(max(g['shared']))} |")
+        lines.append(
+            f"| `{kernel}` | {features} | {cfg or '-'} | {blocks} | {warps} / {stages} | {regs[0]} | "
+            f"{regs[1]} | {spills} | {fmt_kib(max(g['shared']))} |"
+        )
     c = report["config"]
     listed = lambda xs: ", ".join(f"{x:g}" if isinstance(x, float) else str(x) for x in xs)  # noqa: E731
-    head = (f"triton {report['triton']}, {report['target']}; {listed(c['dtypes'])}; D = {listed(c['D'])}; "
-            f"γ = {listed(c['gammas'])}; label smoothing {listed(c['smoothings'])}; false-negative threshold "
-            f"{listed(c.get('thresholds') or [None])}; N = {c['n']}, a rank's M = {c['local_m']}: "
-            f"{report['launches']} launches, {len(report['rows'])} distinct kernels, "
-            f"{len(report['problems']) or 'no'} problem{'' if len(report['problems']) == 1 else 's'}.")
+    head = (
+        f"triton {report['triton']}, {report['target']}; {listed(c['dtypes'])}; D = {listed(c['D'])}; "
+        f"γ = {listed(c['gammas'])}; label smoothing {listed(c['smoothings'])}; false-negative threshold "
+        f"{listed(c.get('thresholds') or [None])}; N = {c['n']}, a rank's M = {c['local_m']}: "
+        f"{report['launches']} launches, {len(report['rows'])} distinct kernels, "
+        f"{len(report['problems']) or 'no'} problem{'' if len(report['problems']) == 1 else 's'}."
+    )
     return head + "\n\n" + "\n".join(lines)
 
 
@@ -464,11 +556,11 @@ def capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars=False, 
     for dt, d, gm, eps, thr in itertools.product(dtypes, ds, gammas, smoothings, thresholds):
         dtype = DTYPES[dt]
         args = dict(gamma=gm, eps=eps, threshold=thr)
-        for src, thunk in (("single", lambda d=d, dtype=dtype, a=args: drive_single(n, d, dtype, **a)),
-                           ("dir", lambda d=d, dtype=dtype, a=args: drive_directional(local_m, n, d, dtype,
-                                                                                      offset=local_m, **a)),
-                           ("rank", lambda d=d, dtype=dtype, a=args: drive_rank(local_m, n, d, dtype, offset=local_m,
-                                                                                **a))):
+        for src, thunk in (
+            ("single", lambda d=d, dtype=dtype, a=args: drive_single(n, d, dtype, **a)),
+            ("dir", lambda d=d, dtype=dtype, a=args: drive_directional(local_m, n, d, dtype, offset=local_m, **a)),
+            ("rank", lambda d=d, dtype=dtype, a=args: drive_rank(local_m, n, d, dtype, offset=local_m, **a)),
+        ):
             case = f"{src} {dt} D={d} gamma={gm} label_smoothing={eps} false_negative_threshold={thr}"
             try:
                 with triton_on_cpu(), capture_launches() as launches:
@@ -482,15 +574,28 @@ def capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars=False, 
                 n_launch += 1
                 job = bind(launch, backend, wide_scalars, i64_ints)
                 jobs.setdefault(job.key, job)
-                w = where.setdefault(job.key, dict(cfg=launch.config, dtype=dt, src=set(), D=set(), gamma=set(), eps=set(),
-                                                   dtypes=set()))
+                w = where.setdefault(
+                    job.key, dict(cfg=launch.config, dtype=dt, src=set(), D=set(), gamma=set(), eps=set(), dtypes=set())
+                )
                 for k, v in (("src", src), ("D", d), ("gamma", gm), ("eps", eps), ("dtypes", dt)):
                     w[k].add(v)
     return jobs, where, problems, n_launch
 
 
-def run_check(dtypes, ds, gammas, smoothings, n=4096, local_m=512, jobs=None, cache_dir=DEFAULT_CACHE,
-              wide_scalars=False, i64_ints=False, log=lambda msg: print(msg, flush=True), thresholds=(None,)):
+def run_check(
+    dtypes,
+    ds,
+    gammas,
+    smoothings,
+    n=4096,
+    local_m=512,
+    jobs=None,
+    cache_dir=DEFAULT_CACHE,
+    wide_scalars=False,
+    i64_ints=False,
+    log=lambda msg: print(msg, flush=True),
+    thresholds=(None,),
+):
     """Capture, compile and analyse. Returns a dict: "rows" (one per distinct compiled kernel,
     with its "problems"), "problems" (all, as strings) and run statistics."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -499,37 +604,71 @@ def run_check(dtypes, ds, gammas, smoothings, n=4096, local_m=512, jobs=None, ca
     t0, threads = time.perf_counter(), torch.get_num_threads()
     torch.set_num_threads(1)  # the launchers' torch code on CPU: small ops, faster without a thread pool
     try:
-        by_key, where, problems, n_launch = capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars,
-                                                        i64_ints, thresholds)
+        by_key, where, problems, n_launch = capture_all(
+            dtypes, ds, gammas, smoothings, n, local_m, wide_scalars, i64_ints, thresholds
+        )
     finally:
         torch.set_num_threads(threads)
     t_capture = time.perf_counter() - t0
     n_proc = jobs or len(os.sched_getaffinity(0))
-    log(f"triton {triton.__version__}, sm_{TARGET.arch}a, {hnclip_kernels.__file__}: {n_launch} launches, "
+    log(
+        f"triton {triton.__version__}, sm_{TARGET.arch}a, {hnclip_kernels.__file__}: {n_launch} launches, "
         f"{len(by_key)} distinct kernels (captured in {t_capture:.1f} s); compiling in {n_proc} process(es), "
-        f"cache {cache_dir}")
+        f"cache {cache_dir}"
+    )
     results, n_compiled = compile_all(list(by_key.values()), n_proc)
     rows = []
     for key, job in by_key.items():
         w = where[key]
-        row = dict(key=key, kernel=job.fn.__name__, cfg=w["cfg"], flags=sorted(k for k, v in job.named.items() if v is True),
-                   ones=job.ones, dtype=w["dtype"], dtypes=[d for d in DTYPES if d in w["dtypes"]],
-                   D=sorted(w["D"]), gamma=sorted(w["gamma"]), eps=sorted(w["eps"]),
-                   blocks=" ".join(f"{k[len('BLOCK_'):]}{v}" for k, v in job.named.items() if k.startswith("BLOCK_")) or "-",
-                   prec=sorted(precisions(job.named)), constexprs=job.named, scalars=job.scalars,
-                   **{"from": sorted(w["src"])}, **results[key])
+        row = dict(
+            key=key,
+            kernel=job.fn.__name__,
+            cfg=w["cfg"],
+            flags=sorted(k for k, v in job.named.items() if v is True),
+            ones=job.ones,
+            dtype=w["dtype"],
+            dtypes=[d for d in DTYPES if d in w["dtypes"]],
+            D=sorted(w["D"]),
+            gamma=sorted(w["gamma"]),
+            eps=sorted(w["eps"]),
+            blocks=" ".join(f"{k[len('BLOCK_') :]}{v}" for k, v in job.named.items() if k.startswith("BLOCK_")) or "-",
+            prec=sorted(precisions(job.named)),
+            constexprs=job.named,
+            scalars=job.scalars,
+            **{"from": sorted(w["src"])},
+            **results[key],
+        )
         row["problems"] = problems_of(row)
         rows.append(row)
-        problems += [f"{row['kernel']} {row['cfg']} [{','.join(row['flags'])}] {row['dtype']} (from "
-                     f"{'+'.join(row['from'])}, D={row['D']}, gamma={row['gamma']}, key {key}): {p}"
-                     for p in row["problems"]]
+        problems += [
+            f"{row['kernel']} {row['cfg']} [{','.join(row['flags'])}] {row['dtype']} (from "
+            f"{'+'.join(row['from'])}, D={row['D']}, gamma={row['gamma']}, key {key}): {p}"
+            for p in row["problems"]
+        ]
     order = {k: i for i, k in enumerate(DTYPES)}
     rows.sort(key=lambda r: (order.get(r["dtype"], 9), r["kernel"], r["flags"], r["blocks"], r["cfg"], r["D"]))
-    return dict(rows=rows, problems=problems, launches=n_launch, compiled=n_compiled, capture_s=round(t_capture, 1),
-                compile_s=round(time.perf_counter() - t0 - t_capture, 1), target=f"sm_{TARGET.arch}a",
-                triton=triton.__version__, package=hnclip_kernels.__file__,
-                config=dict(dtypes=dtypes, D=ds, gammas=gammas, smoothings=smoothings, n=n, local_m=local_m,
-                            wide_scalars=wide_scalars, i64_ints=i64_ints, thresholds=list(thresholds)))
+    return dict(
+        rows=rows,
+        problems=problems,
+        launches=n_launch,
+        compiled=n_compiled,
+        capture_s=round(t_capture, 1),
+        compile_s=round(time.perf_counter() - t0 - t_capture, 1),
+        target=f"sm_{TARGET.arch}a",
+        triton=triton.__version__,
+        package=hnclip_kernels.__file__,
+        config=dict(
+            dtypes=dtypes,
+            D=ds,
+            gammas=gammas,
+            smoothings=smoothings,
+            n=n,
+            local_m=local_m,
+            wide_scalars=wide_scalars,
+            i64_ints=i64_ints,
+            thresholds=list(thresholds),
+        ),
+    )
 
 
 def scalar_summary(rows, wide_scalars: bool, i64_ints: bool = False) -> str:
@@ -538,16 +677,22 @@ def scalar_summary(rows, wide_scalars: bool, i64_ints: bool = False) -> str:
     for r in rows:
         for name, ty in (r.get("scalars") or {}).items():
             by_type.setdefault(ty, set()).add(f"{r['kernel']}.{name}")
-    kinds = "; ".join(f"{ty}: {len(names)} ({', '.join(sorted(names)[:6])}{', ...' if len(names) > 6 else ''})"
-                      for ty, names in sorted(by_type.items())) or "none"
+    kinds = (
+        "; ".join(
+            f"{ty}: {len(names)} ({', '.join(sorted(names)[:6])}{', ...' if len(names) > 6 else ''})"
+            for ty, names in sorted(by_type.items())
+        )
+        or "none"
+    )
     how = " + ".join(flag for flag, on in (("--wide-scalars", wide_scalars), ("--i64-ints", i64_ints)) if on)
     how = f"Inductor's typing ({how})" if how else "Triton's own typing"
     return f"scalar arguments under {how}: {kinds}"
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m tools.sm90", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.sm90", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     csv = lambda kind: lambda s: [kind(x) for x in s.split(",") if x]  # noqa: E731
     ap.add_argument("--quick", action="store_true", help="D 64,768 and label smoothing 0 (unless given)")
     ap.add_argument("--dtypes", type=csv(str), default=list(DTYPES))
@@ -559,13 +704,23 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=None, help="compile processes (default: CPUs available)")
     ap.add_argument("--json", default=None, help="write the full report here")
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE, help="persistent TRITON_CACHE_DIR")
-    ap.add_argument("--wide-scalars", action="store_true",
-                    help="type float scalars fp64, as Inductor does for user kernels under torch.compile")
+    ap.add_argument(
+        "--wide-scalars",
+        action="store_true",
+        help="type float scalars fp64, as Inductor does for user kernels under torch.compile",
+    )
     ap.add_argument("--i64-ints", action="store_true", help="type integer scalars i64 (unbounded SymInts)")
-    ap.add_argument("--markdown", action="store_true",
-                    help="print only the markdown summary (markdown_table; the docs' table) on stdout, the rest on stderr")
-    ap.add_argument("--thresholds", type=csv(str), default=["none"],
-                    help="false-negative thresholds to drive, 'none' for no masking (default none; e.g. none,0.9)")
+    ap.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print only the markdown summary (markdown_table; the docs' table) on stdout, the rest on stderr",
+    )
+    ap.add_argument(
+        "--thresholds",
+        type=csv(str),
+        default=["none"],
+        help="false-negative thresholds to drive, 'none' for no masking (default none; e.g. none,0.9)",
+    )
     a = ap.parse_args(argv)
     thresholds = [None if x == "none" else float(x) for x in a.thresholds]
     ds = a.d or ([64, 768] if a.quick else [64, 512, 768, 1024])
@@ -575,14 +730,28 @@ def main(argv=None):
     out = sys.stderr if a.markdown else sys.stdout  # --markdown: stdout holds the table only
     say = lambda *args: print(*args, file=out, flush=True)  # noqa: E731
     try:
-        report = run_check(a.dtypes, ds, a.gammas, smoothings, a.n, a.local_m, a.jobs, a.cache_dir, a.wide_scalars,
-                           a.i64_ints, log=say, thresholds=thresholds)
+        report = run_check(
+            a.dtypes,
+            ds,
+            a.gammas,
+            smoothings,
+            a.n,
+            a.local_m,
+            a.jobs,
+            a.cache_dir,
+            a.wide_scalars,
+            a.i64_ints,
+            log=say,
+            thresholds=thresholds,
+        )
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     say(_table(report["rows"]))
-    say(f"\n{report['launches']} launches, {len(report['rows'])} distinct kernels, {report['compiled']} compiled "
-        f"(rest cached); capture {report['capture_s']} s, compile {report['compile_s']} s")
+    say(
+        f"\n{report['launches']} launches, {len(report['rows'])} distinct kernels, {report['compiled']} compiled "
+        f"(rest cached); capture {report['capture_s']} s, compile {report['compile_s']} s"
+    )
     say(scalar_summary(report["rows"], a.wide_scalars, a.i64_ints))
     if a.markdown:
         print(markdown_table(report))

@@ -31,6 +31,7 @@ work is 3 products per direction: S = q kᵀ in the forward, dS·k and dSᵀ·q 
 for kind "rank", two directions); "x_useful" is the total in products divided by that. The margin's t tᵀ, tile recomputation, padding and any
 torch matmul all count as overhead.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,24 @@ from hnclip_kernels.backends.triton.ops import rank_nll_triton  # noqa: E402
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 KINDS = ("loss", "directional", "rank")
 USEFUL_PRODUCTS = 3  # q kᵀ forward; dS·k and dSᵀ·q backward (per direction; a rank's op has two)
-COLUMNS = ["kind", "n", "m", "d", "dtype", "gamma", "dot_flops", "torch_flops", "total_flops", "product_flops",
-           "dot_products", "torch_products", "products", "useful_products", "x_useful", "dot_tiles"]
+COLUMNS = [
+    "kind",
+    "n",
+    "m",
+    "d",
+    "dtype",
+    "gamma",
+    "dot_flops",
+    "torch_flops",
+    "total_flops",
+    "product_flops",
+    "dot_products",
+    "torch_products",
+    "products",
+    "useful_products",
+    "x_useful",
+    "dot_tiles",
+]
 
 
 class MatmulCount:
@@ -80,8 +97,10 @@ class MatmulCount:
 
 def _require_interpreter() -> None:
     if not triton.knobs.runtime.interpret:
-        raise RuntimeError("tools.work needs TRITON_INTERPRET=1 (it counts tl.dot in Triton's interpreter); "
-                           f"got TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}")
+        raise RuntimeError(
+            "tools.work needs TRITON_INTERPRET=1 (it counts tl.dot in Triton's interpreter); "
+            f"got TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}"
+        )
 
 
 @contextlib.contextmanager
@@ -139,11 +158,19 @@ def _counting(fn, flops, hidden):
         if _get_current_dispatch_mode() is None:  # FlopCounterMode (when active) counts the rest
             hidden[0] += int(flops(*args))
         return fn(*args, **kwargs)
+
     return wrapper
 
 
-def count_products(n: int = 256, d: int = 512, dtype: str = "bfloat16", gamma: float = 0.5,
-                   kind: str = "loss", m: int | None = None, seed: int = 0) -> dict:
+def count_products(
+    n: int = 256,
+    d: int = 512,
+    dtype: str = "bfloat16",
+    gamma: float = 0.5,
+    kind: str = "loss",
+    m: int | None = None,
+    seed: int = 0,
+) -> dict:
     """Matmul work of one forward+backward of one case, as a dict (keys: :data:`COLUMNS`).
 
     kind "loss": hn_clip_loss on (n, d) img/txt (m is n). kind "directional": m query rows
@@ -166,33 +193,48 @@ def count_products(n: int = 256, d: int = 512, dtype: str = "bfloat16", gamma: f
         offset = n - m  # the last rank's rows
         q = torch.randn(m, d, generator=gen).to(dt).requires_grad_()
         k = torch.randn(n, d, generator=gen).to(dt).requires_grad_()
-        a, b = k.detach()[offset:offset + m].clone(), k.detach().clone()
+        a, b = k.detach()[offset : offset + m].clone(), k.detach().clone()
         fn = triton_directional()
     else:
         offset = n - m
         all_img, all_txt = (torch.randn(n, d, generator=gen).to(dt).requires_grad_() for _ in range(2))
-        img, txt = (x.detach()[offset:offset + m].clone().requires_grad_() for x in (all_img, all_txt))
+        img, txt = (x.detach()[offset : offset + m].clone().requires_grad_() for x in (all_img, all_txt))
     with gpu_launch(), count_matmul_flops() as count:
         if kind == "loss":
             loss = hnclip_kernels.hn_clip_loss(img, txt, tau, gamma=gamma, backend="triton")
         elif kind == "directional":
-            loss = fn(q, k, query_txt=a, key_txt=b, tau=tau, offset=offset, gamma=gamma, label_smoothing=0.0,
-                          normalize=True).sum()
+            loss = fn(
+                q, k, query_txt=a, key_txt=b, tau=tau, offset=offset, gamma=gamma, label_smoothing=0.0, normalize=True
+            ).sum()
         else:
-            loss = rank_nll_triton(img, txt, all_img, all_txt, tau=tau, offset=offset, gamma=gamma,
-                                   label_smoothing=0.0, normalize=True).sum()
+            loss = rank_nll_triton(
+                img, txt, all_img, all_txt, tau=tau, offset=offset, gamma=gamma, label_smoothing=0.0, normalize=True
+            ).sum()
         loss.backward()
     if count.dot_flops == 0:
-        raise RuntimeError("no tl.dot ran in Triton's interpreter: are the kernels interpreted (TRITON_INTERPRET=1 "
-                           "before triton was first imported)?")
+        raise RuntimeError(
+            "no tl.dot ran in Triton's interpreter: are the kernels interpreted (TRITON_INTERPRET=1 "
+            "before triton was first imported)?"
+        )
     unit = 2 * m * n * d
     useful = USEFUL_PRODUCTS * (2 if kind == "rank" else 1)
     total = count.dot_flops + count.torch_flops
     return dict(
-        kind=kind, n=n, m=m, d=d, dtype=dtype, gamma=float(gamma),
-        dot_flops=count.dot_flops, torch_flops=count.torch_flops, total_flops=total, product_flops=unit,
-        dot_products=count.dot_flops / unit, torch_products=count.torch_flops / unit, products=total / unit,
-        useful_products=useful, x_useful=total / unit / useful,
+        kind=kind,
+        n=n,
+        m=m,
+        d=d,
+        dtype=dtype,
+        gamma=float(gamma),
+        dot_flops=count.dot_flops,
+        torch_flops=count.torch_flops,
+        total_flops=total,
+        product_flops=unit,
+        dot_products=count.dot_flops / unit,
+        torch_products=count.torch_flops / unit,
+        products=total / unit,
+        useful_products=useful,
+        x_useful=total / unit / useful,
         dot_tiles=" ".join(f"{a}x{b}x{c}:{k}" for (a, b, c), k in sorted(count.dot_tiles.items())),
     )
 
@@ -202,8 +244,9 @@ def _csv_list(kind):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m tools.work", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.work", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--n", type=int, default=256, help="columns N (and rows, for the loss)")
     ap.add_argument("--m", type=int, default=None, help="directional, rank: local rows M (default N // 4)")
     ap.add_argument("--dims", type=_csv_list(int), default=[512, 768], help="embedding dims D")
@@ -220,22 +263,33 @@ def parse_args(argv=None):
 
 
 def format_table(rows) -> str:
-    head = f"{'kind':<12}{'N':>6}{'M':>6}{'D':>6}  {'dtype':<9}{'γ':>5}{'tl.dot':>9}{'torch':>8}" \
-           f"{'total':>8}{'x_useful':>10}  tl.dot tiles (MxNxK:calls)"
+    head = (
+        f"{'kind':<12}{'N':>6}{'M':>6}{'D':>6}  {'dtype':<9}{'γ':>5}{'tl.dot':>9}{'torch':>8}"
+        f"{'total':>8}{'x_useful':>10}  tl.dot tiles (MxNxK:calls)"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['kind']:<12}{r['n']:>6}{r['m']:>6}{r['d']:>6}  {r['dtype']:<9}{r['gamma']:>5g}"
-                     f"{r['dot_products']:>9.2f}{r['torch_products']:>8.2f}{r['products']:>8.2f}"
-                     f"{r['x_useful']:>9.2f}x  {r['dot_tiles']}")
+        lines.append(
+            f"{r['kind']:<12}{r['n']:>6}{r['m']:>6}{r['d']:>6}  {r['dtype']:<9}{r['gamma']:>5g}"
+            f"{r['dot_products']:>9.2f}{r['torch_products']:>8.2f}{r['products']:>8.2f}"
+            f"{r['x_useful']:>9.2f}x  {r['dot_tiles']}"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> list:
     args = parse_args(argv)
-    rows = [count_products(args.n, d, dtype, gamma, kind, args.m)
-            for kind in args.kinds for dtype in args.dtypes for d in args.dims for gamma in args.gammas]
-    print("matmul work of one forward+backward, in M×N×D products (2·M·N·D flops; useful work = 3 a direction); "
-          f"Triton interpreter under {LAUNCH_ENV}=gpu")
+    rows = [
+        count_products(args.n, d, dtype, gamma, kind, args.m)
+        for kind in args.kinds
+        for dtype in args.dtypes
+        for d in args.dims
+        for gamma in args.gammas
+    ]
+    print(
+        "matmul work of one forward+backward, in M×N×D products (2·M·N·D flops; useful work = 3 a direction); "
+        f"Triton interpreter under {LAUNCH_ENV}=gpu"
+    )
     print(format_table(rows))
     if args.csv:
         write_rows(rows, args.csv, COLUMNS)

@@ -20,6 +20,7 @@ the keyword-only protocol of
 The fused backends are imported lazily: triton is optional, and the C++ extension may not
 have been built.
 """
+
 from __future__ import annotations
 
 import functools
@@ -70,20 +71,28 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
         if x.device.type == "cpu" and x.dtype != torch.float64 and cpp_directional() is not None:
             return "cpp"
         if x.device.type == "cpu" and cpp_directional() is None:
-            warn_once("auto-cpu", "hnclip_kernels: the C++ extension is not built; backend='auto' uses "
-                                  "the pure-PyTorch backend (materialises N×N logits) on CPU")
+            warn_once(
+                "auto-cpu",
+                "hnclip_kernels: the C++ extension is not built; backend='auto' uses "
+                "the pure-PyTorch backend (materialises N×N logits) on CPU",
+            )
         return "torch"
     if backend in ("cpp", "triton") and x.device.type == "meta":
-        raise ValueError(f"backend={backend!r} cannot run on meta tensors; backend='torch' (or 'auto') "
-                         "gives a meta result of the right shape")
+        raise ValueError(
+            f"backend={backend!r} cannot run on meta tensors; backend='torch' (or 'auto') "
+            "gives a meta result of the right shape"
+        )
     if backend == "triton":
         if x.dtype == torch.float64:
-            raise TypeError("backend='triton' supports float16, bfloat16 and float32 inputs; "
-                            "use backend='torch' for float64")
+            raise TypeError(
+                "backend='triton' supports float16, bfloat16 and float32 inputs; use backend='torch' for float64"
+            )
         if x.device.type == "cpu" and not _triton_interpreting():
-            raise ValueError("backend='triton' got CPU tensors but Triton is not interpreting; move the "
-                             "tensors to CUDA, set TRITON_INTERPRET=1 before importing triton, or use "
-                             "backend='cpp' / 'torch'")
+            raise ValueError(
+                "backend='triton' got CPU tensors but Triton is not interpreting; move the "
+                "tensors to CUDA, set TRITON_INTERPRET=1 before importing triton, or use "
+                "backend='cpp' / 'torch'"
+            )
         if x.device.type not in ("cuda", "cpu"):
             raise ValueError(f"backend='triton' needs CUDA tensors, got device {x.device}")
         triton_directional()  # the install hint now, not inside the loss
@@ -91,8 +100,10 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
         if x.device.type != "cpu":
             raise ValueError(f"backend='cpp' needs CPU tensors, got device {x.device}; use backend='triton'")
         if cpp_directional() is None:
-            raise ValueError("backend='cpp' needs the C++ extension, which is not built; reinstall with the "
-                             "README's install command (it compiles csrc/), or use backend='torch'")
+            raise ValueError(
+                "backend='cpp' needs the C++ extension, which is not built; reinstall with the "
+                "README's install command (it compiles csrc/), or use backend='torch'"
+            )
     return backend
 
 
@@ -130,8 +141,16 @@ def symmetric_losses(img: torch.Tensor, txt: torch.Tensor, tau: torch.Tensor, op
     return _pair_average(i2t, t2i, return_stats)
 
 
-def rank_losses(img: torch.Tensor, txt: torch.Tensor, all_img: torch.Tensor, all_txt: torch.Tensor,
-                tau: torch.Tensor, offset: int, options, return_stats: bool = False):
+def rank_losses(
+    img: torch.Tensor,
+    txt: torch.Tensor,
+    all_img: torch.Tensor,
+    all_txt: torch.Tensor,
+    tau: torch.Tensor,
+    offset: int,
+    options,
+    return_stats: bool = False,
+):
     """A distributed rank's ½(i2t_i + t2i_i) for its M local rows (shape (M,)) against the N
     gathered columns, local row i's positive at column ``offset + i``, on the backend of resolved
     ``options``; with ``return_stats`` also ``(i2t, t2i)``, both directions' detached ``RowStats``.
@@ -152,8 +171,14 @@ def rank_losses(img: torch.Tensor, txt: torch.Tensor, all_img: torch.Tensor, all
 
 def _op_kwargs(tau: torch.Tensor, options, return_stats: bool, **extra) -> dict:
     """The keyword arguments every loss op takes, from resolved ``options``."""
-    kwargs = dict(tau=tau, gamma=options.gamma, label_smoothing=options.label_smoothing,
-                  normalize=options.normalize, return_stats=return_stats, **extra)
+    kwargs = dict(
+        tau=tau,
+        gamma=options.gamma,
+        label_smoothing=options.label_smoothing,
+        normalize=options.normalize,
+        return_stats=return_stats,
+        **extra,
+    )
     if options.false_negative_threshold is not None:  # absent otherwise: each op's default, None
         kwargs["false_negative_threshold"] = options.false_negative_threshold
     return kwargs

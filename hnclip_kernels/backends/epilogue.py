@@ -19,6 +19,7 @@ classes the row keeps: nll_i − (ε/n_i)·dsum_i, and dL/dZ_ik = g_i (P_ik − 
 the kernels apply themselves (the masked columns get nothing, so the "uniform" term is not
 uniform any more); the epilogue adds the positive's −ε/n_i·g_i (:func:`smoothing_shift`).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -145,12 +146,13 @@ def add_rounding_compensation(d_q, d_k, rho, sigma, q, k, rq, rk, offset: int) -
     see ``triton.backward``'s docstring. Columns without a local positive row (the directional
     op's k ∉ [offset, offset + M)) have no reference vector here and keep their error."""
     m = q.shape[0]
-    d_q.add_(rho[:, None] * scaled(k[offset:offset + m], rk[offset:offset + m]))
-    d_k[offset:offset + m].add_(sigma[offset:offset + m, None] * scaled(q, rq))
+    d_q.add_(rho[:, None] * scaled(k[offset : offset + m], rk[offset : offset + m]))
+    d_k[offset : offset + m].add_(sigma[offset : offset + m, None] * scaled(q, rq))
 
 
-def finish_directional(stats: RowStats, g, q, k, rq, rk, d_q_neg, d_k_neg, offset: int, inv_tau,
-                       label_smoothing: float, normalize: bool):
+def finish_directional(
+    stats: RowStats, g, q, k, rq, rk, d_q_neg, d_k_neg, offset: int, inv_tau, label_smoothing: float, normalize: bool
+):
     """(dL/dq, dL/dk in the inputs' dtypes, Σ_ik dZ_ik·Z_ik for :func:`tau_grad`) of one direction.
 
     ``d_q_neg`` (M, D) / ``d_k_neg`` (N, D): a kernel's negatives-only shares (times τ) of dL/dq̂
@@ -158,15 +160,28 @@ def finish_directional(stats: RowStats, g, q, k, rq, rk, d_q_neg, d_k_neg, offse
     upstream gradient of each row's loss. ``rq``/``rk``: the inverse row norms.
     """
     dt = rq.dtype
-    dz_z = add_positive_and_smoothing(stats, g, scaled(q, rq, dt), scaled(k, rk, dt), d_q_neg, d_k_neg, offset,
-                                      label_smoothing)
+    dz_z = add_positive_and_smoothing(
+        stats, g, scaled(q, rq, dt), scaled(k, rk, dt), d_q_neg, d_k_neg, offset, label_smoothing
+    )
     d_q = unnormalize_grad(q, rq, d_q_neg.mul_(inv_tau), normalize).to(q.dtype).contiguous()
     d_k = unnormalize_grad(k, rk, d_k_neg.mul_(inv_tau), normalize).to(k.dtype).contiguous()
     return d_q, d_k, dz_z
 
 
-def finish_symmetric(i2t: RowStats, t2i: RowStats, g, img, txt, rv, rt, d_v_neg, d_t_neg, inv_tau,
-                     label_smoothing: float, normalize: bool):
+def finish_symmetric(
+    i2t: RowStats,
+    t2i: RowStats,
+    g,
+    img,
+    txt,
+    rv,
+    rt,
+    d_v_neg,
+    d_t_neg,
+    inv_tau,
+    label_smoothing: float,
+    normalize: bool,
+):
     """The single-process version of :func:`finish_directional`: both directions' positive and
     smoothing terms on top of a kernel's combined negatives' shares (``g`` already halved)."""
     dt = rv.dtype

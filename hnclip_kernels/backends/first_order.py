@@ -16,15 +16,16 @@ differentiable. The error is raised when the second derivative is taken, not whe
 * :func:`forward_mode_error`: the error of forward-mode transforms (``jvp``, ``jacfwd``,
   ``hessian``) on the fused backends, which compute reverse-mode gradients only.
 """
+
 from __future__ import annotations
 
 import torch
 
 SECOND_DERIVATIVE_MESSAGE = (
-    'hnclip_kernels: second derivatives (a backward through a gradient taken with create_graph=True, '
+    "hnclip_kernels: second derivatives (a backward through a gradient taken with create_graph=True, "
     'e.g. a gradient penalty or a meta-gradient) are not supported by backend="{backend}": its fused '
     'backward kernel is not itself differentiable. Use backend="torch" (pure PyTorch, materialises the '
-    'N×N logits) for second derivatives.'
+    "N×N logits) for second derivatives."
 )
 
 
@@ -33,7 +34,7 @@ def second_derivative_error(backend: str) -> RuntimeError:
 
 
 FORWARD_MODE_MESSAGE = (
-    'hnclip_kernels: forward-mode differentiation (torch.func.jvp, jacfwd, hessian, torch.autograd.forward_ad) '
+    "hnclip_kernels: forward-mode differentiation (torch.func.jvp, jacfwd, hessian, torch.autograd.forward_ad) "
     'is not supported by backend="{backend}": its kernels compute reverse-mode gradients only. Use reverse mode '
     '(backward, torch.func.grad / vjp / jacrev) or backend="torch", which supports both and second derivatives.'
 )

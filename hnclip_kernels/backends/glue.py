@@ -26,6 +26,7 @@ forward operator through :func:`func_capable`'s Function (the same setup_context
 backward, a generated vmap rule); under ``torch.compile``/``torch.export`` they call the
 operator itself (:func:`call`), one node with its registered formula.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence, Tuple
@@ -118,26 +119,45 @@ def func_capable(name: str, op, setup_context: Callable, backward: Callable, bac
     def jvp(ctx, *tangents):
         raise forward_mode_error(backend)
 
-    return type(name, (torch.autograd.Function,), {
-        "__doc__": doc, "__module__": __name__, "generate_vmap_rule": True,
-        "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
-        "backward": staticmethod(backward), "jvp": staticmethod(jvp),
-    })
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {
+            "__doc__": doc,
+            "__module__": __name__,
+            "generate_vmap_rule": True,
+            "forward": staticmethod(forward),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+            "jvp": staticmethod(jvp),
+        },
+    )
 
 
 def _looped(op):
     def rule(info, in_dims, *args):
-        per_entry = [op(*(x if d is None else x.select(d, i) for x, d in zip(args, in_dims)))
-                     for i in range(info.batch_size)]
+        per_entry = [
+            op(*(x if d is None else x.select(d, i) for x, d in zip(args, in_dims))) for i in range(info.batch_size)
+        ]
         outs = tuple(torch.stack(results) for results in zip(*per_entry))
         return outs, (0,) * len(outs)
 
     return rule
 
 
-def fused_op(backend: str, name: str, *, forward: Callable, forward_fake: Callable, backward: Callable,
-             backward_fake: Callable, tau_input: int, feature_inputs: Sequence[int] = (0, 1),
-             device_types: Optional[str] = None, use_triton_op: bool = False) -> type:
+def fused_op(
+    backend: str,
+    name: str,
+    *,
+    forward: Callable,
+    forward_fake: Callable,
+    backward: Callable,
+    backward_fake: Callable,
+    tau_input: int,
+    feature_inputs: Sequence[int] = (0, 1),
+    device_types: Optional[str] = None,
+    use_triton_op: bool = False,
+) -> type:
     """Register ``hnclip::<name>`` (``forward``) and ``hnclip::<name>_backward`` (``backward``)
     with their fakes, autograd formulas and vmap rules; return the ``torch.func``-capable
     Function of the forward operator (for :func:`call`).
@@ -155,8 +175,14 @@ def fused_op(backend: str, name: str, *, forward: Callable, forward_fake: Callab
         torch.library.register_vmap(f"hnclip::{op_name}", _looped(getattr(torch.ops.hnclip, op_name)))
     del fwd, bwd
     doc = f"``hnclip::{name}`` with its registered autograd formula, usable under ``torch.func``."
-    return func_capable(f"{backend.capitalize()}_{name}", getattr(torch.ops.hnclip, name), setup_context,
-                        autograd_backward, backend, doc)
+    return func_capable(
+        f"{backend.capitalize()}_{name}",
+        getattr(torch.ops.hnclip, name),
+        setup_context,
+        autograd_backward,
+        backend,
+        doc,
+    )
 
 
 def call(function: type, op, *args):

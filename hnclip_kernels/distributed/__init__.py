@@ -29,6 +29,7 @@ a differentiable all_gather when gradients must flow through the gather
 recommends over open_clip's deprecated ``torch.distributed.nn.all_gather``; the latter on
 older torch; see ``AUTOGRAD_GATHER``), ``torch.distributed.all_gather`` otherwise, as open_clip.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -87,19 +88,46 @@ def distributed_hn_clip_loss(
     each rank's captions against all gathered captions (a duplicate on another rank is masked
     too); it must be the same on every rank (checked with the other options).
     """
+
     def options():  # built inside the checks, so a bad option on one rank raises on every rank
-        return LossOptions(gamma=gamma, label_smoothing=label_smoothing, normalize=normalize, backend=backend,
-                           precision=precision, false_negative_threshold=false_negative_threshold)
+        return LossOptions(
+            gamma=gamma,
+            label_smoothing=label_smoothing,
+            normalize=normalize,
+            backend=backend,
+            precision=precision,
+            false_negative_threshold=false_negative_threshold,
+        )
 
     tau = validation.plain_number(tau)
-    return rank_loss(image_features, text_features, tau, options, local_loss=local_loss,
-                     gather_with_grad=gather_with_grad, rank=rank, world_size=world_size, group=group,
-                     return_stats=return_stats)
+    return rank_loss(
+        image_features,
+        text_features,
+        tau,
+        options,
+        local_loss=local_loss,
+        gather_with_grad=gather_with_grad,
+        rank=rank,
+        world_size=world_size,
+        group=group,
+        return_stats=return_stats,
+    )
 
 
-def rank_loss(image_features, text_features, tau, options, *, local_loss: bool, gather_with_grad: bool,
-              rank: Optional[int], world_size: Optional[int], group=None, return_stats: bool = False,
-              tau_value: Optional[float] = None):
+def rank_loss(
+    image_features,
+    text_features,
+    tau,
+    options,
+    *,
+    local_loss: bool,
+    gather_with_grad: bool,
+    rank: Optional[int],
+    world_size: Optional[int],
+    group=None,
+    return_stats: bool = False,
+    tau_value: Optional[float] = None,
+):
     """:func:`distributed_hn_clip_loss` with its options as a :class:`LossOptions` (or a function
     building one, whose error then raises on every rank), and ``tau_value``, τ already read by
     the caller (:class:`hnclip_kernels.HNClipLoss` reads ``logit_scale`` once)."""
@@ -110,17 +138,30 @@ def rank_loss(image_features, text_features, tau, options, *, local_loss: bool, 
     if world_size > 1:
         _require_distributed()
         flags = int(bool(local_loss)) | (int(bool(gather_with_grad)) << 1)  # normalize: bit 2, added with the options
-        sizes, bound = collective_check(image_features, text_features, tau, options, flags, rank, world_size,
-                                        group, tau_value)
+        sizes, bound = collective_check(
+            image_features, text_features, tau, options, flags, rank, world_size, group, tau_value
+        )
     else:
-        status, exc, _, bound = local_checks(image_features, text_features, tau, options, rank, world_size, group,
-                                             tau_value)
+        status, exc, _, bound = local_checks(
+            image_features, text_features, tau, options, rank, world_size, group, tau_value
+        )
         if exc is not None:
             raise exc
         sizes = [image_features.shape[0]]
-    all_img, all_txt = gather_features(image_features, text_features, local_loss, gather_with_grad,
-                                       rank, world_size, sizes=sizes, group=group)
+    all_img, all_txt = gather_features(
+        image_features, text_features, local_loss, gather_with_grad, rank, world_size, sizes=sizes, group=group
+    )
     offset = sum(sizes[:rank])
     with autocast_disabled(image_features.device):
-        return rank_hn_clip_loss(image_features, text_features, all_img, all_txt, tau, offset, bound,
-                                 local_loss=local_loss, world_size=world_size, return_stats=return_stats)
+        return rank_hn_clip_loss(
+            image_features,
+            text_features,
+            all_img,
+            all_txt,
+            tau,
+            offset,
+            bound,
+            local_loss=local_loss,
+            world_size=world_size,
+            return_stats=return_stats,
+        )

@@ -7,6 +7,7 @@ all_gather the rows before any feature is gathered. Every rank then inspects eve
 row and raises the same error: the offending rank its own ``TypeError``/``ValueError``, the
 others a ``ValueError`` naming the offending rank.
 """
+
 from __future__ import annotations
 
 import struct
@@ -55,12 +56,26 @@ def local_checks(image_features, text_features, tau, options, rank, world_size, 
         return 3, exc, None, None
     try:  # the global N is known after the collective, which checks the bound again with it
         n = image_features.shape[0]
-        tau_value = validation.check_tau(tau if tau_value is None else tau_value, image_features.device,
-                                         image_features.dtype, options.gamma, label_smoothing=options.label_smoothing,
-                                         n_keys=n, n_rows=n)
+        tau_value = validation.check_tau(
+            tau if tau_value is None else tau_value,
+            image_features.device,
+            image_features.dtype,
+            options.gamma,
+            label_smoothing=options.label_smoothing,
+            n_keys=n,
+            n_rows=n,
+        )
         if world_size == 1 and not options.normalize:
-            validation.check_feature_range(image_features, text_features, tau_value, options.gamma,
-                                           options.label_smoothing, "image_features", "text_features", n_rows=n)
+            validation.check_feature_range(
+                image_features,
+                text_features,
+                tau_value,
+                options.gamma,
+                options.label_smoothing,
+                "image_features",
+                "text_features",
+                n_rows=n,
+            )
     except (TypeError, ValueError) as exc:
         return 2, exc, options, None
     try:
@@ -70,15 +85,21 @@ def local_checks(image_features, text_features, tau, options, rank, world_size, 
     if world_size > 1:
         g_rank, g_world = _group_rank_world(group)
         if (g_rank, g_world) != (rank, world_size):
-            return 4, ValueError(
-                f"rank={rank}, world_size={world_size} were passed but the process group says "
-                f"rank {g_rank} of {g_world}; pass torch.distributed.get_rank() / get_world_size()"
-            ), options, None
+            return (
+                4,
+                ValueError(
+                    f"rank={rank}, world_size={world_size} were passed but the process group says "
+                    f"rank {g_rank} of {g_world}; pass torch.distributed.get_rank() / get_world_size()"
+                ),
+                options,
+                None,
+            )
     return 0, None, options, bound
 
 
-def _meta_row(status, image_features, text_features, flags, gamma, label_smoothing, world_size,
-              precision=None, threshold=None) -> List[int]:
+def _meta_row(
+    status, image_features, text_features, flags, gamma, label_smoothing, world_size, precision=None, threshold=None
+) -> List[int]:
     """This rank's metadata row (see the layout above)."""
     row = [0] * _META_LEN
     row[_STATUS] = status
@@ -128,27 +149,41 @@ def _global_range_problem(meta, gamma, label_smoothing, dtype_index) -> Optional
     img_norm = max(_bits_float(m[_IMG_NORM]) for m in meta)
     txt_norm = max(_bits_float(m[_TXT_NORM]) for m in meta)
     n_total = sum(m[_N_IMG] for m in meta)
-    largest = validation.largest_intermediate(tau_value, float(gamma), float(label_smoothing), n_total,
-                                               img_norm, txt_norm, n_rows=n_total)
+    largest = validation.largest_intermediate(
+        tau_value, float(gamma), float(label_smoothing), n_total, img_norm, txt_norm, n_rows=n_total
+    )
     dtype = validation.FLOAT_DTYPES[dtype_index]
     if largest < validation._finite_limit(dtype):
         return None
-    return (f"the global batch (N = {n_total}, smallest tau = {tau_value:g}, largest row norms {img_norm:.3g} / "
-            f"{txt_norm:.3g}) gives logit gaps up to {largest:.3g}, beyond the range of {dtype}; raise tau, pass "
-            "normalize=True or scale the features down")
+    return (
+        f"the global batch (N = {n_total}, smallest tau = {tau_value:g}, largest row norms {img_norm:.3g} / "
+        f"{txt_norm:.3g}) gives logit gaps up to {largest:.3g}, beyond the range of {dtype}; raise tau, pass "
+        "normalize=True or scale the features down"
+    )
 
 
-def collective_check(image_features, text_features, tau, options, flags, rank, world_size, group,
-                     tau_value=None) -> Tuple[List[int], LossOptions]:
+def collective_check(
+    image_features, text_features, tau, options, flags, rank, world_size, group, tau_value=None
+) -> Tuple[List[int], LossOptions]:
     """Check inputs on every rank at once; return (sizes, bound options) or raise on every rank.
     ``options``/``tau_value`` as :func:`local_checks`."""
-    status, exc, requested, bound = local_checks(image_features, text_features, tau, options, rank, world_size,
-                                                 group, tau_value)
+    status, exc, requested, bound = local_checks(
+        image_features, text_features, tau, options, rank, world_size, group, tau_value
+    )
     like = image_features if isinstance(image_features, torch.Tensor) else None
     if requested is not None:
         flags |= int(bool(requested.normalize)) << 2
-        row = _meta_row(status, image_features, text_features, flags, requested.gamma, requested.label_smoothing,
-                        world_size, requested.precision, requested.false_negative_threshold)
+        row = _meta_row(
+            status,
+            image_features,
+            text_features,
+            flags,
+            requested.gamma,
+            requested.label_smoothing,
+            world_size,
+            requested.precision,
+            requested.false_negative_threshold,
+        )
     else:  # this rank raises: its options are not compared
         row = _meta_row(status, image_features, text_features, flags, 0.0, 0.0, world_size)
     if status == 0:
@@ -162,8 +197,10 @@ def collective_check(image_features, text_features, tau, options, flags, rank, w
     bad = [r for r, m in enumerate(meta) if m[_STATUS] != 0]
     if bad:
         what = ", ".join(f"rank {r}: {_STATUS_TEXT.get(meta[r][_STATUS], 'error')}" for r in bad)
-        raise ValueError(f"HN-CLIP distributed loss: invalid input on another rank ({what}); "
-                         "see the error raised on that rank. No collective was started.")
+        raise ValueError(
+            f"HN-CLIP distributed loss: invalid input on another rank ({what}); "
+            "see the error raised on that rank. No collective was started."
+        )
     problems = []
     if len({m[_DIM] for m in meta}) > 1:
         problems.append(f"feature dims differ across ranks: {[m[_DIM] for m in meta]}")
@@ -171,14 +208,19 @@ def collective_check(image_features, text_features, tau, options, flags, rank, w
         names = [str(validation.FLOAT_DTYPES[m[_DTYPE]]) for m in meta]
         problems.append(f"feature dtypes differ across ranks: {names}")
     if len({(m[_FLAGS], m[_GAMMA], m[_EPS], m[_WORLD], m[_PREC]) for m in meta}) > 1:
-        problems.append("loss options (local_loss, gather_with_grad, normalize, gamma, "
-                        "label_smoothing, world_size, precision) differ across ranks")
+        problems.append(
+            "loss options (local_loss, gather_with_grad, normalize, gamma, "
+            "label_smoothing, world_size, precision) differ across ranks"
+        )
     if len({m[_THRESHOLD] for m in meta}) > 1:
         values = [None if m[_THRESHOLD] == NO_THRESHOLD else _bits_float(m[_THRESHOLD]) for m in meta]
         problems.append(f"false_negative_threshold values differ across ranks: {values}")
     if problems:
-        raise ValueError("HN-CLIP distributed loss: inconsistent inputs across ranks: "
-                         + "; ".join(problems) + ". Every rank raised this error.")
+        raise ValueError(
+            "HN-CLIP distributed loss: inconsistent inputs across ranks: "
+            + "; ".join(problems)
+            + ". Every rank raised this error."
+        )
     problem = _global_range_problem(meta, bound.gamma, bound.label_smoothing, meta[0][_DTYPE])
     if problem is not None:
         raise ValueError(f"HN-CLIP distributed loss: {problem}. Every rank raised this error.")

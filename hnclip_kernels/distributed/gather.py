@@ -1,5 +1,6 @@
 """Gathering features across ranks with ``torch.distributed``, as open_clip's ``gather_features``
 but exact for unequal local batch sizes (padded to the largest, gathered, stripped)."""
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple, Union
@@ -24,6 +25,7 @@ except ImportError:  # pragma: no cover - older torch
 # "nn": torch.distributed.nn.all_gather (open_clip's; deprecated in recent torch). Both
 # backpropagate by summing every rank's gradient into the owner (reduce-scatter).
 AUTOGRAD_GATHER = "functional" if _fc_all_gather is not None else "nn"
+
 
 def _require_distributed() -> None:
     if not HAS_DISTRIBUTED:
@@ -74,8 +76,9 @@ def _autograd_all_gather(x: torch.Tensor, group) -> List[torch.Tensor]:
     return list(torch.distributed.nn.all_gather(x, group=group if group is not None else dist.group.WORLD))
 
 
-def _all_gather_one(x: torch.Tensor, sizes: Sequence[int], rank: int, with_grad: bool,
-                    keep_local: bool, group) -> torch.Tensor:
+def _all_gather_one(
+    x: torch.Tensor, sizes: Sequence[int], rank: int, with_grad: bool, keep_local: bool, group
+) -> torch.Tensor:
     """Concatenation over ranks of every rank's ``x`` (sizes[r] rows each), padding as needed.
 
     ``with_grad``: through a differentiable all_gather, whose backward sums every rank's

@@ -1,4 +1,5 @@
 """One rank's HN-CLIP loss from its local rows and the gathered global batch."""
+
 from __future__ import annotations
 
 from typing import Union
@@ -50,8 +51,9 @@ def rank_hn_clip_loss(
         rows, stats = out if return_stats else (out, None)
         loss = rows.mean()
         return (loss, (*stats, all_image_features.shape[0])) if return_stats else loss
-    out = rank_losses(image_features, text_features, all_image_features, all_text_features, tau_t, offset, options,
-                      return_stats)
+    out = rank_losses(
+        image_features, text_features, all_image_features, all_text_features, tau_t, offset, options, return_stats
+    )
     rows, (i2t_stats, t2i_stats) = out if return_stats else (out, (None, None))
     n_total = all_image_features.shape[0]
     if n_total == world_size * image_features.shape[0]:

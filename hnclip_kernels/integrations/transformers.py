@@ -10,6 +10,7 @@ and runs :class:`hnclip_kernels.HNClipLoss` on them (fused kernels: no N×N tens
 
 Needs the ``[hf]`` extra (``pip install "hnclip-kernels[hf]"``: ``transformers[torch]`` 5.x).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -22,8 +23,10 @@ try:
     import transformers
     from transformers.models.clip.modeling_clip import CLIPOutput
 except ImportError as exc:  # pragma: no cover - the [hf] extra is part of [test]
-    raise ImportError('hnclip_kernels.integrations.transformers needs transformers 5.x: '
-                      'pip install "hnclip-kernels[hf]" (or "transformers[torch]>=5,<6")') from exc
+    raise ImportError(
+        "hnclip_kernels.integrations.transformers needs transformers 5.x: "
+        'pip install "hnclip-kernels[hf]" (or "transformers[torch]>=5,<6")'
+    ) from exc
 
 from ..chunked import check_chunk_size, chunked_encode
 from ..clip_loss import HNClipLoss
@@ -47,8 +50,10 @@ def _unwrap(model: nn.Module) -> nn.Module:
     inner = model
     while True:
         if isinstance(inner, nn.DataParallel):
-            raise ValueError("clip_model_loss does not support torch.nn.DataParallel (its replicas cannot run the "
-                             "embedding pass): launch one process per GPU with torchrun (DistributedDataParallel)")
+            raise ValueError(
+                "clip_model_loss does not support torch.nn.DataParallel (its replicas cannot run the "
+                "embedding pass): launch one process per GPU with torchrun (DistributedDataParallel)"
+            )
         nxt = getattr(inner, "module", None)
         if not isinstance(nxt, nn.Module):
             nxt = getattr(inner, "_orig_mod", None)
@@ -60,11 +65,15 @@ def _unwrap(model: nn.Module) -> nn.Module:
 def _check_clip(clip) -> None:
     missing = [name for name in ("get_image_features", "get_text_features", "logit_scale") if not hasattr(clip, name)]
     if missing:
-        raise TypeError(f"model must be a transformers CLIPModel (or a model with get_image_features, "
-                        f"get_text_features and logit_scale), got {type(clip).__name__} without {', '.join(missing)}")
+        raise TypeError(
+            f"model must be a transformers CLIPModel (or a model with get_image_features, "
+            f"get_text_features and logit_scale), got {type(clip).__name__} without {', '.join(missing)}"
+        )
     if getattr(clip, "logit_bias", None) is not None:
-        raise TypeError(f"model {type(clip).__name__} has a logit_bias (a SigLIP-style sigmoid loss); HN-CLIP is a "
-                        "softmax (InfoNCE) loss and has no bias term")
+        raise TypeError(
+            f"model {type(clip).__name__} has a logit_bias (a SigLIP-style sigmoid loss); HN-CLIP is a "
+            "softmax (InfoNCE) loss and has no bias term"
+        )
 
 
 def _features(clip, input_ids, pixel_values, attention_mask, chunk_size=None):
@@ -76,10 +85,14 @@ def _features(clip, input_ids, pixel_values, attention_mask, chunk_size=None):
         image = _pooled(clip.get_image_features(pixel_values=pixel_values))
         text = _pooled(clip.get_text_features(input_ids=input_ids, attention_mask=attention_mask))
     else:
-        image = chunked_encode(lambda pixel_values: _pooled(clip.get_image_features(pixel_values=pixel_values)),
-                               pixel_values, chunk_size)
-        text = chunked_encode(lambda **kw: _pooled(clip.get_text_features(**kw)),
-                              dict(input_ids=input_ids, attention_mask=attention_mask), chunk_size)
+        image = chunked_encode(
+            lambda pixel_values: _pooled(clip.get_image_features(pixel_values=pixel_values)), pixel_values, chunk_size
+        )
+        text = chunked_encode(
+            lambda **kw: _pooled(clip.get_text_features(**kw)),
+            dict(input_ids=input_ids, attention_mask=attention_mask),
+            chunk_size,
+        )
     scale = clip.logit_scale
     return image, text, scale.to(torch.promote_types(scale.dtype, torch.float32)).exp()
 
@@ -244,9 +257,16 @@ class HNClipTrainer(transformers.Trainer):
     # compute_loss returns a per-batch mean: the Trainer divides it by the accumulation steps
     loss_is_scaled_for_ga = False
 
-    def __init__(self, *args, gamma: float = 0.5, label_smoothing: Optional[float] = None,
-                 false_negative_threshold: Optional[float] = None, backend: str = "auto",
-                 chunk_size: Optional[int] = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        gamma: float = 0.5,
+        label_smoothing: Optional[float] = None,
+        false_negative_threshold: Optional[float] = None,
+        backend: str = "auto",
+        chunk_size: Optional[int] = None,
+        **kwargs,
+    ):
         # bad options fail here, where they are written, not at the first step
         _loss_module(gamma, 0.0 if label_smoothing is None else label_smoothing, false_negative_threshold, backend)
         chunk_size = check_chunk_size(chunk_size)
@@ -259,11 +279,17 @@ class HNClipTrainer(transformers.Trainer):
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"TrainingArguments(label_smoothing_factor={factor}) is the loss's ε: {exc}") from exc
         elif factor != 0 and factor != label_smoothing:
-            raise ValueError(f"HNClipTrainer got label_smoothing={label_smoothing} and TrainingArguments("
-                             f"label_smoothing_factor={factor}); set one of them (or both to the same value)")
+            raise ValueError(
+                f"HNClipTrainer got label_smoothing={label_smoothing} and TrainingArguments("
+                f"label_smoothing_factor={factor}); set one of them (or both to the same value)"
+            )
         self.label_smoother = None  # ε is applied inside the loss, with cross_entropy's semantics
-        self.hn_options = dict(gamma=gamma, label_smoothing=label_smoothing,
-                               false_negative_threshold=false_negative_threshold, backend=backend)
+        self.hn_options = dict(
+            gamma=gamma,
+            label_smoothing=label_smoothing,
+            false_negative_threshold=false_negative_threshold,
+            backend=backend,
+        )
         self._eval_rows = 0
         if chunk_size is not None:  # passed on only when set: without it the call is today's
             self.hn_options["chunk_size"] = chunk_size
@@ -271,14 +297,22 @@ class HNClipTrainer(transformers.Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         unknown = sorted(set(inputs) - set(_BATCH_KEYS) - set(_IGNORED_KEYS))
         if unknown:
-            raise ValueError(f"HNClipTrainer batches hold {', '.join(_BATCH_KEYS)}; got also {', '.join(unknown)} "
-                             "(drop them in the data collator)")
+            raise ValueError(
+                f"HNClipTrainer batches hold {', '.join(_BATCH_KEYS)}; got also {', '.join(unknown)} "
+                "(drop them in the data collator)"
+            )
         for key in ("input_ids", "pixel_values"):
             if inputs.get(key) is None:
                 raise ValueError(f"HNClipTrainer batches need {key!r}; got keys {sorted(inputs)}")
         with self.accelerator.autocast():
-            return clip_model_loss(model, inputs["input_ids"], inputs["pixel_values"], inputs.get("attention_mask"),
-                                   return_outputs=return_outputs, **self.hn_options)
+            return clip_model_loss(
+                model,
+                inputs["input_ids"],
+                inputs["pixel_values"],
+                inputs.get("attention_mask"),
+                return_outputs=return_outputs,
+                **self.hn_options,
+            )
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         # Trainer.prediction_step calls model(**inputs) for a CLIPModel without labels: N×N

@@ -1,4 +1,5 @@
 """Public API behaviour shared by every backend: bad input, edge cases, open_clip parity."""
+
 import os
 import re
 import subprocess
@@ -61,15 +62,18 @@ def test_bad_input_raises_clear_error(kwargs, exc, match):
 
 def test_triton_on_cpu_without_interpreter_raises():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import torch, hnclip_kernels as h\n"
-            "try:\n    h.hn_clip_loss(torch.randn(3, 4), torch.randn(3, 4), 0.1, backend='triton')\n"
-            "except ValueError as e:\n    print('OK', e)\n")
+    code = (
+        "import torch, hnclip_kernels as h\n"
+        "try:\n    h.hn_clip_loss(torch.randn(3, 4), torch.randn(3, 4), 0.1, backend='triton')\n"
+        "except ValueError as e:\n    print('OK', e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.startswith("OK") and "TRITON_INTERPRET" in out.stdout, out.stdout + out.stderr
 
 
 def test_auto_backend_on_cpu():
     from hnclip_kernels.backends import cpp_directional
+
     assert resolve_backend("auto", X) == ("cpp" if cpp_directional() is not None else "torch")
     assert resolve_backend("auto", X.double()) == "torch"
 
@@ -143,8 +147,9 @@ def test_gamma_zero_equals_open_clip(backend):
     ours.backward()
     ours_scale_grad = logit_scale.grad.clone()
     logit_scale.grad = None
-    theirs = open_clip_loss.ClipLoss()(F.normalize(theirs_in[0], dim=-1), F.normalize(theirs_in[1], dim=-1),
-                                       logit_scale)
+    theirs = open_clip_loss.ClipLoss()(
+        F.normalize(theirs_in[0], dim=-1), F.normalize(theirs_in[1], dim=-1), logit_scale
+    )
     theirs.backward()
     assert_close_rel(ours, theirs, 1e-6, "loss")
     assert_close_rel(ours_in[0].grad, theirs_in[0].grad, 1e-5, "d img")
@@ -158,7 +163,9 @@ def test_margin_raises_loss_of_similar_captions():
     img, txt = make_pair(9, 6, seed=11)
     txt = txt + 2.0
     for backend in ALL_BACKENDS:
-        assert hn_clip_loss(img, txt, 0.1, gamma=0.5, backend=backend) > hn_clip_loss(img, txt, 0.1, gamma=0.0, backend=backend)
+        assert hn_clip_loss(img, txt, 0.1, gamma=0.5, backend=backend) > hn_clip_loss(
+            img, txt, 0.1, gamma=0.0, backend=backend
+        )
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
@@ -187,12 +194,22 @@ def test_torch_backend_second_derivative_matches_float64(dtype, tol):
         return torch.autograd.grad(penalty, leaves)
 
     kw = dict(gamma=0.5, label_smoothing=0.1, reduction="none")
-    ours = penalty_grads(lambda a, b, t: hn_clip_loss(a, b, t, backend="torch", **kw),
-                         [img.clone().requires_grad_(True), txt.clone().requires_grad_(True),
-                          torch.tensor(0.07, dtype=dtype, requires_grad=True)])
-    truth = penalty_grads(lambda a, b, t: hn_clip_loss_f64(a, b, t, **kw),
-                          [img.double().requires_grad_(True), txt.double().requires_grad_(True),
-                           torch.tensor(0.07, dtype=dtype).double().requires_grad_(True)])
+    ours = penalty_grads(
+        lambda a, b, t: hn_clip_loss(a, b, t, backend="torch", **kw),
+        [
+            img.clone().requires_grad_(True),
+            txt.clone().requires_grad_(True),
+            torch.tensor(0.07, dtype=dtype, requires_grad=True),
+        ],
+    )
+    truth = penalty_grads(
+        lambda a, b, t: hn_clip_loss_f64(a, b, t, **kw),
+        [
+            img.double().requires_grad_(True),
+            txt.double().requires_grad_(True),
+            torch.tensor(0.07, dtype=dtype).double().requires_grad_(True),
+        ],
+    )
     for got, want, what in zip(ours, truth, ("d penalty / d img", "d penalty / d txt", "d penalty / d tau")):
         assert got.dtype == dtype
         assert_close_rel(got, want, tol, what)
@@ -208,11 +225,14 @@ def _second_derivative_entry_points(backend):
 
     return [
         ("hn_clip_loss", lambda a, b, t: hn_clip_loss(a, b, t, backend=backend)),
-        ("hn_clip_loss none", lambda a, b, t: (hn_clip_loss(a, b, t, reduction="none", backend=backend)
-                                               * torch.linspace(0.5, 2.0, a.shape[0])).sum()),
+        (
+            "hn_clip_loss none",
+            lambda a, b, t: (
+                hn_clip_loss(a, b, t, reduction="none", backend=backend) * torch.linspace(0.5, 2.0, a.shape[0])
+            ).sum(),
+        ),
         ("HNClipLoss", lambda a, b, t: HNClipLoss(backend=backend, normalize=True)(a, b, 1.0 / t)),
-        ("distributed, world_size=1", lambda a, b, t: distributed_hn_clip_loss(a, b, t, world_size=1,
-                                                                               backend=backend)),
+        ("distributed, world_size=1", lambda a, b, t: distributed_hn_clip_loss(a, b, t, world_size=1, backend=backend)),
     ]
 
 
@@ -222,8 +242,9 @@ def test_fused_second_derivative_raises_one_clear_error(backend, wrt):
     # the fused backwards are not themselves differentiable: every way of asking for a second
     # derivative raises one error naming backend="torch", never a silently partial answer
     # (a gradient with no graph would let (loss + penalty).backward() drop the penalty's kernel part)
-    for (name, fn), (_, torch_fn) in zip(_second_derivative_entry_points(backend),
-                                         _second_derivative_entry_points("torch")):
+    for (name, fn), (_, torch_fn) in zip(
+        _second_derivative_entry_points(backend), _second_derivative_entry_points("torch")
+    ):
         img, txt = make_pair(8, 4, seed=14)
         img.requires_grad_(True)
         txt.requires_grad_(True)
@@ -263,8 +284,12 @@ def test_compile_fullgraph_with_changing_floats():
     fn = torch.compile(lambda a, b, tau, gamma: hn_clip_loss(a, b, tau, gamma=gamma, backend=backend), fullgraph=True)
     img, txt = make_pair(12, 8, seed=15)
     for tau, gamma in ((0.05, 0.5), (0.06, 0.7), (0.07, 0.9)):
-        assert_close_rel(fn(img, txt, tau, gamma), hn_clip_loss(img, txt, tau, gamma=gamma, backend=backend), 1e-6,
-                         f"compiled loss at tau={tau}")
+        assert_close_rel(
+            fn(img, txt, tau, gamma),
+            hn_clip_loss(img, txt, tau, gamma=gamma, backend=backend),
+            1e-6,
+            f"compiled loss at tau={tau}",
+        )
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
@@ -275,10 +300,18 @@ def test_huge_logits(backend, n, gamma, tau):
     check_against_truth(backend, n, 16, torch.float32, gamma, tau, 0.0, "mean", seed=3)
 
 
-@pytest.mark.parametrize("bad,exc", [(torch.tensor(float("nan")), ValueError), (torch.tensor(0.0), ValueError),
-                                     (torch.ones(2), ValueError), ("100", TypeError)])
+@pytest.mark.parametrize(
+    "bad,exc",
+    [
+        (torch.tensor(float("nan")), ValueError),
+        (torch.tensor(0.0), ValueError),
+        (torch.ones(2), ValueError),
+        ("100", TypeError),
+    ],
+)
 def test_hn_clip_loss_module_names_logit_scale(bad, exc):
     from hnclip_kernels import HNClipLoss
+
     img, txt = make_pair(4, 3)
     with pytest.raises(exc, match="logit_scale"):
         HNClipLoss()(img, txt, bad)
@@ -304,6 +337,7 @@ def test_meta_inputs_give_meta_result(backend, reduction, shape, tau_kind):
 
 def test_meta_inputs_through_hn_clip_loss_module():
     from hnclip_kernels import HNClipLoss
+
     img = torch.empty(5, 3, device="meta")
     out = HNClipLoss(backend="torch")(img, img, torch.empty((), device="meta"))
     assert out.device.type == "meta" and out.shape == ()
@@ -316,20 +350,24 @@ def test_meta_inputs_on_fused_backend_raise_clear_error(backend):
         hn_clip_loss(img, img, 0.07, backend=backend)
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(gamma=-1), ValueError, "gamma"),
-    (dict(gamma=float("inf")), ValueError, "gamma"),
-    (dict(gamma="0.5"), TypeError, "gamma"),
-    (dict(label_smoothing=1.0), ValueError, "label_smoothing"),
-    (dict(label_smoothing=-0.1), ValueError, "label_smoothing"),
-    (dict(backend="cuda"), ValueError, "backend"),
-    (dict(normalize="yes"), TypeError, "normalize"),
-    (dict(normalize=None), TypeError, "normalize"),
-    (dict(precision="tf32"), ValueError, "precision"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(gamma=-1), ValueError, "gamma"),
+        (dict(gamma=float("inf")), ValueError, "gamma"),
+        (dict(gamma="0.5"), TypeError, "gamma"),
+        (dict(label_smoothing=1.0), ValueError, "label_smoothing"),
+        (dict(label_smoothing=-0.1), ValueError, "label_smoothing"),
+        (dict(backend="cuda"), ValueError, "backend"),
+        (dict(normalize="yes"), TypeError, "normalize"),
+        (dict(normalize=None), TypeError, "normalize"),
+        (dict(precision="tf32"), ValueError, "precision"),
+    ],
+)
 def test_hn_clip_loss_module_validates_options_at_construction(kwargs, exc, match):
     # a bad option raises at construction, not at the first forward
     from hnclip_kernels import HNClipLoss
+
     with pytest.raises(exc, match=match):
         HNClipLoss(**kwargs)
 
@@ -384,8 +422,9 @@ def test_tau_overflow_check_accounts_for_gamma(backend):
     calls = {
         "hn_clip_loss": lambda: hn_clip_loss(img, txt, 1e-36, gamma=1e3, backend=backend),
         "hn_clip_loss tensor tau": lambda: hn_clip_loss(img, txt, torch.tensor(1e-36), gamma=1e3, backend=backend),
-        "distributed_hn_clip_loss": lambda: distributed_hn_clip_loss(img, txt, 1e-36, gamma=1e3, world_size=1,
-                                                                     backend=backend),
+        "distributed_hn_clip_loss": lambda: distributed_hn_clip_loss(
+            img, txt, 1e-36, gamma=1e3, world_size=1, backend=backend
+        ),
         "HNClipLoss": lambda: HNClipLoss(gamma=1e3, backend=backend, normalize=True)(img, txt, torch.tensor(1e36)),
     }
     for name, call in calls.items():

@@ -4,6 +4,7 @@ Each test is parametrised over the backends, so a new backend is one line in
 ``cases.ALL_BACKENDS``. Truths are float64 autograd of the formula (``helpers.hn_clip_loss_f64``)
 or the same backend called eagerly; tolerances are relative norms.
 """
+
 from __future__ import annotations
 
 import math
@@ -106,8 +107,11 @@ def test_compile_schedule_compiles_at_most_twice(backend, schedule):
     # such recompiles
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
-    fn = torch.compile(lambda a, b, t, g, e: hn_clip_loss(a, b, t, gamma=g, label_smoothing=e, backend=backend),
-                       fullgraph=True, backend=counter)
+    fn = torch.compile(
+        lambda a, b, t, g, e: hn_clip_loss(a, b, t, gamma=g, label_smoothing=e, backend=backend),
+        fullgraph=True,
+        backend=counter,
+    )
     img, txt = make_pair(10, 8, seed=3)
     for step in range(12):
         tau, gamma, eps = SCHEDULES[schedule](step)
@@ -214,8 +218,9 @@ def test_unnormalized_large_features_agree_with_float64(backend):
     img, txt = make_pair(6, 5, seed=9)
     img, txt = img * 1e3, txt * 3e2  # logits ~ 1e6: finite, far from normalised
     got = hn_clip_loss(img, txt, 0.5, gamma=0.5, backend=backend, normalize=False, reduction="none")
-    assert_close_rel(got, hn_clip_loss_f64(img, txt, 0.5, 0.5, normalize=False, reduction="none"), 1e-5,
-                     "unnormalised loss")
+    assert_close_rel(
+        got, hn_clip_loss_f64(img, txt, 0.5, 0.5, normalize=False, reduction="none"), 1e-5, "unnormalised loss"
+    )
 
 
 def test_hn_clip_loss_module_normalize_false_overflow_raises():
@@ -255,8 +260,9 @@ def test_every_backend_gives_the_same_answer(name, pair, options):
         loss.backward(torch.linspace(0.5, 1.5, loss.numel()))
         results[backend] = (loss.detach(), *[x.grad for x in leaves])
     leaves = [x.double().requires_grad_() for x in (*pair, torch.tensor(0.05))]
-    truth_loss = hn_clip_loss_f64(*leaves, options.get("gamma", 0.5), options.get("label_smoothing", 0.0),
-                                  reduction="none")
+    truth_loss = hn_clip_loss_f64(
+        *leaves, options.get("gamma", 0.5), options.get("label_smoothing", 0.0), reduction="none"
+    )
     truth_loss.backward(torch.linspace(0.5, 1.5, truth_loss.numel(), dtype=torch.float64))
     truth = (truth_loss.detach(), *[x.grad for x in leaves])
     for backend, got in results.items():
@@ -288,9 +294,11 @@ def test_module_single_process_is_the_fused_symmetric_op(backend, dtype):
     img, txt = make_pair(20, 12, dtype=dtype, seed=12)
     scale = torch.tensor(1 / 0.05)
     results = []
-    for call in (lambda a, b, s: HNClipLoss(gamma=0.5, backend=backend)(a, b, s),
-                 lambda a, b, s: HNClipLoss(local_loss=True, gather_with_grad=True, gamma=0.5, backend=backend)(a, b, s),
-                 lambda a, b, s: hn_clip_loss(a, b, s.reciprocal(), gamma=0.5, backend=backend, normalize=False)):
+    for call in (
+        lambda a, b, s: HNClipLoss(gamma=0.5, backend=backend)(a, b, s),
+        lambda a, b, s: HNClipLoss(local_loss=True, gather_with_grad=True, gamma=0.5, backend=backend)(a, b, s),
+        lambda a, b, s: hn_clip_loss(a, b, s.reciprocal(), gamma=0.5, backend=backend, normalize=False),
+    ):
         leaves = [x.clone().requires_grad_() for x in (img, txt, scale)]
         loss = call(*leaves)
         loss.backward()
@@ -309,8 +317,9 @@ def test_directional_protocol_is_keyword_only(backend):
     q, k = make_pair(4, 3, seed=13)
     with pytest.raises(TypeError):
         fn(q, k, k, k, torch.tensor(0.1), 0, 0.5, 0.0, True)
-    rows = fn(q, k, query_txt=k, key_txt=k, tau=torch.tensor(0.1), offset=0, gamma=0.5, label_smoothing=0.0,
-              normalize=True)
+    rows = fn(
+        q, k, query_txt=k, key_txt=k, tau=torch.tensor(0.1), offset=0, gamma=0.5, label_smoothing=0.0, normalize=True
+    )
     assert rows.shape == (4,)
 
 
@@ -366,8 +375,9 @@ def test_vmap_with_normalize_false(backend):
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-@pytest.mark.parametrize("m,offset,exc", [(1, 10, ValueError), (2, 9, ValueError), (2, -1, ValueError),
-                                          (1, 2.0, TypeError)])
+@pytest.mark.parametrize(
+    "m,offset,exc", [(1, 10, ValueError), (2, 9, ValueError), (2, -1, ValueError), (1, 2.0, TypeError)]
+)
 def test_directional_offset_is_checked(backend, m, offset, exc):
     # every backend checks offset before launching: offset + M > N, a negative offset and a float
     # offset raise a clear error (no out-of-bounds read, no wrap-around to the last column)
@@ -376,17 +386,29 @@ def test_directional_offset_is_checked(backend, m, offset, exc):
     keys, key_txt = make_pair(10, 6, seed=17)
     queries, query_txt = make_pair(m, 6, seed=18)
     with pytest.raises(exc, match="offset"):
-        directional_fn(backend)(queries, keys, query_txt=query_txt, key_txt=key_txt, tau=torch.tensor(0.07),
-                                offset=offset, gamma=0.5, label_smoothing=0.0, normalize=True)
+        directional_fn(backend)(
+            queries,
+            keys,
+            query_txt=query_txt,
+            key_txt=key_txt,
+            tau=torch.tensor(0.07),
+            offset=offset,
+            gamma=0.5,
+            label_smoothing=0.0,
+            normalize=True,
+        )
 
 
 _TRITON_RAW_PRODUCTS = pytest.mark.xfail(
-    strict=True, reason="the Triton kernels form raw row products: rows of norm > 1.8e19 give NaN (left for a "
-                        "power-of-two row rescale of the kernels' inputs)")
+    strict=True,
+    reason="the Triton kernels form raw row products: rows of norm > 1.8e19 give NaN (left for a "
+    "power-of-two row rescale of the kernels' inputs)",
+)
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=_TRITON_RAW_PRODUCTS) if b == "triton" else b
-                                     for b in ALL_BACKENDS])
+@pytest.mark.parametrize(
+    "backend", [pytest.param(b, marks=_TRITON_RAW_PRODUCTS) if b == "triton" else b for b in ALL_BACKENDS]
+)
 def test_rows_with_entries_beyond_float32_norm_range(backend):
     # row norms are taken in float64: a finite row with entries ~2e19 normalises to a unit row (its
     # float32 norm overflows), so the loss is 12.03, not log N with zero gradients
@@ -414,14 +436,16 @@ def test_masked_func_grad_and_vmap(backend):
     img, txt, tau, threshold = _masked_leaves()
 
     def loss(a, b, t):
-        return hn_clip_loss(a, b, t, gamma=0.5, label_smoothing=0.1, backend=backend,
-                            false_negative_threshold=threshold)
+        return hn_clip_loss(
+            a, b, t, gamma=0.5, label_smoothing=0.1, backend=backend, false_negative_threshold=threshold
+        )
 
     got = torch.func.grad(loss, argnums=(0, 1, 2))(img, txt, tau)
     leaves = [x.clone().requires_grad_() for x in (img, txt, tau)]
     want = torch.autograd.grad(loss(*leaves), leaves)
-    truth = torch.autograd.grad(hn_clip_loss_f64(*[x.double() for x in leaves], 0.5, 0.1,
-                                                 false_negative_threshold=threshold), leaves)
+    truth = torch.autograd.grad(
+        hn_clip_loss_f64(*[x.double() for x in leaves], 0.5, 0.1, false_negative_threshold=threshold), leaves
+    )
     for name, g, w, t in zip(("img", "txt", "tau"), got, want, truth):
         assert_close_rel(g, w, 1e-6, f"masked torch.func.grad d{name} vs autograd")
         assert_close_rel(g, t, F32_GRAD, f"masked torch.func.grad d{name} vs float64")
@@ -435,9 +459,11 @@ def test_masked_threshold_schedule_compiles_at_most_twice(backend):
     # the threshold reaches the ops as a tensor (like γ and ε): a changing threshold reuses the graph
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
-    fn = torch.compile(lambda a, b, c: hn_clip_loss(a, b, 0.07, gamma=0.5, backend=backend,
-                                                    false_negative_threshold=c),
-                       fullgraph=True, backend=counter)
+    fn = torch.compile(
+        lambda a, b, c: hn_clip_loss(a, b, 0.07, gamma=0.5, backend=backend, false_negative_threshold=c),
+        fullgraph=True,
+        backend=counter,
+    )
     img, txt, _, _ = _masked_leaves()
     for step in range(6):
         threshold = 0.95 + 0.008 * step

@@ -1,5 +1,6 @@
 """hnclip_kernels.diagnostics: every field against an explicit float64 loop, saturated and
 mixed batches, chunking invariance, the row-statistics path, and bad input."""
+
 import math
 
 import pytest
@@ -24,8 +25,7 @@ def explicit_rows(img, txt, tau, gamma=GAMMA, normalize=True):
         v, t = F.normalize(v, dim=1), F.normalize(t, dim=1)
     n = v.shape[0]
     cos_tt = [[float(t[i] @ t[j]) for j in range(n)] for i in range(n)]
-    z = [[(float(v[i] @ t[j]) + (gamma * cos_tt[i][j] if i != j else 0.0)) / tau for j in range(n)]
-         for i in range(n)]
+    z = [[(float(v[i] @ t[j]) + (gamma * cos_tt[i][j] if i != j else 0.0)) / tau for j in range(n)] for i in range(n)]
     out = []
     for direction in ("i2t", "t2i"):
         for r in range(n):
@@ -61,8 +61,12 @@ def naive_full(img, txt, tau, gamma=GAMMA):
         lost_softmax += int(((torch.softmax(logits, dim=1).diagonal() - 1) == 0).sum())
         ce32.append(F.cross_entropy(logits, labels, reduction="none").double())
         ce16.append(F.cross_entropy(logits.bfloat16(), labels, reduction="none").double())
-    return dict(fp32=torch.cat(ce32).mean().item(), bf16=torch.cat(ce16).mean().item(),
-                lost=lost / (2 * n), lost_softmax=lost_softmax / (2 * n))
+    return dict(
+        fp32=torch.cat(ce32).mean().item(),
+        bf16=torch.cat(ce16).mean().item(),
+        lost=lost / (2 * n),
+        lost_softmax=lost_softmax / (2 * n),
+    )
 
 
 def random_pair(n, d, seed, dtype=torch.float32):
@@ -82,7 +86,7 @@ def near_duplicates(n, d, seed, noise=1e-3, dtype=torch.float32):
 def mixed(n, d, seed):
     """First half near-duplicate pairs (saturated), second half unrelated pairs (loss ≫ 1)."""
     img, txt = near_duplicates(n, d, seed)
-    img[n // 2:] = torch.randn(n - n // 2, d, generator=torch.Generator().manual_seed(seed + 1))
+    img[n // 2 :] = torch.randn(n - n // 2, d, generator=torch.Generator().manual_seed(seed + 1))
     return img, txt
 
 
@@ -226,8 +230,13 @@ def test_report_from_row_stats(maker, tau):
     assert rep.loss == pytest.approx(sum(r["loss"] for r in rows) / 32, rel=1e-9)
     assert rep.saturated_rows == sum(r["loss"] < 1e-3 for r in rows) / 32
     assert rep.effective_negatives == pytest.approx(sum(math.exp(r["entropy"]) for r in rows) / 32, rel=1e-9)
-    for field in ("naive_fp32_loss", "naive_bf16_loss", "lost_positive_rows_fp32", "hardest_margin_mean",
-                  "hardest_margin_max"):
+    for field in (
+        "naive_fp32_loss",
+        "naive_bf16_loss",
+        "lost_positive_rows_fp32",
+        "hardest_margin_mean",
+        "hardest_margin_max",
+    ):
         assert getattr(rep, field) is None
     full = saturation_report(img.double(), txt.double(), tau)
     for field in ("loss", "saturated_rows", "effective_negatives", "rows"):
@@ -265,26 +274,29 @@ def test_report_from_backend_statistics(backend):
 X = torch.randn(4, 3)
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(threshold=0.0), ValueError, "threshold"),
-    (dict(threshold=-1e-3), ValueError, "threshold"),
-    (dict(threshold=float("nan")), ValueError, "threshold"),
-    (dict(threshold=float("inf")), ValueError, "threshold"),
-    (dict(threshold="1e-3"), TypeError, "threshold"),
-    (dict(threshold=True), TypeError, "threshold"),
-    (dict(chunk_rows=0), ValueError, "chunk_rows"),
-    (dict(chunk_rows=2.0), TypeError, "chunk_rows"),
-    (dict(img=torch.randn(4)), ValueError, "img must be 2-D"),
-    (dict(txt=torch.randn(5, 3)), ValueError, "same shape"),
-    (dict(img=torch.ones(4, 3, dtype=torch.int64), txt=torch.ones(4, 3, dtype=torch.int64)), TypeError, "dtype"),
-    (dict(img=torch.randn(1, 3), txt=torch.randn(1, 3)), ValueError, "N >= 2"),
-    (dict(img=torch.randn(4, 3, device="meta"), txt=torch.randn(4, 3, device="meta")), ValueError, "meta"),
-    (dict(tau=0.0), ValueError, "tau"),
-    (dict(tau=torch.tensor([0.1, 0.2])), ValueError, "tau"),
-    (dict(gamma=-0.5), ValueError, "gamma"),
-    (dict(backend="cuda"), ValueError, "backend"),
-    (dict(normalize=1), TypeError, "normalize"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(threshold=0.0), ValueError, "threshold"),
+        (dict(threshold=-1e-3), ValueError, "threshold"),
+        (dict(threshold=float("nan")), ValueError, "threshold"),
+        (dict(threshold=float("inf")), ValueError, "threshold"),
+        (dict(threshold="1e-3"), TypeError, "threshold"),
+        (dict(threshold=True), TypeError, "threshold"),
+        (dict(chunk_rows=0), ValueError, "chunk_rows"),
+        (dict(chunk_rows=2.0), TypeError, "chunk_rows"),
+        (dict(img=torch.randn(4)), ValueError, "img must be 2-D"),
+        (dict(txt=torch.randn(5, 3)), ValueError, "same shape"),
+        (dict(img=torch.ones(4, 3, dtype=torch.int64), txt=torch.ones(4, 3, dtype=torch.int64)), TypeError, "dtype"),
+        (dict(img=torch.randn(1, 3), txt=torch.randn(1, 3)), ValueError, "N >= 2"),
+        (dict(img=torch.randn(4, 3, device="meta"), txt=torch.randn(4, 3, device="meta")), ValueError, "meta"),
+        (dict(tau=0.0), ValueError, "tau"),
+        (dict(tau=torch.tensor([0.1, 0.2])), ValueError, "tau"),
+        (dict(gamma=-0.5), ValueError, "gamma"),
+        (dict(backend="cuda"), ValueError, "backend"),
+        (dict(normalize=1), TypeError, "normalize"),
+    ],
+)
 def test_bad_input(kwargs, exc, match):
     args = dict(img=X, txt=X, tau=0.1)
     args.update(kwargs)
@@ -352,8 +364,9 @@ def test_return_stats_meta_and_misaligned_dsum():
     assert loss.device.type == "meta" and module.last_stats is None
     d, m = torch.zeros(5), torch.zeros(5)
     with pytest.raises(ValueError, match="dsum"):
-        report_from_row_stats(RowStats(None, d, m, torch.zeros(6)), RowStats(None, d, m, torch.zeros(4)),
-                              label_smoothing=0.1, n_keys=5)
+        report_from_row_stats(
+            RowStats(None, d, m, torch.zeros(6)), RowStats(None, d, m, torch.zeros(4)), label_smoothing=0.1, n_keys=5
+        )
 
 
 # ---- false-negative masking ----------------------------------------------------------------------

@@ -22,6 +22,7 @@ runs ``derandomize=True`` (the same examples in every CI run) with the ``max_exa
 about 50 s for the whole file on 2 shared cores (measured 46 s in pytest, 51 s wall with imports, 25 s CPU,
 at load average 5), within the 60–90 s budget.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,13 +48,29 @@ FORMS = ("float", "int", "numpy", "tensor0", "tensor1", "tensor16")
 CONTEXTS = ("none", "anomaly", "deterministic", "autocast_forward", "autocast_backward", "autocast_both")
 ENTRIES = ("hn_clip_loss", "HNClipLoss", "distributed")
 # names an error message may carry: the arguments of the three entry points
-ARGUMENTS = ("img", "txt", "tau", "gamma", "label_smoothing", "reduction", "logit_scale", "image_features",
-             "text_features", "backend", "normalize")
+ARGUMENTS = (
+    "img",
+    "txt",
+    "tau",
+    "gamma",
+    "label_smoothing",
+    "reduction",
+    "logit_scale",
+    "image_features",
+    "text_features",
+    "backend",
+    "normalize",
+)
 
 # no shrinking: a failing example already names its flavour and problem, and shrinking through
 # every backend (Triton interpreted) would take minutes
-SETTINGS = dict(deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SETTINGS = dict(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 # ------------------------------------------------------------------ making the inputs
@@ -169,11 +186,11 @@ def _within(got: torch.Tensor, truth: torch.Tensor, tol: float) -> bool:
 
 def _call(entry, backend, img, txt, tau_arg, gamma, eps, reduction, module_copy=None):
     if entry == "hn_clip_loss":
-        return hn_clip_loss(img, txt, tau_arg, gamma=gamma, label_smoothing=eps, reduction=reduction,
-                            backend=backend)
+        return hn_clip_loss(img, txt, tau_arg, gamma=gamma, label_smoothing=eps, reduction=reduction, backend=backend)
     if entry == "distributed":
-        return distributed_hn_clip_loss(img, txt, tau_arg, gamma=gamma, label_smoothing=eps, backend=backend,
-                                        world_size=1, rank=0)
+        return distributed_hn_clip_loss(
+            img, txt, tau_arg, gamma=gamma, label_smoothing=eps, backend=backend, world_size=1, rank=0
+        )
     module = HNClipLoss(gamma=gamma, label_smoothing=eps, backend=backend, normalize=True)
     if module_copy is not None:
         module = module_copy(module)
@@ -183,8 +200,9 @@ def _call(entry, backend, img, txt, tau_arg, gamma, eps, reduction, module_copy=
 def _outcome(entry, backend, flavour, problem):
     """None when the call matched the float64 truth within bound, else (exception type, message)."""
     n, d, tau, gamma, eps, seed, aligned = problem
-    dtype, layout, made, grads, form, context, reduction = (flavour[k] for k in (
-        "dtype", "layout", "made", "grads", "form", "context", "reduction"))
+    dtype, layout, made, grads, form, context, reduction = (
+        flavour[k] for k in ("dtype", "layout", "made", "grads", "form", "context", "reduction")
+    )
     if entry != "hn_clip_loss":
         reduction = "mean"  # HNClipLoss and the distributed loss return the mean
     img0, txt0 = _features(n, d, dtype, seed, aligned)
@@ -217,8 +235,11 @@ def _outcome(entry, backend, flavour, problem):
     try:
         with fwd():
             loss = _call(entry, backend, img, txt, tau_arg, gamma, eps, reduction, flavour.get("module_copy"))
-        leaves = [(name, x) for name, x in (("img", img), ("txt", txt), ("tau", tau_arg))
-                  if isinstance(x, torch.Tensor) and x.requires_grad]
+        leaves = [
+            (name, x)
+            for name, x in (("img", img), ("txt", txt), ("tau", tau_arg))
+            if isinstance(x, torch.Tensor) and x.requires_grad
+        ]
         grads_got = {}
         if leaves and loss.requires_grad:
             upstream = torch.linspace(0.5, 1.5, loss.numel(), dtype=loss.dtype).reshape(loss.shape)
@@ -231,8 +252,9 @@ def _outcome(entry, backend, flavour, problem):
     # the truth, on the values the call received
     ref_img, ref_txt = (x.detach().double().requires_grad_(True) for x in (img, txt))
     ref_tau = tau_truth.clone().requires_grad_(True)
-    ref = hn_clip_loss_f64(ref_img, ref_txt, ref_tau, gamma=float(gamma), label_smoothing=float(eps),
-                           reduction=reduction)
+    ref = hn_clip_loss_f64(
+        ref_img, ref_txt, ref_tau, gamma=float(gamma), label_smoothing=float(eps), reduction=reduction
+    )
     problems = []
     want_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     if loss.dtype != want_dtype:
@@ -241,8 +263,10 @@ def _outcome(entry, backend, flavour, problem):
     if dtype not in LOWP and float(ref.abs().max()) < 1e-20:  # README: the saturated regime
         loss_tol = TOL_F32_LOSS_SATURATED
     if not _within(loss, ref, loss_tol):
-        problems.append(f"loss relative error {rel_err(loss, ref):.3e} > {loss_tol:.0e} "
-                        f"(got {loss.detach().reshape(-1)[:4].tolist()}, want {ref.detach().reshape(-1)[:4].tolist()})")
+        problems.append(
+            f"loss relative error {rel_err(loss, ref):.3e} > {loss_tol:.0e} "
+            f"(got {loss.detach().reshape(-1)[:4].tolist()}, want {ref.detach().reshape(-1)[:4].tolist()})"
+        )
     if grads_got:
         upstream = torch.linspace(0.5, 1.5, ref.numel(), dtype=torch.float64).reshape(ref.shape)
         truths = dict(zip(("img", "txt", "tau"), torch.autograd.grad(ref, [ref_img, ref_txt, ref_tau], upstream)))
@@ -293,21 +317,25 @@ def check_flavour(flavour, problem, entries=ENTRIES):
 
 # ------------------------------------------------------------------ strategies
 problems = st.tuples(
-    st.sampled_from([1, 2, 5, 8]),          # N (1 first: hypothesis tries the first value most)
-    st.sampled_from([3, 8]),                # D
-    st.sampled_from([0.05, 0.01, 0.3]),     # τ
-    st.sampled_from([0.5, 0.0, 2.0]),       # γ
-    st.sampled_from([0.0, 0.1]),            # ε
-    st.integers(0, 2**16),                  # seed
-    st.booleans(),                          # captions near their images
+    st.sampled_from([1, 2, 5, 8]),  # N (1 first: hypothesis tries the first value most)
+    st.sampled_from([3, 8]),  # D
+    st.sampled_from([0.05, 0.01, 0.3]),  # τ
+    st.sampled_from([0.5, 0.0, 2.0]),  # γ
+    st.sampled_from([0.0, 0.1]),  # ε
+    st.integers(0, 2**16),  # seed
+    st.booleans(),  # captions near their images
 )
 
 
 def flavours(**fixed):
     base = dict(
-        dtype=st.sampled_from(DTYPES), layout=st.just("contiguous"), made=st.just("plain"),
+        dtype=st.sampled_from(DTYPES),
+        layout=st.just("contiguous"),
+        made=st.just("plain"),
         grads=st.sampled_from([("img", "txt", "tau"), ("img",), ("txt",), ("tau",), ()]),
-        form=st.just("tensor0"), context=st.just("none"), reduction=st.sampled_from(["mean", "sum", "none"]),
+        form=st.just("tensor0"),
+        context=st.just("none"),
+        reduction=st.sampled_from(["mean", "sum", "none"]),
         scale_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
         tau16=st.sampled_from(LOWP),
     )
@@ -343,8 +371,7 @@ def test_frozen_image_tower(made, flavour, problem):
 
 @pytest.mark.parametrize("context", CONTEXTS[1:])
 @settings(max_examples=3, **SETTINGS)
-@given(flavour=flavours(dtype=st.sampled_from(DTYPES[:3]), grads=st.just(("img", "txt", "tau"))),
-       problem=problems)
+@given(flavour=flavours(dtype=st.sampled_from(DTYPES[:3]), grads=st.just(("img", "txt", "tau"))), problem=problems)
 def test_global_modes(context, flavour, problem):
     """detect_anomaly, use_deterministic_algorithms(True), autocast around forward and/or backward."""
     check_flavour(dict(flavour, context=context), problem, entries=("hn_clip_loss", "HNClipLoss"))
@@ -360,8 +387,17 @@ def test_gamma_and_smoothing_forms(kind, form):
     if form == "int":
         arg, seen = (1, 1.0) if kind == "gamma" else (0, 0.0)
     gamma, eps = (arg, 0.1) if kind == "gamma" else (0.5, arg)
-    flavour = dict(dtype=torch.float32, layout="contiguous", made="plain", grads=("img", "txt", "tau"),
-                   form="tensor0", context="none", reduction="none", scale_dtype=torch.float32, tau16=torch.bfloat16)
+    flavour = dict(
+        dtype=torch.float32,
+        layout="contiguous",
+        made="plain",
+        grads=("img", "txt", "tau"),
+        form="tensor0",
+        context="none",
+        reduction="none",
+        scale_dtype=torch.float32,
+        tau16=torch.bfloat16,
+    )
     for entry in ENTRIES:
         outcomes = {}
         for backend in ALL_BACKENDS:
@@ -398,9 +434,18 @@ def test_copied_module(how, with_group):
             assert copied[0].group is group  # a process group is shared, not copied
         return copied[0]
 
-    flavour = dict(dtype=torch.float32, layout="contiguous", made="plain", grads=("img", "txt", "tau"),
-                   form="tensor0", context="none", reduction="mean", scale_dtype=torch.float32,
-                   tau16=torch.bfloat16, module_copy=module_copy)
+    flavour = dict(
+        dtype=torch.float32,
+        layout="contiguous",
+        made="plain",
+        grads=("img", "txt", "tau"),
+        form="tensor0",
+        context="none",
+        reduction="mean",
+        scale_dtype=torch.float32,
+        tau16=torch.bfloat16,
+        module_copy=module_copy,
+    )
     check_flavour(flavour, (5, 8, 0.07, 0.5, 0.1, 1, False), entries=("HNClipLoss",))
 
 

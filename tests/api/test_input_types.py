@@ -4,6 +4,7 @@ anomaly mode, pickling, DTensor.
 Every test runs in well under a second per backend (N ≤ 8, D ≤ 16), except the DTensor test
 (a subprocess with a one-process gloo group: about 10 s).
 """
+
 from __future__ import annotations
 
 import copy
@@ -90,8 +91,9 @@ def test_numpy_hyperparameters_compile_fullgraph(backend, kind):
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_numpy_hyperparameters_eager(backend):
     img, txt = make_pair(5, 8, seed=0)
-    got = hn_clip_loss(img, txt, np.float64(0.05), gamma=np.float32(0.5), label_smoothing=np.float16(0.1),
-                       backend=backend)
+    got = hn_clip_loss(
+        img, txt, np.float64(0.05), gamma=np.float32(0.5), label_smoothing=np.float16(0.1), backend=backend
+    )
     want = hn_clip_loss_f64(img, txt, 0.05, float(np.float32(0.5)), float(np.float16(0.1)))
     assert_close_rel(got, want, 1e-5, "loss")
     scale = HNClipLoss(gamma=np.float32(0.5), backend=backend, normalize=True)(img, txt, np.float32(20.0))
@@ -205,8 +207,14 @@ def test_replicated_dtensor_names_the_argument_and_full_tensor():
     # (torch), "does not have a sharding strategy registered" (cpp, triton)
     pytest.importorskip("torch.distributed.tensor")
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _DTENSOR_SCRIPT, *ALL_BACKENDS], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-c", _DTENSOR_SCRIPT, *ALL_BACKENDS],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line]
     results = [line for line in lines if not line.startswith("VALUE")]
@@ -235,8 +243,11 @@ def test_hnclip_loss_float_logit_scale_compile_fullgraph(backend):
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_tensor_gamma_and_smoothing(backend, form):
     # found by the harness: a tensor γ or ε raised TypeError on every backend, though the operators take tensors
-    make = {"tensor0": lambda v: torch.tensor(v), "tensor1": lambda v: torch.tensor([v]),
-            "bf16": lambda v: torch.tensor(v, dtype=torch.bfloat16)}[form]
+    make = {
+        "tensor0": lambda v: torch.tensor(v),
+        "tensor1": lambda v: torch.tensor([v]),
+        "bf16": lambda v: torch.tensor(v, dtype=torch.bfloat16),
+    }[form]
     gamma, eps = make(0.5), make(0.125)
     img, txt = make_pair(5, 8, seed=1)
     got = hn_clip_loss(img, txt, 0.07, gamma=gamma, label_smoothing=eps, backend=backend)

@@ -3,6 +3,7 @@ about a logit_scale or features that are valid but almost surely a mistake.
 
 Bounds: batches of 12 pairs of dimension 16; two small ``torch.compile`` runs (a few seconds each).
 """
+
 from __future__ import annotations
 
 import copy
@@ -93,11 +94,26 @@ def test_gamma_schedule_matches_the_float64_formula():
 
 
 BAD = [
-    ("gamma", -1.0), ("gamma", float("nan")), ("gamma", "0.5"), ("label_smoothing", 1.0),
-    ("label_smoothing", None), ("backend", "cuda"), ("normalize", 1), ("precision", "fp8"), ("precision", 3),
-    ("false_negative_threshold", 1.5), ("false_negative_threshold", "0.9"), ("return_stats", "yes"),
-    ("local_loss", 0), ("gather_with_grad", None), ("cache_labels", "no"), ("use_horovod", True),
-    ("rank", 1), ("rank", 0.0), ("world_size", 0), ("world_size", "2"),
+    ("gamma", -1.0),
+    ("gamma", float("nan")),
+    ("gamma", "0.5"),
+    ("label_smoothing", 1.0),
+    ("label_smoothing", None),
+    ("backend", "cuda"),
+    ("normalize", 1),
+    ("precision", "fp8"),
+    ("precision", 3),
+    ("false_negative_threshold", 1.5),
+    ("false_negative_threshold", "0.9"),
+    ("return_stats", "yes"),
+    ("local_loss", 0),
+    ("gather_with_grad", None),
+    ("cache_labels", "no"),
+    ("use_horovod", True),
+    ("rank", 1),
+    ("rank", 0.0),
+    ("world_size", 0),
+    ("world_size", "2"),
 ]
 
 
@@ -176,8 +192,10 @@ def test_a_module_pickled_by_the_previous_version_still_loads_and_copies():
 # ------------------------------------------------------------------ logit_scale plausibility
 
 
-@pytest.mark.parametrize("scale, words", [(0.07, "logit_scale = 0.07 < 1"), (torch.tensor(2.66), "log-scale"),
-                                          (1.0, "log-scale"), (4.6, "log-scale")])
+@pytest.mark.parametrize(
+    "scale, words",
+    [(0.07, "logit_scale = 0.07 < 1"), (torch.tensor(2.66), "log-scale"), (1.0, "log-scale"), (4.6, "log-scale")],
+)
 def test_implausible_logit_scale_warns_once_at_the_callers_line(scale, words):
     # τ (0.07) or open_clip's raw log-scale (log(1/0.07) = 2.66) trained at τ = 14.3 or 0.38, silently
     img, txt = unit_pair(seed=3)
@@ -222,10 +240,11 @@ def _raw(seed=5):
 @pytest.mark.parametrize("entry", ["HNClipLoss", "hn_clip_loss", "distributed_hn_clip_loss"])
 def test_unnormalised_features_with_normalize_false_warn_once(entry):
     img, txt = _raw()
-    call = {"HNClipLoss": lambda a, b: HNClipLoss(backend="torch")(a, b, 20.0),
-            "hn_clip_loss": lambda a, b: hn_clip_loss(a, b, 0.05, normalize=False, backend="torch"),
-            "distributed_hn_clip_loss": lambda a, b: distributed_hn_clip_loss(a, b, 0.05, normalize=False,
-                                                                              backend="torch")}[entry]
+    call = {
+        "HNClipLoss": lambda a, b: HNClipLoss(backend="torch")(a, b, 20.0),
+        "hn_clip_loss": lambda a, b: hn_clip_loss(a, b, 0.05, normalize=False, backend="torch"),
+        "distributed_hn_clip_loss": lambda a, b: distributed_hn_clip_loss(a, b, 0.05, normalize=False, backend="torch"),
+    }[entry]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         call(img, txt)

@@ -1,6 +1,7 @@
 """LossOptions: the options validated once at the public boundary, bound once per call (τ read on
 the host at most once, the backend and the Triton precision default resolved), and carried
 unchanged to every backend and to the distributed path."""
+
 import contextlib
 
 import pytest
@@ -13,11 +14,16 @@ from hnclip_kernels.validation import DEFAULT_FP32_PRECISION
 
 
 def test_constructor_validates_every_option():
-    for kwargs, exc, name in (({"gamma": -1.0}, ValueError, "gamma"), ({"gamma": "0.5"}, TypeError, "gamma"),
-                              ({"label_smoothing": 1.0}, ValueError, "label_smoothing"),
-                              ({"reduction": "max"}, ValueError, "reduction"), ({"normalize": 1}, TypeError, "normalize"),
-                              ({"backend": "cuda"}, ValueError, "backend"), ({"precision": "tf32"}, ValueError, "precision"),
-                              ({"precision": 3}, TypeError, "precision")):
+    for kwargs, exc, name in (
+        ({"gamma": -1.0}, ValueError, "gamma"),
+        ({"gamma": "0.5"}, TypeError, "gamma"),
+        ({"label_smoothing": 1.0}, ValueError, "label_smoothing"),
+        ({"reduction": "max"}, ValueError, "reduction"),
+        ({"normalize": 1}, TypeError, "normalize"),
+        ({"backend": "cuda"}, ValueError, "backend"),
+        ({"precision": "tf32"}, ValueError, "precision"),
+        ({"precision": 3}, TypeError, "precision"),
+    ):
         with pytest.raises(exc, match=name):
             LossOptions(**kwargs)
 
@@ -76,8 +82,9 @@ def test_tau_is_read_on_the_host_once_per_call(backend):
 
 def test_module_keeps_its_validated_options():
     loss = HNClipLoss(gamma=0.25, label_smoothing=0.1, backend="torch", precision="ieee")
-    assert loss.options == LossOptions(gamma=0.25, label_smoothing=0.1, normalize=False, backend="torch",
-                                       precision="ieee")
+    assert loss.options == LossOptions(
+        gamma=0.25, label_smoothing=0.1, normalize=False, backend="torch", precision="ieee"
+    )
     with pytest.raises(ValueError, match="gamma"):
         HNClipLoss(gamma=-0.5)
 
@@ -95,9 +102,18 @@ def test_fused_operators_share_one_hyperparameter_convention():
         assert "Tensor tau, Tensor gamma, Tensor label_smoothing" in schema, schema
 
 
-@pytest.mark.parametrize("value,exc", [("0.9", TypeError), (True, TypeError), (torch.tensor(0.9), TypeError),
-                                       (1.5, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
-                                       (float("inf"), ValueError)])
+@pytest.mark.parametrize(
+    "value,exc",
+    [
+        ("0.9", TypeError),
+        (True, TypeError),
+        (torch.tensor(0.9), TypeError),
+        (1.5, ValueError),
+        (-1.0, ValueError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+    ],
+)
 def test_false_negative_threshold_is_validated_everywhere(value, exc):
     # a real number in (-1, 1] or None; the error names the argument, at every entry point
     img, txt = make_pair(6, 4, seed=1)

@@ -1,4 +1,5 @@
 """The ``precision`` argument: validated, reaches the Triton kernels for float32, ignored elsewhere."""
+
 import pytest
 import torch
 
@@ -6,8 +7,9 @@ from cases import make_pair
 from hnclip_kernels import HNClipLoss, hn_clip_loss
 
 
-@pytest.mark.parametrize("bad,exc,match", [("tf32", ValueError, "tf32x3"), ("fp8", ValueError, "precision"),
-                                           (3, TypeError, "precision")])
+@pytest.mark.parametrize(
+    "bad,exc,match", [("tf32", ValueError, "tf32x3"), ("fp8", ValueError, "precision"), (3, TypeError, "precision")]
+)
 def test_bad_precision_names_the_argument(bad, exc, match):
     img, txt = make_pair(4, 8)
     with pytest.raises(exc, match=match):

@@ -1,4 +1,5 @@
 """Property-based sweep (hypothesis): random shapes and options, every backend vs float64."""
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -12,8 +13,13 @@ from hnclip_kernels import hn_clip_loss
 # τ up to 2 on purpose: the "tau > 1 looks like a logit_scale" warning is expected here
 @pytest.mark.filterwarnings("ignore:hn_clip_loss got tau")
 # derandomize: CI sees the same examples every run (a random sweep is for local exploration)
-@settings(max_examples=12, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(
     n=st.integers(1, 40),
     d=st.integers(1, 20),
@@ -31,8 +37,7 @@ def test_random_configurations(backend, n, d, gamma, tau, eps, reduction, normal
     img, txt = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
     if not normalize:  # the caller's features are unit rows
         img, txt = (torch.nn.functional.normalize(x, dim=1) for x in (img, txt))
-    check_against_truth(backend, n, d, torch.float32, gamma, tau, eps, reduction, normalize=normalize,
-                        img=img, txt=txt)
+    check_against_truth(backend, n, d, torch.float32, gamma, tau, eps, reduction, normalize=normalize, img=img, txt=txt)
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
@@ -43,6 +48,7 @@ def test_one_dimensional_features(backend):
     txt = torch.tensor([[1.0], [3.0], [-2.0]], requires_grad=True)
     tau = torch.tensor(0.5, requires_grad=True)
     from helpers import assert_close_rel, hn_clip_loss_f64
+
     loss = hn_clip_loss(img, txt, tau, backend=backend)
     loss.backward()
     assert img.grad.abs().max() <= 1e-6 and txt.grad.abs().max() <= 1e-6  # float32 rounding noise at most

@@ -1,6 +1,7 @@
 """Regression tests of the features a hostile review attacked (chunked encoders, the loss's
 option attributes, the Trainer's ε and chunk size, the threshold's cosine): the minimal input of
 each defect it found, one test each. N ≤ 8, milliseconds each."""
+
 from __future__ import annotations
 
 import pytest

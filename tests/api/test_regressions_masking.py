@@ -1,6 +1,7 @@
 """Regression tests of false-negative masking and the options around it: the minimal inputs of
 defects a hostile review found (issue 18's features), one test each. N ≤ 12, well under a
 second per backend."""
+
 from __future__ import annotations
 
 from fractions import Fraction
@@ -28,8 +29,9 @@ def test_numpy_array_threshold(backend):
     assert torch.equal(got, want)
     module = HNClipLoss(false_negative_threshold=np.array(c), backend=backend, normalize=True)
     assert type(module.options.false_negative_threshold) is float
-    assert torch.equal(module(img, txt, 1 / 0.07), hn_clip_loss(img, txt, 1 / (1 / 0.07), false_negative_threshold=c,
-                                                                backend=backend))
+    assert torch.equal(
+        module(img, txt, 1 / 0.07), hn_clip_loss(img, txt, 1 / (1 / 0.07), false_negative_threshold=c, backend=backend)
+    )
 
 
 # ---- a Fraction passed validation, then every backend failed on Tensor op Fraction

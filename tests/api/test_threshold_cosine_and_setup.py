@@ -5,6 +5,7 @@ under torch.compile.
 Every backend, and each of its three ops (the symmetric loss, the directional op, a rank's op),
 at interpreter shapes (N ≤ 16, D ≤ 32): a few seconds per backend.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,16 +33,23 @@ def _run(op, backend, img, txt, tau, threshold, normalize, gamma=0.5, eps=0.0, m
     copies (the global batch's gradient)."""
     tau = torch.tensor(tau, requires_grad=True)
     leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt)]
-    opts = LossOptions(gamma=gamma, label_smoothing=eps, normalize=normalize, backend=backend,
-                       false_negative_threshold=threshold).resolved(img)
+    opts = LossOptions(
+        gamma=gamma, label_smoothing=eps, normalize=normalize, backend=backend, false_negative_threshold=threshold
+    ).resolved(img)
     if op == "symmetric":
         pairs, (i2t, t2i) = symmetric_losses(*leaves, tau, opts, return_stats=True)
         loss = pairs.mean()
         grads = torch.autograd.grad(loss, [*leaves, tau])
         return loss.detach(), *grads, torch.cat([i2t.kept, t2i.kept])
-    local = [x.detach()[offset:offset + m].clone().requires_grad_(True) for x in (img, txt)]
-    kw = dict(offset=offset, gamma=gamma, label_smoothing=eps, normalize=normalize,
-              false_negative_threshold=threshold, return_stats=True)
+    local = [x.detach()[offset : offset + m].clone().requires_grad_(True) for x in (img, txt)]
+    kw = dict(
+        offset=offset,
+        gamma=gamma,
+        label_smoothing=eps,
+        normalize=normalize,
+        false_negative_threshold=threshold,
+        return_stats=True,
+    )
     if op == "directional":
         fn = directional_fn(backend)
         i2t, s_i2t = fn(local[0], leaves[1], query_txt=local[1].detach(), key_txt=leaves[1].detach(), tau=tau, **kw)
@@ -52,8 +60,8 @@ def _run(op, backend, img, txt, tau, threshold, normalize, gamma=0.5, eps=0.0, m
     loss = rows.sum()
     d_loc_img, d_loc_txt, d_img, d_txt, d_tau = torch.autograd.grad(loss, [*local, *leaves, tau])
     d_img, d_txt = d_img.clone(), d_txt.clone()
-    d_img[offset:offset + m] += d_loc_img
-    d_txt[offset:offset + m] += d_loc_txt
+    d_img[offset : offset + m] += d_loc_img
+    d_txt[offset : offset + m] += d_loc_txt
     return loss.detach(), d_img, d_txt, d_tau, torch.cat([s_i2t.kept, s_t2i.kept])
 
 
@@ -62,9 +70,16 @@ def _truth(op, img, txt, tau, threshold, normalize, gamma=0.5, eps=0.0, m=None, 
     captions' cosine: ``hn_clip_loss_f64``)."""
     leaves = [x.detach().double().requires_grad_(True) for x in (img, txt)]
     tau = torch.tensor(tau, dtype=torch.float64, requires_grad=True)
-    rows = hn_clip_loss_f64(*leaves, tau, gamma=gamma, label_smoothing=eps, reduction="none", normalize=normalize,
-                            false_negative_threshold=threshold)
-    loss = rows.mean() if op == "symmetric" else rows[offset:offset + m].sum()
+    rows = hn_clip_loss_f64(
+        *leaves,
+        tau,
+        gamma=gamma,
+        label_smoothing=eps,
+        reduction="none",
+        normalize=normalize,
+        false_negative_threshold=threshold,
+    )
+    loss = rows.mean() if op == "symmetric" else rows[offset : offset + m].sum()
     return (loss.detach(), *torch.autograd.grad(loss, [*leaves, tau]))
 
 
@@ -84,7 +99,7 @@ def _open_clip_duplicates(dtype, n=16, d=32):
     duplicates (the same 16-bit row)."""
     g = torch.Generator().manual_seed(0)
     txt = torch.randn(n, d, generator=g)
-    txt[n // 2:] = txt[: n // 2]
+    txt[n // 2 :] = txt[: n // 2]
     img = txt + 0.8 * torch.randn(n, d, generator=g)
     return F.normalize(img.to(dtype), dim=1), F.normalize(txt.to(dtype), dim=1)
 
@@ -125,10 +140,11 @@ def test_cosine_equal_to_the_threshold_is_masked(backend, op, normalize):
     got = _run(op, backend, img, txt, 0.1, 0.5, normalize, eps=0.1, m=m, offset=offset)
     # caption 0 has cosine 0.5 = c with caption 1 (and 1 with 0), every other pair less: rows of
     # captions 0 and 1 keep 2 of their 3 negatives, the others all 3
-    full = torch.tensor([2.0, 2.0, 3.0, 3.0])[offset:offset + m]
+    full = torch.tensor([2.0, 2.0, 3.0, 3.0])[offset : offset + m]
     assert got[4].tolist() == torch.cat([full, full]).tolist(), f"{backend}/{op}: kept {got[4].tolist()}"
-    _check(got, _truth(op, img, txt, 0.1, 0.5, normalize, eps=0.1, m=m, offset=offset), torch.float32,
-           f"{backend}/{op}")
+    _check(
+        got, _truth(op, img, txt, 0.1, 0.5, normalize, eps=0.1, m=m, offset=offset), torch.float32, f"{backend}/{op}"
+    )
     # just above the cosine nothing is masked
     above = _run(op, backend, img, txt, 0.1, 0.5000001, normalize, eps=0.1, m=m, offset=offset)
     assert above[4].tolist() == [3.0] * (2 * m), f"{backend}/{op}: kept {above[4].tolist()} at c above 0.5"
@@ -139,13 +155,16 @@ def test_cosine_equal_to_the_threshold_is_masked(backend, op, normalize):
 def test_triton_interpret_set_after_importing_triton_raises_value_error(first):
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (f"{first}\nimport os\nos.environ['TRITON_INTERPRET'] = '1'\n"
-            "import torch, hnclip_kernels as h\n"
-            "try:\n    h.hn_clip_loss(torch.randn(4, 8), torch.randn(4, 8), 0.1, backend='triton')\n"
-            "except ValueError as e:\n    print('OK', e)\n")
+    code = (
+        f"{first}\nimport os\nos.environ['TRITON_INTERPRET'] = '1'\n"
+        "import torch, hnclip_kernels as h\n"
+        "try:\n    h.hn_clip_loss(torch.randn(4, 8), torch.randn(4, 8), 0.1, backend='triton')\n"
+        "except ValueError as e:\n    print('OK', e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.startswith("OK") and "set TRITON_INTERPRET=1 before importing triton" in out.stdout, (
-        out.stdout + out.stderr[-2000:])
+        out.stdout + out.stderr[-2000:]
+    )
 
 
 @pytest.mark.parametrize("gamma", [np.int64(1), np.int32(0), np.float32(0.25)], ids=["int64", "int32", "float32"])
@@ -153,8 +172,9 @@ def test_triton_interpret_set_after_importing_triton_raises_value_error(first):
 def test_numpy_gamma_under_compile_fullgraph(backend, gamma):
     torch._dynamo.reset()
     img, txt = torch.randn(4, 8), torch.randn(4, 8)
-    compiled = torch.compile(lambda a, b, g: hn_clip_loss(a, b, 0.05, gamma=g, backend=backend), fullgraph=True,
-                             backend="eager")
+    compiled = torch.compile(
+        lambda a, b, g: hn_clip_loss(a, b, 0.05, gamma=g, backend=backend), fullgraph=True, backend="eager"
+    )
     got = compiled(img, txt, gamma)
     assert torch.equal(got, hn_clip_loss(img, txt, 0.05, gamma=float(gamma), backend=backend))
 

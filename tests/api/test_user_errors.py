@@ -1,5 +1,6 @@
 """What a new user tripped on (issue 18): positional ClipLoss flags, ``hn_clip_loss``'s statistics,
 and where the τ > 1 warning points. Bound: a few small batches per backend, under a minute."""
+
 import math
 import sys
 import warnings
@@ -13,19 +14,23 @@ from hnclip_kernels import HNClipLoss, hn_clip_loss
 from hnclip_kernels.diagnostics import SaturationReport, saturation_report
 
 
-@pytest.mark.parametrize("args, name", [
-    ((0.0,), "local_loss"),  # meant as γ = 0: silently local_loss=0.0 with γ = 0.5 before
-    ((True, 1), "gather_with_grad"),
-    ((True, True, "yes"), "cache_labels"),
-    ((False, False, False, 0, 1, None), "use_horovod"),
-])
+@pytest.mark.parametrize(
+    "args, name",
+    [
+        ((0.0,), "local_loss"),  # meant as γ = 0: silently local_loss=0.0 with γ = 0.5 before
+        ((True, 1), "gather_with_grad"),
+        ((True, True, "yes"), "cache_labels"),
+        ((False, False, False, 0, 1, None), "use_horovod"),
+    ],
+)
 def test_positional_clip_loss_flags_must_be_bools(args, name):
     with pytest.raises(TypeError, match=rf"{name} must be True or False, got .*keyword-only \(HNClipLoss\(gamma=0.0\)"):
         HNClipLoss(*args)
 
 
-@pytest.mark.parametrize("kwargs, name", [(dict(rank=0.0), "rank"), (dict(world_size="2"), "world_size"),
-                                          (dict(rank=True), "rank")])
+@pytest.mark.parametrize(
+    "kwargs, name", [(dict(rank=0.0), "rank"), (dict(world_size="2"), "world_size"), (dict(rank=True), "rank")]
+)
 def test_rank_and_world_size_must_be_ints(kwargs, name):
     with pytest.raises(TypeError, match=f"{name} must be an int"):
         HNClipLoss(**kwargs)
@@ -42,8 +47,9 @@ def test_hn_clip_loss_return_stats_is_the_module_report(backend, eps, reduction)
     """The same report HNClipLoss(return_stats=True) keeps, and the same loss as without stats."""
     img, txt = make_pair(14, 8, seed=5, aligned=0.9)
     plain = hn_clip_loss(img, txt, 0.03, label_smoothing=eps, reduction=reduction, backend=backend)
-    loss, report = hn_clip_loss(img, txt, 0.03, label_smoothing=eps, reduction=reduction, backend=backend,
-                                return_stats=True)
+    loss, report = hn_clip_loss(
+        img, txt, 0.03, label_smoothing=eps, reduction=reduction, backend=backend, return_stats=True
+    )
     assert torch.equal(loss, plain)
     module = HNClipLoss(label_smoothing=eps, backend=backend, normalize=True, return_stats=True)
     module(img, txt, 1 / 0.03)

@@ -6,6 +6,7 @@ A backend added to ALL_BACKENDS runs all of them. Backend-specific tests (thread
 the C++ operators, Triton tiles and launches, gradcheck of a registered op) stay in test_cpp.py,
 test_triton*.py and test_reference.py.
 """
+
 import itertools
 
 import pytest
@@ -72,17 +73,24 @@ def test_matrix_against_float64(backend, case):
     check_against_truth(backend, n, d, dtype, gamma, tau, eps, reduction, tau_grad=(n + d) % 2 == 0)
 
 
-@pytest.mark.parametrize("backend,case", over_backends(list(itertools.product(GAMMAS, TAUS, SMOOTHINGS, REDUCTIONS)),
-                                                       interpreted=[], ids=_dash))
+@pytest.mark.parametrize(
+    "backend,case",
+    over_backends(list(itertools.product(GAMMAS, TAUS, SMOOTHINGS, REDUCTIONS)), interpreted=[], ids=_dash),
+)
 def test_float32_every_option(backend, case):
     # every γ × τ × ε × reduction at one size, τ a tensor that receives its gradient
     gamma, tau, eps, reduction = case
     check_against_truth(backend, 23, 11, torch.float32, gamma, tau, eps, reduction)
 
 
-@pytest.mark.parametrize("backend,case", over_backends(
-    [(n, d, dtype) for (n, d) in [(1, 3), (2, 8), (17, 64), (130, 100)] for dtype in DTYPES], interpreted=[],
-    ids=lambda c: f"N{c[0]}-D{c[1]}-{str(c[2]).split('.')[-1]}"))
+@pytest.mark.parametrize(
+    "backend,case",
+    over_backends(
+        [(n, d, dtype) for (n, d) in [(1, 3), (2, 8), (17, 64), (130, 100)] for dtype in DTYPES],
+        interpreted=[],
+        ids=lambda c: f"N{c[0]}-D{c[1]}-{str(c[2]).split('.')[-1]}",
+    ),
+)
 def test_sizes_and_dtypes(backend, case):
     n, d, dtype = case
     check_against_truth(backend, n, d, dtype, 0.5, 0.07, 0.1, "mean")
@@ -94,8 +102,20 @@ def test_sizes_and_dtypes(backend, case):
 def _check_saturated(backend, img, txt, gamma, reduction, upstream=None):
     truth = hn_clip_loss_f64(img.double(), txt.double(), 0.01, gamma, 0.0, reduction)
     assert 0 < truth.mean().item() < 1e-20
-    loss = check_against_truth(backend, 0, 0, torch.float32, gamma, 0.01, 0.0, reduction, img=img, txt=txt,
-                               upstream=upstream, loss_tol=TOL_F32_LOSS_SATURATED)
+    loss = check_against_truth(
+        backend,
+        0,
+        0,
+        torch.float32,
+        gamma,
+        0.01,
+        0.0,
+        reduction,
+        img=img,
+        txt=txt,
+        upstream=upstream,
+        loss_tol=TOL_F32_LOSS_SATURATED,
+    )
     assert (loss > 0).all()  # tiny, and never rounded to 0
 
 
@@ -107,8 +127,9 @@ def _noise_pair():
     return img, txt, torch.rand(48, generator=gen) + 0.5
 
 
-SATURATED = [(pair, gamma) for pair in ("seed0", "seed1", "seed2", "seed3", "aligned0.9", "noise")
-             for gamma in (0.0, 0.5)]
+SATURATED = [
+    (pair, gamma) for pair in ("seed0", "seed1", "seed2", "seed3", "aligned0.9", "noise") for gamma in (0.0, 0.5)
+]
 
 
 @pytest.mark.parametrize("backend,case", over_backends(SATURATED, interpreted=SATURATED[:8], ids=_dash))
@@ -138,8 +159,17 @@ def _directional(backend, q, k, a, b, tau, offset, weights, dtype, normalize):
     fn = directional_fn(backend) if dtype != torch.float64 else directional_nll_torch
     qq, kk = (x.detach().to(dtype).clone().requires_grad_(True) for x in (q, k))
     t = torch.tensor(tau, dtype=torch.float64 if dtype == torch.float64 else torch.float32, requires_grad=True)
-    rows = fn(qq, kk, query_txt=a.to(dtype), key_txt=b.to(dtype), tau=t, offset=offset, gamma=0.5,
-              label_smoothing=0.1, normalize=normalize)
+    rows = fn(
+        qq,
+        kk,
+        query_txt=a.to(dtype),
+        key_txt=b.to(dtype),
+        tau=t,
+        offset=offset,
+        gamma=0.5,
+        label_smoothing=0.1,
+        normalize=normalize,
+    )
     (rows * weights.to(rows.dtype)).sum().backward()
     return rows, qq.grad, kk.grad, t.grad
 
@@ -161,9 +191,14 @@ def test_offset_and_rectangular_directional(backend, case):
         assert_close_rel(x, y, TOL_F32_LOSS if name == "rows" else TOL_F32_GRAD, name)
 
 
-@pytest.mark.parametrize("backend,case", over_backends(
-    list(itertools.product((torch.float16, torch.bfloat16), ("i2t", "t2i", "general"))), interpreted=[],
-    ids=lambda c: f"{str(c[0]).split('.')[-1]}-{c[1]}"))
+@pytest.mark.parametrize(
+    "backend,case",
+    over_backends(
+        list(itertools.product((torch.float16, torch.bfloat16), ("i2t", "t2i", "general"))),
+        interpreted=[],
+        ids=lambda c: f"{str(c[0]).split('.')[-1]}-{c[1]}",
+    ),
+)
 def test_low_precision_directional(backend, case):
     # the op itself takes fp16/bf16 (hn_clip_loss upcasts first): accumulated in float32, float32
     # rows, gradients in the input dtype
@@ -205,10 +240,14 @@ def test_masked_against_float64(backend, case):
     # the same mask; a non-uniform upstream for "none" (the fused backwards' per-row path)
     kind, n, d, dtype, gamma, tau, eps, reduction = case
     img, txt, threshold = masked_case(kind, n, d, dtype=dtype)
-    upstream = torch.rand(n, generator=torch.Generator().manual_seed(2), dtype=torch.float64) + 0.5 \
-        if reduction == "none" else None
-    check_against_truth(backend, n, d, dtype, gamma, tau, eps, reduction, img=img, txt=txt, threshold=threshold,
-                        upstream=upstream)
+    upstream = (
+        torch.rand(n, generator=torch.Generator().manual_seed(2), dtype=torch.float64) + 0.5
+        if reduction == "none"
+        else None
+    )
+    check_against_truth(
+        backend, n, d, dtype, gamma, tau, eps, reduction, img=img, txt=txt, threshold=threshold, upstream=upstream
+    )
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
@@ -217,8 +256,7 @@ def test_masked_row_without_negatives_has_no_loss_and_no_gradient(backend):
     # positive left: loss exactly 0 (no smoothing) and exactly no gradient from it
     img, txt, threshold = masked_case("all_masked", 12, 16, dtype=torch.float32)
     leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
-    rows = hn_clip_loss(*leaves, 0.07, gamma=0.5, reduction="none", backend=backend,
-                        false_negative_threshold=threshold)
+    rows = hn_clip_loss(*leaves, 0.07, gamma=0.5, reduction="none", backend=backend, false_negative_threshold=threshold)
     assert rows[0].item() == 0.0 and (rows[1:] > 0).all()
     rows[0].backward()
     assert leaves[0].grad.abs().max().item() == 0.0 and leaves[1].grad.abs().max().item() == 0.0
@@ -232,14 +270,20 @@ def test_masking_a_pair_equals_removing_it_from_both_softmaxes(backend):
     plain = hn_clip_loss(img, txt, 0.1, gamma=0.5, reduction="none", backend=backend)
     loose = hn_clip_loss(img, txt, 0.1, gamma=0.5, reduction="none", backend=backend, false_negative_threshold=1.0)
     assert_close_rel(loose, plain, 1e-6, "threshold 1 on distinct captions")
-    everything = hn_clip_loss(img, txt, 0.1, gamma=0.0, reduction="none", backend=backend,
-                              false_negative_threshold=-0.999)
+    everything = hn_clip_loss(
+        img, txt, 0.1, gamma=0.0, reduction="none", backend=backend, false_negative_threshold=-0.999
+    )
     assert torch.equal(everything, torch.zeros_like(everything))
 
 
-@pytest.mark.parametrize("backend,case", over_backends(
-    list(itertools.product(("i2t", "t2i", "general"), (0.0, 0.1))), interpreted=[("i2t", 0.1), ("general", 0.0)],
-    ids=_dash))
+@pytest.mark.parametrize(
+    "backend,case",
+    over_backends(
+        list(itertools.product(("i2t", "t2i", "general"), (0.0, 0.1))),
+        interpreted=[("i2t", 0.1), ("general", 0.0)],
+        ids=_dash,
+    ),
+)
 def test_masked_directional_offset_and_rectangular(backend, case):
     # a rank's directional op with masking (M = 5 local rows against N = 19 keys, offset 7): the
     # margin factors' cosines decide; against the op in float64 on the torch backend
@@ -257,8 +301,18 @@ def test_masked_directional_offset_and_rectangular(backend, case):
         fn = directional_fn(backend) if dtype != torch.float64 else directional_nll_torch
         qq, kk = (x.detach().to(dtype).clone().requires_grad_(True) for x in (q, k))
         t = torch.tensor(0.05, dtype=torch.float64 if dtype == torch.float64 else torch.float32, requires_grad=True)
-        rows = fn(qq, kk, query_txt=a.to(dtype), key_txt=b.to(dtype), tau=t, offset=7, gamma=0.5,
-                  label_smoothing=eps, normalize=True, false_negative_threshold=threshold)
+        rows = fn(
+            qq,
+            kk,
+            query_txt=a.to(dtype),
+            key_txt=b.to(dtype),
+            tau=t,
+            offset=7,
+            gamma=0.5,
+            label_smoothing=eps,
+            normalize=True,
+            false_negative_threshold=threshold,
+        )
         (rows * weights.to(rows.dtype)).sum().backward()
         return rows, qq.grad, kk.grad, t.grad
 
@@ -270,8 +324,9 @@ def test_masked_directional_offset_and_rectangular(backend, case):
 # ------------------------------------------------------------------ determinism
 
 
-@pytest.mark.parametrize("backend,case", over_backends([(600, 40, "mean"), (600, 40, "none")],
-                                                       interpreted=[(130, 64, "mean")], ids=_dash))
+@pytest.mark.parametrize(
+    "backend,case", over_backends([(600, 40, "mean"), (600, 40, "none")], interpreted=[(130, 64, "mean")], ids=_dash)
+)
 def test_deterministic_bitwise(backend, case):
     # two runs, bit-identical loss and gradients. N = 600: several row blocks, column tiles and
     # thread groups of the C++ kernel; "none" with a non-uniform upstream: the recomputing backward

@@ -4,6 +4,7 @@ The checks every backend shares (float64 covering matrix, saturated regime, offs
 low-precision directional op, determinism) are in test_backends.py. Skipped as a whole when the
 extension ``hnclip_kernels._C`` was not built.
 """
+
 import itertools
 import warnings
 
@@ -27,8 +28,10 @@ from helpers import assert_close_rel, hn_clip_loss_f64
 try:
     from hnclip_kernels.backends.cpp.ops import directional_nll_cpp
 except ImportError as exc:  # pragma: no cover - depends on the install
-    pytest.skip(f"C++ extension hnclip_kernels._C not built ({exc}); reinstall with "
-                "`pip install --no-build-isolation -e .`", allow_module_level=True)
+    pytest.skip(
+        f"C++ extension hnclip_kernels._C not built ({exc}); reinstall with `pip install --no-build-isolation -e .`",
+        allow_module_level=True,
+    )
 
 import hnclip_kernels.backends as dispatch
 from hnclip_kernels import hn_clip_loss
@@ -73,10 +76,13 @@ def test_non_contiguous_bfloat16_inputs():
     check_against_truth("cpp", n, d, torch.bfloat16, 2.0, 0.07, 0.0, "sum", img=bf_img, txt=bf_txt)
 
 
-@pytest.mark.parametrize("reduction,upstream", [
-    ("sum", torch.tensor(-3.5)),  # uniform row gradient ≠ 1: the forward's shares are rescaled
-    ("none", None),  # a different gradient per row: the backward recomputes the key gradient
-])
+@pytest.mark.parametrize(
+    "reduction,upstream",
+    [
+        ("sum", torch.tensor(-3.5)),  # uniform row gradient ≠ 1: the forward's shares are rescaled
+        ("none", None),  # a different gradient per row: the backward recomputes the key gradient
+    ],
+)
 def test_upstream_gradient(reduction, upstream):
     n = 130
     if upstream is None:
@@ -94,8 +100,9 @@ def test_only_tau_requires_grad_and_no_grad_forward():
     assert_close_rel(tau.grad, ref_tau.grad, TOL_F32_GRAD, "d tau")
     with torch.no_grad():  # stats-only sweep, nothing saved for a backward
         nograd = hn_clip_loss(img, txt, 0.07, gamma=0.5, label_smoothing=0.1, reduction="none", backend="cpp")
-    withgrad = hn_clip_loss(img.clone().requires_grad_(True), txt, 0.07, gamma=0.5, label_smoothing=0.1,
-                            reduction="none", backend="cpp")
+    withgrad = hn_clip_loss(
+        img.clone().requires_grad_(True), txt, 0.07, gamma=0.5, label_smoothing=0.1, reduction="none", backend="cpp"
+    )
     assert_close_rel(nograd, withgrad, 1e-6, "no-grad forward")
 
 
@@ -124,8 +131,17 @@ def test_gradcheck_float64_registered_op(kind):
     k.requires_grad_(True)
     tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
     for eps, normalize in ((0.0, True), (0.1, False)):
-        fn = lambda q_, k_, t_, eps=eps, normalize=normalize: directional_nll_cpp(q_, k_, query_txt=a, key_txt=b, tau=t_, offset=3, gamma=0.7,  # noqa: E731
-                                                    label_smoothing=eps, normalize=normalize)
+        fn = lambda q_, k_, t_, eps=eps, normalize=normalize: directional_nll_cpp(
+            q_,
+            k_,
+            query_txt=a,
+            key_txt=b,
+            tau=t_,
+            offset=3,
+            gamma=0.7,  # noqa: E731
+            label_smoothing=eps,
+            normalize=normalize,
+        )
         assert torch.autograd.gradcheck(fn, (q, k, tau))
 
 
@@ -135,8 +151,15 @@ def test_gradcheck_float64_public_api():
     img, txt = (x.double().requires_grad_(True) for x in make_pair(6, 4, seed=8))
     tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
     for reduction in ("mean", "none"):
-        fn = lambda i, t, s, reduction=reduction: hn_clip_loss(i, t, s, gamma=0.0, label_smoothing=0.1, reduction=reduction,  # noqa: E731
-                                          backend="cpp")
+        fn = lambda i, t, s, reduction=reduction: hn_clip_loss(
+            i,
+            t,
+            s,
+            gamma=0.0,
+            label_smoothing=0.1,
+            reduction=reduction,  # noqa: E731
+            backend="cpp",
+        )
         assert torch.autograd.gradcheck(fn, (img, txt, tau))
 
 
@@ -159,8 +182,9 @@ def test_inputs_not_mutated():
         txt = txt.requires_grad_(True)
         tau = torch.tensor(0.07, requires_grad=True)
         before = [x.detach().clone() for x in (img, txt, tau)]
-        hn_clip_loss(img, txt, tau, gamma=0.5, label_smoothing=0.1, reduction="none",
-                     backend="cpp").backward(torch.linspace(0.1, 1.0, 17))
+        hn_clip_loss(img, txt, tau, gamma=0.5, label_smoothing=0.1, reduction="none", backend="cpp").backward(
+            torch.linspace(0.1, 1.0, 17)
+        )
         for x, x0 in zip((img, txt, tau), before):
             assert torch.equal(x.detach(), x0)
 
@@ -196,10 +220,11 @@ def test_opcheck_registered_operators(masked):
     torch.library.opcheck(torch.ops.hnclip.cpp_directional_nll.default, args, test_utils=checks)
     saved = [x.detach() for x in torch.ops.hnclip.cpp_directional_nll(*args)[1:]]
     grad = torch.linspace(0.5, 1.0, 4)
-    torch.library.opcheck(torch.ops.hnclip.cpp_directional_nll_backward.default,
-                          (grad, q.detach(), k, a, b, tau.detach(), _f64(0.5), _f64(0.1), _f64(0.5), *saved, 3, True,
-                           True, masked, True),
-                          test_utils=checks)
+    torch.library.opcheck(
+        torch.ops.hnclip.cpp_directional_nll_backward.default,
+        (grad, q.detach(), k, a, b, tau.detach(), _f64(0.5), _f64(0.1), _f64(0.5), *saved, 3, True, True, masked, True),
+        test_utils=checks,
+    )
 
 
 def test_thread_counts_agree():
@@ -261,9 +286,16 @@ def _pairs_both_ways(img, txt, tau, gamma, eps, normalize, upstream, symmetric):
     return rows.detach(), leaves[0].grad, leaves[1].grad, t.grad
 
 
-@pytest.mark.parametrize("n,gamma,eps,normalize", [
-    (1, 0.5, 0.1, True), (2, 2.0, 0.0, True), (129, 0.5, 0.1, True), (300, 0.0, 0.1, False), (515, 2.0, 0.1, True),
-])
+@pytest.mark.parametrize(
+    "n,gamma,eps,normalize",
+    [
+        (1, 0.5, 0.1, True),
+        (2, 2.0, 0.0, True),
+        (129, 0.5, 0.1, True),
+        (300, 0.0, 0.1, False),
+        (515, 2.0, 0.1, True),
+    ],
+)
 def test_symmetric_matches_directional(n, gamma, eps, normalize):
     # N not a multiple of any block (row tiles 128, strips 256, column tiles 512), non-uniform upstream
     img, txt = make_pair(n, 24, seed=n)
@@ -273,8 +305,9 @@ def test_symmetric_matches_directional(n, gamma, eps, normalize):
     for name, x, y in zip(("rows", "d img", "d txt", "d tau"), sym, two):
         assert_close_rel(x, y, 1e-5, name)
     # and the public API goes through the symmetric op
-    rows = hn_clip_loss(img, txt, 0.05, gamma=gamma, label_smoothing=eps, reduction="none", normalize=normalize,
-                        backend="cpp")
+    rows = hn_clip_loss(
+        img, txt, 0.05, gamma=gamma, label_smoothing=eps, reduction="none", normalize=normalize, backend="cpp"
+    )
     assert torch.equal(rows, sym[0])
 
 
@@ -294,7 +327,9 @@ def test_symmetric_gradcheck_with_margin():
     img.requires_grad_(True)
     tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
     for eps, normalize in ((0.0, True), (0.1, False)):
-        fn = lambda i, s, eps=eps, normalize=normalize: torch.ops.hnclip.cpp_symmetric_nll(i, txt, s, _f64(0.7), _f64(eps), _f64(0.0), normalize, False)[0]  # noqa: E731
+        fn = lambda i, s, eps=eps, normalize=normalize: torch.ops.hnclip.cpp_symmetric_nll(
+            i, txt, s, _f64(0.7), _f64(eps), _f64(0.0), normalize, False
+        )[0]  # noqa: E731
         assert torch.autograd.gradcheck(fn, (img, tau))
 
 
@@ -337,10 +372,11 @@ def test_opcheck_symmetric_operators(masked):
     torch.library.opcheck(torch.ops.hnclip.cpp_symmetric_nll.default, args, test_utils=checks)
     saved = [x.detach() for x in torch.ops.hnclip.cpp_symmetric_nll(*args)[1:]]
     grad = torch.linspace(0.5, 1.0, 9)
-    torch.library.opcheck(torch.ops.hnclip.cpp_symmetric_nll_backward.default,
-                          (grad, img.detach(), txt, tau.detach(), _f64(0.5), _f64(0.1), _f64(0.3), *saved, True, masked,
-                           True),
-                          test_utils=checks)
+    torch.library.opcheck(
+        torch.ops.hnclip.cpp_symmetric_nll_backward.default,
+        (grad, img.detach(), txt, tau.detach(), _f64(0.5), _f64(0.1), _f64(0.3), *saved, True, masked, True),
+        test_utils=checks,
+    )
 
 
 # ------------------------------------------------------------------ huge logits: recomputed tiles
@@ -368,6 +404,7 @@ def test_backward_probabilities_use_the_forward_logits(n, d, threads):
     # separate, dt̂_j = P_ij v̂_i and dv̂_j = P'_ji t̂_i for j ≠ i, so its probabilities of row i must sum
     # to sigmoid(delta_r_i) (i2t) and sigmoid(delta_c_i) (t2i), the forward's statistics.
     from hnclip_kernels.backends import epilogue
+
     img, txt = make_pair(n, d, seed=n)
     rv, rt = epilogue.inv_norms(img, True, torch.float32), epilogue.inv_norms(txt, True, torch.float32)
     v_hat, t_hat = epilogue.scaled(img, rv, torch.float32), epilogue.scaled(txt, rt, torch.float32)
@@ -377,14 +414,16 @@ def test_backward_probabilities_use_the_forward_logits(n, d, threads):
     probed = sorted({*range(0, n, 7), *range(n - 9, n)})  # every tile-row, and all of the short last one
 
     def run():
-        delta_r, _, _, _, delta_c, _, _, _ = torch.ops.hnclip.cpp_raw_symmetric_fwd(v_hat, t_hat, pos, inv_tau,
-                                                                                  HUGE_GAMMA, None)
+        delta_r, _, _, _, delta_c, _, _, _ = torch.ops.hnclip.cpp_raw_symmetric_fwd(
+            v_hat, t_hat, pos, inv_tau, HUGE_GAMMA, None
+        )
         sums = torch.empty(len(probed), 2, dtype=torch.float64)
         for row, i in enumerate(probed):
             g = torch.zeros(n)
             g[i] = 1.0
-            d_v, d_t = torch.ops.hnclip.cpp_raw_symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, HUGE_GAMMA,
-                                                              None, g[:0], g[:0])
+            d_v, d_t = torch.ops.hnclip.cpp_raw_symmetric_bwd(
+                v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, HUGE_GAMMA, None, g[:0], g[:0]
+            )
             p_row = d_t.double() @ v_hat[i].double() / v_hat[i].double().square().sum()
             p_col = d_v.double() @ t_hat[i].double() / t_hat[i].double().square().sum()
             p_row[i] = p_col[i] = 0.0
@@ -395,15 +434,20 @@ def test_backward_probabilities_use_the_forward_logits(n, d, threads):
     worst = int((sums - expected).abs().amax(dim=1).argmax())
     assert torch.allclose(sums, expected, rtol=1e-4, atol=0), (
         f"row {probed[worst]}: the backward's probabilities (i2t, t2i) sum to {sums[worst].tolist()}, the "
-        f"forward's statistics say {expected[worst].tolist()}")
+        f"forward's statistics say {expected[worst].tolist()}"
+    )
 
 
 @pytest.mark.parametrize("n,d", [(513, 16), (600, 64)])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_huge_logits_several_tiles_and_threads(n, d, threads):
     upstream = torch.rand(n, generator=torch.Generator().manual_seed(n)) + 0.5
-    _with_threads(threads, lambda: check_against_truth("cpp", n, d, torch.float32, HUGE_GAMMA, HUGE_TAU, 0.0, "none",
-                                                       upstream=upstream, seed=n))
+    _with_threads(
+        threads,
+        lambda: check_against_truth(
+            "cpp", n, d, torch.float32, HUGE_GAMMA, HUGE_TAU, 0.0, "none", upstream=upstream, seed=n
+        ),
+    )
 
 
 @pytest.mark.parametrize("kind", ["i2t", "t2i", "general"])
@@ -416,8 +460,17 @@ def test_huge_logits_directional_recompute(kind):
     for fn, dt in ((directional_nll_cpp, torch.float32), (directional_nll_torch, torch.float64)):
         qq, kk = (x.detach().to(dt).clone().requires_grad_(True) for x in (q, k))
         tau = torch.tensor(HUGE_TAU, dtype=dt, requires_grad=True)
-        rows = fn(qq, kk, query_txt=a.to(dt), key_txt=b.to(dt), tau=tau, offset=offset, gamma=HUGE_GAMMA,
-                  label_smoothing=0.0, normalize=True)
+        rows = fn(
+            qq,
+            kk,
+            query_txt=a.to(dt),
+            key_txt=b.to(dt),
+            tau=tau,
+            offset=offset,
+            gamma=HUGE_GAMMA,
+            label_smoothing=0.0,
+            normalize=True,
+        )
         (rows * weights.to(dt)).sum().backward()
         outs.append((rows, qq.grad, kk.grad, tau.grad))
     for name, x, y in zip(("rows", "d q", "d k", "d tau"), *outs):

@@ -6,6 +6,7 @@ distributed loss call) must give the eager results, in float32 and float64; seco
 derivatives and forward mode must raise the clear errors naming backend="torch"; and a
 compiled loss whose γ and ε change every step must not recompile per value.
 """
+
 import warnings
 
 import pytest
@@ -34,8 +35,9 @@ def _sym(img, txt, tau, weights=None):
 
 def _dir(img, txt, tau, weights=None):
     # t2i with the texts as queries: the same tensor as queries and query margin factors
-    rows = directional_nll_cpp(txt, img, query_txt=txt, key_txt=txt, tau=tau, offset=0, gamma=GAMMA,
-                               label_smoothing=EPS, normalize=True)
+    rows = directional_nll_cpp(
+        txt, img, query_txt=txt, key_txt=txt, tau=tau, offset=0, gamma=GAMMA, label_smoothing=EPS, normalize=True
+    )
     return rows.mean() if weights is None else (rows * weights).sum()
 
 
@@ -87,10 +89,12 @@ def test_func_grad_matches_autograd(kind, dtype):
 def test_func_jacrev_of_per_pair_losses(kind):
     # jacrev = vmap over the vjp: the backward operator under vmap, one basis vector per row
     img, txt, tau = _inputs(torch.float64, n=5, d=4, seed=2)
-    rows_fn = {"symmetric": lambda a: hn_clip_pairs_cpp(a, txt, tau=tau, gamma=GAMMA, label_smoothing=EPS,
-                                                         normalize=True),
-               "directional": lambda a: directional_nll_cpp(a, txt, query_txt=a, key_txt=txt, tau=tau, offset=0,
-                                                            gamma=GAMMA, label_smoothing=EPS, normalize=True)}[kind]
+    rows_fn = {
+        "symmetric": lambda a: hn_clip_pairs_cpp(a, txt, tau=tau, gamma=GAMMA, label_smoothing=EPS, normalize=True),
+        "directional": lambda a: directional_nll_cpp(
+            a, txt, query_txt=a, key_txt=txt, tau=tau, offset=0, gamma=GAMMA, label_smoothing=EPS, normalize=True
+        ),
+    }[kind]
     jac = jacrev(rows_fn)(img)
     expected = torch.autograd.functional.jacobian(rows_fn, img)
     assert_close_rel(jac, expected, 1e-12, f"{kind} jacrev")
@@ -173,7 +177,7 @@ def test_second_derivative_under_func_raises_clear_error(kind):
         grad(lambda a: grad(fn)(a, txt, tau).sum())(img)
     with pytest.raises(RuntimeError, match='backend="torch"'):
         torch.func.hessian(fn)(img, txt, tau)
-    with pytest.raises(RuntimeError, match="forward-mode.*backend=\"torch\""):
+    with pytest.raises(RuntimeError, match='forward-mode.*backend="torch"'):
         torch.func.jvp(lambda a: fn(a, txt, tau), (img,), (torch.ones_like(img),))
     # eager create_graph=True: the same error from the second backward
     a = img.clone().requires_grad_(True)
@@ -200,11 +204,12 @@ class _GraphCounter:
 
 @pytest.mark.parametrize("kind", LOSSES)
 def test_compile_schedule_of_tau_gamma_eps_compiles_at_most_twice(kind):
-    wrapper = {"symmetric": lambda a, b, s, g, e: hn_clip_pairs_cpp(a, b, tau=s, gamma=g, label_smoothing=e,
-                                                                     normalize=True),
-               "directional": lambda a, b, s, g, e: directional_nll_cpp(b, a, query_txt=b, key_txt=b, tau=s,
-                                                                        offset=0, gamma=g, label_smoothing=e,
-                                                                        normalize=True)}[kind]
+    wrapper = {
+        "symmetric": lambda a, b, s, g, e: hn_clip_pairs_cpp(a, b, tau=s, gamma=g, label_smoothing=e, normalize=True),
+        "directional": lambda a, b, s, g, e: directional_nll_cpp(
+            b, a, query_txt=b, key_txt=b, tau=s, offset=0, gamma=g, label_smoothing=e, normalize=True
+        ),
+    }[kind]
 
     def step(img, txt, tau, gamma, eps):
         return wrapper(img, txt, tau, gamma, eps).mean()
@@ -231,6 +236,12 @@ def test_compile_schedule_of_tau_gamma_eps_compiles_at_most_twice(kind):
 def test_gamma_and_eps_as_tensors_match_floats():
     img, txt, tau = _inputs(torch.float32)
     a = hn_clip_pairs_cpp(img, txt, tau=tau, gamma=0.3, label_smoothing=0.1, normalize=True)
-    b = hn_clip_pairs_cpp(img, txt, tau=tau, gamma=torch.tensor(0.3, dtype=torch.float64),
-                          label_smoothing=torch.tensor(0.1, dtype=torch.float64), normalize=True)
+    b = hn_clip_pairs_cpp(
+        img,
+        txt,
+        tau=tau,
+        gamma=torch.tensor(0.3, dtype=torch.float64),
+        label_smoothing=torch.tensor(0.1, dtype=torch.float64),
+        normalize=True,
+    )
     assert torch.equal(a, b)

@@ -13,6 +13,7 @@ the positive. Each is checked here against W evaluated in float64 from the same 
 chunk of 64 × 96 (two row slices, three column slices) in the interpreter, in about 2 s. A
 truncating conversion, a dropped tail or a residual of the wrong sign fails these checks.
 """
+
 import pytest
 import torch
 
@@ -30,12 +31,12 @@ def _inputs(dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(M, D, generator=g).to(dtype)
     k = torch.randn(N, D, generator=g).to(dtype)
-    a_txt = k[OFFSET:OFFSET + M].clone()  # the margin's factors: the rows' own captions and all captions
+    a_txt = k[OFFSET : OFFSET + M].clone()  # the margin's factors: the rows' own captions and all captions
     norms = tuple(epilogue.inv_norms(x, True) for x in (q, k, a_txt, k))
     inv_tau = 1.0 / TAU
     q64, k64, m64 = (x.double() * r.double()[:, None] for x, r in zip((q, k, a_txt), norms))
     z = (q64 @ k64.T + GAMMA * (m64 @ k64.T)) * inv_tau
-    pos = (q64 * k64[OFFSET:OFFSET + M]).sum(1) * inv_tau
+    pos = (q64 * k64[OFFSET : OFFSET + M]).sum(1) * inv_tau
     neg = torch.ones(M, N, dtype=torch.bool)
     neg[torch.arange(M), OFFSET + torch.arange(M)] = False
     gaps = torch.where(neg, z - pos[:, None], -torch.inf)
@@ -43,7 +44,7 @@ def _inputs(dtype, seed=0):
     nll = torch.nn.functional.softplus(nll)  # LSE_all − Z_pos, as epilogue.row_nll gives it
     grad = torch.linspace(0.5, 1.5, M, dtype=torch.float64)
     # W's scales: powers of two times the inverse norms (any positive a, b serve the check)
-    a = (norms[0].double() * 2.0 ** 12).float()
+    a = (norms[0].double() * 2.0**12).float()
     b = norms[1].double().float()
     w64 = a.double()[:, None] * (grad[:, None] * torch.exp(gaps - nll[:, None])) * b.double()[None, :]
     f32 = lambda x: x.float().contiguous()  # noqa: E731
@@ -61,18 +62,56 @@ def _run(dtype):
     inv_tau, gamma32 = 1.0 / torch.tensor([TAU]), torch.tensor([GAMMA])
     # no false-negative masking: no threshold, no shifts (MASK and SHIFT derive from the Nones);
     # ROUND16 and TAIL derive from res_r and lo
-    args = (*ops, *[s for x in ops for s in x.stride()], *norms, pos, nll, grad, inv_tau, gamma32, a, b,
-            None, None, w, lo, res_r, res_c, 0, M, 0, N, D, OFFSET)
+    args = (
+        *ops,
+        *[s for x in ops for s in x.stride()],
+        *norms,
+        pos,
+        nll,
+        grad,
+        inv_tau,
+        gamma32,
+        a,
+        b,
+        None,
+        None,
+        w,
+        lo,
+        res_r,
+        res_c,
+        0,
+        M,
+        0,
+        N,
+        D,
+        OFFSET,
+    )
     tile = cfg.INTERPRET_TILE
-    _dscore_kernel[(M // tile, N // tile)](*args, HAS_MARGIN=True, PREC="ieee", SLICE=SLICE, BLOCK_M=tile,
-                                           BLOCK_N=tile, BLOCK_K=tile, num_warps=1, num_stages=1)
-    return (w.view(M, N), lo.view(M, N) if tail else None, res_r.view(sc, M) if round16 else None,
-            res_c.view(sr, N) if round16 else None, a, b, w64)
+    _dscore_kernel[(M // tile, N // tile)](
+        *args,
+        HAS_MARGIN=True,
+        PREC="ieee",
+        SLICE=SLICE,
+        BLOCK_M=tile,
+        BLOCK_N=tile,
+        BLOCK_K=tile,
+        num_warps=1,
+        num_stages=1,
+    )
+    return (
+        w.view(M, N),
+        lo.view(M, N) if tail else None,
+        res_r.view(sc, M) if round16 else None,
+        res_c.view(sr, N) if round16 else None,
+        a,
+        b,
+        w64,
+    )
 
 
 def _ulp16(x):
     """The spacing of float16 at |x| (normal range)."""
-    _, e = torch.frexp(x.abs().clamp_min(2.0 ** -14))
+    _, e = torch.frexp(x.abs().clamp_min(2.0**-14))
     return torch.ldexp(torch.ones_like(x), e - 11)
 
 
@@ -83,7 +122,7 @@ def test_head_is_w_rounded_to_nearest_float16(dtype):
     err = (w.double() - w64).abs()
     # to nearest: within half a float16 ulp (plus W's own float32 error); truncation reaches a whole ulp
     assert (err <= 0.5 * _ulp16(w64) + 1e-6 * w64.abs() + 1e-30).all(), err.max()
-    big = w64.abs() > 2.0 ** -10
+    big = w64.abs() > 2.0**-10
     assert (err[big] > 0.25 * _ulp16(w64)[big]).any()  # W is not already a float16 value: the check can fail
 
 
@@ -96,8 +135,8 @@ def test_fp16_tail_carries_the_rest():
     rel = ((w.double() + lo.double() - w64).abs() / w64.abs())[big].max()
     # head + tail hold ~22 bits of the kernel's float32 W, itself ~1e-6 from the float64 W (float32
     # exp and products); the head alone is 2^-12 off
-    assert rel < 2.0 ** -18, rel
-    assert ((w.double() - w64).abs() / w64.abs())[big].max() > 2.0 ** -14
+    assert rel < 2.0**-18, rel
+    assert ((w.double() - w64).abs() / w64.abs())[big].max() > 2.0**-14
 
 
 def _residual_case(dtype):
@@ -115,7 +154,7 @@ def test_bf16_residual_slice_sums_are_what_the_gemm_operand_misses():
     # one float16 rounding: residuals ~2^-12 of dS, far above the kernel's own float32 error in W
     # (~2^-20, which the float64 reference cannot see): the sums must match to that
     got, want, scale = _residual_case(torch.bfloat16)
-    tol = 2.0 ** -17
+    tol = 2.0**-17
     for g, w, s in zip(got, want, scale):
         assert ((g - w).abs() <= tol * s).all(), ((g - w).abs() / s).max()
         assert (w.abs() > 8 * tol * s).any()  # not negligible: a residual of the wrong sign fails
@@ -126,7 +165,7 @@ def test_fp16_residual_slice_sums_carry_only_what_head_and_tail_miss():
     # (without the tail subtracted they would be ~2^-12 of dS)
     got, _, scale = _residual_case(torch.float16)
     for g, s in zip(got, scale):
-        assert (g.abs() <= 2.0 ** -19 * s).all(), (g.abs() / s).max()
+        assert (g.abs() <= 2.0**-19 * s).all(), (g.abs() / s).max()
         assert (g != 0).any()
 
 

@@ -16,6 +16,7 @@ constexprs and argument specialisations compiles separately, and compiling domin
   reduction per dtype; non-contiguous inputs, large N against the float64 torch backend,
   bitwise determinism and the N = 65536 memory bound unchanged. Tolerances are the same.
 """
+
 import itertools
 import os
 
@@ -30,8 +31,10 @@ from hnclip_kernels.backends.triton import config as cfg
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton kernels)"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
-                       reason="TRITON_INTERPRET is set: these tests are for compiled kernels"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+        reason="TRITON_INTERPRET is set: these tests are for compiled kernels",
+    ),
 ]
 
 DEV = "cuda"
@@ -108,16 +111,17 @@ def plain_lowp_loss(img, txt, tau, gamma, label_smoothing, reduction):
     eye = torch.eye(n, dtype=torch.bool, device=v.device)
     z = ((v @ t.T + gamma * (t @ t.T).detach().masked_fill(eye, 0.0)) / tau).float()
     labels = torch.arange(n, device=v.device)
-    rows = 0.5 * (F.cross_entropy(z, labels, reduction="none", label_smoothing=label_smoothing)
-                  + F.cross_entropy(z.T, labels, reduction="none", label_smoothing=label_smoothing))
+    rows = 0.5 * (
+        F.cross_entropy(z, labels, reduction="none", label_smoothing=label_smoothing)
+        + F.cross_entropy(z.T, labels, reduction="none", label_smoothing=label_smoothing)
+    )
     return {"mean": rows.mean(), "sum": rows.sum(), "none": rows}[reduction]
 
 
 def loss_and_grads(fn, img, txt, tau, tau_dtype, upstream):
     """(loss, d img, d txt[, d tau]) as float64 CPU tensors; ``tau_dtype`` None passes a float."""
     leaves = [x.detach().requires_grad_(True) for x in (img, txt)]  # detach keeps the strides
-    tau_arg = tau if tau_dtype is None else torch.tensor(tau, dtype=tau_dtype, device=img.device,
-                                                         requires_grad=True)
+    tau_arg = tau if tau_dtype is None else torch.tensor(tau, dtype=tau_dtype, device=img.device, requires_grad=True)
     loss = fn(leaves[0], leaves[1], tau_arg)
     loss.backward(upstream.to(loss.device, loss.dtype) if upstream is not None else torch.ones_like(loss))
     out = [loss, leaves[0].grad, leaves[1].grad] + ([tau_arg.grad] if tau_dtype is not None else [])
@@ -132,11 +136,11 @@ def assert_no_worse_than_plain(ours, plain, truth, tol, what):
         raise AssertionError(
             f"{what}: error {err.reshape(-1)[i]:.3e} > plain-PyTorch error {plain_err.reshape(-1)[i]:.3e} + tolerance "
             f"at flat index {i}: ours {ours.reshape(-1)[i]:.8e}, plain {plain.reshape(-1)[i]:.8e}, "
-            f"truth {truth.reshape(-1)[i]:.8e}")
+            f"truth {truth.reshape(-1)[i]:.8e}"
+        )
 
 
-def check_case(n, d, dtype, gamma, tau, eps, reduction, *, tau_grad=True, upstream=None, img=None, txt=None,
-               seed=0):
+def check_case(n, d, dtype, gamma, tau, eps, reduction, *, tau_grad=True, upstream=None, img=None, txt=None, seed=0):
     """Triton on the GPU against the float64 truth on the CPU, on the same (upcast) inputs."""
     if img is None:
         img, txt = (x.to(DEV) for x in make_pair(n, d, dtype, seed=seed))
@@ -151,8 +155,9 @@ def check_case(n, d, dtype, gamma, tau, eps, reduction, *, tau_grad=True, upstre
         return hn_clip_loss_f64(a, b, t, gamma, eps, reduction)
 
     ours = loss_and_grads(ours_fn, img, txt, tau, torch.float32 if tau_grad else None, upstream)
-    truth = loss_and_grads(truth_fn, img.cpu().double(), txt.cpu().double(), tau,
-                           torch.float64 if tau_grad else None, upstream)
+    truth = loss_and_grads(
+        truth_fn, img.cpu().double(), txt.cpu().double(), tau, torch.float64 if tau_grad else None, upstream
+    )
     names = ("loss", "d img", "d txt", "d tau")
     if dtype == torch.float32:
         for name, a, b in zip(names, ours, truth):
@@ -188,8 +193,7 @@ def test_non_contiguous_inputs_and_upstream_grad(dtype):
     assert not img.is_contiguous() and not txt.is_contiguous()
     upstream = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     check_case(n, d, dtype, 0.5, 0.07, 0.1, "none", upstream=upstream, img=img, txt=txt)
-    check_case(n, d, dtype, 2.0, 0.05, 0.0, "sum", upstream=torch.tensor(-3.5, dtype=torch.float64),
-               img=img, txt=txt)
+    check_case(n, d, dtype, 2.0, 0.05, 0.0, "sum", upstream=torch.tensor(-3.5, dtype=torch.float64), img=img, txt=txt)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -199,8 +203,14 @@ def test_large_n_against_float64_torch_backend(dtype):
 
     def run(a, b, backend):
         tau_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
-        return loss_and_grads(lambda x, y, t: hn_clip_loss(x, y, t, gamma=0.5, label_smoothing=0.1,
-                                                           backend=backend), a, b, 0.05, tau_dtype, None)
+        return loss_and_grads(
+            lambda x, y, t: hn_clip_loss(x, y, t, gamma=0.5, label_smoothing=0.1, backend=backend),
+            a,
+            b,
+            0.05,
+            tau_dtype,
+            None,
+        )
 
     truth = run(img.double(), txt.double(), "torch")
     ours = run(img, txt, "triton")
@@ -209,8 +219,9 @@ def test_large_n_against_float64_torch_backend(dtype):
         for name, a, b in zip(names, ours, truth):
             assert_close_rel(a, b, TOL_F32_LOSS if name == "loss" else TOL_F32_GRAD, name)
     else:
-        plain = loss_and_grads(lambda x, y, t: plain_lowp_loss(x, y, t, 0.5, 0.1, "mean"), img, txt, 0.05,
-                               torch.float32, None)
+        plain = loss_and_grads(
+            lambda x, y, t: plain_lowp_loss(x, y, t, 0.5, 0.1, "mean"), img, txt, 0.05, torch.float32, None
+        )
         for name, a, p, b in zip(names, ours, plain, truth):
             assert_no_worse_than_plain(a, p, b, LOWP_TOL[dtype], name)
 
@@ -325,19 +336,21 @@ def test_library_opcheck_cuda():
         detached = [x.detach() for x in (img, txt, tau)]
         out = ops.triton_symmetric_nll(*detached, gamma, eps, thr, *statics)
         grad = torch.linspace(0.5, 1.5, n, device=DEV)
-        torch.library.opcheck(ops.triton_symmetric_nll_backward,
-                              (grad, *detached, gamma, eps, thr, *out[1:], *statics, True))
+        torch.library.opcheck(
+            ops.triton_symmetric_nll_backward, (grad, *detached, gamma, eps, thr, *out[1:], *statics, True)
+        )
         q = img[:m].detach().requires_grad_()
-        a, b = txt.detach()[offset:offset + m], txt.detach()
+        a, b = txt.detach()[offset : offset + m], txt.detach()
         zero = torch.zeros((), device=DEV, dtype=torch.float64)
         # offset, has_margin, smoothing, masked, normalize, precision
         dir_statics = (offset, True, False, masked, True, "ieee")
         direc = (q, txt, a, b, tau, gamma, zero, thr, *dir_statics)
         torch.library.opcheck(ops.triton_directional_nll, direc)
         out = ops.triton_directional_nll(q.detach(), detached[1], a, b, detached[2], gamma, zero, thr, *dir_statics)
-        torch.library.opcheck(ops.triton_directional_nll_backward,
-                              (grad[:m], q.detach(), detached[1], a, b, detached[2], gamma, zero, thr, *out[1:],
-                               *dir_statics, True))
+        torch.library.opcheck(
+            ops.triton_directional_nll_backward,
+            (grad[:m], q.detach(), detached[1], a, b, detached[2], gamma, zero, thr, *out[1:], *dir_statics, True),
+        )
 
 
 def test_library_func_grad_and_vmap_cuda():
@@ -381,13 +394,25 @@ def test_library_inductor_dynamic_shapes_and_directional(monkeypatch, autotune):
     fn = triton_directional()
 
     def rows(q, k, tau, gamma):
-        return fn(q, k, query_txt=k[100:200].detach(), key_txt=k.detach(), tau=tau, offset=100, gamma=gamma,
-                  label_smoothing=0.1, normalize=True).sum()
+        return fn(
+            q,
+            k,
+            query_txt=k[100:200].detach(),
+            key_txt=k.detach(),
+            tau=tau,
+            offset=100,
+            gamma=gamma,
+            label_smoothing=0.1,
+            normalize=True,
+        ).sum()
 
     torch._dynamo.reset()
     compiled = torch.compile(rows, fullgraph=True)
     img, txt = _library_pair(torch.bfloat16, 400, 64, seed=25)
     for tau, gamma in LIBRARY_SCHEDULE[:4]:
-        _assert_same(_loss_and_grads(compiled, img[100:200], txt, torch.tensor(tau, device=DEV), gamma),
-                     _loss_and_grads(rows, img[100:200], txt, torch.tensor(tau, device=DEV), gamma),
-                     torch.bfloat16, f"directional at gamma={gamma:.2f}")
+        _assert_same(
+            _loss_and_grads(compiled, img[100:200], txt, torch.tensor(tau, device=DEV), gamma),
+            _loss_and_grads(rows, img[100:200], txt, torch.tensor(tau, device=DEV), gamma),
+            torch.bfloat16,
+            f"directional at gamma={gamma:.2f}",
+        )

@@ -12,6 +12,7 @@ backend its accuracy. Needs CUDA (skipped without); ``tools/gpu_check.sh`` runs 
 Bounds are the README's ("Numerical guarantees"), against a float64 evaluation on the CPU.
 Bound: N ≤ 130, D = 64, about 20 s on an H200 (Triton compiles included).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,8 +48,18 @@ def _tf32_on():
     return _matmul_flags(allow_tf32=True)
 
 
-def _check(backend, img, txt, tau, *, forward_ctx=contextlib.nullcontext, backward_ctx=contextlib.nullcontext,
-           gamma=0.5, eps=0.1, saturated=False):
+def _check(
+    backend,
+    img,
+    txt,
+    tau,
+    *,
+    forward_ctx=contextlib.nullcontext,
+    backward_ctx=contextlib.nullcontext,
+    gamma=0.5,
+    eps=0.1,
+    saturated=False,
+):
     leaves = [x.cuda().requires_grad_(True) for x in (img, txt)]
     tau_leaf = torch.tensor(tau, device="cuda", requires_grad=True)
     with forward_ctx():

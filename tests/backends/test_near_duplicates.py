@@ -13,6 +13,7 @@ Saturated (issue 22): the same clusters masked at c = 0.999 with images near the
 suite's 16-bit bound (``cases.op_errors``). And the rounding compensation made visible: clusters
 3e-5 apart, where a bf16 W without it errs by 2-3× the bound (asserted, so the case keeps needing it).
 """
+
 import pytest
 import torch
 
@@ -81,8 +82,9 @@ def gradient_errors(img, txt, tau: float):
     ref = [x.double().requires_grad_(True) for x in (img, txt)]
     ref_tau = torch.tensor(tau, dtype=torch.float64, requires_grad=True)
     hn_clip_loss_f64(*ref, ref_tau, GAMMA).backward()
-    return tuple(rel_err(a, e) for a, e in ((leaves[0].grad, ref[0].grad), (leaves[1].grad, ref[1].grad),
-                                              (t.grad, ref_tau.grad)))
+    return tuple(
+        rel_err(a, e) for a, e in ((leaves[0].grad, ref[0].grad), (leaves[1].grad, ref[1].grad), (t.grad, ref_tau.grad))
+    )
 
 
 @pytest.mark.parametrize("tau", TAUS)

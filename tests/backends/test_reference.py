@@ -3,6 +3,7 @@
 The torch backend's float32/fp16/bf16 checks against the truth (shared with every backend) are in
 test_backends.py.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,8 +22,9 @@ def test_truth_matches_cross_entropy_in_float64(gamma, eps):
     g = (t @ t.T) * (1 - torch.eye(9, dtype=torch.float64))
     z = (v @ t.T + gamma * g) / 0.3
     labels = torch.arange(9)
-    expected = 0.5 * (F.cross_entropy(z, labels, label_smoothing=eps)
-                      + F.cross_entropy(z.T, labels, label_smoothing=eps))
+    expected = 0.5 * (
+        F.cross_entropy(z, labels, label_smoothing=eps) + F.cross_entropy(z.T, labels, label_smoothing=eps)
+    )
     got = hn_clip_loss_f64(img, txt, 0.3, gamma, eps)
     assert abs(got.item() - expected.item()) <= 1e-13 * abs(expected.item())
 
@@ -46,9 +48,16 @@ def test_gradcheck_float64(eps, normalize):
     tau = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
 
     def fn(gamma, t):
-        return lambda a, *rest: hn_clip_loss(a, rest[0] if t is None else t, rest[-1], gamma=gamma,
-                                             label_smoothing=eps, normalize=normalize, reduction="none",
-                                             backend="torch")
+        return lambda a, *rest: hn_clip_loss(
+            a,
+            rest[0] if t is None else t,
+            rest[-1],
+            gamma=gamma,
+            label_smoothing=eps,
+            normalize=normalize,
+            reduction="none",
+            backend="torch",
+        )
 
     assert torch.autograd.gradcheck(fn(0.0, None), (img, txt.clone().requires_grad_(True), tau))
     assert torch.autograd.gradcheck(fn(0.7, txt), (img, tau))
@@ -57,11 +66,21 @@ def test_gradcheck_float64(eps, normalize):
 def test_gradcheck_directional_with_margin():
     # With the margin factors passed as constants, every input of a direction is checkable.
     from hnclip_kernels.backends.pytorch.reference import directional_nll_torch
+
     gen = torch.Generator().manual_seed(8)
     q, k = (torch.randn(3, 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
     k2 = torch.randn(6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     a, b = torch.randn(3, 4, generator=gen, dtype=torch.float64), torch.randn(6, 4, generator=gen, dtype=torch.float64)
     tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
-    fn = lambda q_, k_, t_: directional_nll_torch(q_, k_, query_txt=a, key_txt=b, tau=t_, offset=2,  # noqa: E731
-                                                  gamma=1.5, label_smoothing=0.1, normalize=True)
+    fn = lambda q_, k_, t_: directional_nll_torch(
+        q_,
+        k_,
+        query_txt=a,
+        key_txt=b,
+        tau=t_,
+        offset=2,  # noqa: E731
+        gamma=1.5,
+        label_smoothing=0.1,
+        normalize=True,
+    )
     assert torch.autograd.gradcheck(fn, (q, k2, tau))

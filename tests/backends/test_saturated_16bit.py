@@ -12,6 +12,7 @@ The backward runs with a power-of-two loss scale S (a GradScaler's), chosen from
 gradient so that its largest entry is in [½, 1): a 1e-13 loss has float16 gradients of ~1e-15,
 which float16 cannot hold at all. Bound: N ≤ 130, D 64; about a minute on two cores.
 """
+
 import itertools
 
 import pytest
@@ -27,14 +28,21 @@ D, THRESHOLD = 64, 0.999
 SHAPES = {7: (3, 4), 65: (20, 40), 130: (50, 70)}
 # (N, γ, ε, masked, τ): every value of each axis, with every op and dtype; ε = 0 every other case
 # (ε's own gradient, exact in the epilogue, dwarfs the saturated dS where ε > 0)
-CASES = [(65, 0.5, 0.0, False, 0.01), (7, 0.5, 0.1, True, 0.012), (130, 0.0, 0.0, True, 0.01),
-         (65, 0.0, 0.1, False, 0.012)]
+CASES = [
+    (65, 0.5, 0.0, False, 0.01),
+    (7, 0.5, 0.1, True, 0.012),
+    (130, 0.0, 0.0, True, 0.01),
+    (65, 0.0, 0.1, False, 0.012),
+]
 OPS = ("symmetric", "directional", "rank")
 DTYPES16 = (torch.bfloat16, torch.float16)
 # Triton (interpreted, seconds a call): each (dtype, op) two consecutive cases (one with ε = 0), so
 # each op meets three cases and each case three (dtype, op); torch and cpp take every combination
-TRITON_CASES = [(dtype, op, case) for j, (dtype, op) in enumerate(itertools.product(DTYPES16, OPS))
-                for case in (CASES[j % len(CASES)], CASES[(j + 1) % len(CASES)])]
+TRITON_CASES = [
+    (dtype, op, case)
+    for j, (dtype, op) in enumerate(itertools.product(DTYPES16, OPS))
+    for case in (CASES[j % len(CASES)], CASES[(j + 1) % len(CASES)])
+]
 
 
 def saturated_batch(n: int, dtype, masked: bool, seed: int = 0):
@@ -45,8 +53,9 @@ def saturated_batch(n: int, dtype, masked: bool, seed: int = 0):
     t = F.normalize(torch.randn(n, D, generator=gen, dtype=torch.float64), dim=1)
     if masked:
         centres = F.normalize(torch.randn((n + 3) // 4, D, generator=gen, dtype=torch.float64), dim=1)
-        t = F.normalize(centres.repeat_interleave(4, 0)[:n] + 0.002 * torch.randn(n, D, generator=gen,
-                                                                                   dtype=torch.float64), dim=1)
+        t = F.normalize(
+            centres.repeat_interleave(4, 0)[:n] + 0.002 * torch.randn(n, D, generator=gen, dtype=torch.float64), dim=1
+        )
     v = F.normalize(t + 0.03 * torch.randn(n, D, generator=gen, dtype=torch.float64), dim=1)
     img, txt = v.to(dtype), t.to(dtype)
     tn = F.normalize(txt.double(), dim=1)
@@ -75,8 +84,9 @@ def _dtype_id(dtype):
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
-@pytest.mark.parametrize("dtype,op,case", TRITON_CASES,
-                         ids=[f"{_dtype_id(d)}-{op}-{_case_id(c)}" for d, op, c in TRITON_CASES])
+@pytest.mark.parametrize(
+    "dtype,op,case", TRITON_CASES, ids=[f"{_dtype_id(d)}-{op}-{_case_id(c)}" for d, op, c in TRITON_CASES]
+)
 def test_saturated_16bit_triton(launch, dtype, op, case):
     check_saturated(op, "triton", dtype, *case)
 

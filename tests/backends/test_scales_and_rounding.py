@@ -9,6 +9,7 @@
 tests/distributed/test_distributed.py's ``_error_checks``, which already spawns the ranks.)
 Each test runs in about a second or less (N ≤ 8; Triton interpreted).
 """
+
 from __future__ import annotations
 
 import math

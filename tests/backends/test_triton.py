@@ -3,6 +3,7 @@
 The checks every backend shares (float64 matrix, saturated regime, offset/rectangular directional
 op, determinism) are in test_backends.py; tiles, launches and hostile inputs in test_triton_*.py.
 """
+
 import pytest
 import torch
 

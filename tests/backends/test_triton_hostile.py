@@ -4,6 +4,7 @@ column splits, strided / aliased / expanded inputs, non-finite values, extreme n
 Every test compares against the float64 truth (``hn_clip_loss_f64``) or the torch
 reference of the directional op. Shapes are small: the interpreter pays per program.
 """
+
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from hnclip_kernels.backends.triton import config as cfg
 from hnclip_kernels.backends.triton.ops import directional_nll_triton
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only: CPU tensors, launch modes")
+
 
 def _grads(img, txt, tau=0.07, backend="triton", **kw):
     leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt)]
@@ -59,8 +61,9 @@ def test_huge_norm_rows_torch_backend_is_fine():
 @pytest.mark.parametrize("n, d", [(1, 3), (2, 1), (31, 33), (33, 31), (64, 129), (65, 3), (129, 33)])
 def test_tile_edges_nonuniform_upstream(launch, n, d):
     img, txt = make_pair(n, d, seed=n + d)
-    check_against_truth("triton", 0, 0, torch.float32, 0.5, 0.07, 0.1, "none", img=img, txt=txt,
-                        upstream=torch.linspace(-1.0, 2.0, n))
+    check_against_truth(
+        "triton", 0, 0, torch.float32, 0.5, 0.07, 0.1, "none", img=img, txt=txt, upstream=torch.linspace(-1.0, 2.0, n)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -69,11 +72,12 @@ def test_ragged_chunks_and_many_splits_gpu_launch(monkeypatch, dtype):
     # sm_count so large that every column block is its own split
     monkeypatch.setenv("HNCLIP_TRITON_LAUNCH", "gpu")
     monkeypatch.setattr(cfg, "BWD_WORKSPACE_BYTES", 1)
-    monkeypatch.setattr(cfg, "sm_count", lambda device: 10 ** 6)
+    monkeypatch.setattr(cfg, "sm_count", lambda device: 10**6)
     assert cfg.chunk_shape(257, 257) == (128, 128)
     assert cfg.column_splits(3, 257, torch.device("cpu")) == (5, 64)
-    check_against_truth("triton", 257, 20, dtype, 2.0, 0.05, 0.1, "none", upstream=torch.linspace(-1.0, 3.0, 257),
-                        seed=9)
+    check_against_truth(
+        "triton", 257, 20, dtype, 2.0, 0.05, 0.1, "none", upstream=torch.linspace(-1.0, 3.0, 257), seed=9
+    )
 
 
 def test_tiny_workspace_interpret(monkeypatch):
@@ -81,8 +85,9 @@ def test_tiny_workspace_interpret(monkeypatch):
     monkeypatch.setattr(cfg, "BWD_WORKSPACE_BYTES", 1)
     monkeypatch.setattr(cfg, "sm_count", lambda device: 1000)
     assert cfg.chunk_shape(70, 70) == (32, 32)
-    check_against_truth("triton", 70, 33, torch.float32, 0.5, 0.07, 0.1, "none", upstream=torch.linspace(-1.0, 3.0, 70),
-                        seed=5)
+    check_against_truth(
+        "triton", 70, 33, torch.float32, 0.5, 0.07, 0.1, "none", upstream=torch.linspace(-1.0, 3.0, 70), seed=5
+    )
 
 
 @pytest.mark.parametrize("m, n, d, offset", [(5, 19, 8, 14), (33, 100, 31, 40), (129, 300, 9, 171)])
@@ -96,8 +101,17 @@ def test_directional_offsets_against_torch(launch, monkeypatch, m, n, d, offset)
     for fn, dt in ((directional_nll_triton, torch.float32), (directional_nll_torch, torch.float64)):
         qq, kk = q.to(dt).clone().requires_grad_(True), k.to(dt).clone().requires_grad_(True)
         tau = torch.tensor(0.05, dtype=dt, requires_grad=True)
-        rows = fn(qq, kk, query_txt=a.to(dt), key_txt=b.to(dt), tau=tau, offset=offset, gamma=0.5, label_smoothing=0.1,
-                  normalize=True)
+        rows = fn(
+            qq,
+            kk,
+            query_txt=a.to(dt),
+            key_txt=b.to(dt),
+            tau=tau,
+            offset=offset,
+            gamma=0.5,
+            label_smoothing=0.1,
+            normalize=True,
+        )
         (rows * up.to(dt)).sum().backward()
         outs.append((rows, qq.grad, kk.grad, tau.grad))
     for name, x, y in zip(("rows", "d q", "d k", "d tau"), *outs):
@@ -110,8 +124,7 @@ def _check_leaves(leaf_img, leaf_txt, img_fn, txt_fn, tau=0.07, gamma=0.5):
     got = []
     for backend, dt in (("triton", None), ("f64", torch.float64)):
         li = leaf_img.detach().clone() if dt is None else leaf_img.detach().double()
-        lt = (li if leaf_txt is leaf_img else
-              (leaf_txt.detach().clone() if dt is None else leaf_txt.detach().double()))
+        lt = li if leaf_txt is leaf_img else (leaf_txt.detach().clone() if dt is None else leaf_txt.detach().double())
         li.requires_grad_(True)
         lt.requires_grad_(True)
         if backend == "triton":

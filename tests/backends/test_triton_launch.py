@@ -4,6 +4,7 @@ The interpreter multiplies exactly in float32; ``_dot`` rounds the operands as t
 do (tf32 truncation, bf16 to nearest even, multi-pass splits), so these runs compute what a
 GPU computes. ``HNCLIP_TRITON_LAUNCH=gpu`` gives the GPU's tiles, warps and column splits.
 """
+
 import pytest
 import torch
 import triton
@@ -32,8 +33,9 @@ def test_matrix_gpu_launch(gpu_launch, case):
 @pytest.mark.parametrize("gamma", [0.0, 0.5])
 def test_saturated_gpu_launch(gpu_launch, gamma, seed):
     img, txt = saturated_pair(seed)
-    loss = check_against_truth("triton", 0, 0, torch.float32, gamma, 0.01, 0.0, "none", img=img, txt=txt,
-                               loss_tol=TOL_F32_LOSS_SATURATED)
+    loss = check_against_truth(
+        "triton", 0, 0, torch.float32, gamma, 0.01, 0.0, "none", img=img, txt=txt, loss_tol=TOL_F32_LOSS_SATURATED
+    )
     assert (loss > 0).all()
 
 
@@ -77,7 +79,7 @@ def _bf16(x):
 
 def _emulated(a, b, prec):
     """What the tensor cores compute for float32 a @ b in each input precision (float64 sums)."""
-    mm = lambda x, y: (x.double() @ y.double())  # noqa: E731
+    mm = lambda x, y: x.double() @ y.double()  # noqa: E731
     if prec == "ieee":
         return mm(a, b)
     if prec == "tf32":
@@ -93,8 +95,9 @@ def _emulated(a, b, prec):
     return mm(a1, b3) + mm(a2, b2) + mm(a3, b1) + mm(a1, b2) + mm(a2, b1) + mm(a1, b1)
 
 
-@pytest.mark.parametrize("prec, max_rel", [("ieee", 1e-6), ("tf32x3", 1e-6), ("bf16x6", 1e-6),
-                                           ("bf16x3", 2e-5), ("tf32", 2e-3)])
+@pytest.mark.parametrize(
+    "prec, max_rel", [("ieee", 1e-6), ("tf32x3", 1e-6), ("bf16x6", 1e-6), ("bf16x3", 2e-5), ("tf32", 2e-3)]
+)
 def test_dot_emulates_tensor_cores(prec, max_rel):
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(32, 32, generator=gen), torch.randn(32, 32, generator=gen)

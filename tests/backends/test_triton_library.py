@@ -18,6 +18,7 @@ schedule: compile count, values and gradients against eager), the traced kernels
 dynamic shapes (full level). The kernels' sm_90a compile with Inductor's scalar types needs no
 GPU: ``python -m tools.sm90 --wide-scalars`` (tests/tooling/test_sm90_compile.py).
 """
+
 import json
 import os
 import subprocess
@@ -50,8 +51,19 @@ def _sym_args(gamma=0.5, eps=0.1, grad=True, threshold=None):
     img, txt = _features(grad=grad)
     tau = torch.tensor(0.07, requires_grad=grad)
     masked = threshold is not None
-    return (img, txt, tau, _hyper(gamma), _hyper(eps), _hyper(threshold if masked else 0.0), gamma != 0.0, eps != 0.0,
-            masked, True, "tf32x3")
+    return (
+        img,
+        txt,
+        tau,
+        _hyper(gamma),
+        _hyper(eps),
+        _hyper(threshold if masked else 0.0),
+        gamma != 0.0,
+        eps != 0.0,
+        masked,
+        True,
+        "tf32x3",
+    )
 
 
 def _hyper(x):
@@ -64,17 +76,37 @@ def _dir_args(gamma=0.5, eps=0.1, grad=True, m=4, offset=2, threshold=None):
     a, b = make_pair(N, D, torch.float32, seed=1)
     tau = torch.tensor(0.05, requires_grad=grad)
     masked = threshold is not None
-    return (q[:m].detach().requires_grad_(grad), k, a[offset:offset + m], b, tau, _hyper(gamma), _hyper(eps),
-            _hyper(threshold if masked else 0.0), offset, gamma != 0.0, eps != 0.0, masked, True, "ieee")
+    return (
+        q[:m].detach().requires_grad_(grad),
+        k,
+        a[offset : offset + m],
+        b,
+        tau,
+        _hyper(gamma),
+        _hyper(eps),
+        _hyper(threshold if masked else 0.0),
+        offset,
+        gamma != 0.0,
+        eps != 0.0,
+        masked,
+        True,
+        "ieee",
+    )
 
 
 def test_registration():
     assert ht.USE_TRITON_OP is False  # interpreter: custom_op (triton_op's fake would launch the kernels)
     schema = str(OPS.triton_symmetric_nll.default._schema)
-    assert ("Tensor gamma, Tensor label_smoothing, Tensor threshold, bool has_margin, bool smoothing, bool masked, "
-            "bool normalize, str precision" in schema)
-    for name in ("triton_symmetric_nll", "triton_symmetric_nll_backward", "triton_directional_nll",
-                 "triton_directional_nll_backward"):
+    assert (
+        "Tensor gamma, Tensor label_smoothing, Tensor threshold, bool has_margin, bool smoothing, bool masked, "
+        "bool normalize, str precision" in schema
+    )
+    for name in (
+        "triton_symmetric_nll",
+        "triton_symmetric_nll_backward",
+        "triton_directional_nll",
+        "triton_directional_nll_backward",
+    ):
         assert hasattr(OPS, name), name
 
 
@@ -86,8 +118,7 @@ def test_opcheck_symmetric(gamma, eps, threshold):
     out = OPS.triton_symmetric_nll(*(x.detach() if isinstance(x, torch.Tensor) else x for x in args))
     grad = torch.linspace(0.5, 1.5, N)
     img, txt, tau, g, e, c = (args[i].detach() for i in range(6))
-    torch.library.opcheck(OPS.triton_symmetric_nll_backward,
-                          (grad, img, txt, tau, g, e, c, *out[1:], *args[6:], True))
+    torch.library.opcheck(OPS.triton_symmetric_nll_backward, (grad, img, txt, tau, g, e, c, *out[1:], *args[6:], True))
 
 
 @pytest.mark.parametrize("gamma, eps, threshold", [(0.0, 0.1, None), (0.5, 0.0, None), (0.5, 0.1, 0.3)])
@@ -96,9 +127,10 @@ def test_opcheck_directional(gamma, eps, threshold):
     torch.library.opcheck(OPS.triton_directional_nll, args)
     q, k, a, b, tau, g, e, c = (args[i].detach() for i in range(8))
     out = OPS.triton_directional_nll(q, k, a, b, tau, g, e, c, *args[8:])
-    torch.library.opcheck(OPS.triton_directional_nll_backward,
-                          (torch.linspace(-1.0, 1.0, q.shape[0]), q, k, a, b, tau, g, e, c, *out[1:], *args[8:],
-                           True))
+    torch.library.opcheck(
+        OPS.triton_directional_nll_backward,
+        (torch.linspace(-1.0, 1.0, q.shape[0]), q, k, a, b, tau, g, e, c, *out[1:], *args[8:], True),
+    )
 
 
 # ------------------------------------------------------------------ torch.func
@@ -131,8 +163,10 @@ def test_func_grad_directional():
     fn = triton_directional()
 
     def rows(q, k, tau):
-        return (fn(q, k, query_txt=a, key_txt=b, tau=tau, offset=offset, gamma=0.5, label_smoothing=0.1,
-                   normalize=True) * torch.arange(1.0, q.shape[0] + 1)).sum()
+        return (
+            fn(q, k, query_txt=a, key_txt=b, tau=tau, offset=offset, gamma=0.5, label_smoothing=0.1, normalize=True)
+            * torch.arange(1.0, q.shape[0] + 1)
+        ).sum()
 
     got = torch.func.grad(rows, argnums=(0, 1, 2))(q, k, tau)
     leaves = [x.clone().requires_grad_() for x in (q, k, tau)]
@@ -172,9 +206,13 @@ def test_second_derivative_raises_without_the_guard():
         with pytest.raises(RuntimeError, match='second derivatives .* backend="torch"'):
             torch.autograd.grad(d_img.pow(2).sum() + d_txt.pow(2).sum() + d_tau.pow(2), wrt, retain_graph=True)
     plain_txt = txt.detach()
-    hessian = torch.func.jacrev(torch.func.jacrev(
-        lambda a: ht.hn_clip_pairs_triton(a, plain_txt, tau=torch.tensor(0.1), gamma=0.5, label_smoothing=0.0,
-                                          normalize=True).mean()))
+    hessian = torch.func.jacrev(
+        torch.func.jacrev(
+            lambda a: ht.hn_clip_pairs_triton(
+                a, plain_txt, tau=torch.tensor(0.1), gamma=0.5, label_smoothing=0.0, normalize=True
+            ).mean()
+        )
+    )
     with pytest.raises(RuntimeError, match='second derivatives .* backend="triton"'):
         hessian(img.detach())
 
@@ -188,8 +226,13 @@ class _Loss(torch.nn.Module):
 def test_export():
     img, txt = _features(seed=3)
     ep = torch.export.export(_Loss(), (img, txt))
-    targets = {str(n.target) for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule)
-               for n in m.graph.nodes if n.op == "call_function"}
+    targets = {
+        str(n.target)
+        for m in ep.graph_module.modules()
+        if isinstance(m, torch.fx.GraphModule)
+        for n in m.graph.nodes
+        if n.op == "call_function"
+    }
     assert "hnclip.triton_symmetric_nll.default" in targets, targets
     assert torch.equal(ep.module()(img, txt), _Loss()(img, txt))
 
@@ -205,8 +248,9 @@ SCHEDULES = {
 # three times: automatic dynamic makes τ symbolic at the first change, γ at its first change.)
 
 
-@pytest.mark.parametrize("backend, schedule", [("eager", "margin"), ("aot_eager", "margin"),
-                                               ("aot_eager", "warmup"), ("inductor", "warmup")])
+@pytest.mark.parametrize(
+    "backend, schedule", [("eager", "margin"), ("aot_eager", "margin"), ("aot_eager", "warmup"), ("inductor", "warmup")]
+)
 def test_compile_fullgraph_schedule_compiles_at_most_twice(backend, schedule):
     # "inductor" here compiles the code around the operator (opaque under the interpreter) for the
     # CPU; Inductor compiling the Triton kernels themselves is tests/backends/test_gpu.py's
@@ -230,7 +274,7 @@ def test_compile_fullgraph_schedule_compiles_at_most_twice(backend, schedule):
 
 
 # ------------------------------------------------------------------ the GPU path, traced on CPU
-_TRACE = textwrap.dedent('''
+_TRACE = textwrap.dedent("""
     import json
     import torch, triton
     from triton.backends.compiler import GPUTarget
@@ -302,7 +346,7 @@ _TRACE = textwrap.dedent('''
     out["chunked"] = [[_name(kernel_of(node)), len(kernel_of(node).configs)]
                       for node in nodes]
     print(json.dumps(out))
-''')
+""")
 
 
 def test_traced_for_inductor_without_gpu():
@@ -311,17 +355,26 @@ def test_traced_for_inductor_without_gpu():
     (torch's mutation analysis of the kernels' TTIR), γ a tensor argument."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HNCLIP_TRITON_LAUNCH")}
     env["HNCLIP_AUTOTUNE"] = "1"
-    proc = subprocess.run([sys.executable, "-c", _TRACE], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRACE], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    writes = {"_fwd_pair_kernel": ["col_part_ptr", "row_part_ptr"], "_fold_kernel": ["acc_ptr"],
-              "_merge_kernel": ["delta_ptr", "dsum_ptr", "mean_neg_ptr"],
-              "_dscore_pair_kernel": ["w_ptr"]}
+    writes = {
+        "_fwd_pair_kernel": ["col_part_ptr", "row_part_ptr"],
+        "_fold_kernel": ["acc_ptr"],
+        "_merge_kernel": ["delta_ptr", "dsum_ptr", "mean_neg_ptr"],
+        "_dscore_pair_kernel": ["w_ptr"],
+    }
     # one slab at N = 8: the walk over tile pairs, the folds of its row blocks' and its splits'
     # partials, the two merges (rows, columns)
-    assert [k for k, *_ in out["fwd"]] == ["_fwd_pair_kernel", "_fold_kernel", "_fold_kernel", "_merge_kernel",
-                                           "_merge_kernel"], out["fwd"]
+    assert [k for k, *_ in out["fwd"]] == [
+        "_fwd_pair_kernel",
+        "_fold_kernel",
+        "_fold_kernel",
+        "_merge_kernel",
+        "_merge_kernel",
+    ], out["fwd"]
     assert [k for k, *_ in out["bwd"]] == ["_dscore_pair_kernel"], out["bwd"]  # the GEMMs: torch.mm / addmm
     for kernel, cloned, takes_gamma in out["fwd"] + out["bwd"]:
         assert cloned == writes[kernel], (kernel, cloned)
@@ -340,4 +393,6 @@ def test_traced_for_inductor_without_gpu():
     # and W_ba written whole, nothing accumulated; the traced autotuner keeps float32's one
     # spill-free pair tile, 64 x 16)
     chunked = out["chunked"]
-    assert len(chunked) == 6 and all(name == "_dscore_pair_kernel" and configs >= 1 for name, configs in chunked), chunked
+    assert len(chunked) == 6 and all(name == "_dscore_pair_kernel" and configs >= 1 for name, configs in chunked), (
+        chunked
+    )

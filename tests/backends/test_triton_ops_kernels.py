@@ -8,6 +8,7 @@ edit, one too many a needless recompile. Each kernel has one named launcher besi
 Compiled kernels are needed (the interpreter's are not ``JITFunction``s): the check runs in a
 fresh process without TRITON_INTERPRET; it inspects source only and launches nothing.
 """
+
 import json
 import os
 import subprocess

@@ -13,6 +13,7 @@ once per tile for both (issue 16, item 3).
 The distributed loss itself (gloo ranks, every mode) runs it in tests/distributed/test_distributed.py.
 Bounded: interpreter shapes (M ≤ 130, N ≤ 300), about a minute on two cores.
 """
+
 import pytest
 import torch
 
@@ -33,8 +34,9 @@ def _global(n, d, dtype, seed, duplicates=False):
     if duplicates:  # every fifth caption a near-duplicate (cosine ~0.999) of the one before it
         g = torch.Generator().manual_seed(seed + 1)
         txt = all_txt.double()
-        txt[1::5] = txt[0::5][:txt[1::5].shape[0]] + 0.03 * torch.randn(txt[1::5].shape, generator=g,
-                                                                         dtype=torch.float64)
+        txt[1::5] = txt[0::5][: txt[1::5].shape[0]] + 0.03 * torch.randn(
+            txt[1::5].shape, generator=g, dtype=torch.float64
+        )
         all_txt = txt.to(dtype)
     return all_img, all_txt
 
@@ -42,12 +44,14 @@ def _global(n, d, dtype, seed, duplicates=False):
 def _leaves(all_img, all_txt, m, offset, strided=False):
     """Fresh leaves: the local rows (copies, as a rank holds them) and the gathered batch;
     ``strided``: column-major copies of everything (non-contiguous inputs)."""
+
     def leaf(x):
         x = x.detach().clone()
         if strided:
             x = x.t().contiguous().t()
         return x.requires_grad_(True)
-    return (leaf(all_img[offset:offset + m]), leaf(all_txt[offset:offset + m]), leaf(all_img), leaf(all_txt))
+
+    return (leaf(all_img[offset : offset + m]), leaf(all_txt[offset : offset + m]), leaf(all_img), leaf(all_txt))
 
 
 def _run(kind, leaves, tau, offset, gamma, eps, weights, normalize=True, threshold=None):
@@ -90,7 +94,7 @@ def test_rank_op_equals_two_directional_ops_bitwise(launch, monkeypatch, dtype, 
             # the low parts of the 16-bit dS split (its rounding compensation) are not, so the CPU
             # GEMMs' sums differ by up to one fp16 ulp of a gradient (seen on AVX2, not AVX-512):
             # bitwise only for the rows and dτ, the feature gradients within one ulp
-            assert_close_rel(x, y, 2 ** -10, name)
+            assert_close_rel(x, y, 2**-10, name)
         else:
             assert torch.equal(x, y), f"{name}: max |Δ| {(x.float() - y.float()).abs().max():.3g}"
 
@@ -114,9 +118,8 @@ def test_masked_rank_op_equals_two_directional_ops_bitwise(dtype, gamma, eps):
 def test_rank_op_statistics_are_the_directional_ops():
     m, n, d, offset = 20, 50, 16, 30
     all_img, all_txt = _global(n, d, torch.float32, seed=4)
-    img, txt = all_img[offset:offset + m], all_txt[offset:offset + m]
-    kw = dict(tau=torch.tensor(0.03), offset=offset, gamma=0.5, label_smoothing=0.1, normalize=True,
-              return_stats=True)
+    img, txt = all_img[offset : offset + m], all_txt[offset : offset + m]
+    kw = dict(tau=torch.tensor(0.03), offset=offset, gamma=0.5, label_smoothing=0.1, normalize=True, return_stats=True)
     rows, (i2t, t2i) = ht.rank_nll_triton(img, txt, all_img, all_txt, **kw)
     _, want_i2t = ht.directional_nll_triton(img, all_txt, query_txt=txt, key_txt=all_txt, **kw)
     _, want_t2i = ht.directional_nll_triton(txt, all_img, query_txt=txt, key_txt=all_txt, **kw)
@@ -133,8 +136,16 @@ def test_rank_op_against_float64(launch, dtype, threshold):
     all_img, all_txt = _global(n, d, dtype, seed=5, duplicates=threshold is not None)
     weights = torch.linspace(0.25, 2.0, m, dtype=torch.float64)
     got = _run("rank", _leaves(all_img, all_txt, m, offset), 0.05, offset, 0.5, 0.1, weights, threshold=threshold)
-    want = _run("f64", _leaves(all_img.double(), all_txt.double(), m, offset), 0.05, offset, 0.5, 0.1, weights,
-                threshold=threshold)
+    want = _run(
+        "f64",
+        _leaves(all_img.double(), all_txt.double(), m, offset),
+        0.05,
+        offset,
+        0.5,
+        0.1,
+        weights,
+        threshold=threshold,
+    )
     assert got[0].dtype == torch.float32 and all(g.dtype == dtype for g in got[1:5])
     for name, x, y in zip(NAMES, got, want):
         if dtype == torch.float32:
@@ -146,12 +157,24 @@ def test_rank_op_against_float64(launch, dtype, threshold):
 
 def _rank_args(gamma=0.5, eps=0.1, grad=True, m=4, offset=2, n=8, d=8, threshold=None):
     all_img, all_txt = _global(n, d, torch.float32, seed=6, duplicates=threshold is not None)
-    img = all_img[offset:offset + m].clone().requires_grad_(grad)
-    txt = all_txt[offset:offset + m].clone().requires_grad_(grad)
+    img = all_img[offset : offset + m].clone().requires_grad_(grad)
+    txt = all_txt[offset : offset + m].clone().requires_grad_(grad)
     tau = torch.tensor(0.05, requires_grad=grad)
     hyper = [torch.tensor(x, dtype=torch.float64) for x in (gamma, eps, threshold or 0.0)]
-    return (img, txt, all_img.requires_grad_(grad), all_txt.requires_grad_(grad), tau, *hyper, offset,
-            gamma != 0.0, eps != 0.0, threshold is not None, True, "tf32x3")
+    return (
+        img,
+        txt,
+        all_img.requires_grad_(grad),
+        all_txt.requires_grad_(grad),
+        tau,
+        *hyper,
+        offset,
+        gamma != 0.0,
+        eps != 0.0,
+        threshold is not None,
+        True,
+        "tf32x3",
+    )
 
 
 @pytest.mark.parametrize("gamma, eps, threshold", [(0.0, 0.1, None), (0.5, 0.0, None), (0.5, 0.1, 0.9)])
@@ -160,13 +183,15 @@ def test_opcheck_rank(gamma, eps, threshold):
     torch.library.opcheck(OPS.triton_rank_nll, args)
     plain = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in args)
     out = OPS.triton_rank_nll(*plain)
-    torch.library.opcheck(OPS.triton_rank_nll_backward,
-                          (torch.linspace(-1.0, 1.0, 4), *plain[:8], *out[1:], *plain[8:], True))
+    torch.library.opcheck(
+        OPS.triton_rank_nll_backward, (torch.linspace(-1.0, 1.0, 4), *plain[:8], *out[1:], *plain[8:], True)
+    )
 
 
 def _weighted_rows(img, txt, all_img, all_txt, tau):
-    rows = ht.rank_nll_triton(img, txt, all_img, all_txt, tau=tau, offset=2, gamma=0.5, label_smoothing=0.1,
-                              normalize=True)
+    rows = ht.rank_nll_triton(
+        img, txt, all_img, all_txt, tau=tau, offset=2, gamma=0.5, label_smoothing=0.1, normalize=True
+    )
     return (rows * torch.arange(1.0, rows.shape[0] + 1)).sum()
 
 

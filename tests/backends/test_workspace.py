@@ -8,6 +8,7 @@ freed; a buffer still alive when its walk (``*_stats`` / ``*_shares``) returns i
 one freed inside it is workspace. The workspace of each launcher is the peak of its live
 workspace buffers; ``workspace_bytes`` must equal the sum of the two peaks.
 """
+
 import sys
 import weakref
 
@@ -76,11 +77,14 @@ def counter(monkeypatch):
                 return fn(*args, **kwargs)
             finally:
                 c.phase = None  # buffers freed from here on outlived their launcher: outputs
+
         return run
 
     monkeypatch.setattr(torch, "empty", empty)
-    for body, walks in ((symmetric_op, ("symmetric_stats", "symmetric_shares")),
-                        (distributed_ops, ("directional_stats", "directional_shares", "rank_stats", "rank_shares"))):
+    for body, walks in (
+        (symmetric_op, ("symmetric_stats", "symmetric_shares")),
+        (distributed_ops, ("directional_stats", "directional_shares", "rank_stats", "rank_shares")),
+    ):
         for walk in walks:  # the operator bodies call the walks by these names
             monkeypatch.setattr(body, walk, phased("fwd" if walk.endswith("stats") else "bwd", getattr(body, walk)))
     return c
@@ -96,14 +100,16 @@ def gpu_launch_small(monkeypatch):
     assert cfg.launch_mode() == "gpu"
 
 
-@pytest.mark.parametrize("dtype,eps,threshold", [(torch.bfloat16, 0.0, None), (torch.float32, 0.1, None),
-                                                 (torch.float32, 0.1, 0.5)])
+@pytest.mark.parametrize(
+    "dtype,eps,threshold", [(torch.bfloat16, 0.0, None), (torch.float32, 0.1, None), (torch.float32, 0.1, 0.5)]
+)
 def test_symmetric_workspace_counted(gpu_launch_small, counter, dtype, eps, threshold):
     # threshold: false-negative masking adds the kept-count plane to the forward's partials
     n, d = 300, 32
     img, txt = (x.requires_grad_(True) for x in make_pair(n, d, dtype, seed=1))
-    loss = hnclip_kernels.hn_clip_loss(img, txt, 0.07, gamma=0.5, label_smoothing=eps, backend="triton",
-                                       false_negative_threshold=threshold)
+    loss = hnclip_kernels.hn_clip_loss(
+        img, txt, 0.07, gamma=0.5, label_smoothing=eps, backend="triton", false_negative_threshold=threshold
+    )
     loss.backward()
     fwd, bwd = counter.peak("fwd"), counter.peak("bwd")
     assert fwd > 0 and bwd > 0
@@ -114,27 +120,38 @@ def test_symmetric_workspace_counted(gpu_launch_small, counter, dtype, eps, thre
     assert fwd == workspace.forward_bytes(n, n, dtype.itemsize, True, bool(eps), masked=masked)
     assert fwd % (4 * planes * 2) == 0
     assert bwd == workspace.backward_bytes(n, n, d, dtype, symmetric=True)
-    assert fwd + bwd == hnclip_kernels.workspace_bytes(n, d, dtype, gamma=0.5, label_smoothing=eps,
-                                                       false_negative_threshold=threshold)
+    assert fwd + bwd == hnclip_kernels.workspace_bytes(
+        n, d, dtype, gamma=0.5, label_smoothing=eps, false_negative_threshold=threshold
+    )
 
 
-@pytest.mark.parametrize("dtype,threshold", [(torch.bfloat16, None), (torch.float16, None), (torch.float32, None),
-                                             (torch.bfloat16, 0.5)])
+@pytest.mark.parametrize(
+    "dtype,threshold", [(torch.bfloat16, None), (torch.float16, None), (torch.float32, None), (torch.bfloat16, 0.5)]
+)
 def test_rank_workspace_counted(gpu_launch_small, counter, dtype, threshold):
     """A distributed rank's op (both directions in one walk and one dS chunk walk): what it
     allocates is ``workspace_bytes(n, d, dtype, local_rows=m)``, several ragged backward chunks
     (with false-negative masking: the kept-count plane)."""
     m, n, d, offset = 130, 300, 32, 100
     all_img, all_txt = (x.requires_grad_(True) for x in make_pair(n, d, dtype, seed=2))
-    img, txt = all_img[offset:offset + m], all_txt[offset:offset + m]
-    loss = tops.rank_nll_triton(img, txt, all_img, all_txt, tau=torch.tensor(0.05), offset=offset, gamma=0.5,
-                                label_smoothing=0.0, normalize=True, false_negative_threshold=threshold)
+    img, txt = all_img[offset : offset + m], all_txt[offset : offset + m]
+    loss = tops.rank_nll_triton(
+        img,
+        txt,
+        all_img,
+        all_txt,
+        tau=torch.tensor(0.05),
+        offset=offset,
+        gamma=0.5,
+        label_smoothing=0.0,
+        normalize=True,
+        false_negative_threshold=threshold,
+    )
     loss.sum().backward()
     fwd, bwd = counter.peak("fwd"), counter.peak("bwd")
     assert fwd == workspace.forward_bytes(m, n, dtype.itemsize, False, False, masked=threshold is not None) > 0
     assert bwd == workspace.backward_bytes(m, n, d, dtype) > 0
-    assert fwd + bwd == hnclip_kernels.workspace_bytes(n, d, dtype, local_rows=m,
-                                                       false_negative_threshold=threshold)
+    assert fwd + bwd == hnclip_kernels.workspace_bytes(n, d, dtype, local_rows=m, false_negative_threshold=threshold)
 
 
 def test_workspace_is_linear_in_n():
@@ -155,12 +172,14 @@ def test_slabs_fold_columns_gpu_launch(gpu_launch_small, dtype):
     # 64 (5 slabs); each slab's column partials are folded into the running summaries
     row_blocks, slab, splits, _ = cfg.fwd_grid(600, 600, dtype.itemsize, True, torch.device("cpu"))
     assert slab == 2 and row_blocks > slab and splits == 4
-    check_against_truth("triton", 600, 24, dtype, 0.5, 0.05, 0.1, "none", upstream=torch.linspace(-1.0, 2.0, 600),
-                        seed=5)
+    check_against_truth(
+        "triton", 600, 24, dtype, 0.5, 0.05, 0.1, "none", upstream=torch.linspace(-1.0, 2.0, 600), seed=5
+    )
 
 
 def test_forward_bit_reproducible_gpu_launch(gpu_launch_small):
     img, txt = make_pair(400, 32, torch.bfloat16, seed=6)
-    runs = [hnclip_kernels.hn_clip_loss(img, txt, 0.03, gamma=0.5, reduction="none", backend="triton")
-            for _ in range(2)]
+    runs = [
+        hnclip_kernels.hn_clip_loss(img, txt, 0.03, gamma=0.5, reduction="none", backend="triton") for _ in range(2)
+    ]
     assert torch.equal(runs[0], runs[1])

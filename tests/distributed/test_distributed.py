@@ -17,6 +17,7 @@ the gradients are checked against the float64 formula on the concatenated global
 Workers record failed checks instead of raising, so one failure does not leave the other
 ranks hanging in a collective; the parent joins with a deadline and kills stragglers.
 """
+
 from __future__ import annotations
 
 import copy
@@ -51,8 +52,9 @@ def _entry(rank, world, init_method, worker_name, q):
         warnings.filterwarnings("ignore", message="torch.distributed.nn.functional", category=FutureWarning)
         torch.set_num_threads(1)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=45))
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=45)
+        )
         failures, info = [], {}
         globals()[worker_name](rank, world, failures, info)
         q.put((rank, failures, None, info))
@@ -187,8 +189,24 @@ def _backends():
     return ["torch", "triton"] + (["cpp"] if cpp_directional() is not None else [])
 
 
-def _run_case(rank, world, failures, *, sizes, mode, backend, gamma, eps, normalize, layout, seed,
-              with_clip=False, tol=5e-5, tag="", threshold=None):
+def _run_case(
+    rank,
+    world,
+    failures,
+    *,
+    sizes,
+    mode,
+    backend,
+    gamma,
+    eps,
+    normalize,
+    layout,
+    seed,
+    with_clip=False,
+    tol=5e-5,
+    tag="",
+    threshold=None,
+):
     from open_clip.loss import ClipLoss
 
     name = f"[{backend} sizes={sizes} mode={mode} γ={gamma} ε={eps} norm={normalize} {layout} {tag} c={threshold}]"
@@ -199,9 +217,17 @@ def _run_case(rank, world, failures, *, sizes, mode, backend, gamma, eps, normal
     lv, img, map_v = _local_leaf(V[sl], layout)
     lt, txt, map_t = _local_leaf(T[sl], "colmajor" if layout == "strided" else layout)
     s = torch.tensor(S0, dtype=torch.float32, requires_grad=True)
-    loss_fn = HNClipLoss(local_loss=mode[0], gather_with_grad=mode[1], rank=rank, world_size=world,
-                         gamma=gamma, label_smoothing=eps, backend=backend, normalize=normalize,
-                         false_negative_threshold=threshold)
+    loss_fn = HNClipLoss(
+        local_loss=mode[0],
+        gather_with_grad=mode[1],
+        rank=rank,
+        world_size=world,
+        gamma=gamma,
+        label_smoothing=eps,
+        backend=backend,
+        normalize=normalize,
+        false_negative_threshold=threshold,
+    )
     loss = loss_fn(img, txt, s)
     gv, gt, gs = torch.autograd.grad(w[rank] * loss, [lv, lt, s])
     gv, gt = map_v(gv), map_t(gt)
@@ -236,16 +262,74 @@ def _loss_checks(rank, world, failures, equal, unequal):
     for backend in _backends():
         for mode in MODES:
             seed += 1
-            _run_case(rank, world, failures, sizes=equal, mode=mode, backend=backend, gamma=0.0, eps=0.0,
-                      normalize=False, layout="contig", seed=seed, with_clip=True)
-            _run_case(rank, world, failures, sizes=equal, mode=mode, backend=backend, gamma=0.0, eps=0.0,
-                      normalize=False, layout="strided", seed=seed + 1000, with_clip=True)
-            _run_case(rank, world, failures, sizes=equal, mode=mode, backend=backend, gamma=0.5, eps=0.1,
-                      normalize=True, layout="strided", seed=seed + 2000)
-            _run_case(rank, world, failures, sizes=unequal, mode=mode, backend=backend, gamma=0.5, eps=0.0,
-                      normalize=False, layout="colmajor", seed=seed + 3000)
-            _run_case(rank, world, failures, sizes=unequal, mode=mode, backend=backend, gamma=0.5, eps=0.1,
-                      normalize=True, layout="contig", seed=seed + 4000, threshold=0.99)
+            _run_case(
+                rank,
+                world,
+                failures,
+                sizes=equal,
+                mode=mode,
+                backend=backend,
+                gamma=0.0,
+                eps=0.0,
+                normalize=False,
+                layout="contig",
+                seed=seed,
+                with_clip=True,
+            )
+            _run_case(
+                rank,
+                world,
+                failures,
+                sizes=equal,
+                mode=mode,
+                backend=backend,
+                gamma=0.0,
+                eps=0.0,
+                normalize=False,
+                layout="strided",
+                seed=seed + 1000,
+                with_clip=True,
+            )
+            _run_case(
+                rank,
+                world,
+                failures,
+                sizes=equal,
+                mode=mode,
+                backend=backend,
+                gamma=0.5,
+                eps=0.1,
+                normalize=True,
+                layout="strided",
+                seed=seed + 2000,
+            )
+            _run_case(
+                rank,
+                world,
+                failures,
+                sizes=unequal,
+                mode=mode,
+                backend=backend,
+                gamma=0.5,
+                eps=0.0,
+                normalize=False,
+                layout="colmajor",
+                seed=seed + 3000,
+            )
+            _run_case(
+                rank,
+                world,
+                failures,
+                sizes=unequal,
+                mode=mode,
+                backend=backend,
+                gamma=0.5,
+                eps=0.1,
+                normalize=True,
+                layout="contig",
+                seed=seed + 4000,
+                threshold=0.99,
+            )
 
 
 def _both_autograd_gathers(fn):
@@ -268,10 +352,26 @@ def _both_autograd_gathers(fn):
 
 def _gather_checks(rank, world, failures, sizes):
     _both_autograd_gathers(lambda impl: _gather_checks_one(rank, world, failures, sizes, impl))
-    _both_autograd_gathers(lambda impl: [
-        _run_case(rank, world, failures, sizes=sizes, mode=mode, backend="torch", gamma=0.5, eps=0.0,
-                  normalize=True, layout="strided", seed=7 + world, tag=impl)
-        for mode in MODES if mode[1]])
+    _both_autograd_gathers(
+        lambda impl: [
+            _run_case(
+                rank,
+                world,
+                failures,
+                sizes=sizes,
+                mode=mode,
+                backend="torch",
+                gamma=0.5,
+                eps=0.0,
+                normalize=True,
+                layout="strided",
+                seed=7 + world,
+                tag=impl,
+            )
+            for mode in MODES
+            if mode[1]
+        ]
+    )
 
 
 def _gather_checks_one(rank, world, failures, sizes, impl):
@@ -317,8 +417,9 @@ def _error_checks(rank, world, failures):
     base = F.normalize(torch.randn(3, 8), dim=1)
 
     def loss(img, txt, scale=s, **kw):
-        return HNClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world,
-                          backend="torch", **kw)(img, txt, scale)
+        return HNClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world, backend="torch", **kw)(
+            img, txt, scale
+        )
 
     d_bad = F.normalize(torch.randn(3, 10), dim=1) if rank == 1 else base
     msg = _expect_error_everywhere(rank, failures, "feature dim mismatch", lambda: loss(d_bad, d_bad))
@@ -335,12 +436,15 @@ def _error_checks(rank, world, failures):
         "gamma differs": lambda: loss(base, base, gamma=0.3 if rank == 0 else 0.5),
         "label_smoothing differs": lambda: loss(base, base, label_smoothing=0.1 if rank == 1 else 0.0),
         "normalize differs": lambda: loss(base, base, normalize=rank == world - 1),
-        "false_negative_threshold differs": lambda: loss(base, base,
-                                                         false_negative_threshold=0.9 if rank == 1 else None),
-        "local_loss differs": lambda: HNClipLoss(local_loss=rank != 0, gather_with_grad=True, rank=rank,
-                                                 world_size=world, backend="torch")(base, base, s),
-        "gather_with_grad differs": lambda: HNClipLoss(local_loss=True, gather_with_grad=rank != 0, rank=rank,
-                                                       world_size=world, backend="torch")(base, base, s),
+        "false_negative_threshold differs": lambda: loss(
+            base, base, false_negative_threshold=0.9 if rank == 1 else None
+        ),
+        "local_loss differs": lambda: HNClipLoss(
+            local_loss=rank != 0, gather_with_grad=True, rank=rank, world_size=world, backend="torch"
+        )(base, base, s),
+        "gather_with_grad differs": lambda: HNClipLoss(
+            local_loss=True, gather_with_grad=rank != 0, rank=rank, world_size=world, backend="torch"
+        )(base, base, s),
         # the precision is compared even where the backend ignores it: the ranks asked for different losses
         "precision differs": lambda: loss(base, base, precision="ieee" if rank == 1 else None),
     }
@@ -350,8 +454,9 @@ def _error_checks(rank, world, failures):
             failures.append(f"{name}: unclear message {msg!r}")
     # the τ overflow bound counts γ: (1 + γ)/τ = 1e40 overflows float32 where 1/τ = 1e37 does not
     huge_scale = torch.tensor(1e37) if rank == 1 else s
-    msg = _expect_error_everywhere(rank, failures, "(1 + gamma) / tau overflows",
-                                   lambda: loss(base, base, huge_scale, gamma=1e3))
+    msg = _expect_error_everywhere(
+        rank, failures, "(1 + gamma) / tau overflows", lambda: loss(base, base, huge_scale, gamma=1e3)
+    )
     want = "overflow" if rank == 1 else "invalid input on another rank"
     if msg is not None and want not in msg:
         failures.append(f"(1 + gamma) / tau overflows: rank {rank} expected {want!r} in {msg!r}")
@@ -363,8 +468,12 @@ def _error_checks(rank, world, failures):
         failures.append(f"global logits overflow: unclear message {msg!r}")
     dt_bad = base.double() if rank == 1 else base
     _expect_error_everywhere(rank, failures, "dtype differs", lambda: loss(dt_bad, dt_bad))
-    _expect_error_everywhere(rank, failures, "wrong rank argument", lambda: HNClipLoss(
-        local_loss=True, rank=(rank + 1) % world, world_size=world, backend="torch")(base, base, s))
+    _expect_error_everywhere(
+        rank,
+        failures,
+        "wrong rank argument",
+        lambda: HNClipLoss(local_loss=True, rank=(rank + 1) % world, world_size=world, backend="torch")(base, base, s),
+    )
     # still in sync afterwards: a valid call works
     val = loss(base, base)
     _check(failures, "usable after errors", lambda: _assert(torch.isfinite(val).item(), "non-finite"))
@@ -379,7 +488,9 @@ def _ddp_open_clip_step(rank, world, failures, info):
     n_total, off = sum(sizes), sum(sizes[:rank])
     torch.manual_seed(0)
     model = open_clip.create_model(
-        "ViT-B-32", pretrained=None, embed_dim=32,
+        "ViT-B-32",
+        pretrained=None,
+        embed_dim=32,
         vision_cfg=dict(image_size=32, patch_size=8, width=32, head_width=16, layers=2, mlp_ratio=2.0),
         text_cfg=dict(context_length=16, vocab_size=49408, width=32, heads=2, layers=2, mlp_ratio=2.0),
     )
@@ -392,8 +503,9 @@ def _ddp_open_clip_step(rank, world, failures, info):
     images = torch.randn(n_total, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     sl = slice(off, off + sizes[rank])
 
-    loss_fn = HNClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world,
-                         gamma=0.5, backend="torch")
+    loss_fn = HNClipLoss(
+        local_loss=True, gather_with_grad=True, rank=rank, world_size=world, gamma=0.5, backend="torch"
+    )
     img_f, txt_f, scale = ddp(images[sl], texts[sl])
     loss = loss_fn(img_f, txt_f, scale)
     loss.backward()  # DDP averages the gradients over ranks
@@ -421,11 +533,17 @@ def _ddp_open_clip_step(rank, world, failures, info):
     all_after = [torch.empty_like(after) for _ in range(world)]
     dist.all_gather(all_after, after)
     _check(failures, "params changed", lambda: _assert(not torch.equal(before, after), "no update"))
-    _check(failures, "params identical on all ranks",
-           lambda: _assert(all(torch.equal(a, all_after[0]) for a in all_after), "ranks diverged"))
+    _check(
+        failures,
+        "params identical on all ranks",
+        lambda: _assert(all(torch.equal(a, all_after[0]) for a in all_after), "ranks diverged"),
+    )
     single_after = torch.cat([p.detach().reshape(-1) for p in single.parameters()])
-    _check(failures, "params = single-process step",
-           lambda: assert_close_rel(after - before, single_after - before, 1e-4, "update"))
+    _check(
+        failures,
+        "params = single-process step",
+        lambda: assert_close_rel(after - before, single_after - before, 1e-4, "update"),
+    )
 
 
 # ----------------------------------------------------------------------------- workers
@@ -446,10 +564,17 @@ def _worker_thresholds(rank, world, failures, info):
     the consensus error on every rank; a rank that trained on would mask other pairs than its peers."""
     base = F.normalize(torch.randn(3, 8), dim=1)
     for backend in ("torch", "cpp") if cpp_directional() is not None else ("torch",):
-        loss = HNClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world, backend=backend,
-                          false_negative_threshold=0.9 if rank == 0 else 0.95)
-        msg = _expect_error_everywhere(rank, failures, f"{backend}: thresholds 0.9 / 0.95",
-                                       lambda loss=loss: loss(base, base, torch.tensor(S0)))
+        loss = HNClipLoss(
+            local_loss=True,
+            gather_with_grad=True,
+            rank=rank,
+            world_size=world,
+            backend=backend,
+            false_negative_threshold=0.9 if rank == 0 else 0.95,
+        )
+        msg = _expect_error_everywhere(
+            rank, failures, f"{backend}: thresholds 0.9 / 0.95", lambda loss=loss: loss(base, base, torch.tensor(S0))
+        )
         if msg is not None and "false_negative_threshold values differ across ranks: [0.9, 0.95]" not in msg:
             failures.append(f"{backend}: thresholds 0.9 / 0.95: unclear message {msg!r}")
 

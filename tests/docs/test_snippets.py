@@ -2,6 +2,7 @@
 (a real open_clip ViT-B-32, random weights), docs/train.md's CPU smoke run of
 ``python -m hnclip_kernels.train`` and docs/transformers.md's snippets (tiny models). Bound:
 about a minute on 2 idle cores."""
+
 import os
 import re
 import sys
@@ -15,7 +16,7 @@ README = os.path.join(ROOT, "README.md")
 
 def test_quickstart_snippet_runs(capsys):
     text = open(README, encoding="utf-8").read()
-    section = text[text.index("## Quickstart"):]
+    section = text[text.index("## Quickstart") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     scope = {}
     exec(compile(code, "README quickstart", "exec"), scope)
@@ -30,7 +31,7 @@ def _section(title, page):
     text = open(os.path.join(ROOT, "docs", page), encoding="utf-8").read()
     start = text.index(title)
     end = text.find("\n## ", start + len(title))
-    return text[start:end if end >= 0 else None]
+    return text[start : end if end >= 0 else None]
 
 
 def test_smoke_run_commands_train(tmp_path):
@@ -47,8 +48,7 @@ def test_smoke_run_commands_train(tmp_path):
     for command in commands:
         command = command.replace("examples/", os.path.join(repo, "examples", ""))
         command = command.replace("python ", f"{sys.executable} ", 1)
-        proc = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     header = (tmp_path / "smoke" / "train.csv").read_text().splitlines()[0]
     assert header == "filepath\ttitle"
@@ -61,14 +61,22 @@ def test_transformers_snippets_run(tmp_path):
     """The Hugging Face section's two snippets, with a tiny CLIPModel and an in-memory dataset."""
     pytest.importorskip("transformers")
     import torch
+
     sys.path.insert(0, os.path.join(ROOT, "tests", "integrations"))  # the tiny models' home
     from test_transformers import PairData, batch, tiny_model
     from transformers import TrainingArguments
 
     snippets = re.findall(r"```python\n(.*?)```", _section("# Hugging Face transformers", "transformers.md"), re.S)
     assert len(snippets) == 2 and len(snippets[0].strip().splitlines()) == 5
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
-                             report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     scope = dict(model=tiny_model().train(), training_args=args, dataset=PairData(8))
     exec(compile(snippets[0], "README transformers Trainer", "exec"), scope)
     assert scope["trainer"].state.global_step == 2

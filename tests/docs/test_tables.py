@@ -11,6 +11,7 @@ plus, cold, the sm_90a compile of the ``--quick`` kernels, which
 tests/tooling/test_sm90_compile.py, run after it, then finds in the same cache directory: it
 is marked ``sm90`` like that test and skipped where the toolchain is missing.
 """
+
 import os
 import sys
 
@@ -28,15 +29,17 @@ def test_every_table_has_a_region_and_every_region_a_table():
     found = docs_tables.regions()
     assert set(found) == set(docs_tables.TABLES), (
         f"generated regions in the docs: {sorted(found)}; tables tools.docs_tables generates: "
-        f"{sorted(docs_tables.TABLES)}")
+        f"{sorted(docs_tables.TABLES)}"
+    )
 
 
 def _check(name):
     table = docs_tables.generate(name)
     problems = [d for page, old in docs_tables.regions()[name] if (d := docs_tables.diff(name, page, old, table))]
     if problems:
-        pytest.fail("a table in the docs differs from what its tool prints now:\n\n" + "\n\n".join(problems),
-                    pytrace=False)
+        pytest.fail(
+            "a table in the docs differs from what its tool prints now:\n\n" + "\n\n".join(problems), pytrace=False
+        )
 
 
 @pytest.mark.parametrize("name", CHEAP)
@@ -67,20 +70,51 @@ def test_register_table_groups_kernels_by_width_and_candidate():
     from tools.sm90 import markdown_table
 
     def row(kernel, dtypes, cfg, gamma, regs, blocks="M128 N32 K64", spill=0, shared=122880):
-        return dict(kernel=kernel, dtype=dtypes[0], dtypes=dtypes, cfg=cfg, gamma=gamma, regs=regs, blocks=blocks,
-                    num_warps=8, num_stages=3, spill_st=spill, spill_ld=spill, shared=shared)
+        return dict(
+            kernel=kernel,
+            dtype=dtypes[0],
+            dtypes=dtypes,
+            cfg=cfg,
+            gamma=gamma,
+            regs=regs,
+            blocks=blocks,
+            num_warps=8,
+            num_stages=3,
+            spill_st=spill,
+            spill_ld=spill,
+            shared=shared,
+        )
 
-    rows = [row("_fwd_kernel", ["bf16"], "1/2", [0.0], 150), row("_fwd_kernel", ["fp16"], "1/2", [0.0], 165),
-            row("_fwd_kernel", ["bf16"], "1/2", [0.5], 216), row("_fwd_kernel", ["fp16"], "1/2", [0.5], 240, spill=8),
-            row("_fwd_kernel", ["fp32"], "", [0.0, 0.5], 168, blocks="M64 N32 K32", shared=40960),
-            row("_merge_kernel", ["bf16", "fp16", "fp32"], "", [0.0, 0.5], 32, blocks="-", shared=0)]
-    report = dict(rows=rows, problems=["_fwd_kernel ... spills 8/8 B"], launches=9, triton="3.8.0", target="sm_90a",
-                  config=dict(dtypes=["bf16", "fp16", "fp32"], D=[64, 768], gammas=[0.0, 0.5], smoothings=[0.0],
-                              thresholds=[None], n=4096, local_m=512))
+    rows = [
+        row("_fwd_kernel", ["bf16"], "1/2", [0.0], 150),
+        row("_fwd_kernel", ["fp16"], "1/2", [0.0], 165),
+        row("_fwd_kernel", ["bf16"], "1/2", [0.5], 216),
+        row("_fwd_kernel", ["fp16"], "1/2", [0.5], 240, spill=8),
+        row("_fwd_kernel", ["fp32"], "", [0.0, 0.5], 168, blocks="M64 N32 K32", shared=40960),
+        row("_merge_kernel", ["bf16", "fp16", "fp32"], "", [0.0, 0.5], 32, blocks="-", shared=0),
+    ]
+    report = dict(
+        rows=rows,
+        problems=["_fwd_kernel ... spills 8/8 B"],
+        launches=9,
+        triton="3.8.0",
+        target="sm_90a",
+        config=dict(
+            dtypes=["bf16", "fp16", "fp32"],
+            D=[64, 768],
+            gammas=[0.0, 0.5],
+            smoothings=[0.0],
+            thresholds=[None],
+            n=4096,
+            local_m=512,
+        ),
+    )
     head, table = markdown_table(report).split("\n\n")
-    assert head == ("triton 3.8.0, sm_90a; bf16, fp16, fp32; D = 64, 768; γ = 0, 0.5; label smoothing 0; "
-                    "false-negative threshold None; N = 4096, a rank's M = 512: 9 launches, 6 distinct kernels, "
-                    "1 problem.")
+    assert head == (
+        "triton 3.8.0, sm_90a; bf16, fp16, fp32; D = 64, 768; γ = 0, 0.5; label smoothing 0; "
+        "false-negative threshold None; N = 4096, a rank's M = 512: 9 launches, 6 distinct kernels, "
+        "1 problem."
+    )
     assert table.splitlines()[2:] == [
         "| `_fwd_kernel` | bf16, fp16 | 1/2 | M128 N32 K64 | 8 / 3 | 150–165 | 216–240 | 8 / 8 | 120 |",
         "| `_fwd_kernel` | fp32 | - | M64 N32 K32 | 8 / 3 | 168 | 168 | 0 | 40 |",

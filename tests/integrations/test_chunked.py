@@ -7,6 +7,7 @@ relative in float32 against (a) the unchunked step without dropout and (b) with 
 same chunks run once with grad and nothing recomputed (same seed, same order). One spawn of 2
 gloo ranks checks DDP (one all-reduce per bucket per step) and FSDP2 (``fully_shard``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,10 +32,20 @@ TOL = 1e-5
 def oc_model(dropout: bool, seed=0):
     torch.manual_seed(seed)
     model = open_clip.create_model(
-        "ViT-B-32", pretrained=None, embed_dim=32,
-        vision_cfg=dict(image_size=32, patch_size=8, width=32, head_width=16, layers=2, mlp_ratio=2.0,
-                        patch_dropout=0.5 if dropout else 0.0),
-        text_cfg=dict(context_length=CTX, vocab_size=49408, width=32, heads=2, layers=2, mlp_ratio=2.0))
+        "ViT-B-32",
+        pretrained=None,
+        embed_dim=32,
+        vision_cfg=dict(
+            image_size=32,
+            patch_size=8,
+            width=32,
+            head_width=16,
+            layers=2,
+            mlp_ratio=2.0,
+            patch_dropout=0.5 if dropout else 0.0,
+        ),
+        text_cfg=dict(context_length=CTX, vocab_size=49408, width=32, heads=2, layers=2, mlp_ratio=2.0),
+    )
     if dropout:  # open_clip's blocks are nn.MultiheadAttention, dropout 0 by default
         for m in model.modules():
             if isinstance(m, torch.nn.MultiheadAttention):
@@ -55,8 +66,13 @@ def groups(model):
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        key = "logit_scale" if name == "logit_scale" else "image tower" if name.startswith(("visual", "vision")) \
+        key = (
+            "logit_scale"
+            if name == "logit_scale"
+            else "image tower"
+            if name.startswith(("visual", "vision"))
             else "text tower"
+        )
         out[key][name] = p.grad.detach().clone()
     return out
 
@@ -72,8 +88,13 @@ def worst(got, want):
     for key, params in want.items():
         assert set(got[key]) == set(params), key
         total = torch.cat([g.reshape(-1) for g in params.values()]).norm() if params else None
-        res[key] = max((rel_err(got[key][n], g) if ZERO_GRAD not in n
-                        else (got[key][n] - g).norm().item() / total.item() for n, g in params.items()), default=0.0)
+        res[key] = max(
+            (
+                rel_err(got[key][n], g) if ZERO_GRAD not in n else (got[key][n] - g).norm().item() / total.item()
+                for n, g in params.items()
+            ),
+            default=0.0,
+        )
     return res
 
 
@@ -90,14 +111,22 @@ def oc_step(model, images, texts, chunk, *, seed=0, by_hand=False, lit=False):
     loss_fn = HNClipLoss(gamma=0.5)
     if lit:  # frozen image tower, LiT-style
         with torch.no_grad():
-            img = (chunked_encode(lambda x: model.encode_image(x, normalize=True), images, chunk) if chunk
-                   else model.encode_image(images, normalize=True))
-        txt = (chunked_encode(lambda x: model.encode_text(x, normalize=True), texts, chunk) if chunk
-               else model.encode_text(texts, normalize=True))
+            img = (
+                chunked_encode(lambda x: model.encode_image(x, normalize=True), images, chunk)
+                if chunk
+                else model.encode_image(images, normalize=True)
+            )
+        txt = (
+            chunked_encode(lambda x: model.encode_text(x, normalize=True), texts, chunk)
+            if chunk
+            else model.encode_text(texts, normalize=True)
+        )
         scale = model.logit_scale.exp()
     elif by_hand:
-        img = torch.cat([model.encode_image(images[i:i + chunk], normalize=True) for i in range(0, len(images), chunk)])
-        txt = torch.cat([model.encode_text(texts[i:i + chunk], normalize=True) for i in range(0, len(texts), chunk)])
+        img = torch.cat(
+            [model.encode_image(images[i : i + chunk], normalize=True) for i in range(0, len(images), chunk)]
+        )
+        txt = torch.cat([model.encode_text(texts[i : i + chunk], normalize=True) for i in range(0, len(texts), chunk)])
         scale = model.logit_scale.exp()
     elif chunk:
         img, txt, scale = chunked_features(model, images, texts, chunk)
@@ -199,8 +228,18 @@ def test_tuple_and_dict_inputs_and_none_values():
     assert rel_err(chunked_encode(enc, dict(a=x, b=y, mask=None), 3), want) <= TOL
 
 
-@pytest.mark.parametrize("bad, exc", [(0, ValueError), (-2, ValueError), (True, TypeError), (2.0, TypeError),
-                                      (1.5, TypeError), ("4", TypeError), (None, TypeError)])
+@pytest.mark.parametrize(
+    "bad, exc",
+    [
+        (0, ValueError),
+        (-2, ValueError),
+        (True, TypeError),
+        (2.0, TypeError),
+        (1.5, TypeError),
+        ("4", TypeError),
+        (None, TypeError),
+    ],
+)
 def test_bad_chunk_sizes_raise_naming_chunk_size(bad, exc):
     with pytest.raises(exc, match="chunk_size"):
         chunked_encode(torch.nn.Identity(), torch.randn(4, 2), bad)
@@ -223,12 +262,29 @@ VOCAB, L = 99, 7
 def hf_model(dropout: bool, seed=0):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.CLIPConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                         num_attention_heads=2, max_position_embeddings=16, bos_token_id=97, eos_token_id=98,
-                         pad_token_id=0, attention_dropout=0.25 if dropout else 0.0),
-        vision_config=dict(image_size=30, patch_size=6, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                           num_attention_heads=2, attention_dropout=0.25 if dropout else 0.0),
-        projection_dim=24)
+        text_config=dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=16,
+            bos_token_id=97,
+            eos_token_id=98,
+            pad_token_id=0,
+            attention_dropout=0.25 if dropout else 0.0,
+        ),
+        vision_config=dict(
+            image_size=30,
+            patch_size=6,
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            attention_dropout=0.25 if dropout else 0.0,
+        ),
+        projection_dim=24,
+    )
     torch.manual_seed(seed)
     return transformers.CLIPModel(cfg).train()
 
@@ -250,10 +306,15 @@ def hf_step(model, batch, chunk, *, seed=0, by_hand=False):
     ids, pixels, mask = batch
     torch.manual_seed(seed)
     if by_hand:
-        img = torch.cat([model.get_image_features(pixel_values=pixels[i:i + chunk]).pooler_output
-                         for i in range(0, N, chunk)])
-        txt = torch.cat([model.get_text_features(input_ids=ids[i:i + chunk], attention_mask=mask[i:i + chunk])
-                         .pooler_output for i in range(0, N, chunk)])
+        img = torch.cat(
+            [model.get_image_features(pixel_values=pixels[i : i + chunk]).pooler_output for i in range(0, N, chunk)]
+        )
+        txt = torch.cat(
+            [
+                model.get_text_features(input_ids=ids[i : i + chunk], attention_mask=mask[i : i + chunk]).pooler_output
+                for i in range(0, N, chunk)
+            ]
+        )
         loss = HNClipLoss(gamma=0.5, normalize=True)(img, txt, model.logit_scale.exp())
     else:
         loss = clip_model_loss(model, ids, pixels, mask, gamma=0.5, chunk_size=chunk)
@@ -322,9 +383,20 @@ def test_hn_clip_trainer_chunked_steps_equal_unchunked(tmp_path):
     from hnclip_kernels.integrations.transformers import HNClipTrainer
 
     def run(**kw):
-        args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8,
-                                 learning_rate=3e-3, warmup_steps=0, logging_steps=1, save_strategy="no",
-                                 report_to="none", use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        args = TrainingArguments(
+            output_dir=str(tmp_path),
+            max_steps=3,
+            per_device_train_batch_size=8,
+            learning_rate=3e-3,
+            warmup_steps=0,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            seed=0,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+        )
         trainer = HNClipTrainer(model=hf_model(dropout=False), args=args, train_dataset=_Pairs(), gamma=0.5, **kw)
         trainer.train()
         return [row["loss"] for row in trainer.state.log_history if "loss" in row], trainer
@@ -347,6 +419,7 @@ def _counting_allreduce(counter):
     def hook(state, bucket):
         counter.append(bucket.index())
         return allreduce_hook(None, bucket)
+
     return hook
 
 
@@ -357,7 +430,7 @@ def _ddp_open_clip(rank, world, report):
     from hnclip_kernels.train import _chunked_forward
 
     images, texts = oc_batch()
-    rows = slice(sum(SIZES[:rank]), sum(SIZES[:rank + 1]))
+    rows = slice(sum(SIZES[:rank]), sum(SIZES[: rank + 1]))
     loss_fn = HNClipLoss(gamma=0.5, local_loss=True, gather_with_grad=True, rank=rank, world_size=world)
     for name, chunk in (("unchunked", None), ("chunked", C)):
         model = oc_model(dropout=False)
@@ -380,7 +453,7 @@ def _hf_wrapped(rank, world, report):
     from hnclip_kernels.integrations.transformers import clip_model_loss
 
     ids, pixels, mask = hf_batch()
-    rows = slice(sum(SIZES[:rank]), sum(SIZES[:rank + 1]))
+    rows = slice(sum(SIZES[:rank]), sum(SIZES[: rank + 1]))
     for name, chunk in (("unchunked", None), ("chunked", C)):
         for kind in ("ddp", "fsdp2"):
             model = hf_model(dropout=False)
@@ -397,8 +470,9 @@ def _worker(rank, world, init_method, q):
     try:
         torch.set_num_threads(1)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                                             timeout=timedelta(seconds=60))
+        torch.distributed.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
         report = {}
         _ddp_open_clip(rank, world, report)
         _hf_wrapped(rank, world, report)
@@ -443,19 +517,24 @@ def test_two_gloo_ranks_ddp_and_fsdp2(tmp_path):
 
 
 def test_readme_snippets_run(tmp_path):
-    """"Large batches on small GPUs": the HF and the custom-loop snippets, on the tiny models."""
+    """ "Large batches on small GPUs": the HF and the custom-loop snippets, on the tiny models."""
     import re
 
     from transformers import TrainingArguments
 
     readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md"), encoding="utf-8").read()
     start = readme.index("## Large batches on small GPUs")
-    section = readme[start:readme.index("\n## ", start + 1)]
+    section = readme[start : readme.index("\n## ", start + 1)]
     hf_code, oc_code = re.findall(r"```python\n(.*?)```", section, re.S)
     ids, pixels, mask = hf_batch()
-    scope = dict(model=hf_model(dropout=False), training_args=TrainingArguments(output_dir=str(tmp_path),
-                 report_to="none", use_cpu=True), dataset=_Pairs(), input_ids=ids, pixel_values=pixels,
-                 attention_mask=mask)
+    scope = dict(
+        model=hf_model(dropout=False),
+        training_args=TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True),
+        dataset=_Pairs(),
+        input_ids=ids,
+        pixel_values=pixels,
+        attention_mask=mask,
+    )
     exec(compile(hf_code, "README HF", "exec"), scope)
     assert scope["trainer"].hn_options["chunk_size"] == 32 and scope["loss"].ndim == 0
     images, texts = oc_batch(40)  # 32 + 8

@@ -1,5 +1,6 @@
 """examples/dense_caption_demo.py end to end on a tiny configuration: outputs exist and are sane,
 and two runs with the same seed give identical numbers."""
+
 import csv
 import math
 import os
@@ -13,15 +14,26 @@ pytest.importorskip("tqdm")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import dense_caption_demo as demo  # noqa: E402
 
-TINY = ["--train-groups", "6", "--eval-groups", "3", "--epochs", "1", "--batch-groups", "3",
-        "--probe-batches", "1", "--no-progress"]
+TINY = [
+    "--train-groups",
+    "6",
+    "--eval-groups",
+    "3",
+    "--epochs",
+    "1",
+    "--batch-groups",
+    "3",
+    "--probe-batches",
+    "1",
+    "--no-progress",
+]
 
 
 def test_dataset_groups_differ_in_one_attribute():
     images, captions = demo.make_groups(5, 4, seed=3)
     assert images.shape == (20, 3, demo.IMAGE_SIZE, demo.IMAGE_SIZE)
     for g in range(5):
-        group = captions[4 * g:4 * g + 4]
+        group = captions[4 * g : 4 * g + 4]
         base = group[0].split()
         for other in group[1:]:
             words = other.split()
@@ -43,13 +55,25 @@ def test_tiny_run_outputs_and_determinism(tmp_path):
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with open(out / "history.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert [(r["loss"], r["epoch"]) for r in rows] == [("ClipLoss", "0"), ("ClipLoss", "1"),
-                                                      ("HN-CLIP", "0"), ("HN-CLIP", "1")]
+    assert [(r["loss"], r["epoch"]) for r in rows] == [
+        ("ClipLoss", "0"),
+        ("ClipLoss", "1"),
+        ("HN-CLIP", "0"),
+        ("HN-CLIP", "1"),
+    ]
     with open(out / "steps.csv") as fh:
         assert len(list(csv.DictReader(fh))) == 2 * 2  # 6 groups / 3 per batch, two runs
     for row in first["history"]:
-        for key in ("i2t_R@1", "i2t_R@5", "t2i_R@1", "t2i_R@5", "i2t_group_acc", "t2i_group_acc",
-                    "saturated_rows", "lost_positive_rows"):
+        for key in (
+            "i2t_R@1",
+            "i2t_R@5",
+            "t2i_R@1",
+            "t2i_R@5",
+            "i2t_group_acc",
+            "t2i_group_acc",
+            "saturated_rows",
+            "lost_positive_rows",
+        ):
             assert 0.0 <= row[key] <= 1.0, key
         assert row["i2t_R@1"] <= row["i2t_R@5"] and row["t2i_R@1"] <= row["t2i_R@5"]
         assert row["tau"] > 0 and math.isfinite(row["exact_loss"])

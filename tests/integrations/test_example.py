@@ -1,4 +1,5 @@
 """The main job end to end: a real open_clip model (random init) trains with hn_clip_loss."""
+
 import math
 import os
 import sys

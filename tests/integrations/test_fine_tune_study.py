@@ -1,5 +1,6 @@
 """examples/fine_tune_study.py --quick end to end: the outputs are well formed (not what they say),
 the stage-1 checkpoint is reused, and the statistics helpers compute what they claim."""
+
 import csv
 import math
 import os
@@ -60,7 +61,8 @@ def test_quick_run_outputs_are_well_formed(tmp_path):
     history = _rows(out / "history.csv")
     quick = study.QUICK
     assert {(r["arm"], int(r["seed"]), int(r["epoch"])) for r in history} == {
-        (a, s, e) for a in ran for s in range(quick["seeds"]) for e in range(quick["epochs"] + 1)}
+        (a, s, e) for a in ran for s in range(quick["seeds"]) for e in range(quick["epochs"] + 1)
+    }
     for r in history:
         for key in ("i2t_R@1", "i2t_R@5", "t2i_R@1", "t2i_R@5", "i2t_group_acc", "t2i_group_acc"):
             assert 0.0 <= float(r[key]) <= 1.0, key

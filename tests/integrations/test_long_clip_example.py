@@ -3,6 +3,7 @@
 Bound: one run of 2 steps, two spawned interpreters importing torch and open_clip, about 20 s
 on 2 loaded cores (killed after 240 s). γ = 0, so Long-CLIP's own formula is comparable.
 """
+
 import math
 import os
 import re
@@ -17,8 +18,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_two_process_long_clip_loss_equals_the_global_batch():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "examples/long_clip_loss.py", "--gamma", "0", "--steps", "2"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "examples/long_clip_loss.py", "--gamma", "0", "--steps", "2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "2 ranks, local pairs [6, 4]" in out

@@ -4,6 +4,7 @@ A tiny ViT (open_clip's ``local-dir:`` schema) trains 4 steps on 16 generated PN
 The per-step contrastive losses are recorded by wrapping the loss object open_clip_train hands
 to ``train_one_epoch``, so they are compared at full precision (its log prints 5 digits).
 """
+
 import json
 import logging
 import math
@@ -30,9 +31,11 @@ def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("oc_train")
     (root / "model").mkdir()
     (root / "img").mkdir()
-    model_cfg = {"embed_dim": 32,
-                 "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 64, "head_width": 32, "layers": 1},
-                 "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+    model_cfg = {
+        "embed_dim": 32,
+        "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 64, "head_width": 32, "layers": 1},
+        "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+    }
     (root / "model" / "open_clip_config.json").write_text(json.dumps({"model_cfg": model_cfg}))
     rng = np.random.default_rng(0)
     colors, shapes = ["red", "green", "blue", "yellow"], ["square", "circle", "stripe", "dot"]
@@ -46,11 +49,44 @@ def data(tmp_path_factory):
 
 
 def _argv(data, logs, name):
-    return ["--model", f"local-dir:{data / 'model'}", "--train-data", str(data / "train.csv"),
-            "--dataset-type", "csv", "--csv-img-key", "filepath", "--csv-caption-key", "title",
-            "--csv-separator", ",", "--device", "cpu", "--precision", "fp32", "--workers", "0",
-            "--batch-size", "4", "--epochs", "1", "--lr", "1e-3", "--warmup", "0", "--seed", "0",
-            "--log-every-n-steps", "1", "--report-to", "", "--logs", str(logs), "--name", name]
+    return [
+        "--model",
+        f"local-dir:{data / 'model'}",
+        "--train-data",
+        str(data / "train.csv"),
+        "--dataset-type",
+        "csv",
+        "--csv-img-key",
+        "filepath",
+        "--csv-caption-key",
+        "title",
+        "--csv-separator",
+        ",",
+        "--device",
+        "cpu",
+        "--precision",
+        "fp32",
+        "--workers",
+        "0",
+        "--batch-size",
+        "4",
+        "--epochs",
+        "1",
+        "--lr",
+        "1e-3",
+        "--warmup",
+        "0",
+        "--seed",
+        "0",
+        "--log-every-n-steps",
+        "1",
+        "--report-to",
+        "",
+        "--logs",
+        str(logs),
+        "--name",
+        name,
+    ]
 
 
 def _run(entry, argv):
@@ -70,15 +106,18 @@ def _run(entry, argv):
 
     # open_clip_train's setup_logging adds root handlers and sets every logger to INFO: undo that
     handlers = list(logging.root.handlers)
-    levels = {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
-              if isinstance(logger, logging.Logger)}
+    levels = {
+        name: logger.level
+        for name, logger in logging.root.manager.loggerDict.items()
+        if isinstance(logger, logging.Logger)
+    }
     levels[None] = logging.root.level
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(oc_main, "train_one_epoch", train_one_epoch)
             assert entry(argv) is None
     finally:
-        for h in logging.root.handlers[len(handlers):]:
+        for h in logging.root.handlers[len(handlers) :]:
             h.close()
         logging.root.handlers[:] = handlers
         for name in [None, *logging.root.manager.loggerDict]:  # new ones (placeholders before) too
@@ -95,12 +134,24 @@ def runs(data, tmp_path_factory):
         "gamma0": _run(hn_train.main, _argv(data, logs, "gamma0") + ["--hn-gamma", "0"]),
         "gamma05": _run(hn_train.main, _argv(data, logs, "gamma05") + ["--hn-gamma", "0.5", "--hn-log-stats"]),
         # 4 pairs a step in chunks of 3 (3 + 1), open_clip's checkpointing nested inside; stats every 2nd step
-        "chunked": _run(hn_train.main, _argv(data, logs, "chunked") + [
-            "--hn-gamma", "0.5", "--hn-chunk-size", "3", "--grad-checkpointing", "--hn-log-stats",
-            "--log-every-n-steps", "2"]),
+        "chunked": _run(
+            hn_train.main,
+            _argv(data, logs, "chunked")
+            + [
+                "--hn-gamma",
+                "0.5",
+                "--hn-chunk-size",
+                "3",
+                "--grad-checkpointing",
+                "--hn-log-stats",
+                "--log-every-n-steps",
+                "2",
+            ],
+        ),
         "bf16": _run(hn_train.main, _argv(data, logs, "bf16") + ["--precision", "amp_bf16"]),
-        "bf16_chunked": _run(hn_train.main, _argv(data, logs, "bf16_chunked") + [
-            "--precision", "amp_bf16", "--hn-chunk-size", "3"]),
+        "bf16_chunked": _run(
+            hn_train.main, _argv(data, logs, "bf16_chunked") + ["--precision", "amp_bf16", "--hn-chunk-size", "3"]
+        ),
     }, logs
 
 
@@ -179,8 +230,15 @@ def test_accum_freq_is_refused_pointing_to_the_chunk_flag(monkeypatch, capsys):
     assert "argument --accum-freq: 3 is refused" in err and "--batch-size 48 --hn-chunk-size 16" in err
 
 
-@pytest.mark.parametrize("value, words", [("0", "must be a positive integer"), ("-4", "must be a positive integer"),
-                                          ("1.5", "invalid int value"), ("x", "invalid int value")])
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ("0", "must be a positive integer"),
+        ("-4", "must be a positive integer"),
+        ("1.5", "invalid int value"),
+        ("x", "invalid int value"),
+    ],
+)
 def test_bad_chunk_size_flag_fails_before_training(monkeypatch, capsys, value, words):
     monkeypatch.setattr(oc_main, "main", lambda argv: pytest.fail("training started"))
     with pytest.raises(SystemExit) as exc:
@@ -197,13 +255,20 @@ def test_chunk_size_with_torchcompile_is_refused(monkeypatch, capsys):
     assert "--torchcompile" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag, value, words", [
-    ("--hn-gamma", "-1", "gamma (margin scale) must be >= 0"),
-    ("--hn-gamma", "nan", "gamma must be finite"),
-    ("--hn-label-smoothing", "1", "label_smoothing must be in [0, 1)"),
-    ("--hn-backend", "cuda", "backend must be one of"),
-    ("--hn-false-negative-threshold", "1.5", "false_negative_threshold must be None or a caption cosine in (-1, 1]"),
-])
+@pytest.mark.parametrize(
+    "flag, value, words",
+    [
+        ("--hn-gamma", "-1", "gamma (margin scale) must be >= 0"),
+        ("--hn-gamma", "nan", "gamma must be finite"),
+        ("--hn-label-smoothing", "1", "label_smoothing must be in [0, 1)"),
+        ("--hn-backend", "cuda", "backend must be one of"),
+        (
+            "--hn-false-negative-threshold",
+            "1.5",
+            "false_negative_threshold must be None or a caption cosine in (-1, 1]",
+        ),
+    ],
+)
 def test_bad_hn_flags_fail_before_training(monkeypatch, capsys, flag, value, words):
     monkeypatch.setattr(oc_main, "main", lambda argv: pytest.fail("training started"))
     with pytest.raises(SystemExit) as exc:
@@ -213,8 +278,10 @@ def test_bad_hn_flags_fail_before_training(monkeypatch, capsys, flag, value, wor
     assert f"argument {flag}: " in err and words in err
 
 
-@pytest.mark.parametrize("typo, suggestion", [("--hn-gama", "--hn-gamma"), ("--hn_backend=cpp", "--hn-backend"),
-                                              ("--hn-stats", "--hn-log-stats")])
+@pytest.mark.parametrize(
+    "typo, suggestion",
+    [("--hn-gama", "--hn-gamma"), ("--hn_backend=cpp", "--hn-backend"), ("--hn-stats", "--hn-log-stats")],
+)
 def test_mistyped_hn_flag_is_reported_by_name(monkeypatch, capsys, typo, suggestion):
     monkeypatch.setattr(oc_main, "main", lambda argv: pytest.fail("training started"))
     with pytest.raises(SystemExit) as exc:
@@ -244,7 +311,7 @@ def test_comma_csv_without_separator_flag_is_an_argparse_error(data, monkeypatch
     monkeypatch.setattr(oc_main, "main", lambda argv: pytest.fail("training started"))
     argv = _argv(data, data, "x")
     i = argv.index("--csv-separator")
-    del argv[i:i + 2]
+    del argv[i : i + 2]
     with pytest.raises(SystemExit) as exc:
         hn_train.main(argv)
     assert exc.value.code == 2
@@ -253,12 +320,15 @@ def test_comma_csv_without_separator_flag_is_an_argparse_error(data, monkeypatch
     assert "tab-separated" in err and "--csv-separator ','" in err
 
 
-@pytest.mark.parametrize("extra, words", [
-    (["--siglip"], "--siglip (open_clip builds SigLipLoss)"),
-    (["--model", "coca_ViT-B-32"], "CoCaLoss"),
-    (["--distill-model", "ViT-B-32", "--distill-pretrained", "x"], "DistillClipLoss"),
-    (["--horovod"], "--horovod"),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--siglip"], "--siglip (open_clip builds SigLipLoss)"),
+        (["--model", "coca_ViT-B-32"], "CoCaLoss"),
+        (["--distill-model", "ViT-B-32", "--distill-pretrained", "x"], "DistillClipLoss"),
+        (["--horovod"], "--horovod"),
+    ],
+)
 def test_losses_other_than_clip_loss_are_rejected(monkeypatch, capsys, extra, words):
     monkeypatch.setattr(oc_main, "main", lambda argv: pytest.fail("training started"))
     with pytest.raises(SystemExit) as exc:
@@ -282,12 +352,25 @@ def test_passes_other_arguments_through_and_restores_patches(monkeypatch):
         return -1  # open_clip's "experiment already exists" return value comes back
 
     monkeypatch.setattr(oc_main, "main", fake_main)
-    argv = ["--model", "ViT-B-32", "--local-loss", "--hn-gamma=0.25", "--gather-with-grad",
-            "--hn-label-smoothing", "0.1", "--hn-backend", "torch", "--hn-false-negative-threshold", "0.95",
-            "--logs", "x", "--lr", "1e-4"]
+    argv = [
+        "--model",
+        "ViT-B-32",
+        "--local-loss",
+        "--hn-gamma=0.25",
+        "--gather-with-grad",
+        "--hn-label-smoothing",
+        "0.1",
+        "--hn-backend",
+        "torch",
+        "--hn-false-negative-threshold",
+        "0.95",
+        "--logs",
+        "x",
+        "--lr",
+        "1e-4",
+    ]
     assert hn_train.main(argv) == -1
-    assert got["argv"] == ["--model", "ViT-B-32", "--local-loss", "--gather-with-grad",
-                           "--logs", "x", "--lr", "1e-4"]
+    assert got["argv"] == ["--model", "ViT-B-32", "--local-loss", "--gather-with-grad", "--logs", "x", "--lr", "1e-4"]
     assert hn_train.main(["--", *argv]) == -1  # a "--" that a launcher passed on is dropped
     assert got["argv"][:2] == ["--model", "ViT-B-32"]
     assert issubclass(got["ddp"], ddp) and got["create_loss"] is not create_loss
@@ -336,20 +419,38 @@ def test_cli_without_training_extra_exits_with_the_install_command(tmp_path):
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'braceexpand'\")\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "hnclip_kernels.train", "--model", "ViT-B-32"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hnclip_kernels.train", "--model", "ViT-B-32"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr
     assert "braceexpand" in proc.stderr and 'pip install "open_clip_torch[training]"' in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.skipif(os.environ.get("HNCLIP_TRAIN_DDP") != "1",
-                    reason="2-process torchrun run, ~50 s on 2 cores: set HNCLIP_TRAIN_DDP=1")
+@pytest.mark.skipif(
+    os.environ.get("HNCLIP_TRAIN_DDP") != "1", reason="2-process torchrun run, ~50 s on 2 cores: set HNCLIP_TRAIN_DDP=1"
+)
 def test_torchrun_two_cpu_processes(data, tmp_path):
     argv = _argv(data, tmp_path, "ddp")
     argv[argv.index("--batch-size") + 1] = "2"  # 2 per rank: 4 steps of the 16 pairs
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "hnclip_kernels.train", "--", *argv, "--local-loss", "--gather-with-grad"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "hnclip_kernels.train",
+        "--",
+        *argv,
+        "--local-loss",
+        "--gather-with-grad",
+    ]
     runs = {}
     for name, extra in (("ddp", []), ("ddp_chunked", ["--hn-chunk-size", "1"])):  # chunks of 1 of 2 per rank
         cmd[cmd.index("--name") + 1] = name
@@ -357,8 +458,11 @@ def test_torchrun_two_cpu_processes(data, tmp_path):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         log = (tmp_path / name / "out.log").read_text()
         assert "local_loss=True, gather_with_grad=True, rank=0, world_size=2, gamma=0.5" in log
-        runs[name] = [float(line.split("Contrastive_loss: ")[1].split()[0])
-                      for line in log.splitlines() if "Contrastive_loss: " in line]
+        runs[name] = [
+            float(line.split("Contrastive_loss: ")[1].split()[0])
+            for line in log.splitlines()
+            if "Contrastive_loss: " in line
+        ]
         assert len(runs[name]) == STEPS and all(math.isfinite(v) for v in runs[name])
     np.testing.assert_allclose(runs["ddp_chunked"], runs["ddp"], rtol=1e-4)  # the log's 5 digits
 
@@ -372,9 +476,13 @@ def test_chunked_epoch_runs_chunked_features_inside_ddp_and_restores_the_forward
     from hnclip_kernels import chunked
 
     model = open_clip.create_model(
-        "ViT-B-32", pretrained=None, embed_dim=16, output_dict=True,
+        "ViT-B-32",
+        pretrained=None,
+        embed_dim=16,
+        output_dict=True,
         vision_cfg=dict(image_size=16, patch_size=8, width=32, head_width=16, layers=1),
-        text_cfg=dict(context_length=8, vocab_size=49408, width=32, heads=2, layers=1))
+        text_cfg=dict(context_length=8, vocab_size=49408, width=32, heads=2, layers=1),
+    )
     images, texts = torch.randn(5, 3, 16, 16), torch.randint(1, 49407, (5, 8))
     seen = []
     monkeypatch.setattr(chunked, "checkpoint", lambda fn, *a, **k: seen.append(len(a[0])) or fn(*a))

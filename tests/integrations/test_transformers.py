@@ -4,6 +4,7 @@ Bounds: each test builds a 2-layer CLIP of width 32 in well under a second; the 
 steps of batch 8 (a few seconds); the 2-process gloo run spawns two interpreters that import
 torch and transformers (about 15–30 s on 2 loaded cores, killed after 120 s).
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,11 +38,25 @@ def tiny_config():
     from transformers import CLIPConfig
 
     return CLIPConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                         num_attention_heads=2, max_position_embeddings=16, bos_token_id=BOS, eos_token_id=EOS,
-                         pad_token_id=PAD),
-        vision_config=dict(image_size=30, patch_size=6, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                           num_attention_heads=2),
+        text_config=dict(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=16,
+            bos_token_id=BOS,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+        ),
+        vision_config=dict(
+            image_size=30,
+            patch_size=6,
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+        ),
         projection_dim=24,
     )
 
@@ -220,12 +235,29 @@ def test_trainer_trains_with_finite_decreasing_loss(tmp_path):
     """6 steps on one repeated batch of 8 pairs (the loss must fall), CPU, nothing written but tmp_path."""
     from transformers import TrainingArguments
 
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=8,
-                             per_device_eval_batch_size=8, learning_rate=3e-3, warmup_steps=0, logging_steps=1,
-                             save_strategy="no", report_to="none", use_cpu=True, seed=0,
-                             dataloader_num_workers=0, disable_tqdm=True)
-    trainer = HNClipTrainer(model=tiny_model().train(), args=args, train_dataset=PairData(8),
-                            eval_dataset=PairData(8), gamma=0.5, backend="cpp" if HAS_CPP else "torch")
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=8,
+        learning_rate=3e-3,
+        warmup_steps=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = HNClipTrainer(
+        model=tiny_model().train(),
+        args=args,
+        train_dataset=PairData(8),
+        eval_dataset=PairData(8),
+        gamma=0.5,
+        backend="cpp" if HAS_CPP else "torch",
+    )
     trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
@@ -241,8 +273,16 @@ def test_trainer_trains_with_finite_decreasing_loss(tmp_path):
 def _args(tmp_path, **kwargs):
     from transformers import TrainingArguments
 
-    return TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, report_to="none", use_cpu=True,
-                             save_strategy="no", dataloader_num_workers=0, disable_tqdm=True, **kwargs)
+    return TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **kwargs,
+    )
 
 
 def test_trainer_takes_label_smoothing_factor_as_epsilon(tmp_path):
@@ -277,8 +317,13 @@ def test_evaluate_calls_compute_metrics_with_pair_labels(tmp_path):
 
     data = PairData(8)
     model = tiny_model()
-    trainer = HNClipTrainer(model=model, args=_args(tmp_path, per_device_eval_batch_size=3), eval_dataset=data,
-                            compute_metrics=recall_at_1, backend="torch")
+    trainer = HNClipTrainer(
+        model=model,
+        args=_args(tmp_path, per_device_eval_batch_size=3),
+        eval_dataset=data,
+        compute_metrics=recall_at_1,
+        backend="torch",
+    )
     for _ in range(2):  # labels restart at every evaluation
         metrics = trainer.evaluate()
     assert len(calls) == 2
@@ -317,11 +362,12 @@ def _worker(rank, world, init_method, q):
     try:
         torch.set_num_threads(1)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                                             timeout=timedelta(seconds=60))
+        torch.distributed.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
         ddp = torch.nn.parallel.DistributedDataParallel(tiny_model())  # the wrapper path of clip_model_loss
         ids, pixels, mask = batch()
-        rows = slice(sum(SIZES[:rank]), sum(SIZES[:rank + 1]))
+        rows = slice(sum(SIZES[:rank]), sum(SIZES[: rank + 1]))
         loss = clip_model_loss(ddp, ids[rows], pixels[rows], mask[rows], gamma=0.5, label_smoothing=0.1)
         loss.backward()  # DDP averages the gradients over the two ranks
         # numpy arrays travel by value (a tensor would be shared memory that dies with this process)
@@ -341,8 +387,10 @@ def test_two_gloo_processes_equal_the_global_batch(tmp_path):
     procs = [ctx.Process(target=_worker, args=(r, 2, init, q)) for r in range(2)]
     for p in procs:
         p.start()
-    results = {rank: (loss, None if grad is None else {k: torch.from_numpy(g) for k, g in grad.items()}, tb)
-               for rank, (loss, grad, tb) in collect_rank_reports(q, procs, 2, 120).items()}
+    results = {
+        rank: (loss, None if grad is None else {k: torch.from_numpy(g) for k, g in grad.items()}, tb)
+        for rank, (loss, grad, tb) in collect_rank_reports(q, procs, 2, 120).items()
+    }
     assert sorted(results) == [0, 1], f"ranks reported: {sorted(results)} (hang or crash)"
     for rank, (_, _, tb) in results.items():
         assert tb is None, f"rank {rank}:\n{tb}"

@@ -1,4 +1,5 @@
 """CI smoke test of the benchmark suite: the CPU sweep at tiny sizes, end to end."""
+
 import csv
 import math
 import os
@@ -15,8 +16,22 @@ from benchmarks.report import COLUMNS, MEASURED_COLUMNS  # noqa: E402
 def test_cpu_sweep_writes_complete_csv_and_plots(tmp_path):
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the benchmark must not depend on the test setup
-    cmd = [sys.executable, "-m", "benchmarks.run", "--device", "cpu", "--quick", "--sizes", "64,128",
-           "--dims", "32", "--reps", "1", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.run",
+        "--device",
+        "cpu",
+        "--quick",
+        "--sizes",
+        "64,128",
+        "--dims",
+        "32",
+        "--reps",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "hnclip-torch" in proc.stdout and "targets" in proc.stdout
@@ -68,9 +83,21 @@ def test_memory_plot_has_no_negative_region(tmp_path):
 
     from benchmarks import report
 
-    rows = [dict(provider=p, dtype="float32", D=32, mode="fwd+bwd", N=n, status="ok", median_ms=1.0 + n,
-                 peak_mem_mb=mem, device="cpu", device_name="test")
-            for p, n, mem in (("hnclip-torch", 64, 0.0), ("hnclip-torch", 128, 30.0), ("hnclip-cpp", 64, 2.0))]
+    rows = [
+        dict(
+            provider=p,
+            dtype="float32",
+            D=32,
+            mode="fwd+bwd",
+            N=n,
+            status="ok",
+            median_ms=1.0 + n,
+            peak_mem_mb=mem,
+            device="cpu",
+            device_name="test",
+        )
+        for p, n, mem in (("hnclip-torch", 64, 0.0), ("hnclip-torch", 128, 30.0), ("hnclip-cpp", 64, 2.0))
+    ]
     created = []
     original = plt.subplots
 

@@ -2,6 +2,7 @@
 GPU check script), run from the repository root with the arguments the tests give them, write only where their
 output argument points: the checkout shows no new or changed file afterwards, ignored folders included
 (demo_out/, benchmarks/out/, logs/), caches such as __pycache__/ aside."""
+
 import importlib.util
 import os
 import shutil
@@ -14,8 +15,19 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # ignored paths that running Python, pytest, ruff or the build touch by design
 CACHES = ("__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache", ".venv", ".venv-ci", "build", ".whl")
-DEMO_TINY = ["--train-groups", "6", "--eval-groups", "3", "--epochs", "1", "--batch-groups", "3",
-             "--probe-batches", "1", "--no-progress"]  # tests/integrations/test_demo.py
+DEMO_TINY = [
+    "--train-groups",
+    "6",
+    "--eval-groups",
+    "3",
+    "--epochs",
+    "1",
+    "--batch-groups",
+    "3",
+    "--probe-batches",
+    "1",
+    "--no-progress",
+]  # tests/integrations/test_demo.py
 
 
 def _git(*args):
@@ -65,24 +77,51 @@ def _demo(out):
 
 
 def _bench(out):  # tests/tooling/test_benchmarks_smoke.py's sweep, one provider: the same CSV and plot writers
-    return [sys.executable, "-m", "benchmarks.run", "--device", "cpu", "--quick", "--sizes", "64,128",
-            "--dims", "32", "--reps", "1", "--providers", "hnclip-torch", "--out", str(out / "bench")], {
-        "TRITON_INTERPRET": None}
+    return [
+        sys.executable,
+        "-m",
+        "benchmarks.run",
+        "--device",
+        "cpu",
+        "--quick",
+        "--sizes",
+        "64,128",
+        "--dims",
+        "32",
+        "--reps",
+        "1",
+        "--providers",
+        "hnclip-torch",
+        "--out",
+        str(out / "bench"),
+    ], {"TRITON_INTERPRET": None}
 
 
 def _gpu_check(out):  # tests/tooling/test_gpu_check.py
     return ["bash", "tools/gpu_check.sh", str(out / "gpu_check")], {
-        "PYTHON": sys.executable, "GPU_CHECK_SKIP": "wheels,info,tests,work", "GPU_CHECK_BUDGET_S": "300",
-        "TRITON_INTERPRET": None, "OUT": None, "GPU_CHECK_SITE": str(out / "site")}
+        "PYTHON": sys.executable,
+        "GPU_CHECK_SKIP": "wheels,info,tests,work",
+        "GPU_CHECK_BUDGET_S": "300",
+        "TRITON_INTERPRET": None,
+        "OUT": None,
+        "GPU_CHECK_SITE": str(out / "site"),
+    }
 
 
 COMMANDS = [
     pytest.param(_demo, id="dense_caption_demo", marks=_needs("open_clip", "matplotlib", "tqdm")),
     pytest.param(_bench, id="benchmarks.run", marks=_needs("matplotlib")),
-    pytest.param(_gpu_check, id="gpu_check.sh", marks=[
-        pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
-                           reason="needs bash and coreutils' timeout"),
-        pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path only (minutes on a GPU)")]),
+    pytest.param(
+        _gpu_check,
+        id="gpu_check.sh",
+        marks=[
+            pytest.mark.skipif(
+                shutil.which("bash") is None or shutil.which("timeout") is None,
+                reason="needs bash and coreutils' timeout",
+            ),
+            pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path only (minutes on a GPU)"),
+        ],
+    ),
 ]
 
 

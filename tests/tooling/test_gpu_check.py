@@ -1,5 +1,6 @@
 """CPU checks of the GPU check: tools/gpu_check.sh parses and runs its shell logic to the
 end without a GPU, and tests/backends/test_gpu.py's quick level keeps the coverage it promises."""
+
 import collections
 import os
 import shutil
@@ -36,14 +37,23 @@ def test_gpu_check_runs_without_gpu(tmp_path):
     env.pop("TRITON_INTERPRET", None)  # the script must not depend on the test setup
     env.pop("OUT", None)
     out = tmp_path / "out"
-    proc = subprocess.run(["bash", SCRIPTS[0], str(out)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        ["bash", SCRIPTS[0], str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = (out / "summary.txt").read_text()
-    status = {line.split()[0]: line.split()[1] for line in summary.splitlines()
-              if line.split() and line.split()[0] in STEPS}
-    assert status == {"wheels": "SKIP", "info": "SKIP", "imports": "PASS", "tests": "SKIP", "compile": "SKIP",
-                      "bench": "SKIP", "work": "SKIP"}, summary
+    status = {
+        line.split()[0]: line.split()[1] for line in summary.splitlines() if line.split() and line.split()[0] in STEPS
+    }
+    assert status == {
+        "wheels": "SKIP",
+        "info": "SKIP",
+        "imports": "PASS",
+        "tests": "SKIP",
+        "compile": "SKIP",
+        "bench": "SKIP",
+        "work": "SKIP",
+    }, summary
     assert "no CUDA device" in summary and "failed or timed-out steps: 0" in summary
     # what the device tool brings back: at most 8 files, no folders left over
     top = sorted(p.name for p in out.iterdir())
@@ -65,8 +75,12 @@ def test_quick_level_coverage():
         n, d, _, gamma, tau, eps, red = zip(*mine)
         assert set(n) == {1, 17, 130, 4097} and set(d) == {3, 64, 768}, dtype
         # the kernels specialise on γ ≠ 0 and ε ≠ 0: every combination, for every dtype
-        assert {(g != 0, e != 0) for g, e in zip(gamma, eps)} == {(False, False), (False, True), (True, False),
-                                                                   (True, True)}, dtype
+        assert {(g != 0, e != 0) for g, e in zip(gamma, eps)} == {
+            (False, False),
+            (False, True),
+            (True, False),
+            (True, True),
+        }, dtype
         assert set(tau) == set(test_gpu.TAUS) and set(red) == set(test_gpu.REDUCTIONS), dtype
     options = test_gpu.option_cases("quick")
     for dtype in DTYPES:
@@ -79,9 +93,11 @@ def test_quick_level_coverage():
 def test_full_level_is_the_whole_matrix():
     cases = test_gpu.matrix_cases("full")
     assert collections.Counter((c[0], c[1], c[2]) for c in cases) == collections.Counter(
-        (n, d, dt) for n in test_gpu.GPU_N["full"] for d in test_gpu.GPU_D["full"] for dt in DTYPES)
+        (n, d, dt) for n in test_gpu.GPU_N["full"] for d in test_gpu.GPU_D["full"] for dt in DTYPES
+    )
     assert sorted(test_gpu.option_cases("full"), key=str) == sorted(
-        ((dt, *opt) for dt in DTYPES for opt in test_gpu.OPTIONS), key=str)
+        ((dt, *opt) for dt in DTYPES for opt in test_gpu.OPTIONS), key=str
+    )
 
 
 def test_compile_step_selects_the_library_tests():
@@ -89,9 +105,13 @@ def test_compile_step_selects_the_library_tests():
     # (compile, the torch.library / torch.compile checks): every test is in exactly one of them
     names = [name for name in dir(test_gpu) if name.startswith("test_")]
     library = [name for name in names if "test_library_" in name]
-    assert {"test_library_inductor_fullgraph_schedule", "test_library_aot_eager_chunked_backward_autotuned",
-            "test_library_opcheck_cuda", "test_library_func_grad_and_vmap_cuda",
-            "test_library_export_cuda"} <= set(library)
+    assert {
+        "test_library_inductor_fullgraph_schedule",
+        "test_library_aot_eager_chunked_backward_autotuned",
+        "test_library_opcheck_cuda",
+        "test_library_func_grad_and_vmap_cuda",
+        "test_library_export_cuda",
+    } <= set(library)
     assert all(name.startswith("test_library_") for name in library)
     with open(SCRIPTS[0]) as f:
         script = f.read()

@@ -5,6 +5,7 @@ the tensor cores do: the split modes tf32x3 and bf16x6 keep the float32 guarante
 regimes, plain tf32 breaks them (so the emulated rounding is really there), and bf16x3 keeps
 them on random features. ``python -m tools.precision`` is the full study (4 seeds, N = 130).
 """
+
 import os
 import sys
 
@@ -13,8 +14,9 @@ import pytest
 if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     # conftest interprets Triton only without CUDA; importing the study would switch the
     # interpreter on for every later test. Run `python -m tools.precision` there instead.
-    pytest.skip("the precision study needs a session that interprets Triton (TRITON_INTERPRET=1)",
-                allow_module_level=True)
+    pytest.skip(
+        "the precision study needs a session that interprets Triton (TRITON_INTERPRET=1)", allow_module_level=True
+    )
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)  # benchmarks/ is a folder of the repository, not an installed package
@@ -35,9 +37,11 @@ def rows():
 
 
 def _describe(r) -> str:
-    return (f"{r['precision']} {r['regime']} N={r['n']} D={r['d']}: loss {r['loss_err']:.2e} (≤ {r['loss_tol']:g}), "
-            f"d img {r['d_img_err']:.2e}, d txt {r['d_txt_err']:.2e}, d tau {r['d_tau_err']:.2e} "
-            f"(≤ {r['grad_tol']:g})")
+    return (
+        f"{r['precision']} {r['regime']} N={r['n']} D={r['d']}: loss {r['loss_err']:.2e} (≤ {r['loss_tol']:g}), "
+        f"d img {r['d_img_err']:.2e}, d txt {r['d_txt_err']:.2e}, d tau {r['d_tau_err']:.2e} "
+        f"(≤ {r['grad_tol']:g})"
+    )
 
 
 @pytest.mark.parametrize("regime", list(DIMS))

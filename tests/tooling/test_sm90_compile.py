@@ -17,6 +17,7 @@ kernel has a float scalar argument, so this compiles what the first test compile
 Cold, each compiles ~60 kernels (2 to 4 minutes on 2 cores); unchanged kernels are cached under
 ``<tempdir>/hnclip-sm90-cache``. Deselect with ``-m "not sm90"``.
 """
+
 import json
 import os
 import subprocess
@@ -53,13 +54,20 @@ def _run_sm90(tmp_path, *args):
     for knob in ("HNCLIP_AUTOTUNE", "HNCLIP_TRITON_LAUNCH"):  # every autotune candidate, GPU launch config
         env.pop(knob, None)
     out = tmp_path / "sm90.json"
-    proc = subprocess.run([sys.executable, "-m", "tools.sm90", "--quick", *args, "--json", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.sm90", "--quick", *args, "--json", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert out.exists(), f"tools.sm90 exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     report = json.loads(out.read_text())
     assert report["rows"], proc.stdout
-    assert not report["problems"], (f"{len(report['problems'])} problem(s) at sm_90a:\n  "
-                                    + "\n  ".join(report["problems"]) + "\n\n" + proc.stdout)
+    assert not report["problems"], (
+        f"{len(report['problems'])} problem(s) at sm_90a:\n  " + "\n  ".join(report["problems"]) + "\n\n" + proc.stdout
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     return report
 
@@ -81,8 +89,20 @@ def test_kernels_compile_for_sm90_with_inductor_scalar_types(tmp_path):
 # ------------------------------------------------------------------ the checker's own rules (fast)
 def _row(**kw):
     """A clean bf16 kernel row, as tools.sm90.run_check reports it."""
-    row = dict(dtype="bf16", prec=["ieee"], regs=168, spill_st=0, spill_ld=0, stack=0, shared=98304,
-               num_warps=4, num_stages=3, mma=["wgmma.m64n64k16.bf16"], tf32=False, dot16=True)
+    row = dict(
+        dtype="bf16",
+        prec=["ieee"],
+        regs=168,
+        spill_st=0,
+        spill_ld=0,
+        stack=0,
+        shared=98304,
+        num_warps=4,
+        num_stages=3,
+        mma=["wgmma.m64n64k16.bf16"],
+        tf32=False,
+        dot16=True,
+    )
     row.update(kw)
     return row
 
@@ -92,8 +112,7 @@ def test_problem_rules_on_synthetic_rows():
 
     assert problems_of(_row()) == []
     # today's fp32 forward kernel (γ = 0.5): fails for its spills only, passes without them
-    fwd_fp32 = _row(dtype="fp32", regs=255, spill_st=740, spill_ld=740, stack=520, shared=131072, mma=[],
-                    dot16=False)
+    fwd_fp32 = _row(dtype="fp32", regs=255, spill_st=740, spill_ld=740, stack=520, shared=131072, mma=[], dot16=False)
     assert problems_of(fwd_fp32) == ["spills 740/740 B (stores/loads)"]
     assert problems_of({**fwd_fp32, "spill_st": 0, "spill_ld": 0}) == []
     assert problems_of(_row(spill_st=0, spill_ld=4)) == ["spills 0/4 B (stores/loads)"]
@@ -103,8 +122,9 @@ def test_problem_rules_on_synthetic_rows():
     tf32 = dict(mma=["wgmma.m64n64k8.tf32"], tf32=True, dot16=False)
     assert problems_of(_row(dtype="fp32", prec=["tf32x3"], **tf32)) == []
     for prec in (["tf32"], ["ieee"], [], ["tf32", "tf32x3"]):
-        assert [p.split(" (")[0] for p in problems_of(_row(dtype="fp32", prec=prec, **tf32))] == \
-            ["tf32 MMA on float32 inputs"], prec
+        assert [p.split(" (")[0] for p in problems_of(_row(dtype="fp32", prec=prec, **tf32))] == [
+            "tf32 MMA on float32 inputs"
+        ], prec
     assert problems_of(_row(dtype="fp16", mma=["wgmma.m64n64k16.f16", "wgmma.m64n64k8.tf32"], tf32=True)) == []
     # a 16-bit tl.dot must become an MMA; a float32 "ieee" dot is FMA by design
     assert problems_of(_row(mma=[])) == ["tl.dot on 16-bit operands but no MMA instruction"]
@@ -122,14 +142,31 @@ def test_ptx_and_ptxas_log_parsing():
         mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1}, {%r1}, {%r2}, {%f2};
     """
     ttir = "%acc = tt.dot %q, %k, %acc0 : tensor<64x64xbf16> * tensor<64x64xbf16> -> tensor<64x64xf32> loc(#loc1)"
-    log = ("ptxas info    : Function properties for _fwd_kernel\n"
-           "    520 bytes stack frame, 740 bytes spill stores, 736 bytes spill loads\n"
-           "ptxas info    : Used 255 registers, used 1 barriers, 520 bytes cumulative stack size\n")
-    ck = types.SimpleNamespace(asm={"ptx": ptx, "ttir": ttir},
-                               metadata=types.SimpleNamespace(shared=131072, num_warps=4, num_stages=3))
+    log = (
+        "ptxas info    : Function properties for _fwd_kernel\n"
+        "    520 bytes stack frame, 740 bytes spill stores, 736 bytes spill loads\n"
+        "ptxas info    : Used 255 registers, used 1 barriers, 520 bytes cumulative stack size\n"
+    )
+    ck = types.SimpleNamespace(
+        asm={"ptx": ptx, "ttir": ttir}, metadata=types.SimpleNamespace(shared=131072, num_warps=4, num_stages=3)
+    )
     r = analyse(ck, log)
-    assert r == dict(regs=255, spill_st=740, spill_ld=736, stack=520, shared=131072, num_warps=4, num_stages=3,
-                     mma=["mma.m16n8k16.f16", "wgmma.m64n128k16.bf16", "wgmma.m64n64k8.tf32"], tf32=True, dot16=True)
-    fp32 = analyse(types.SimpleNamespace(asm={"ptx": "fma.rn.f32 %f1, %f2, %f3, %f4;", "ttir": ttir.replace("bf16", "f32")},
-                                         metadata=ck.metadata), log.replace("740 bytes", "0 bytes"))
+    assert r == dict(
+        regs=255,
+        spill_st=740,
+        spill_ld=736,
+        stack=520,
+        shared=131072,
+        num_warps=4,
+        num_stages=3,
+        mma=["mma.m16n8k16.f16", "wgmma.m64n128k16.bf16", "wgmma.m64n64k8.tf32"],
+        tf32=True,
+        dot16=True,
+    )
+    fp32 = analyse(
+        types.SimpleNamespace(
+            asm={"ptx": "fma.rn.f32 %f1, %f2, %f3, %f4;", "ttir": ttir.replace("bf16", "f32")}, metadata=ck.metadata
+        ),
+        log.replace("740 bytes", "0 bytes"),
+    )
     assert (fp32["mma"], fp32["tf32"], fp32["dot16"], fp32["spill_st"]) == ([], False, False, 0)

@@ -1,6 +1,7 @@
 """Matmul work of the Triton loss, counted by tools/work.py (tl.dot in the interpreter, under
 the GPU launch configuration, plus torch's matmuls): the counter is exact on a known kernel, and
 the loss stays within its budget of N×N×D products."""
+
 import os
 import sys
 
@@ -10,8 +11,7 @@ import torch
 if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     # conftest interprets Triton only without CUDA; importing the counter would switch the
     # interpreter on for every later test. Run `python -m tools.work` there instead.
-    pytest.skip("the work counter needs a session that interprets Triton (TRITON_INTERPRET=1)",
-                allow_module_level=True)
+    pytest.skip("the work counter needs a session that interprets Triton (TRITON_INTERPRET=1)", allow_module_level=True)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)  # benchmarks/ is a folder of the repository, not an installed package
@@ -23,8 +23,7 @@ from tools.work import count_matmul_flops, count_products  # noqa: E402
 
 
 @triton.jit
-def _two_dots_kernel(a_ptr, b_ptr, ab_ptr, aat_ptr, M, N, K,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _two_dots_kernel(a_ptr, b_ptr, ab_ptr, aat_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """One block of rows: A·B and A·Aᵀ (diagonal block), K walked in BK steps, masked edges."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
@@ -69,7 +68,8 @@ def assert_work_within(case: dict, max_x_useful: float) -> None:
         f"{case['kind']} N={case['n']} D={case['d']} {case['dtype']} γ={case['gamma']:g}: "
         f"{case['products']:.2f} products of N×N×D = {case['x_useful']:.2f}× the useful {case['useful_products']} "
         f"(budget {max_x_useful}×): tl.dot {case['dot_products']:.2f}, torch {case['torch_products']:.2f}; "
-        f"tl.dot tiles (MxNxK:calls) {case['dot_tiles']}")
+        f"tl.dot tiles (MxNxK:calls) {case['dot_tiles']}"
+    )
 
 
 @pytest.mark.parametrize("d", [512, 768])

@@ -8,6 +8,7 @@ images for i2t, the local texts for t2i) against N key columns (all texts, all
 images), the positive of row i at column ``offset + i``. One process uses
 offset 0 and M = N; a rank of a distributed job uses its global offset.
 """
+
 from __future__ import annotations
 
 import torch

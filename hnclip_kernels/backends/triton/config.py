@@ -182,10 +182,10 @@ def pruner(kernel: str, width_arg: str):
 
 def _same(config, candidate) -> bool:
     """Is ``config`` the launch of ``candidate`` (its tiles, warps and stages; other kwargs aside)?"""
-    return (
-        all(config.kwargs.get(k) == v for k, v in candidate.kwargs.items())
-        and (config.num_warps, config.num_stages) == (candidate.num_warps, candidate.num_stages)
-    )
+    return all(config.kwargs.get(k) == v for k, v in candidate.kwargs.items()) and (
+        config.num_warps,
+        config.num_stages,
+    ) == (candidate.num_warps, candidate.num_stages)
 
 
 @dataclass(frozen=True)
