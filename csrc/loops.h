@@ -68,44 +68,77 @@ HNCLIP_INLINE T exp_of(T x) {
   }
 }
 
+// ---- False-negative masking: one compile-time flag, kMasked -------------------------------
+// Each loop is written once for both: with kMasked it runs over the columns a row keeps, column
+// j kept when its caption cosine g[j] (the caption-caption tile, laid out as z) is below thr. A
+// masked column counts nowhere: no term of the LSE, of Σd, no probability; the row sums also
+// count the kept columns, and P less its label-smoothing share s is what a masked row's dS holds.
+// Without masking keep() is the constant true, the smoothing share and the counts are compiled
+// out (`if constexpr`), g and thr are never read (callers pass g = z, a valid pointer laid out
+// like z), and each loop performs exactly the operations of the plain loop: bit-identical results.
+template <bool kMasked, typename T>
+HNCLIP_INLINE bool keep(const T* g, int64_t j, T thr) {
+  if constexpr (kMasked) {
+    return g[j] < thr;
+  } else {
+    return true;
+  }
+}
+
+// e less a row's label-smoothing share s with masking; e itself without (no share)
+template <bool kMasked, typename T>
+HNCLIP_INLINE T less_share(T e, T s) {
+  if constexpr (kMasked) {
+    return e - s;
+  } else {
+    return e;
+  }
+}
+
 // ---- Row loops: one row of a tile, one positive p ----------------------------------------
 
-// max_j (z_j − p)
-template <typename T>
-HNCLIP_INLINE T seg_max_body(const T* z, int64_t n, T p) {
+// max_j (z_j − p) over the kept columns
+template <typename T, bool kMasked>
+HNCLIP_INLINE T seg_max_body(const T* z, const T* g, int64_t n, T p, T thr) {
   T m = -std::numeric_limits<T>::infinity();
 #pragma omp simd if(simd : kSimd<T>) reduction(max : m)
   for (int64_t j = 0; j < n; ++j) {
-    const T d = z[j] - p;
+    const T d = keep<kMasked>(g, j, thr) ? z[j] - p : -std::numeric_limits<T>::infinity();
     m = d > m ? d : m;
   }
   return m;
 }
 
-// Σ e, Σ e·d, Σ d with d = z − p, e = exp(d − m), added to out[0..3)
-template <typename T>
-HNCLIP_INLINE void seg_sums_body(const T* z, int64_t n, T p, T m, T* out) {
-  T se = T(0), sw = T(0), sd = T(0);
-#pragma omp simd if(simd : kSimd<T>) reduction(+ : se, sw, sd)
+// Σ e, Σ e·d, Σ d with d = z − p, e = exp(d − m) over the kept columns, added to out[0..3);
+// masked: #kept added to out[3]
+template <typename T, bool kMasked>
+HNCLIP_INLINE void seg_sums_body(const T* z, const T* g, int64_t n, T p, T m, T thr, T* out) {
+  T se = T(0), sw = T(0), sd = T(0), sc = T(0);
+#pragma omp simd if(simd : kSimd<T>) reduction(+ : se, sw, sd, sc)
   for (int64_t j = 0; j < n; ++j) {
-    const T d = z[j] - p;
-    const T e = exp_of<T>(d - m);
+    const bool kept = keep<kMasked>(g, j, thr);
+    const T d = kept ? z[j] - p : T(0);
+    const T e = kept ? exp_of<T>(d - m) : T(0);
     se += e;
     sw += e * d;
     sd += d;
+    if constexpr (kMasked) sc += kept ? T(1) : T(0);
   }
   out[0] += se;
   out[1] += sw;
   out[2] += sd;
+  if constexpr (kMasked) out[3] += sc;
 }
 
-// out ← w · exp((z − p) − shift)   (out may be z)
-template <typename T>
-HNCLIP_INLINE void seg_prob_body(const T* z, T* out, int64_t n, T p, T shift, T w) {
+// out ← w · exp((z − p) − shift) on the kept columns, 0 on the masked ones (out may be z);
+// masked: w · (exp(...) − s), dS of a row with label smoothing spread over its kept classes
+// (s = ε / n_i)
+template <typename T, bool kMasked>
+HNCLIP_INLINE void seg_prob_body(const T* z, const T* g, T* out, int64_t n, T p, T shift, T w, T s, T thr) {
 #pragma omp simd if(simd : kSimd<T>)
   for (int64_t j = 0; j < n; ++j) {
     const T d = z[j] - p;
-    out[j] = w * exp_of<T>(d - shift);
+    out[j] = keep<kMasked>(g, j, thr) ? w * less_share<kMasked>(exp_of<T>(d - shift), s) : T(0);
   }
 }
 
@@ -114,206 +147,99 @@ HNCLIP_INLINE void seg_prob_body(const T* z, T* out, int64_t n, T p, T shift, T 
 // (d_j = z_j − p_j), so the column statistics (the t2i rows of Zᵀ) come from the same
 // row-major tile as the row statistics.
 
-// mx_j ← max(mx_j, d_j)
-template <typename T>
-HNCLIP_INLINE void col_max_body(const T* z, const T* p, int64_t n, T* mx) {
+// mx_j ← max(mx_j, d_j) on the kept columns
+template <typename T, bool kMasked>
+HNCLIP_INLINE void col_max_body(const T* z, const T* g, const T* p, int64_t n, T* mx, T thr) {
 #pragma omp simd if(simd : kSimd<T>)
   for (int64_t j = 0; j < n; ++j) {
-    const T d = z[j] - p[j];
+    const T d = keep<kMasked>(g, j, thr) ? z[j] - p[j] : -std::numeric_limits<T>::infinity();
     mx[j] = d > mx[j] ? d : mx[j];
   }
 }
 
-// se_j += e, sw_j += e·d, sd_j += d with e = exp(d − m_j)
-template <typename T>
-HNCLIP_INLINE void col_sums_body(const T* z, const T* p, const T* m, int64_t n, T* se, T* sw, T* sd) {
+// se_j += e, sw_j += e·d, sd_j += d with e = exp(d − m_j) on the kept columns; masked: sc_j += 1
+// on them (sc is not read without masking)
+template <typename T, bool kMasked>
+HNCLIP_INLINE void col_sums_body(const T* z, const T* g, const T* p, const T* m, int64_t n, T* se, T* sw, T* sd,
+                                 T* sc, T thr) {
 #pragma omp simd if(simd : kSimd<T>)
   for (int64_t j = 0; j < n; ++j) {
-    const T d = z[j] - p[j];
-    const T e = exp_of<T>(d - m[j]);
+    const bool kept = keep<kMasked>(g, j, thr);
+    const T d = kept ? z[j] - p[j] : T(0);
+    const T e = kept ? exp_of<T>(d - m[j]) : T(0);
     se[j] += e;
     sw[j] += e * d;
     sd[j] += d;
+    if constexpr (kMasked) sc[j] += kept ? T(1) : T(0);
   }
 }
 
 // out_j ← w·exp((z_j − p) − shift) + wc_j·exp((z_j − pc_j) − shc_j): row i's softmax over its
-// negatives plus column j's (the transposed direction's) at the same logit (out may be z)
-template <typename T>
-HNCLIP_INLINE void sym_prob_body(const T* z, T* out, int64_t n, T p, T shift, T w, const T* pc, const T* shc,
-                                 const T* wc) {
+// negatives plus column j's (the transposed direction's) at the same logit, on the kept columns
+// (out may be z); masked: each direction's softmax less its smoothing share (s, sc_j; not read
+// without masking). One expression for both: its shape decides which product GCC contracts into
+// an FMA, and the unmasked one must stay the plain sum of two products.
+template <typename T, bool kMasked>
+HNCLIP_INLINE void sym_prob_body(const T* z, const T* g, T* out, int64_t n, T p, T shift, T w, T s, const T* pc,
+                                 const T* shc, const T* wc, const T* sc, T thr) {
 #pragma omp simd if(simd : kSimd<T>)
   for (int64_t j = 0; j < n; ++j) {
     const T zj = z[j];
-    out[j] = w * exp_of<T>((zj - p) - shift) + wc[j] * exp_of<T>((zj - pc[j]) - shc[j]);
+    const T v = w * less_share<kMasked>(exp_of<T>((zj - p) - shift), s) +
+                wc[j] * less_share<kMasked>(exp_of<T>((zj - pc[j]) - shc[j]), kMasked ? sc[j] : T(0));
+    out[j] = keep<kMasked>(g, j, thr) ? v : T(0);
   }
 }
 
-// ---- Masked loops (false-negative masking) ------------------------------------------------
-// The same loops over the columns a row keeps: column j is kept when its caption cosine g[j]
-// (the caption-caption tile, laid out as z) is below thr. A masked column counts nowhere: no
-// term of the LSE, of Σd, no probability; the row sums also count the kept columns. Written
-// beside the loops above, which stay as they are (no threshold: bit-identical results).
-
-template <typename T>
-HNCLIP_INLINE T seg_max_masked_body(const T* z, const T* g, int64_t n, T p, T thr) {
-  T m = -std::numeric_limits<T>::infinity();
-#pragma omp simd if(simd : kSimd<T>) reduction(max : m)
-  for (int64_t j = 0; j < n; ++j) {
-    const T d = g[j] < thr ? z[j] - p : -std::numeric_limits<T>::infinity();
-    m = d > m ? d : m;
-  }
-  return m;
-}
-
-// Σ e, Σ e·d, Σ d, #kept over the kept columns, added to out[0..4)
-template <typename T>
-HNCLIP_INLINE void seg_sums_masked_body(const T* z, const T* g, int64_t n, T p, T m, T thr, T* out) {
-  T se = T(0), sw = T(0), sd = T(0), sc = T(0);
-#pragma omp simd if(simd : kSimd<T>) reduction(+ : se, sw, sd, sc)
-  for (int64_t j = 0; j < n; ++j) {
-    const bool keep = g[j] < thr;
-    const T d = keep ? z[j] - p : T(0);
-    const T e = keep ? exp_of<T>(d - m) : T(0);
-    se += e;
-    sw += e * d;
-    sd += d;
-    sc += keep ? T(1) : T(0);
-  }
-  out[0] += se;
-  out[1] += sw;
-  out[2] += sd;
-  out[3] += sc;
-}
-
-// out ← w · (exp((z − p) − shift) − s) on the kept columns, 0 on the masked ones (out may be z):
-// dS of a row with label smoothing spread over its kept classes (s = ε / n_i)
-template <typename T>
-HNCLIP_INLINE void seg_prob_masked_body(const T* z, const T* g, T* out, int64_t n, T p, T shift, T w, T s, T thr) {
-#pragma omp simd if(simd : kSimd<T>)
-  for (int64_t j = 0; j < n; ++j) {
-    const T d = z[j] - p;
-    out[j] = g[j] < thr ? w * (exp_of<T>(d - shift) - s) : T(0);
-  }
-}
-
-template <typename T>
-HNCLIP_INLINE void col_max_masked_body(const T* z, const T* g, const T* p, int64_t n, T* mx, T thr) {
-#pragma omp simd if(simd : kSimd<T>)
-  for (int64_t j = 0; j < n; ++j) {
-    const T d = g[j] < thr ? z[j] - p[j] : -std::numeric_limits<T>::infinity();
-    mx[j] = d > mx[j] ? d : mx[j];
-  }
-}
-
-template <typename T>
-HNCLIP_INLINE void col_sums_masked_body(const T* z, const T* g, const T* p, const T* m, int64_t n, T* se, T* sw,
-                                        T* sd, T* sc, T thr) {
-#pragma omp simd if(simd : kSimd<T>)
-  for (int64_t j = 0; j < n; ++j) {
-    const bool keep = g[j] < thr;
-    const T d = keep ? z[j] - p[j] : T(0);
-    const T e = keep ? exp_of<T>(d - m[j]) : T(0);
-    se[j] += e;
-    sw[j] += e * d;
-    sd[j] += d;
-    sc[j] += keep ? T(1) : T(0);
-  }
-}
-
-// sym_prob on the kept columns, each direction's softmax less its smoothing share (s, sc_j)
-template <typename T>
-HNCLIP_INLINE void sym_prob_masked_body(const T* z, const T* g, T* out, int64_t n, T p, T shift, T w, T s,
-                                        const T* pc, const T* shc, const T* wc, const T* sc, T thr) {
-#pragma omp simd if(simd : kSimd<T>)
-  for (int64_t j = 0; j < n; ++j) {
-    const T zj = z[j];
-    const T v = w * (exp_of<T>((zj - p) - shift) - s) + wc[j] * (exp_of<T>((zj - pc[j]) - shc[j]) - sc[j]);
-    out[j] = g[j] < thr ? v : T(0);
-  }
-}
-
-// ---- float32 entry points (loops.cpp: one target_clones wrapper around each body) ----------
-float seg_max_f32(const float* z, int64_t n, float p);
-void seg_sums_f32(const float* z, int64_t n, float p, float m, float* out);
-void seg_prob_f32(const float* z, float* out, int64_t n, float p, float shift, float w);
-void col_max_f32(const float* z, const float* p, int64_t n, float* mx);
-void col_sums_f32(const float* z, const float* p, const float* m, int64_t n, float* se, float* sw, float* sd);
-void sym_prob_f32(const float* z, float* out, int64_t n, float p, float shift, float w, const float* pc,
-                  const float* shc, const float* wc);
-float seg_max_masked_f32(const float* z, const float* g, int64_t n, float p, float thr);
-void seg_sums_masked_f32(const float* z, const float* g, int64_t n, float p, float m, float thr, float* out);
-void seg_prob_masked_f32(const float* z, const float* g, float* out, int64_t n, float p, float shift, float w,
-                         float s, float thr);
-void col_max_masked_f32(const float* z, const float* g, const float* p, int64_t n, float* mx, float thr);
-void col_sums_masked_f32(const float* z, const float* g, const float* p, const float* m, int64_t n, float* se,
-                         float* sw, float* sd, float* sc, float thr);
-void sym_prob_masked_f32(const float* z, const float* g, float* out, int64_t n, float p, float shift, float w,
-                         float s, const float* pc, const float* shc, const float* wc, const float* sc, float thr);
+// ---- float32 entry points (loops.cpp: one target_clones wrapper around each body, built for
+// kMasked false and true) -------------------------------------------------------------------
+template <bool kMasked>
+float seg_max_f32(const float* z, const float* g, int64_t n, float p, float thr);
+template <bool kMasked>
+void seg_sums_f32(const float* z, const float* g, int64_t n, float p, float m, float thr, float* out);
+template <bool kMasked>
+void seg_prob_f32(const float* z, const float* g, float* out, int64_t n, float p, float shift, float w, float s,
+                  float thr);
+template <bool kMasked>
+void col_max_f32(const float* z, const float* g, const float* p, int64_t n, float* mx, float thr);
+template <bool kMasked>
+void col_sums_f32(const float* z, const float* g, const float* p, const float* m, int64_t n, float* se, float* sw,
+                  float* sd, float* sc, float thr);
+template <bool kMasked>
+void sym_prob_f32(const float* z, const float* g, float* out, int64_t n, float p, float shift, float w, float s,
+                  const float* pc, const float* shc, const float* wc, const float* sc, float thr);
 
 // ---- What the kernels call: the float32 clones, or the float64 body inlined ----------------
-template <typename T>
-inline T seg_max(const T* z, int64_t n, T p) {
-  if constexpr (kSimd<T>) return seg_max_f32(z, n, p);
-  else return seg_max_body<T>(z, n, p);
+template <typename T, bool kMasked>
+inline T seg_max(const T* z, const T* g, int64_t n, T p, T thr) {
+  if constexpr (kSimd<T>) return seg_max_f32<kMasked>(z, g, n, p, thr);
+  else return seg_max_body<T, kMasked>(z, g, n, p, thr);
 }
-template <typename T>
-inline void seg_sums(const T* z, int64_t n, T p, T m, T* out) {
-  if constexpr (kSimd<T>) seg_sums_f32(z, n, p, m, out);
-  else seg_sums_body<T>(z, n, p, m, out);
+template <typename T, bool kMasked>
+inline void seg_sums(const T* z, const T* g, int64_t n, T p, T m, T thr, T* out) {
+  if constexpr (kSimd<T>) seg_sums_f32<kMasked>(z, g, n, p, m, thr, out);
+  else seg_sums_body<T, kMasked>(z, g, n, p, m, thr, out);
 }
-template <typename T>
-inline void seg_prob(const T* z, T* out, int64_t n, T p, T shift, T w) {
-  if constexpr (kSimd<T>) seg_prob_f32(z, out, n, p, shift, w);
-  else seg_prob_body<T>(z, out, n, p, shift, w);
+template <typename T, bool kMasked>
+inline void seg_prob(const T* z, const T* g, T* out, int64_t n, T p, T shift, T w, T s, T thr) {
+  if constexpr (kSimd<T>) seg_prob_f32<kMasked>(z, g, out, n, p, shift, w, s, thr);
+  else seg_prob_body<T, kMasked>(z, g, out, n, p, shift, w, s, thr);
 }
-template <typename T>
-inline void col_max(const T* z, const T* p, int64_t n, T* mx) {
-  if constexpr (kSimd<T>) col_max_f32(z, p, n, mx);
-  else col_max_body<T>(z, p, n, mx);
+template <typename T, bool kMasked>
+inline void col_max(const T* z, const T* g, const T* p, int64_t n, T* mx, T thr) {
+  if constexpr (kSimd<T>) col_max_f32<kMasked>(z, g, p, n, mx, thr);
+  else col_max_body<T, kMasked>(z, g, p, n, mx, thr);
 }
-template <typename T>
-inline void col_sums(const T* z, const T* p, const T* m, int64_t n, T* se, T* sw, T* sd) {
-  if constexpr (kSimd<T>) col_sums_f32(z, p, m, n, se, sw, sd);
-  else col_sums_body<T>(z, p, m, n, se, sw, sd);
+template <typename T, bool kMasked>
+inline void col_sums(const T* z, const T* g, const T* p, const T* m, int64_t n, T* se, T* sw, T* sd, T* sc, T thr) {
+  if constexpr (kSimd<T>) col_sums_f32<kMasked>(z, g, p, m, n, se, sw, sd, sc, thr);
+  else col_sums_body<T, kMasked>(z, g, p, m, n, se, sw, sd, sc, thr);
 }
-template <typename T>
-inline void sym_prob(const T* z, T* out, int64_t n, T p, T shift, T w, const T* pc, const T* shc, const T* wc) {
-  if constexpr (kSimd<T>) sym_prob_f32(z, out, n, p, shift, w, pc, shc, wc);
-  else sym_prob_body<T>(z, out, n, p, shift, w, pc, shc, wc);
-}
-
-template <typename T>
-inline T seg_max_masked(const T* z, const T* g, int64_t n, T p, T thr) {
-  if constexpr (kSimd<T>) return seg_max_masked_f32(z, g, n, p, thr);
-  else return seg_max_masked_body<T>(z, g, n, p, thr);
-}
-template <typename T>
-inline void seg_sums_masked(const T* z, const T* g, int64_t n, T p, T m, T thr, T* out) {
-  if constexpr (kSimd<T>) seg_sums_masked_f32(z, g, n, p, m, thr, out);
-  else seg_sums_masked_body<T>(z, g, n, p, m, thr, out);
-}
-template <typename T>
-inline void seg_prob_masked(const T* z, const T* g, T* out, int64_t n, T p, T shift, T w, T s, T thr) {
-  if constexpr (kSimd<T>) seg_prob_masked_f32(z, g, out, n, p, shift, w, s, thr);
-  else seg_prob_masked_body<T>(z, g, out, n, p, shift, w, s, thr);
-}
-template <typename T>
-inline void col_max_masked(const T* z, const T* g, const T* p, int64_t n, T* mx, T thr) {
-  if constexpr (kSimd<T>) col_max_masked_f32(z, g, p, n, mx, thr);
-  else col_max_masked_body<T>(z, g, p, n, mx, thr);
-}
-template <typename T>
-inline void col_sums_masked(const T* z, const T* g, const T* p, const T* m, int64_t n, T* se, T* sw, T* sd, T* sc,
-                            T thr) {
-  if constexpr (kSimd<T>) col_sums_masked_f32(z, g, p, m, n, se, sw, sd, sc, thr);
-  else col_sums_masked_body<T>(z, g, p, m, n, se, sw, sd, sc, thr);
-}
-template <typename T>
-inline void sym_prob_masked(const T* z, const T* g, T* out, int64_t n, T p, T shift, T w, T s, const T* pc,
-                            const T* shc, const T* wc, const T* sc, T thr) {
-  if constexpr (kSimd<T>) sym_prob_masked_f32(z, g, out, n, p, shift, w, s, pc, shc, wc, sc, thr);
-  else sym_prob_masked_body<T>(z, g, out, n, p, shift, w, s, pc, shc, wc, sc, thr);
+template <typename T, bool kMasked>
+inline void sym_prob(const T* z, const T* g, T* out, int64_t n, T p, T shift, T w, T s, const T* pc, const T* shc,
+                     const T* wc, const T* sc, T thr) {
+  if constexpr (kSimd<T>) sym_prob_f32<kMasked>(z, g, out, n, p, shift, w, s, pc, shc, wc, sc, thr);
+  else sym_prob_body<T, kMasked>(z, g, out, n, p, shift, w, s, pc, shc, wc, sc, thr);
 }
 
 }  // namespace hnclip

@@ -58,33 +58,20 @@ inline void lse_merge(T& m, T& se, T& sw, T& sd, T m2, T se2, T sw2, T sd2) {
   sd += sd2;
 }
 
-// Fold the n columns z[0..n) of one row into st, skipping column `excl` (the positive).
-template <typename T>
-void update_row(const T* z, int64_t n, int64_t excl, T p, LseState<T>& st) {
+// Fold the n columns z[0..n) of one row into st, skipping column `excl` (the positive); with
+// masking only the columns the row keeps: g[0..n) the caption cosines of the same columns, column
+// j kept when g[j] < thr (without masking g = z, not read; see loops.h)
+template <typename T, bool kMasked>
+void update_row(const T* z, const T* g, int64_t n, int64_t excl, T p, T thr, LseState<T>& st) {
   const int64_t n1 = (excl >= 0 && excl < n) ? excl : n;  // [0, n1) and [n1 + 1, n)
   const int64_t n2 = n1 < n ? n - n1 - 1 : 0;
   if (n1 + n2 == 0) return;
   T tmax = -std::numeric_limits<T>::infinity();
-  if (n1 > 0) tmax = std::max(tmax, seg_max(z, n1, p));
-  if (n2 > 0) tmax = std::max(tmax, seg_max(z + n1 + 1, n2, p));
+  if (n1 > 0) tmax = std::max(tmax, seg_max<T, kMasked>(z, g, n1, p, thr));
+  if (n2 > 0) tmax = std::max(tmax, seg_max<T, kMasked>(z + n1 + 1, g + n1 + 1, n2, p, thr));
   const T safe = lse_rebase(st.m, st.acc[0], st.acc[1], tmax);
-  if (n1 > 0) seg_sums(z, n1, p, safe, st.acc);
-  if (n2 > 0) seg_sums(z + n1 + 1, n2, p, safe, st.acc);
-}
-
-// update_row over the columns the row keeps: g[0..n) the caption cosines of the same columns,
-// column j kept when g[j] < thr (and j != excl)
-template <typename T>
-void update_row_masked(const T* z, const T* g, int64_t n, int64_t excl, T p, T thr, LseState<T>& st) {
-  const int64_t n1 = (excl >= 0 && excl < n) ? excl : n;  // [0, n1) and [n1 + 1, n)
-  const int64_t n2 = n1 < n ? n - n1 - 1 : 0;
-  if (n1 + n2 == 0) return;
-  T tmax = -std::numeric_limits<T>::infinity();
-  if (n1 > 0) tmax = std::max(tmax, seg_max_masked(z, g, n1, p, thr));
-  if (n2 > 0) tmax = std::max(tmax, seg_max_masked(z + n1 + 1, g + n1 + 1, n2, p, thr));
-  const T safe = lse_rebase(st.m, st.acc[0], st.acc[1], tmax);
-  if (n1 > 0) seg_sums_masked(z, g, n1, p, safe, thr, st.acc);
-  if (n2 > 0) seg_sums_masked(z + n1 + 1, g + n1 + 1, n2, p, safe, thr, st.acc);
+  if (n1 > 0) seg_sums<T, kMasked>(z, g, n1, p, safe, thr, st.acc);
+  if (n2 > 0) seg_sums<T, kMasked>(z + n1 + 1, g + n1 + 1, n2, p, safe, thr, st.acc);
 }
 
 // delta = LSE of the gaps, mean_neg = Σ softmax(d)·d, dsum = Σ d
@@ -110,15 +97,19 @@ struct ColStats {  // online LSE state of every column: max, Σe, Σe·d (relati
 };
 
 // Fold a (rows × nb) tile (leading dimension ld), columns [n0, n0 + nb), into the column
-// states; row r's excluded entry (the positive) is at tile column diag + r. scratch: 5·nb.
-template <typename T>
-void col_update(const T* z, int64_t ld, int64_t rows, int64_t nb, int64_t diag, const T* pc, ColStats<T>& cs,
-                int64_t n0, T* scratch) {
+// states; row r's excluded entry (the positive) is at tile column diag + r. With masking only
+// the columns' kept entries: g the caption-cosine tile (same layout as z; without masking g = z,
+// not read), an entry kept when g < thr. scratch: 6·nb, with or without masking (the counts' row tc
+// is passed either way, written with masking only).
+template <typename T, bool kMasked>
+void col_update(const T* z, const T* g, int64_t ld, int64_t rows, int64_t nb, int64_t diag, const T* pc,
+                ColStats<T>& cs, int64_t n0, T thr, T* scratch) {
   T* tmax = scratch;
   T* safe = scratch + nb;
   T* ts = scratch + 2 * nb;
   T* tw = scratch + 3 * nb;
   T* td = scratch + 4 * nb;
+  T* tc = scratch + 5 * nb;  // kept counts (masking only)
   std::fill(tmax, tmax + nb, -std::numeric_limits<T>::infinity());
   auto segments = [&](int64_t r, int64_t& n1, int64_t& n2) {
     const int64_t excl = diag + r;
@@ -129,76 +120,34 @@ void col_update(const T* z, int64_t ld, int64_t rows, int64_t nb, int64_t diag, 
     int64_t n1, n2;
     segments(r, n1, n2);
     const T* zr = z + r * ld;
-    if (n1 > 0) col_max(zr, pc, n1, tmax);
-    if (n2 > 0) col_max(zr + n1 + 1, pc + n1 + 1, n2, tmax + n1 + 1);
+    const T* gr = g + r * ld;
+    if (n1 > 0) col_max<T, kMasked>(zr, gr, pc, n1, tmax, thr);
+    if (n2 > 0) col_max<T, kMasked>(zr + n1 + 1, gr + n1 + 1, pc + n1 + 1, n2, tmax + n1 + 1, thr);
   }
   T* m = cs.m.data() + n0;
   T* se = cs.se.data() + n0;
   T* sw = cs.sw.data() + n0;
   T* sd = cs.sd.data() + n0;
   for (int64_t j = 0; j < nb; ++j) safe[j] = lse_rebase(m[j], se[j], sw[j], tmax[j]);
-  std::fill(ts, ts + 3 * nb, T(0));  // ts, tw, td: this tile's sums, added to the state once
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t n1, n2;
-    segments(r, n1, n2);
-    const T* zr = z + r * ld;
-    if (n1 > 0) col_sums(zr, pc, safe, n1, ts, tw, td);
-    if (n2 > 0) col_sums(zr + n1 + 1, pc + n1 + 1, safe + n1 + 1, n2, ts + n1 + 1, tw + n1 + 1, td + n1 + 1);
-  }
-  for (int64_t j = 0; j < nb; ++j) {
-    se[j] += ts[j];
-    sw[j] += tw[j];
-    sd[j] += td[j];
-  }
-}
-
-// col_update over the columns' kept entries: g the caption-cosine tile (same layout as z), an
-// entry kept when g < thr. scratch: 6·nb.
-template <typename T>
-void col_update_masked(const T* z, const T* g, int64_t ld, int64_t rows, int64_t nb, int64_t diag, const T* pc,
-                       ColStats<T>& cs, int64_t n0, T thr, T* scratch) {
-  T* tmax = scratch;
-  T* safe = scratch + nb;
-  T* ts = scratch + 2 * nb;
-  T* tw = scratch + 3 * nb;
-  T* td = scratch + 4 * nb;
-  T* tc = scratch + 5 * nb;
-  std::fill(tmax, tmax + nb, -std::numeric_limits<T>::infinity());
-  auto segments = [&](int64_t r, int64_t& n1, int64_t& n2) {
-    const int64_t excl = diag + r;
-    n1 = (excl >= 0 && excl < nb) ? excl : nb;
-    n2 = n1 < nb ? nb - n1 - 1 : 0;
-  };
+  std::fill(ts, ts + (kMasked ? 4 : 3) * nb, T(0));  // ts, tw, td[, tc]: this tile's sums, added to the state once
   for (int64_t r = 0; r < rows; ++r) {
     int64_t n1, n2;
     segments(r, n1, n2);
     const T* zr = z + r * ld;
     const T* gr = g + r * ld;
-    if (n1 > 0) col_max_masked(zr, gr, pc, n1, tmax, thr);
-    if (n2 > 0) col_max_masked(zr + n1 + 1, gr + n1 + 1, pc + n1 + 1, n2, tmax + n1 + 1, thr);
-  }
-  T* m = cs.m.data() + n0;
-  T* se = cs.se.data() + n0;
-  T* sw = cs.sw.data() + n0;
-  T* sd = cs.sd.data() + n0;
-  T* sc = cs.sc.data() + n0;
-  for (int64_t j = 0; j < nb; ++j) safe[j] = lse_rebase(m[j], se[j], sw[j], tmax[j]);
-  std::fill(ts, ts + 4 * nb, T(0));
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t n1, n2;
-    segments(r, n1, n2);
-    const T* zr = z + r * ld;
-    const T* gr = g + r * ld;
-    if (n1 > 0) col_sums_masked(zr, gr, pc, safe, n1, ts, tw, td, tc, thr);
+    if (n1 > 0) col_sums<T, kMasked>(zr, gr, pc, safe, n1, ts, tw, td, tc, thr);
     if (n2 > 0)
-      col_sums_masked(zr + n1 + 1, gr + n1 + 1, pc + n1 + 1, safe + n1 + 1, n2, ts + n1 + 1, tw + n1 + 1,
-                      td + n1 + 1, tc + n1 + 1, thr);
+      col_sums<T, kMasked>(zr + n1 + 1, gr + n1 + 1, pc + n1 + 1, safe + n1 + 1, n2, ts + n1 + 1, tw + n1 + 1,
+                           td + n1 + 1, tc + n1 + 1, thr);
   }
   for (int64_t j = 0; j < nb; ++j) {
     se[j] += ts[j];
     sw[j] += tw[j];
     sd[j] += td[j];
-    sc[j] += tc[j];
+  }
+  if constexpr (kMasked) {
+    T* sc = cs.sc.data() + n0;
+    for (int64_t j = 0; j < nb; ++j) sc[j] += tc[j];
   }
 }
 

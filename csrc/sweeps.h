@@ -18,6 +18,8 @@
 //       unweighted col_acc times g is the exact answer and nothing is recomputed).
 //   symmetric forward / backward (the single-process loss, M = N, offset 0): one tile
 //     serves i2t (its rows) and t2i (its columns); see "Symmetric single-process kernels".
+// False-negative masking is a compile-time flag of every pass too (kMasked, see loops.h), made
+// from the runtime one in one place per pass: RowSweep::run, symmetric_stats, symmetric_grads.
 #pragma once
 
 #include <cstring>
@@ -50,7 +52,16 @@ struct RowSweep {
   T* kept = nullptr;
   const T* shift = nullptr;
 
-  void run() {
+  void run() {  // the one point where the runtime masking flag becomes the compile-time kMasked
+    if (masked) {
+      sweep<true>();
+    } else {
+      sweep<false>();
+    }
+  }
+
+  template <bool kMasked>
+  void sweep() {
     const int64_t M = L.size(0), N = R.size(0), D = kh.size(1);
     if (M == 0) {
       if constexpr (kMode != Sweep::kStats) col_acc.zero_();
@@ -61,45 +72,53 @@ struct RowSweep {
     if constexpr (kMode == Sweep::kStats) {  // one tile-row per task, no strip
       at::parallel_for(0, grid.tiles, 1, [&](int64_t t0, int64_t t1) {
         Tensor scratch = grid.scratch(opts);
-        for (int64_t t = t0; t < t1; ++t) block(grid, t * grid.tr, grid.rows_of(t), nullptr, scratch, nullptr, true);
+        for (int64_t t = t0; t < t1; ++t) {
+          block<kMasked>(grid, t * grid.tr, grid.rows_of(t), nullptr, scratch, nullptr, true);
+        }
       });
     } else {
       grouped_strips<T>(grid, D, col_acc, opts,
                         [&](int64_t i0, int64_t rows, Tensor& strip, Tensor& scratch, Tensor& part, bool first) {
-                          block(grid, i0, rows, &strip, scratch, &part, first);
+                          block<kMasked>(grid, i0, rows, &strip, scratch, &part, first);
                         });
     }
   }
 
   // rows [i0, i0 + rows) of the queries, whole tile-rows; strip (>= rows, N) and part (the group's
   // key accumulator) null for kStats
+  template <bool kMasked>
   void block(const TileGrid& grid, int64_t i0, int64_t rows, Tensor* strip, Tensor& scratch, Tensor* part,
              bool first_in_group) {
-    if (masked) {
-      block_masked(grid, i0, rows, strip, scratch, part, first_in_group);
-      return;
-    }
     constexpr bool kForward = kMode != Sweep::kBackward;
+    constexpr bool kKeepG = kMasked && kMode == Sweep::kShares;  // the strip's caption cosines, for P below
     const int64_t N = grid.N;
     T* bp = kMode != Sweep::kStats ? strip->data_ptr<T>() : nullptr;  // leading dimension N
+    Tensor gstrip = kKeepG ? at::empty({rows, std::max<int64_t>(N, 1)}, scratch.options()) : Tensor();
+    T* gsp = kKeepG ? gstrip.data_ptr<T>() : bp;  // without masking g = z (see loops.h)
     std::vector<LseState<T>> st(kForward ? rows : 0);
-    sweep_strip<T>(grid, L, R, i0, rows, scratch, [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z) {
+    sweep_strip<T, kMasked>(grid, L, R, GL, GR, i0, rows, scratch,
+                            [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z, const T* g) {
       if constexpr (kForward) {  // statistics, and (kShares) the logits kept for P below
-        update_row<T>(z, nb, offset + i - n0, pos[i], st[r]);
+        update_row<T, kMasked>(z, g, nb, offset + i - n0, pos[i], thr, st[r]);
         if constexpr (kMode == Sweep::kShares) {
           std::memcpy(bp + r * N + n0, z, static_cast<size_t>(nb) * sizeof(T));
+          if constexpr (kKeepG) std::memcpy(gsp + r * N + n0, g, static_cast<size_t>(nb) * sizeof(T));
         }
-      } else {  // P_ik = w_i exp(d_ik − nll_i) straight from the tile
-        seg_prob(z, bp + r * N + n0, nb, pos[i], nll_in[i], weight[i]);
+      } else {  // P_ik = w_i exp(d_ik − nll_i) straight from the tile; masked: w_i (P_ik − ε/n_i), kept columns
+        const T s = kMasked ? shift[i] : T(0);
+        seg_prob<T, kMasked>(z, g, bp + r * N + n0, nb, pos[i], nll_in[i], weight[i], s, thr);
       }
     });
     if constexpr (kForward) {
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
         finish_row<T>(st[r], delta + i, mean_neg + i, dsum + i);
+        if constexpr (kMasked) kept[i] = st[r].acc[3];
         if constexpr (kMode == Sweep::kShares) {  // P_ik = w_i exp(d_ik − softplus(delta_i)), w = 1
           T* zr = bp + r * N;
-          seg_prob(zr, zr, N, pos[i], softplus<T>(delta[i]), T(1));
+          // masked: P_ik − ε/n_i on the kept columns
+          const T s = kMasked && eps != T(0) ? eps / (kept[i] + T(1)) : T(0);
+          seg_prob<T, kMasked>(zr, gsp + r * N, zr, N, pos[i], softplus<T>(delta[i]), T(1), s, thr);
         }
       }
     }
@@ -125,48 +144,7 @@ struct RowSweep {
       part->addmm_(probs.t(), qi);
     }
   }
-
-  // block() with false-negative masking (below)
-  void block_masked(const TileGrid& grid, int64_t i0, int64_t rows, Tensor* strip, Tensor& scratch, Tensor* part,
-                    bool first_in_group);
 };
-
-template <typename T, Sweep kMode>
-void RowSweep<T, kMode>::block_masked(const TileGrid& grid, int64_t i0, int64_t rows, Tensor* strip,
-                                      Tensor& scratch, Tensor* part, bool first_in_group) {
-  constexpr bool kForward = kMode != Sweep::kBackward;
-  const int64_t N = grid.N;
-  T* bp = kMode != Sweep::kStats ? strip->data_ptr<T>() : nullptr;
-  Tensor gscratch = grid.scratch(scratch.options());
-  Tensor gstrip = kMode == Sweep::kShares ? at::empty({rows, std::max<int64_t>(N, 1)}, scratch.options()) : Tensor();
-  T* gsp = kMode == Sweep::kShares ? gstrip.data_ptr<T>() : nullptr;
-  std::vector<LseState<T>> st(kForward ? rows : 0);
-  sweep_strip_masked<T>(grid, L, R, GL, GR, i0, rows, scratch, gscratch,
-                        [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z, const T* g) {
-    if constexpr (kForward) {
-      update_row_masked<T>(z, g, nb, offset + i - n0, pos[i], thr, st[r]);
-      if constexpr (kMode == Sweep::kShares) {
-        std::memcpy(bp + r * N + n0, z, static_cast<size_t>(nb) * sizeof(T));
-        std::memcpy(gsp + r * N + n0, g, static_cast<size_t>(nb) * sizeof(T));
-      }
-    } else {  // w_i (P_ik − ε/n_i) on the kept columns
-      seg_prob_masked(z, g, bp + r * N + n0, nb, pos[i], nll_in[i], weight[i], shift[i], thr);
-    }
-  });
-  if constexpr (kForward) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = i0 + r;
-      finish_row<T>(st[r], delta + i, mean_neg + i, dsum + i);
-      kept[i] = st[r].acc[3];
-      if constexpr (kMode == Sweep::kShares) {  // P_ik − ε/n_i, upstream 1
-        T* zr = bp + r * N;
-        const T s = eps == T(0) ? T(0) : eps / (kept[i] + T(1));
-        seg_prob_masked(zr, gsp + r * N, zr, N, pos[i], softplus<T>(delta[i]), T(1), s, thr);
-      }
-    }
-  }
-  if constexpr (kMode != Sweep::kStats) block_gemms(i0, rows, N, bp, strip, part, first_in_group);
-}
 
 // ---------------------------------------------------------------------------------------
 // Symmetric single-process kernels: N images against N texts, positives on the diagonal.
@@ -211,41 +189,45 @@ void symmetric_stats(const Tensor& L, const Tensor& R, const T* pos, T* delta_r,
   std::vector<ColStats<T>> cols;
   cols.reserve(groups);
   for (int64_t g = 0; g < groups; ++g) cols.emplace_back(N, mask != nullptr);
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    Tensor scratch = grid.scratch(L.options());
-    // masking forms the caption tile G = t̂_I t̂_Kᵀ beside each logit tile (same grid)
-    Tensor gscratch = mask ? grid.scratch(L.options()) : Tensor();
-    const T* sp = scratch.data_ptr<T>();
-    const T* gp = mask ? gscratch.data_ptr<T>() : nullptr;
-    std::vector<T> col_scratch((mask ? 6 : 5) * bn);
-    std::vector<LseState<T>> st(grid.tr);
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t first = g * grid.tiles / groups, last = (g + 1) * grid.tiles / groups;
-      for (int64_t t = first; t < last; ++t) {
-        const int64_t i0 = t * grid.tr, rows = grid.rows_of(t);
-        std::fill(st.begin(), st.end(), LseState<T>());
-        for (int64_t n0 = 0; n0 < N; n0 += bn) {
-          const int64_t nb = std::min(bn, N - n0);
-          form_tile(L, R, i0, rows, n0, nb, scratch);
-          if (mask) {
-            form_tile(mask->factor(R), mask->factor(R), i0, rows, n0, nb, gscratch);
+  // the one point where the runtime masking flag becomes the compile-time kMasked
+  const auto fold = [&](auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
+    const T thr = kMasked ? mask->thr : T(0);
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      Tensor scratch = grid.scratch(L.options());
+      // masking forms the caption tile G = t̂_I t̂_Kᵀ beside each logit tile (same grid); without, g = z
+      Tensor gscratch = kMasked ? grid.scratch(L.options()) : scratch;
+      const T* sp = scratch.data_ptr<T>();
+      const T* gp = gscratch.data_ptr<T>();
+      std::vector<T> col_scratch(6 * bn);
+      std::vector<LseState<T>> st(grid.tr);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t first = g * grid.tiles / groups, last = (g + 1) * grid.tiles / groups;
+        for (int64_t t = first; t < last; ++t) {
+          const int64_t i0 = t * grid.tr, rows = grid.rows_of(t);
+          std::fill(st.begin(), st.end(), LseState<T>());
+          for (int64_t n0 = 0; n0 < N; n0 += bn) {
+            const int64_t nb = std::min(bn, N - n0);
+            form_tile(L, R, i0, rows, n0, nb, scratch);
+            if constexpr (kMasked) form_tile(mask->factor(R), mask->factor(R), i0, rows, n0, nb, gscratch);
             for (int64_t r = 0; r < rows; ++r) {
-              update_row_masked<T>(sp + r * bn, gp + r * bn, nb, i0 + r - n0, pos[i0 + r], mask->thr, st[r]);
+              update_row<T, kMasked>(sp + r * bn, gp + r * bn, nb, i0 + r - n0, pos[i0 + r], thr, st[r]);
             }
-            col_update_masked<T>(sp, gp, bn, rows, nb, i0 - n0, pos + n0, cols[g], n0, mask->thr,
-                                 col_scratch.data());
-          } else {
-            for (int64_t r = 0; r < rows; ++r) update_row<T>(sp + r * bn, nb, i0 + r - n0, pos[i0 + r], st[r]);
-            col_update<T>(sp, bn, rows, nb, i0 - n0, pos + n0, cols[g], n0, col_scratch.data());
+            col_update<T, kMasked>(sp, gp, bn, rows, nb, i0 - n0, pos + n0, cols[g], n0, thr, col_scratch.data());
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            finish_row<T>(st[r], delta_r + i0 + r, mean_r + i0 + r, dsum_r + i0 + r);
+            if constexpr (kMasked) mask->kept_r[i0 + r] = st[r].acc[3];
           }
         }
-        for (int64_t r = 0; r < rows; ++r) {
-          finish_row<T>(st[r], delta_r + i0 + r, mean_r + i0 + r, dsum_r + i0 + r);
-          if (mask) mask->kept_r[i0 + r] = st[r].acc[3];
-        }
       }
-    }
-  });
+    });
+  };
+  if (mask) {
+    fold(std::true_type());
+  } else {
+    fold(std::false_type());
+  }
   // merge the groups' column states in group order
   at::parallel_for(0, N, 1024, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
@@ -275,33 +257,38 @@ void symmetric_grads(const Tensor& L, const Tensor& R, const Tensor& vh, const T
   const int64_t N = R.size(0), D = R.size(1);
   if (N == 0) return;
   const TileGrid grid(N, N);
-  grouped_strips<T>(grid, D, d_t, L.options(),
-                    [&](int64_t i0, int64_t rows, Tensor& strip, Tensor& scratch, Tensor& part, bool first) {
-    T* bp = strip.data_ptr<T>();
-    if (mask) {
-      Tensor gscratch = grid.scratch(L.options());
-      const T *s_r = mask->s_r, *s_c = mask->s_c;
-      sweep_strip_masked<T>(grid, L, R, mask->factor(R), mask->factor(R), i0, rows, scratch, gscratch,
-                            [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z, const T* gt) {
-        sym_prob_masked(z, gt, bp + r * N + n0, nb, pos[i], nll_r[i], g[i], s_r[i], pos + n0, nll_c + n0, g + n0,
-                        s_c + n0, mask->thr);
+  // the one point where the runtime masking flag becomes the compile-time kMasked
+  const auto grads = [&](auto masked) {
+    constexpr bool kMasked = decltype(masked)::value;
+    const Tensor& G = kMasked ? mask->factor(R) : R;  // without masking not read
+    const T thr = kMasked ? mask->thr : T(0);
+    grouped_strips<T>(grid, D, d_t, L.options(),
+                      [&](int64_t i0, int64_t rows, Tensor& strip, Tensor& scratch, Tensor& part, bool first) {
+      T* bp = strip.data_ptr<T>();
+      sweep_strip<T, kMasked>(grid, L, R, G, G, i0, rows, scratch,
+                              [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z, const T* gt) {
+        const T s_i = kMasked ? mask->s_r[i] : T(0);
+        const T* s_c = kMasked ? mask->s_c + n0 : nullptr;
+        sym_prob<T, kMasked>(z, gt, bp + r * N + n0, nb, pos[i], nll_r[i], g[i], s_i, pos + n0, nll_c + n0, g + n0,
+                             s_c, thr);
       });
-    } else {
-      sweep_strip<T>(grid, L, R, i0, rows, scratch, [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z) {
-        sym_prob(z, bp + r * N + n0, nb, pos[i], nll_r[i], g[i], pos + n0, nll_c + n0, g + n0);
-      });
-    }
-    for (int64_t r = 0; r < rows; ++r) bp[r * N + i0 + r] = T(0);
-    const Tensor ds = strip.narrow(0, 0, rows);
-    Tensor dv = d_v.narrow(0, i0, rows);
-    at::mm_out(dv, ds, R);
-    const Tensor vi = vh.narrow(0, i0, rows);
-    if (first) {
-      at::mm_out(part, ds.t(), vi);
-    } else {
-      part.addmm_(ds.t(), vi);
-    }
-  });
+      for (int64_t r = 0; r < rows; ++r) bp[r * N + i0 + r] = T(0);
+      const Tensor ds = strip.narrow(0, 0, rows);
+      Tensor dv = d_v.narrow(0, i0, rows);
+      at::mm_out(dv, ds, R);
+      const Tensor vi = vh.narrow(0, i0, rows);
+      if (first) {
+        at::mm_out(part, ds.t(), vi);
+      } else {
+        part.addmm_(ds.t(), vi);
+      }
+    });
+  };
+  if (mask) {
+    grads(std::true_type());
+  } else {
+    grads(std::false_type());
+  }
 }
 
 }  // namespace hnclip

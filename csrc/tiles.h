@@ -62,28 +62,14 @@ inline void form_tile(const Tensor& L, const Tensor& R, int64_t i0, int64_t rows
 }
 
 // Rows [i0, i0 + rows) (whole tile-rows) against every column tile, each tile formed once into
-// scratch: row_fn(r, i, n0, nb, z) for each row r of the strip (i = i0 + r), z its nb logits.
-template <typename T, typename RowFn>
-inline void sweep_strip(const TileGrid& grid, const Tensor& L, const Tensor& R, int64_t i0, int64_t rows,
-                        Tensor& scratch, RowFn&& row_fn) {
-  const T* sp = scratch.data_ptr<T>();
-  for (int64_t r0 = 0; r0 < rows; r0 += grid.tr) {
-    const int64_t tr = std::min(grid.tr, rows - r0);
-    for (int64_t n0 = 0; n0 < grid.N; n0 += grid.bn) {
-      const int64_t nb = std::min(grid.bn, grid.N - n0);
-      form_tile(L, R, i0 + r0, tr, n0, nb, scratch);
-      for (int64_t r = r0; r < r0 + tr; ++r) row_fn(r, i0 + r, n0, nb, sp + (r - r0) * grid.bn);
-    }
-  }
-}
-
-// sweep_strip with false-negative masking: each logit tile's caption-cosine tile G = GL GRᵀ
-// (the normalised captions' product) is formed beside it on the same grid into gscratch, and
-// row_fn(r, i, n0, nb, z, g) gets both rows.
-template <typename T, typename RowFn>
-inline void sweep_strip_masked(const TileGrid& grid, const Tensor& L, const Tensor& R, const Tensor& GL,
-                               const Tensor& GR, int64_t i0, int64_t rows, Tensor& scratch, Tensor& gscratch,
-                               RowFn&& row_fn) {
+// scratch: row_fn(r, i, n0, nb, z, g) for each row r of the strip (i = i0 + r), z its nb logits.
+// With false-negative masking (kMasked) each logit tile's caption-cosine tile G = GL GRᵀ (the
+// normalised captions' product) is formed beside it on the same grid and g is its row; without,
+// GL and GR are not read and g is z (see loops.h).
+template <typename T, bool kMasked, typename RowFn>
+inline void sweep_strip(const TileGrid& grid, const Tensor& L, const Tensor& R, const Tensor& GL, const Tensor& GR,
+                        int64_t i0, int64_t rows, Tensor& scratch, RowFn&& row_fn) {
+  Tensor gscratch = kMasked ? grid.scratch(scratch.options()) : scratch;
   const T* sp = scratch.data_ptr<T>();
   const T* gp = gscratch.data_ptr<T>();
   for (int64_t r0 = 0; r0 < rows; r0 += grid.tr) {
@@ -91,7 +77,7 @@ inline void sweep_strip_masked(const TileGrid& grid, const Tensor& L, const Tens
     for (int64_t n0 = 0; n0 < grid.N; n0 += grid.bn) {
       const int64_t nb = std::min(grid.bn, grid.N - n0);
       form_tile(L, R, i0 + r0, tr, n0, nb, scratch);
-      form_tile(GL, GR, i0 + r0, tr, n0, nb, gscratch);
+      if constexpr (kMasked) form_tile(GL, GR, i0 + r0, tr, n0, nb, gscratch);
       for (int64_t r = r0; r < r0 + tr; ++r) {
         row_fn(r, i0 + r, n0, nb, sp + (r - r0) * grid.bn, gp + (r - r0) * grid.bn);
       }
