@@ -1,27 +1,7 @@
 """Fused HN-CLIP loss on CPU: the C++ kernels of ``csrc/`` and their autograd.
 
-The extension ``hnclip_kernels._C`` registers the raw kernels with ``TORCH_LIBRARY`` (inputs
-already normalised and scaled; no autograd):
-
-* ``torch.ops.hnclip.cpp_raw_directional_fwd``: per-row ``delta``, ``mean_neg``, ``dsum`` over the
-  negatives (the same three numbers as the Triton forward kernel) and, when a gradient
-  will be needed, the negatives' gradient shares for an upstream gradient of 1
-  (``Σ_k P_ik k̂_k`` per query row and ``Σ_i P_ik q̂_i`` per key row), computed from the
-  same logit tiles, so the backward usually recomputes nothing.
-* ``torch.ops.hnclip.cpp_raw_directional_bwd``: the negatives' shares for the actual upstream
-  gradient ``g`` (a rescale of the forward's shares when ``g`` is the same for every row,
-  as for ``mean``/``sum``; otherwise a column sweep that recomputes the tiles).
-
-* ``torch.ops.hnclip.cpp_raw_symmetric_fwd`` / ``cpp_raw_symmetric_bwd``: the single-process loss (N images
-  against N texts, positives on the diagonal). Each logit tile Z = (v̂ + γ t̂) t̂ᵀ / τ is
-  computed once for both directions: its rows give the i2t statistics and its columns the
-  t2i ones (Zᵀ holds the t2i logits): one product in the forward. The backward recomputes
-  a strip of tiles (one product), forms ds_ij = g_i P_ij + g_j P'_ji and applies it to t̂ and
-  v̂ (two products). Four N×N×D
-  products for forward + backward, against six for two directional calls (ten when the
-  upstream gradient differs per row).
-
-This module wraps them, together with the O(N·D) algebra of :mod:`..epilogue`, in the
+This module wraps the raw C++ kernels (:mod:`.raw`: what they compute, their argument
+conventions and fakes), together with the O(N·D) algebra of :mod:`..epilogue`, in the
 operators ``hnclip::cpp_directional_nll`` (what the distributed loss runs per rank) and
 ``hnclip::cpp_symmetric_nll`` (what ``hn_clip_loss(backend="cpp")`` runs), each with a
 ``*_backward`` operator, registered with their autograd formulas, fakes and vmap rules by
@@ -41,9 +21,10 @@ autograd.Function that ``torch.library.register_autograd`` builds has no ``setup
 which functorch requires (pytorch/pytorch#168393). Forward mode (``jvp``, ``jacfwd``,
 ``hessian``) raises a clear error.
 
-Importing this module raises ImportError when the extension was not built;
+Importing this module raises ImportError when the extension was not built (:mod:`.raw`);
 :mod:`hnclip_kernels.backends` treats that as "C++ backend unavailable".
 """
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -54,67 +35,53 @@ from torch import Tensor
 from ...numerics import compute_dtype
 from ...validation import check_directional
 from .. import epilogue, glue
-
-try:
-    from ... import _C  # noqa: F401  (loading the library runs its TORCH_LIBRARY registrations)
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        f"hnclip_kernels._C, the C++ CPU kernel, is not available ({exc}); reinstall with "
-        "`pip install --no-build-isolation -e .` to compile csrc/"
-    ) from exc
-
-RAW = torch.ops.hnclip  # the raw C++ kernels (``cpp_raw_*``), see the module docstring
-if not hasattr(RAW, "cpp_raw_directional_fwd"):  # pragma: no cover
-    raise ImportError("hnclip_kernels._C loaded but did not register the raw C++ kernels")
-
-
-def _value(x: Tensor) -> float:
-    """The Python float of a :func:`glue.hyperparameter` tensor (the eager implementations read it:
-    the operators are opaque ``custom_op``s, so Dynamo never traces this read)."""
-    return float(x.item())
-
+from .raw import RAW, caption_norms, row_stats, shift_arg, threshold_arg, value_of
 
 # ---- one direction: M query rows against N key columns, positive of row i at column offset + i
 _DirOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-def _threshold(threshold: Tensor, masked: bool):
-    """The raw kernels' ``float? threshold``: the caption cosine of the masking, or None."""
-    return _value(threshold) if masked else None
-
-
-def _caption_norms(captions, normalize: bool, masked: bool, dt) -> list:
-    """The raw kernels' caption norms of the masking, one per caption matrix: None (the kernels
-    normalise the captions with the margin's norms) unless masking without ``normalize``, where
-    the margin's norms are ones: then 1/‖t‖ in ``dt``, so the threshold stays a cosine."""
-    return [epilogue.inv_norms(x, True, dt) if masked and not normalize else None for x in captions]
-
-
-def _stats(pos, delta, mean_neg, dsum, kept, masked: bool) -> epilogue.RowStats:
-    return epilogue.RowStats(pos, delta, mean_neg, dsum, kept if masked else None)
-
-
-def _shift(stats: epilogue.RowStats, label_smoothing: float, masked: bool) -> Tensor:
-    """The raw backward kernels' ``shift``: ε/n_i per row with masking, else an empty tensor."""
-    return epilogue.smoothing_shift(stats, label_smoothing) if masked else stats.pos.new_empty((0,))
-
-
-def _directional_nll(q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor,
-                     threshold: Tensor, offset: int, normalize: bool, need_grad: bool, masked: bool) -> _DirOut:
+def _directional_nll(
+    q: Tensor,
+    k: Tensor,
+    a: Tensor,
+    b: Tensor,
+    tau: Tensor,
+    gamma: Tensor,
+    label_smoothing: Tensor,
+    threshold: Tensor,
+    offset: int,
+    normalize: bool,
+    need_grad: bool,
+    masked: bool,
+) -> _DirOut:
     """Per-row losses (M,) and what the backward needs:
     (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, kept, row_acc, col_acc); ``kept`` (M,) with
     false-negative masking (``masked``: a pair at caption cosine ≥ ``threshold`` is no negative),
     else empty."""
-    gamma, label_smoothing = _value(gamma), _value(label_smoothing)
+    gamma, label_smoothing = value_of(gamma), value_of(label_smoothing)
     dt = compute_dtype(q.dtype)
     rq, rk, ra, rb = (epilogue.inv_norms(x, normalize, dt) for x in (q, k, a, b))
     inv_tau = 1.0 / tau.detach().to(dt)
     q_hat, k_hat = epilogue.scaled(q, rq, dt), epilogue.scaled(k, rk, dt)
     pos = epilogue.positive_logits(q_hat, k_hat, offset, inv_tau)
     delta, mean_neg, dsum, kept, row_acc, col_acc = RAW.cpp_raw_directional_fwd(
-        q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, _threshold(threshold, masked),
-        label_smoothing, *_caption_norms((a, b), normalize, masked, dt))
-    loss = epilogue.row_losses(_stats(pos, delta, mean_neg, dsum, kept, masked), k.shape[0], label_smoothing)
+        q_hat,
+        k_hat,
+        a,
+        b,
+        ra,
+        rb,
+        pos,
+        inv_tau,
+        offset,
+        gamma,
+        need_grad,
+        threshold_arg(threshold, masked),
+        label_smoothing,
+        *caption_norms((a, b), normalize, masked, dt),
+    )
+    loss = epilogue.row_losses(row_stats(pos, delta, mean_neg, dsum, kept, masked), k.shape[0], label_smoothing)
     return loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, kept, row_acc, col_acc
 
 
@@ -131,28 +98,66 @@ def _directional_nll_fake(q, k, a, b, tau, gamma, label_smoothing, threshold, of
 
 
 def _directional_nll_backward(
-    grad: Tensor, q: Tensor, k: Tensor, a: Tensor, b: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor,
-    threshold: Tensor, rq: Tensor, rk: Tensor, ra: Tensor, rb: Tensor, pos: Tensor, delta: Tensor, mean_neg: Tensor,
-    dsum: Tensor, kept: Tensor, row_acc: Tensor, col_acc: Tensor, offset: int, normalize: bool, need_grad: bool,
-    masked: bool, need_qk: bool,
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    a: Tensor,
+    b: Tensor,
+    tau: Tensor,
+    gamma: Tensor,
+    label_smoothing: Tensor,
+    threshold: Tensor,
+    rq: Tensor,
+    rk: Tensor,
+    ra: Tensor,
+    rb: Tensor,
+    pos: Tensor,
+    delta: Tensor,
+    mean_neg: Tensor,
+    dsum: Tensor,
+    kept: Tensor,
+    row_acc: Tensor,
+    col_acc: Tensor,
+    offset: int,
+    normalize: bool,
+    need_grad: bool,
+    masked: bool,
+    need_qk: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dL/dq in q's dtype, dL/dk in k's dtype, dL/dτ in τ's dtype and shape)."""
-    gamma, label_smoothing = _value(gamma), _value(label_smoothing)
+    gamma, label_smoothing = value_of(gamma), value_of(label_smoothing)
     dt = compute_dtype(q.dtype)
     g = grad.to(dt).contiguous()
     inv_tau = 1.0 / tau.detach().to(dt)
-    stats = _stats(pos, delta, mean_neg, dsum, kept, masked)
-    shift = _shift(stats, label_smoothing, masked)
+    stats = row_stats(pos, delta, mean_neg, dsum, kept, masked)
+    shift = shift_arg(stats, label_smoothing, masked)
     q_hat, k_hat = epilogue.scaled(q, rq, dt), epilogue.scaled(k, rk, dt)
     if need_qk:
         d_q_neg, d_k_neg = RAW.cpp_raw_directional_bwd(
-            q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma,
-            _threshold(threshold, masked), shift, *_caption_norms((a, b), normalize, masked, dt))
+            q_hat,
+            k_hat,
+            a,
+            b,
+            ra,
+            rb,
+            pos,
+            inv_tau,
+            delta,
+            row_acc,
+            col_acc,
+            g,
+            offset,
+            gamma,
+            threshold_arg(threshold, masked),
+            shift,
+            *caption_norms((a, b), normalize, masked, dt),
+        )
     else:  # only τ wants a gradient: it needs the row statistics alone
         d_q_neg, d_k_neg = torch.zeros_like(q_hat), torch.zeros_like(k_hat)
     del q_hat, k_hat  # peak memory: the finisher forms them again after the kernel's temporaries are gone
-    d_q, d_k, dz_z = epilogue.finish_directional(stats, g, q, k, rq, rk, d_q_neg, d_k_neg, offset, inv_tau,
-                                                 label_smoothing, normalize)
+    d_q, d_k, dz_z = epilogue.finish_directional(
+        stats, g, q, k, rq, rk, d_q_neg, d_k_neg, offset, inv_tau, label_smoothing, normalize
+    )
     return d_q, d_k, epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
 
 
@@ -161,29 +166,52 @@ def _directional_grads_fake(grad, q, k, a, b, tau, *rest):
 
 
 _DirectionalNLL = glue.fused_op(
-    "cpp", "cpp_directional_nll", forward=_directional_nll, forward_fake=_directional_nll_fake,
-    backward=_directional_nll_backward, backward_fake=_directional_grads_fake, tau_input=4, device_types="cpu")
+    "cpp",
+    "cpp_directional_nll",
+    forward=_directional_nll,
+    forward_fake=_directional_nll_fake,
+    backward=_directional_nll_backward,
+    backward_fake=_directional_grads_fake,
+    tau_input=4,
+    device_types="cpu",
+)
 
 
 # ---- the single-process loss: both directions from one product per tile
 _SymOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-def _symmetric_nll(img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor, threshold: Tensor,
-                   normalize: bool, masked: bool) -> _SymOut:
+def _symmetric_nll(
+    img: Tensor,
+    txt: Tensor,
+    tau: Tensor,
+    gamma: Tensor,
+    label_smoothing: Tensor,
+    threshold: Tensor,
+    normalize: bool,
+    masked: bool,
+) -> _SymOut:
     """Per-pair losses ½(i2t_k + t2i_k) (N,) and what the backward needs: (pairs, rv, rt, pos,
     delta_i2t, mean_neg_i2t, dsum_i2t, kept_i2t, delta_t2i, mean_neg_t2i, dsum_t2i, kept_t2i)
     (``kept``: empty without false-negative masking)."""
-    gamma, label_smoothing = _value(gamma), _value(label_smoothing)
+    gamma, label_smoothing = value_of(gamma), value_of(label_smoothing)
     dt = compute_dtype(img.dtype)
     rv, rt = epilogue.inv_norms(img, normalize, dt), epilogue.inv_norms(txt, normalize, dt)
     inv_tau = 1.0 / tau.detach().to(dt)
     v_hat, t_hat = epilogue.scaled(img, rv, dt), epilogue.scaled(txt, rt, dt)
     pos = epilogue.positive_logits(v_hat, t_hat, 0, inv_tau)  # Z_kk, the same for both directions
-    stats = RAW.cpp_raw_symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma, _threshold(threshold, masked),
-                                      *_caption_norms((txt,), normalize, masked, dt))
-    pairs = epilogue.pair_losses(_stats(pos, *stats[:4], masked), _stats(pos, *stats[4:], masked),
-                                 img.shape[0], label_smoothing)
+    stats = RAW.cpp_raw_symmetric_fwd(
+        v_hat,
+        t_hat,
+        pos,
+        inv_tau,
+        gamma,
+        threshold_arg(threshold, masked),
+        *caption_norms((txt,), normalize, masked, dt),
+    )
+    pairs = epilogue.pair_losses(
+        row_stats(pos, *stats[:4], masked), row_stats(pos, *stats[4:], masked), img.shape[0], label_smoothing
+    )
     return (pairs, rv, rt, pos, *stats)
 
 
@@ -194,28 +222,57 @@ def _symmetric_nll_fake(img, txt, tau, gamma, label_smoothing, threshold, normal
 
 
 def _symmetric_nll_backward(
-    grad: Tensor, img: Tensor, txt: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor, threshold: Tensor,
-    rv: Tensor, rt: Tensor, pos: Tensor, delta_r: Tensor, mean_neg_r: Tensor, dsum_r: Tensor, kept_r: Tensor,
-    delta_c: Tensor, mean_neg_c: Tensor, dsum_c: Tensor, kept_c: Tensor, normalize: bool, masked: bool, need_vt: bool,
+    grad: Tensor,
+    img: Tensor,
+    txt: Tensor,
+    tau: Tensor,
+    gamma: Tensor,
+    label_smoothing: Tensor,
+    threshold: Tensor,
+    rv: Tensor,
+    rt: Tensor,
+    pos: Tensor,
+    delta_r: Tensor,
+    mean_neg_r: Tensor,
+    dsum_r: Tensor,
+    kept_r: Tensor,
+    delta_c: Tensor,
+    mean_neg_c: Tensor,
+    dsum_c: Tensor,
+    kept_c: Tensor,
+    normalize: bool,
+    masked: bool,
+    need_vt: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dL/dimg in img's dtype, dL/dtxt in txt's dtype, dL/dτ in τ's dtype and shape)."""
-    gamma, label_smoothing = _value(gamma), _value(label_smoothing)
+    gamma, label_smoothing = value_of(gamma), value_of(label_smoothing)
     dt = compute_dtype(img.dtype)
     g = 0.5 * grad.to(dt).contiguous()  # each direction's row k gets half of pair k's gradient
     inv_tau = 1.0 / tau.detach().to(dt)
-    i2t = _stats(pos, delta_r, mean_neg_r, dsum_r, kept_r, masked)
-    t2i = _stats(pos, delta_c, mean_neg_c, dsum_c, kept_c, masked)
+    i2t = row_stats(pos, delta_r, mean_neg_r, dsum_r, kept_r, masked)
+    t2i = row_stats(pos, delta_c, mean_neg_c, dsum_c, kept_c, masked)
     v_hat, t_hat = epilogue.scaled(img, rv, dt), epilogue.scaled(txt, rt, dt)
     if need_vt:
-        d_v, d_t = RAW.cpp_raw_symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma,
-                                             _threshold(threshold, masked), _shift(i2t, label_smoothing, masked),
-                                             _shift(t2i, label_smoothing, masked),
-                                             *_caption_norms((txt,), normalize, masked, dt))
+        d_v, d_t = RAW.cpp_raw_symmetric_bwd(
+            v_hat,
+            t_hat,
+            pos,
+            inv_tau,
+            delta_r,
+            delta_c,
+            g,
+            gamma,
+            threshold_arg(threshold, masked),
+            shift_arg(i2t, label_smoothing, masked),
+            shift_arg(t2i, label_smoothing, masked),
+            *caption_norms((txt,), normalize, masked, dt),
+        )
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t = torch.zeros_like(v_hat), torch.zeros_like(t_hat)
     del v_hat, t_hat
-    d_img, d_txt, dz_z = epilogue.finish_symmetric(i2t, t2i, g, img, txt, rv, rt, d_v, d_t, inv_tau,
-                                                   label_smoothing, normalize)
+    d_img, d_txt, dz_z = epilogue.finish_symmetric(
+        i2t, t2i, g, img, txt, rv, rt, d_v, d_t, inv_tau, label_smoothing, normalize
+    )
     return d_img, d_txt, epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
 
 
@@ -224,41 +281,32 @@ def _symmetric_grads_fake(grad, img, txt, tau, *rest):
 
 
 _SymmetricNLL = glue.fused_op(
-    "cpp", "cpp_symmetric_nll", forward=_symmetric_nll, forward_fake=_symmetric_nll_fake,
-    backward=_symmetric_nll_backward, backward_fake=_symmetric_grads_fake, tau_input=2, device_types="cpu")
-
-
-# ---- fakes of the raw C++ kernels (so they can be traced on their own too)
-@torch.library.register_fake("hnclip::cpp_raw_directional_fwd")
-def _directional_fwd_fake(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, eps, ca=None,
-                          cb=None):
-    m, d = q_hat.shape
-    n = k_hat.shape[0]
-    vec = [q_hat.new_empty((m,)) for _ in range(3)]
-    return (*vec, q_hat.new_empty((0 if threshold is None else m,)), q_hat.new_empty((m if need_grad else 0, d)),
-            q_hat.new_empty((n if need_grad else 0, d)))
-
-
-@torch.library.register_fake("hnclip::cpp_raw_directional_bwd")
-def _directional_bwd_fake(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma,
-                          threshold, shift, ca=None, cb=None):
-    return q_hat.new_empty(q_hat.shape), k_hat.new_empty(k_hat.shape)
-
-
-@torch.library.register_fake("hnclip::cpp_raw_symmetric_fwd")
-def _symmetric_fwd_fake(v_hat, t_hat, pos, inv_tau, gamma, threshold, rc=None):
-    n, kept = v_hat.shape[0], (0 if threshold is None else v_hat.shape[0])
-    return tuple(v_hat.new_empty((kept if i in (3, 7) else n,)) for i in range(8))
-
-
-@torch.library.register_fake("hnclip::cpp_raw_symmetric_bwd")
-def _symmetric_bwd_fake(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma, threshold, shift_r, shift_c, rc=None):
-    return v_hat.new_empty(v_hat.shape), t_hat.new_empty(t_hat.shape)
+    "cpp",
+    "cpp_symmetric_nll",
+    forward=_symmetric_nll,
+    forward_fake=_symmetric_nll_fake,
+    backward=_symmetric_nll_backward,
+    backward_fake=_symmetric_grads_fake,
+    tau_input=2,
+    device_types="cpu",
+)
 
 
 # ---- public wrappers
-def directional_nll_cpp(queries, keys, *, query_txt, key_txt, tau, offset, gamma, label_smoothing, normalize,
-                        return_stats=False, false_negative_threshold=None):
+def directional_nll_cpp(
+    queries,
+    keys,
+    *,
+    query_txt,
+    key_txt,
+    tau,
+    offset,
+    gamma,
+    label_smoothing,
+    normalize,
+    return_stats=False,
+    false_negative_threshold=None,
+):
     """C++ counterpart of :func:`hnclip_kernels.backends.pytorch.reference.directional_nll_torch` (same
     keyword-only protocol and result).
 
@@ -277,16 +325,30 @@ def directional_nll_cpp(queries, keys, *, query_txt, key_txt, tau, offset, gamma
     # the forward also produces the gradient shares only when a backward can follow
     need_grad = torch.is_grad_enabled() and bool(queries.requires_grad or keys.requires_grad)
     thr_t, masked = glue.threshold_args(false_negative_threshold, queries)
-    out = glue.call(_DirectionalNLL, torch.ops.hnclip.cpp_directional_nll, queries, keys, query_txt, key_txt, tau,
-                    glue.hyperparameter(gamma, queries), glue.hyperparameter(label_smoothing, queries), thr_t,
-                    int(offset), bool(normalize), need_grad, masked)
+    out = glue.call(
+        _DirectionalNLL,
+        torch.ops.hnclip.cpp_directional_nll,
+        queries,
+        keys,
+        query_txt,
+        key_txt,
+        tau,
+        glue.hyperparameter(gamma, queries),
+        glue.hyperparameter(label_smoothing, queries),
+        thr_t,
+        int(offset),
+        bool(normalize),
+        need_grad,
+        masked,
+    )
     if not return_stats:
         return out[0]
-    return out[0], _stats(*out[5:10], masked)
+    return out[0], row_stats(*out[5:10], masked)
 
 
-def hn_clip_pairs_cpp(img, txt, *, tau, gamma, label_smoothing, normalize, return_stats=False,
-                      false_negative_threshold=None):
+def hn_clip_pairs_cpp(
+    img, txt, *, tau, gamma, label_smoothing, normalize, return_stats=False, false_negative_threshold=None
+):
     """Per-pair losses ½(i2t_k + t2i_k), shape (N,): the single-process loss in one operator.
 
     Each logit tile is computed once for both directions (its rows are i2t's, its columns
@@ -298,9 +360,19 @@ def hn_clip_pairs_cpp(img, txt, *, tau, gamma, label_smoothing, normalize, retur
     :func:`directional_nll_cpp` (the caption tile t̂_I t̂_Jᵀ is formed beside each logit tile).
     """
     thr_t, masked = glue.threshold_args(false_negative_threshold, img)
-    out = glue.call(_SymmetricNLL, torch.ops.hnclip.cpp_symmetric_nll, img, txt, tau, glue.hyperparameter(gamma, img),
-                    glue.hyperparameter(label_smoothing, img), thr_t, bool(normalize), masked)
+    out = glue.call(
+        _SymmetricNLL,
+        torch.ops.hnclip.cpp_symmetric_nll,
+        img,
+        txt,
+        tau,
+        glue.hyperparameter(gamma, img),
+        glue.hyperparameter(label_smoothing, img),
+        thr_t,
+        bool(normalize),
+        masked,
+    )
     if not return_stats:
         return out[0]
     pos = out[3]
-    return out[0], (_stats(pos, *out[4:8], masked), _stats(pos, *out[8:12], masked))
+    return out[0], (row_stats(pos, *out[4:8], masked), row_stats(pos, *out[8:12], masked))

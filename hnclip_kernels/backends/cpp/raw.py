@@ -1,0 +1,122 @@
+"""The raw C++ kernels of ``csrc/``: loading the extension, their argument conventions, their fakes.
+
+The extension ``hnclip_kernels._C`` registers the raw kernels with ``TORCH_LIBRARY`` (inputs
+already normalised and scaled; no autograd):
+
+* ``torch.ops.hnclip.cpp_raw_directional_fwd``: per-row ``delta``, ``mean_neg``, ``dsum`` over the
+  negatives (the same three numbers as the Triton forward kernel) and, when a gradient
+  will be needed, the negatives' gradient shares for an upstream gradient of 1
+  (``Σ_k P_ik k̂_k`` per query row and ``Σ_i P_ik q̂_i`` per key row), computed from the
+  same logit tiles, so the backward usually recomputes nothing.
+* ``torch.ops.hnclip.cpp_raw_directional_bwd``: the negatives' shares for the actual upstream
+  gradient ``g`` (a rescale of the forward's shares when ``g`` is the same for every row,
+  as for ``mean``/``sum``; otherwise a column sweep that recomputes the tiles).
+
+* ``torch.ops.hnclip.cpp_raw_symmetric_fwd`` / ``cpp_raw_symmetric_bwd``: the single-process loss (N images
+  against N texts, positives on the diagonal). Each logit tile Z = (v̂ + γ t̂) t̂ᵀ / τ is
+  computed once for both directions: its rows give the i2t statistics and its columns the
+  t2i ones (Zᵀ holds the t2i logits): one product in the forward. The backward recomputes
+  a strip of tiles (one product), forms ds_ij = g_i P_ij + g_j P'_ji and applies it to t̂ and
+  v̂ (two products). Four N×N×D
+  products for forward + backward, against six for two directional calls (ten when the
+  upstream gradient differs per row).
+
+Importing this module raises ImportError when the extension was not built.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import epilogue
+
+try:
+    from ... import _C  # noqa: F401  (loading the library runs its TORCH_LIBRARY registrations)
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        f"hnclip_kernels._C, the C++ CPU kernel, is not available ({exc}); reinstall with "
+        "`pip install --no-build-isolation -e .` to compile csrc/"
+    ) from exc
+
+RAW = torch.ops.hnclip  # the raw C++ kernels (``cpp_raw_*``), see the module docstring
+if not hasattr(RAW, "cpp_raw_directional_fwd"):  # pragma: no cover
+    raise ImportError("hnclip_kernels._C loaded but did not register the raw C++ kernels")
+
+
+def value_of(x: Tensor) -> float:
+    """The Python float of a :func:`glue.hyperparameter` tensor (the eager implementations read it:
+    the operators are opaque ``custom_op``s, so Dynamo never traces this read)."""
+    return float(x.item())
+
+
+def threshold_arg(threshold: Tensor, masked: bool):
+    """The raw kernels' ``float? threshold``: the caption cosine of the masking, or None."""
+    return value_of(threshold) if masked else None
+
+
+def caption_norms(captions, normalize: bool, masked: bool, dt) -> list:
+    """The raw kernels' caption norms of the masking, one per caption matrix: None (the kernels
+    normalise the captions with the margin's norms) unless masking without ``normalize``, where
+    the margin's norms are ones: then 1/‖t‖ in ``dt``, so the threshold stays a cosine."""
+    return [epilogue.inv_norms(x, True, dt) if masked and not normalize else None for x in captions]
+
+
+def row_stats(pos, delta, mean_neg, dsum, kept, masked: bool) -> epilogue.RowStats:
+    return epilogue.RowStats(pos, delta, mean_neg, dsum, kept if masked else None)
+
+
+def shift_arg(stats: epilogue.RowStats, label_smoothing: float, masked: bool) -> Tensor:
+    """The raw backward kernels' ``shift``: ε/n_i per row with masking, else an empty tensor."""
+    return epilogue.smoothing_shift(stats, label_smoothing) if masked else stats.pos.new_empty((0,))
+
+
+# ---- fakes of the raw C++ kernels (so they can be traced on their own too)
+@torch.library.register_fake("hnclip::cpp_raw_directional_fwd")
+def _directional_fwd_fake(
+    q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, eps, ca=None, cb=None
+):
+    m, d = q_hat.shape
+    n = k_hat.shape[0]
+    vec = [q_hat.new_empty((m,)) for _ in range(3)]
+    return (
+        *vec,
+        q_hat.new_empty((0 if threshold is None else m,)),
+        q_hat.new_empty((m if need_grad else 0, d)),
+        q_hat.new_empty((n if need_grad else 0, d)),
+    )
+
+
+@torch.library.register_fake("hnclip::cpp_raw_directional_bwd")
+def _directional_bwd_fake(
+    q_hat,
+    k_hat,
+    a,
+    b,
+    ra,
+    rb,
+    pos,
+    inv_tau,
+    delta,
+    row_acc,
+    col_acc,
+    g,
+    offset,
+    gamma,
+    threshold,
+    shift,
+    ca=None,
+    cb=None,
+):
+    return q_hat.new_empty(q_hat.shape), k_hat.new_empty(k_hat.shape)
+
+
+@torch.library.register_fake("hnclip::cpp_raw_symmetric_fwd")
+def _symmetric_fwd_fake(v_hat, t_hat, pos, inv_tau, gamma, threshold, rc=None):
+    n, kept = v_hat.shape[0], (0 if threshold is None else v_hat.shape[0])
+    return tuple(v_hat.new_empty((kept if i in (3, 7) else n,)) for i in range(8))
+
+
+@torch.library.register_fake("hnclip::cpp_raw_symmetric_bwd")
+def _symmetric_bwd_fake(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma, threshold, shift_r, shift_c, rc=None):
+    return v_hat.new_empty(v_hat.shape), t_hat.new_empty(t_hat.shape)
