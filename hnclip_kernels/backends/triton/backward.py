@@ -55,31 +55,12 @@ def directional_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=No
     a, b = scales[0][0], scales[0][1]
 
     def launch_chunk(row0, row_end, col0, col_end, w, lo, res_r, res_c):
-        args = (
-            *ops,
-            *strides(*ops),
-            *norms,
-            stats.pos,
-            nll,
-            g,
-            sc.inv_tau,
-            sc.gamma,
-            a,
-            b,
-            sc.thr,
-            s,
-            w,
-            lo,
-            res_r,
-            res_c,
-            row0,
-            row_end,
-            col0,
-            col_end,
-            q.shape[1],
-            offset,
-        )
-        launch_dscore(sc, q.element_size(), row_end - row0, col_end - col0, args)
+        r, c = row_end - row0, col_end - col0
+        rows = (*ops, *strides(*ops), *norms, stats.pos, nll, g)
+        scalars_and_scales = (sc.inv_tau, sc.gamma, a, b, sc.thr, s)
+        outputs = (w, lo, c, res_r, r, res_c, c)  # the chunk buffers and their row strides
+        args = (*rows, *scalars_and_scales, *outputs, row0, row_end, col0, col_end, q.shape[1], offset)
+        launch_dscore(sc, q.element_size(), r, c, args)
 
     ((d_q, d_k),) = _walk(((q, k, norms[0], norms[1]),), scales, offset, launch_chunk)
     return d_q, d_k
@@ -113,33 +94,10 @@ def rank_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=None):
         r, c = row_end - row0, col_end - col0
         sr, sc_ = triton.cdiv(r, cfg.RESIDUAL_SLICE), triton.cdiv(c, cfg.RESIDUAL_SLICE)
         second = (r * c, sc_ * r, sr * c) if round16 else (r * c, 0, 0)  # the t2i W and its sums
-        args = (
-            *ops,
-            *strides(*ops),
-            *norms,
-            pos,
-            nll,
-            g,
-            sc.inv_tau,
-            sc.gamma,
-            a,
-            b,
-            sc.thr,
-            s,
-            w,
-            lo,
-            res_r,
-            res_c,
-            *second,
-            m,
-            n,
-            row0,
-            row_end,
-            col0,
-            col_end,
-            v.shape[1],
-            offset,
-        )
+        rows = (*ops, *strides(*ops), *norms, pos, nll, g)
+        scalars_and_scales = (sc.inv_tau, sc.gamma, a, b, sc.thr, s)
+        shapes = (m, n, row0, row_end, col0, col_end, v.shape[1], offset)
+        args = (*rows, *scalars_and_scales, w, lo, res_r, res_c, *second, *shapes)
         launch_dscore_rank(sc, v.element_size(), r, c, args)
 
     return _walk(dirs, scales, offset, launch_chunk)
@@ -267,35 +225,10 @@ def symmetric_shares(ops, norms, rows, cols, sc: Scalars, shifts=None):
                     dev,
                 )
                 mirror = (r * c, sc_ * r, sr * c) if pair else (0, 0, 0)
-                args = (
-                    v,
-                    t,
-                    *strides(v, t),
-                    norms[0],
-                    norms[1],
-                    stats.pos,
-                    nll,
-                    g,
-                    sc.inv_tau,
-                    sc.gamma,
-                    nll_c,
-                    g_c,
-                    a,
-                    b,
-                    sc.thr,
-                    s[0],
-                    s[1],
-                    w,
-                    lo,
-                    res_r,
-                    res_c,
-                    *mirror,
-                    row0,
-                    row_end,
-                    col0,
-                    col_end,
-                    d,
-                )
+                rows = (v, t, *strides(v, t), norms[0], norms[1], stats.pos, nll, g, sc.inv_tau, sc.gamma)
+                columns_and_scales = (nll_c, g_c, a, b, sc.thr, s[0], s[1])
+                outputs = (w, lo, res_r, res_c, *mirror)
+                args = (*rows, *columns_and_scales, *outputs, row0, row_end, col0, col_end, d)
                 launch_dscore_pair(sc, v.element_size(), r, c, args)
                 for buf in [w, lo] if tail else [w]:  # W_ab (and its tail): rows a against columns b
                     d_q[ia] = _mm(buf[: r * c].view(r, c), k_b, d_q[ia])

@@ -70,7 +70,7 @@ def _dscore_kernel(
     q_ptr, k_ptr, mq_ptr, mk_ptr,
     stride_qm, stride_qd, stride_kn, stride_kd, stride_mqm, stride_mqd, stride_mkn, stride_mkd,
     rq_ptr, rk_ptr, r_mq_ptr, r_mk_ptr, pos_ptr, nll_ptr, g_ptr, inv_tau_ptr, gamma_ptr, a_ptr, b_ptr, thr_ptr, s_ptr,
-    w_ptr, lo_ptr, res_r_ptr, res_c_ptr,
+    w_ptr, lo_ptr, stride_w, res_r_ptr, stride_rr, res_c_ptr, stride_rc,
     row0, row_end, col0, col_end, D, offset,
     HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr,
     ROUND16: tl.constexpr, TAIL: tl.constexpr,
@@ -92,7 +92,9 @@ def _dscore_kernel(
         float32, or float16 with ROUND16; lo_ptr the float16 tail (None without TAIL); with
         ROUND16 the residuals E_ik = (W_ik − W̃_ik − W̃_lo,ik) / (a_i b_k) (= ε_ik dS_ik) summed
         over SLICE columns into res_r_ptr (⌈C / SLICE⌉, R) and over SLICE rows into res_c_ptr
-        (⌈R / SLICE⌉, C) (None without ROUND16).
+        (⌈R / SLICE⌉, C) (None without ROUND16). Their row strides stride_w = C, stride_rr = R,
+        stride_rc = C come as arguments, not from the bounds: an argument costs no register, and
+        the masked 16-bit 128 × 64 dS with the margin is at 255 (sm_90a spills 4 B otherwise).
     Shapes and scalars: the chunk's bounds row0, row_end (≤ M), col0, col_end (≤ N); D;
         offset (row i's positive is column offset + i).
     Constexprs: HAS_MARGIN (γ ≠ 0), PREC (``precision._dot``), SLICE (``cfg.RESIDUAL_SLICE``,
@@ -100,7 +102,7 @@ def _dscore_kernel(
         forward's: the same tiles to the bit). Derived (``launch.derived``): MASK (thr_ptr),
         SHIFT (s_ptr), ROUND16 (res_r_ptr), TAIL (lo_ptr).
     """
-    (offs_m, mask_m), (offs_n, mask_n), rows_c, cols_c = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
+    (offs_m, mask_m), (offs_n, mask_n), _, _ = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
     inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
     rq, r_mq = _load2(rq_ptr, r_mq_ptr, offs_m, mask_m)
     rk, r_mk = _load2(rk_ptr, r_mk_ptr, offs_n, mask_n)
@@ -112,7 +114,7 @@ def _dscore_kernel(
                             a_ptr, b_ptr, False, s_ptr, None, MASK, SHIFT)
     _store_w(w, a, b, mask, (offs_m, mask_m, row0, row_end, tl.program_id(0) * (BLOCK_M // SLICE)),
              (offs_n, mask_n, col0, col_end, tl.program_id(1) * (BLOCK_N // SLICE)),
-             w_ptr, lo_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
+             w_ptr, lo_ptr, 0, stride_w, res_r_ptr, 0, stride_rr, res_c_ptr, 0, stride_rc,
              ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
 
 

@@ -59,26 +59,9 @@ def symmetric_stats(ops, norms, pos, sc: Scalars):
         # fresh slab workspaces each time (the previous ones freed first): never views
         col_part = torch.empty(blocks, planes, 2 * n, device=v.device, dtype=torch.float32)
         row_part = torch.empty(splits, planes, 2 * slab_rows, device=v.device, dtype=torch.float32)
-        args = (
-            v,
-            t,
-            *strides(v, t),
-            norms[0],
-            norms[1],
-            pos,
-            sc.inv_tau,
-            sc.gamma,
-            sc.thr,
-            row_part,
-            col_part,
-            n,
-            d,
-            block0,
-            col0,
-            per_split,
-            slab_rows,
-            cfg.n_bucket(n),
-        )
+        features = (v, t, *strides(v, t), norms[0], norms[1], pos)
+        shapes = (n, d, block0, col0, per_split, slab_rows, cfg.n_bucket(n))
+        args = (*features, sc.inv_tau, sc.gamma, sc.thr, row_part, col_part, *shapes)
         launch_fwd_pair(
             width,
             lambda _, b=blocks: (b, splits),
@@ -112,22 +95,9 @@ def directional_stats(ops, norms, pos, sc: Scalars, offset: int):
     m, n, width = q.shape[0], ops[3].shape[0], q.element_size()
     _, row_blocks, splits, per_split = cfg.fwd_grid(m, n, width, False, q.device)
     row_part = torch.empty(splits, _planes(sc), m, device=q.device, dtype=torch.float32)
-    args = (
-        *ops,
-        *strides(*ops),
-        *norms,
-        pos,
-        sc.inv_tau,
-        sc.gamma,
-        sc.thr,
-        row_part,
-        m,
-        n,
-        q.shape[1],
-        offset,
-        per_split,
-        cfg.n_bucket(n),
-    )
+    features = (*ops, *strides(*ops), *norms, pos)
+    shapes = (m, n, q.shape[1], offset, per_split, cfg.n_bucket(n))
+    args = (*features, sc.inv_tau, sc.gamma, sc.thr, row_part, *shapes)
     launch_fwd(
         width,
         lambda _: (row_blocks, splits),
@@ -154,22 +124,9 @@ def rank_stats(ops, norms, pos, sc: Scalars, offset: int):
     m, n, width = v.shape[0], ops[3].shape[0], v.element_size()
     _, row_blocks, splits, per_split = cfg.fwd_grid(m, n, width, False, v.device)
     row_part = torch.empty(splits, _planes(sc), 2 * m, device=v.device, dtype=torch.float32)
-    args = (
-        *ops,
-        *strides(*ops),
-        *norms,
-        pos,
-        sc.inv_tau,
-        sc.gamma,
-        sc.thr,
-        row_part,
-        m,
-        n,
-        v.shape[1],
-        offset,
-        per_split,
-        cfg.n_bucket(n),
-    )
+    features = (*ops, *strides(*ops), *norms, pos)
+    shapes = (m, n, v.shape[1], offset, per_split, cfg.n_bucket(n))
+    args = (*features, sc.inv_tau, sc.gamma, sc.thr, row_part, *shapes)
     launch_fwd_rank(
         width,
         lambda _: (row_blocks, splits),
