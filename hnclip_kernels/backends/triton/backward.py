@@ -243,7 +243,7 @@ def symmetric_shares(ops, norms, rows, cols, sc: Scalars, shifts=None):
                     if pair:
                         add(rho, ib, res_r[sc_ * r :].view(sr, c).sum(0))
                         add(sigma, ia, res_c[sr * c :].view(sc_, r).sum(0))
-                del w, lo, res_r, res_c, args, q_b, k_b  # one chunk pair alive at a time
+                del w, lo, res_r, res_c, outputs, args, q_b, k_b  # one chunk pair alive at a time
             del q_a, k_a
     d_v, d_t = _cat(d_q).div_(rq[:, None]), _cat(d_k).div_(rk[:, None])
     if round16:
