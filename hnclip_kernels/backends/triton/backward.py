@@ -54,10 +54,11 @@ def directional_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=No
     scales = [w_scales(q, k, norms[0], norms[1], ((g, nll, s),), round16, tail)]
     a, b = scales[0][0], scales[0][1]
 
+    rows = (*ops, *strides(*ops), *norms, stats.pos, nll, g)  # the kernel's argument groups that every chunk shares
+    scalars_and_scales = (sc.inv_tau, sc.gamma, a, b, sc.thr, s)
+
     def launch_chunk(row0, row_end, col0, col_end, w, lo, res_r, res_c):
         r, c = row_end - row0, col_end - col0
-        rows = (*ops, *strides(*ops), *norms, stats.pos, nll, g)
-        scalars_and_scales = (sc.inv_tau, sc.gamma, a, b, sc.thr, s)
         outputs = (w, lo, c, res_r, r, res_c, c)  # the chunk buffers and their row strides
         args = (*rows, *scalars_and_scales, *outputs, row0, row_end, col0, col_end, q.shape[1], offset)
         launch_dscore(sc, q.element_size(), r, c, args)
@@ -90,12 +91,13 @@ def rank_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=None):
     ]
     a, b = torch.cat([x[0] for x in scales]), torch.cat([x[1] for x in scales])
 
+    rows = (*ops, *strides(*ops), *norms, pos, nll, g)  # the kernel's argument groups that every chunk shares
+    scalars_and_scales = (sc.inv_tau, sc.gamma, a, b, sc.thr, s)
+
     def launch_chunk(row0, row_end, col0, col_end, w, lo, res_r, res_c):
         r, c = row_end - row0, col_end - col0
         sr, sc_ = triton.cdiv(r, cfg.RESIDUAL_SLICE), triton.cdiv(c, cfg.RESIDUAL_SLICE)
         second = (r * c, sc_ * r, sr * c) if round16 else (r * c, 0, 0)  # the t2i W and its sums
-        rows = (*ops, *strides(*ops), *norms, pos, nll, g)
-        scalars_and_scales = (sc.inv_tau, sc.gamma, a, b, sc.thr, s)
         shapes = (m, n, row0, row_end, col0, col_end, v.shape[1], offset)
         args = (*rows, *scalars_and_scales, w, lo, res_r, res_c, *second, *shapes)
         launch_dscore_rank(sc, v.element_size(), r, c, args)
@@ -201,6 +203,9 @@ def symmetric_shares(ops, norms, rows, cols, sc: Scalars, shifts=None):
     def add(parts, i, x):
         parts[i] = x if parts[i] is None else parts[i] + x
 
+    # the kernel's argument groups that every chunk pair shares
+    rows = (v, t, *strides(v, t), norms[0], norms[1], stats.pos, nll, g, sc.inv_tau, sc.gamma)
+    columns_and_scales = (nll_c, g_c, a, b, sc.thr, s[0], s[1])
     with ieee_float32(dev), autocast_disabled(dev):
         for ia, (row0, row_end) in enumerate(bounds):
             q_a, k_a = copies(row0, row_end)
@@ -225,8 +230,6 @@ def symmetric_shares(ops, norms, rows, cols, sc: Scalars, shifts=None):
                     dev,
                 )
                 mirror = (r * c, sc_ * r, sr * c) if pair else (0, 0, 0)
-                rows = (v, t, *strides(v, t), norms[0], norms[1], stats.pos, nll, g, sc.inv_tau, sc.gamma)
-                columns_and_scales = (nll_c, g_c, a, b, sc.thr, s[0], s[1])
                 outputs = (w, lo, res_r, res_c, *mirror)
                 args = (*rows, *columns_and_scales, *outputs, row0, row_end, col0, col_end, d)
                 launch_dscore_pair(sc, v.element_size(), r, c, args)

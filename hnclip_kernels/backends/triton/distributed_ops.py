@@ -102,7 +102,7 @@ def _directional_nll_backward(
     eps = label_smoothing if smoothing else 0.0
     g = grad.float().contiguous()
     if need_qk:
-        shifts = smoothing_shifts(sc, smoothing, eps, stats, stats)
+        shifts = smoothing_shifts(sc, eps, stats, stats)
         d_q, d_k = directional_shares(
             (q, k, a, b), (rq, rk, ra, rb), stats, g, sc, offset, None if shifts is None else shifts[:1]
         )
@@ -235,7 +235,7 @@ def _rank_nll_backward(
     ops, norms = (img, txt, all_img, all_txt), (rv, rt, rv_all, rt_all)
     if need_features:
         (d_v, d_ta), (d_t, d_va) = rank_shares(
-            ops, norms, (i2t, t2i), g, sc, offset, smoothing_shifts(sc, smoothing, eps, i2t, t2i)
+            ops, norms, (i2t, t2i), g, sc, offset, smoothing_shifts(sc, eps, i2t, t2i)
         )
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t, d_va, d_ta = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in ops)

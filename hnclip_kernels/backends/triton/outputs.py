@@ -22,11 +22,11 @@ def kept_or_none(kept: Tensor, masked: bool):
     return kept if masked else None
 
 
-def smoothing_shifts(sc, smoothing: bool, eps, rows: epilogue.RowStats, key_rows: epilogue.RowStats):
+def smoothing_shifts(sc, eps, rows: epilogue.RowStats, key_rows: epilogue.RowStats):
     """The backward's ε/n_i of each side (``rows``: the rows', ``key_rows``: the key side's, or the
     rows' again for one direction; ``epilogue.smoothing_shift``), read by the dS kernels only with
     masking and label smoothing (SHIFT); None otherwise."""
-    if not (sc.masked and smoothing):
+    if not (sc.masked and sc.smoothing):
         return None
     shift = epilogue.smoothing_shift(rows, eps)
     return shift, (shift if key_rows is rows else epilogue.smoothing_shift(key_rows, eps))

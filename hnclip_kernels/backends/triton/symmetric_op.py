@@ -103,7 +103,7 @@ def _symmetric_nll_backward(
             (i2t, g),
             (t2i, g),
             sc,
-            smoothing_shifts(sc, smoothing, eps, i2t, t2i),
+            smoothing_shifts(sc, eps, i2t, t2i),
         )
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (img, txt))
