@@ -1,17 +1,21 @@
-"""The 16-bit backward's split modes at kernel level: what ``_dscore_kernel`` writes for the GEMMs.
+"""The 16-bit backward's two stages at kernel level: what the dS kernel stages and what the GEMMs read.
 
-The dS kernel writes W = diag(a)·dS·diag(b) (dS = g·P over the negatives) once, in the type the
-torch GEMMs read (``backends/triton/dscore.py``):
+For 16-bit features ``_dscore_kernel`` writes W = diag(a)·dS·diag(b) (dS = g·P over the negatives)
+in float32, with |W|'s maxima over each 32-column slice of a row and each 32-row slice of a
+column; ``round16._round16_kernel`` then rounds the chunk to float16 once per side, each row (or
+column) times its own power of two (``scales.fit16`` of the line's maximum):
 
-* ROUND16 without TAIL (bf16 features): W̃ = float16(W), rounded to nearest;
-* ROUND16 with TAIL (fp16 features): W̃ and the tail W̃_lo = float16(W − W̃), W ≈ W̃ + W̃_lo to ~22 bits;
-* neither (float32 features): W in float32.
+* without TAIL (bf16 features): W̃ = float16(line · W), rounded to nearest;
+* with TAIL (fp16 features): also the tail W̃_lo = float16(line · W − W̃), ~22 bits together;
+* and the residuals' slice sums, Σ (line · W − W̃ [− W̃_lo]) / (line · a_i b_k), which the
+  epilogue adds back anchored at the positive.
 
-With ROUND16 it also writes the residual slice sums: per row and per 32-column slice (and per
-column and 32-row slice) Σ (W − W̃ [− W̃_lo]) / (a_i b_k), which the epilogue adds back anchored at
-the positive. Each is checked here against W evaluated in float64 from the same inputs, on one
-chunk of 64 × 96 (two row slices, three column slices) in the interpreter, in about 2 s. A
-truncating conversion, a dropped tail or a residual of the wrong sign fails these checks.
+Each is checked against W evaluated in float64 from the same inputs (or the kernel's own float32
+W, where the check is of the rounding alone), on one chunk of 64 × 96 (two row slices, three
+column slices) in the interpreter, in seconds. The rows' upstream gradients span 2⁻¹²⁰ … 1, as a
+saturated batch's rows do: a scale shared by the chunk (the old design) flushes the small rows,
+and the per-line checks below fail on it. A truncating conversion, a dropped tail or a residual
+of the wrong sign fails them too.
 """
 
 import pytest
@@ -20,11 +24,14 @@ import torch
 from hnclip_kernels.backends import epilogue
 from hnclip_kernels.backends.triton import config as cfg
 from hnclip_kernels.backends.triton.dscore import _dscore_kernel
+from hnclip_kernels.backends.triton.round16 import _round16_kernel
+from hnclip_kernels.backends.triton.scales import fit16
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter checks (CPU tensors)")
 
 M, N, D, OFFSET, GAMMA, TAU = 64, 96, 16, 20, 0.5, 0.1
 SLICE = cfg.RESIDUAL_SLICE
+TILE = cfg.INTERPRET_TILE
 
 
 def _inputs(dtype, seed=0):
@@ -42,50 +49,54 @@ def _inputs(dtype, seed=0):
     gaps = torch.where(neg, z - pos[:, None], -torch.inf)
     nll = torch.logsumexp(gaps, 1).clamp_min(-80.0)
     nll = torch.nn.functional.softplus(nll)  # LSE_all − Z_pos, as epilogue.row_nll gives it
-    grad = torch.linspace(0.5, 1.5, M, dtype=torch.float64)
-    # W's scales: powers of two times the inverse norms (any positive a, b serve the check)
-    a = (norms[0].double() * 2.0**12).float()
+    # upstream gradients from 2^-120 to 1 (float32's normal range; P spreads the lines further)
+    grad = torch.linspace(0.5, 1.5, M, dtype=torch.float64) * torch.pow(2.0, -120.0 * torch.rand(M, generator=g))
+    # W's scales: powers of two times the inverse norms, the largest |W| near 2^100 as ``scales._pow2_stage`` puts it
+    a = (norms[0].double() * 2.0**99).float()
     b = norms[1].double().float()
     w64 = a.double()[:, None] * (grad[:, None] * torch.exp(gaps - nll[:, None])) * b.double()[None, :]
     f32 = lambda x: x.float().contiguous()  # noqa: E731
     return (q, k, a_txt, k), norms, f32(pos), f32(nll), f32(grad), a, b, w64
 
 
-def _run(dtype):
+def _stage(dtype):
+    """The dS kernel's float32 W (M, N) and |W|'s slice maxima ((N/SLICE, M) per row, (M/SLICE, N) per column)."""
     ops, norms, pos, nll, grad, a, b, w64 = _inputs(dtype)
-    round16, tail = dtype != torch.float32, dtype == torch.float16
-    w = torch.empty(M * N, dtype=torch.float16 if round16 else torch.float32)
-    lo = torch.empty_like(w) if tail else None
-    sr, sc = M // SLICE, N // SLICE
-    res_r = torch.full((sc * M,), float("nan")) if round16 else None
-    res_c = torch.full((sr * N,), float("nan")) if round16 else None
+    round16 = dtype != torch.float32
+    w = torch.full((M * N,), float("nan"))
+    res_r = torch.full(((N // SLICE) * M,), float("nan")) if round16 else None
+    res_c = torch.full(((M // SLICE) * N,), float("nan")) if round16 else None
     inv_tau, gamma32 = 1.0 / torch.tensor([TAU]), torch.tensor([GAMMA])
-    # no false-negative masking: no threshold, no shifts (MASK and SHIFT derive from the Nones);
-    # ROUND16 and TAIL derive from res_r and lo
     rows = (*ops, *[s for x in ops for s in x.stride()], *norms, pos, nll, grad)
-    outputs = (w, lo, N, res_r, M, res_c, N)  # the chunk buffers and their row strides
+    outputs = (w, N, res_r, M, res_c, N)  # the chunk buffers and their row strides
     args = (*rows, inv_tau, gamma32, a, b, None, None, *outputs, 0, M, 0, N, D, OFFSET)
-    tile = cfg.INTERPRET_TILE
-    _dscore_kernel[(M // tile, N // tile)](
-        *args,
-        HAS_MARGIN=True,
-        PREC="ieee",
-        SLICE=SLICE,
-        BLOCK_M=tile,
-        BLOCK_N=tile,
-        BLOCK_K=tile,
-        num_warps=1,
-        num_stages=1,
-    )
-    return (
-        w.view(M, N),
-        lo.view(M, N) if tail else None,
-        res_r.view(sc, M) if round16 else None,
-        res_c.view(sr, N) if round16 else None,
-        a,
-        b,
-        w64,
-    )
+    _dscore_kernel[(M // TILE, N // TILE)](
+        *args, HAS_MARGIN=True, PREC="ieee", SLICE=SLICE, BLOCK_M=TILE, BLOCK_N=TILE, BLOCK_K=TILE,
+        num_warps=1, num_stages=1,
+    )  # fmt: skip
+    maxima = (res_r.view(N // SLICE, M), res_c.view(M // SLICE, N)) if round16 else None
+    return w.view(M, N), maxima, a, b, w64
+
+
+def _round(w32, a, b, rows: bool, tail: bool):
+    """``_round16_kernel`` over the staged chunk: (head, tail or None, residual slice sums, the line scales)."""
+    line = fit16(w32.abs().amax(1 if rows else 0))
+    head = torch.empty(M * N, dtype=torch.float16)
+    lo = torch.empty_like(head) if tail else None
+    res = torch.full(((N // SLICE) * M if rows else (M // SLICE) * N,), float("nan"))
+    _round16_kernel[(M // TILE, N // TILE)](
+        w32.reshape(-1), a, b, line, head, lo, res, M, N, M if rows else N,
+        ROWS=rows, SLICE=SLICE, BLOCK_M=TILE, BLOCK_N=TILE, num_warps=1, num_stages=1,
+    )  # fmt: skip
+    res = res.view(N // SLICE, M) if rows else res.view(M // SLICE, N)
+    return head.view(M, N), lo.view(M, N) if tail else None, res, line
+
+
+def _close(w, w64, a, b) -> bool:
+    """W within 1e-5 of float64 where dS = g·P is a normal float32 (the kernel forms it before the
+    scales; the rows below that are below what bf16 gradients hold)."""
+    normal = (w64 / (a.double()[:, None] * b.double()[None, :])).abs() >= 2.0**-126
+    return bool(((w.double() - w64).abs() <= 1e-5 * w64.abs())[normal].all()) and normal.float().mean() > 0.8
 
 
 def _ulp16(x):
@@ -94,61 +105,70 @@ def _ulp16(x):
     return torch.ldexp(torch.ones_like(x), e - 11)
 
 
+def _scaled(x, line, rows):
+    return x * (line[:, None] if rows else line[None, :])
+
+
+def test_stage_is_float32_w_and_its_slice_maxima():
+    w, (row_max, col_max), a, b, w64 = _stage(torch.bfloat16)
+    assert w.dtype == torch.float32 and torch.isfinite(w).all()
+    assert _close(w, w64, a, b)
+    assert (w64.abs().amax(1) < 2.0**-10).any() and (w64.abs().amax(1) > 2.0**80).any()  # the lines span 2^90
+    # the maxima are the staged W's own, exactly (every slot written)
+    assert torch.equal(row_max, w.abs().view(M, N // SLICE, SLICE).amax(2).T)
+    assert torch.equal(col_max, w.abs().view(M // SLICE, SLICE, N).amax(1))
+
+
+@pytest.mark.parametrize("rows", [True, False], ids=["rows", "columns"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_head_is_w_rounded_to_nearest_float16(dtype):
-    w, _, _, _, _, _, w64 = _run(dtype)
-    assert w.dtype == torch.float16
-    err = (w.double() - w64).abs()
-    # to nearest: within half a float16 ulp (plus W's own float32 error); truncation reaches a whole ulp
-    assert (err <= 0.5 * _ulp16(w64) + 1e-6 * w64.abs() + 1e-30).all(), err.max()
-    big = w64.abs() > 2.0**-10
-    assert (err[big] > 0.25 * _ulp16(w64)[big]).any()  # W is not already a float16 value: the check can fail
+def test_each_line_rounded_to_nearest_at_its_own_scale(dtype, rows):
+    w, _, a, b, _ = _stage(dtype)
+    head, _, _, line = _round(w, a, b, rows, tail=dtype == torch.float16)
+    want = _scaled(w.double(), line.double(), rows)
+    err = (head.double() - want).abs()
+    assert (err <= 0.5 * _ulp16(want)).all(), err.max()  # to nearest: within half an ulp, truncation a whole one
+    assert (err[want.abs() > 1.0] > 0.25 * _ulp16(want)[want.abs() > 1.0]).any()  # W is not float16 already
+    # every line's largest entry sits in [2^12, 2^13]: no line is flushed by another line's size
+    line_max = head.double().abs().amax(1 if rows else 0)
+    assert ((line_max >= 2.0**12) & (line_max <= 2.0**13)).all(), line_max.min()
+    # so each line keeps float16's 11 bits against its own largest entry, 2^-120 rows included
+    rel = (head.double() / _scaled(torch.ones_like(want), line.double(), rows) - w.double()).abs()
+    assert (rel.amax(1 if rows else 0) <= 2.0**-11 * w.double().abs().amax(1 if rows else 0)).all()
 
 
 def test_fp16_tail_carries_the_rest():
-    w, lo, _, _, _, _, w64 = _run(torch.float16)
-    # where the tail is a normal float16 (|W| ≥ 2^-2; below, its bits go to float16's subnormals,
-    # and the residual sums carry them)
-    big = w64.abs() >= 0.25
-    assert big.sum() > 100
-    rel = ((w.double() + lo.double() - w64).abs() / w64.abs())[big].max()
-    # head + tail hold ~22 bits of the kernel's float32 W, itself ~1e-6 from the float64 W (float32
-    # exp and products); the head alone is 2^-12 off
-    assert rel < 2.0**-18, rel
-    assert ((w.double() - w64).abs() / w64.abs())[big].max() > 2.0**-14
+    w, _, a, b, _ = _stage(torch.float16)
+    head, lo, _, line = _round(w, a, b, rows=True, tail=True)
+    want = _scaled(w.double(), line.double(), True)
+    big = want.abs() >= 0.25  # the tail a normal float16 (below, its bits go to the residual sums)
+    assert big.sum() > 1000
+    rel = ((head.double() + lo.double() - want).abs() / want.abs())[big].max()
+    assert rel < 2.0**-21, rel  # ~22 bits together; the head alone is 2^-12 off
+    assert ((head.double() - want).abs() / want.abs())[big].max() > 2.0**-14
 
 
-def _residual_case(dtype):
-    w, lo, res_r, res_c, a, b, w64 = _run(dtype)
-    assert torch.isfinite(res_r).all() and torch.isfinite(res_c).all()  # every slot written
-    seen = w.double() + (lo.double() if lo is not None else 0.0)
+@pytest.mark.parametrize("rows", [True, False], ids=["rows", "columns"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_residual_slice_sums_are_what_the_gemm_operand_misses(dtype, rows):
+    tail = dtype == torch.float16
+    w, _, a, b, _ = _stage(dtype)
+    head, lo, res, line = _round(w, a, b, rows, tail)
+    assert torch.isfinite(res).all()  # every slot written
+    seen = head.double() + (lo.double() if tail else 0.0)
     ab = a.double()[:, None] * b.double()[None, :]
-    resid = (w64 - seen) / ab  # ε_ik dS_ik in dS's units (from the float64 W)
-    terms = (w64 / ab).abs()
-    sums = lambda x: (x.view(M, N // SLICE, SLICE).sum(2).T, x.view(M // SLICE, SLICE, N).sum(1))  # noqa: E731
-    return (res_r.double(), res_c.double()), sums(resid), sums(terms)
-
-
-def test_bf16_residual_slice_sums_are_what_the_gemm_operand_misses():
-    # one float16 rounding: residuals ~2^-12 of dS, far above the kernel's own float32 error in W
-    # (~2^-20, which the float64 reference cannot see): the sums must match to that
-    got, want, scale = _residual_case(torch.bfloat16)
-    tol = 2.0**-17
-    for g, w, s in zip(got, want, scale):
-        assert ((g - w).abs() <= tol * s).all(), ((g - w).abs() / s).max()
-        assert (w.abs() > 8 * tol * s).any()  # not negligible: a residual of the wrong sign fails
-
-
-def test_fp16_residual_slice_sums_carry_only_what_head_and_tail_miss():
-    # head + tail leave ~2^-22 of dS, below the float32 W's own error: the sums must be that small
-    # (without the tail subtracted they would be ~2^-12 of dS)
-    got, _, scale = _residual_case(torch.float16)
-    for g, s in zip(got, scale):
-        assert (g.abs() <= 2.0**-19 * s).all(), (g.abs() / s).max()
-        assert (g != 0).any()
+    scaled = _scaled(w.double(), line.double(), rows)
+    resid = (scaled - seen) / _scaled(ab, line.double(), rows)  # ε_ik dS_ik in dS's units, exact in float64
+    terms = (w.double() / ab).abs()
+    if rows:
+        want, scale = (x.view(M, N // SLICE, SLICE).sum(2).T for x in (resid, terms))
+    else:
+        want, scale = (x.view(M // SLICE, SLICE, N).sum(1) for x in (resid, terms))
+    # the float32 sums of exact residuals: to float32's rounding of the sum
+    assert ((res.double() - want).abs() <= 2.0**-20 * scale.clamp_min(1e-300) + 1e-300).all()
+    assert (want.abs() > 2.0 ** (-24 if tail else -14) * scale).any()  # not negligible: a wrong sign fails
 
 
 def test_float32_w_is_float32():
-    w, lo, res_r, res_c, _, _, w64 = _run(torch.float32)
-    assert w.dtype == torch.float32 and lo is None and res_r is None
-    assert ((w.double() - w64).abs() <= 1e-5 * w64.abs() + 1e-30).all()
+    w, maxima, a, b, w64 = _stage(torch.float32)
+    assert w.dtype == torch.float32 and maxima is None
+    assert _close(w, w64, a, b)

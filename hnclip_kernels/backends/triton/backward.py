@@ -20,6 +20,8 @@ states the peak.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 
@@ -29,14 +31,14 @@ from . import config as cfg
 from .dscore import launch_dscore, launch_dscore_pair, launch_dscore_rank
 from .launch import strides
 from .params import Scalars
-from .scales import to_f16, w_scales
+from .round16 import launch_round16
+from .scales import fit16, to_f16, w_scales
 
 
 def _modes(x: torch.Tensor):
-    """(round16, tail, W's dtype) for features like ``x``: 16-bit W, fp16's tail (bf16: one
-    float16 W against float16 copies of the features)."""
-    round16 = x.dtype in (torch.bfloat16, torch.float16)
-    return round16, x.dtype == torch.float16, torch.float16 if round16 else torch.float32
+    """(round16, tail) for features like ``x``: 16-bit W (staged in float32, rounded per line by
+    :mod:`.round16`), fp16's tail (bf16: one float16 W against float16 copies of the features)."""
+    return x.dtype in (torch.bfloat16, torch.float16), x.dtype == torch.float16
 
 
 def directional_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=None):
@@ -50,16 +52,15 @@ def directional_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=No
     q, k, _, _ = ops
     nll = epilogue.row_nll(stats)
     s = None if shifts is None else shifts[0]
-    round16, tail, _ = _modes(q)
-    scales = [w_scales(q, k, norms[0], norms[1], ((g, nll, s),), round16, tail)]
-    a, b = scales[0][0], scales[0][1]
+    round16, tail = _modes(q)
+    scales = [w_scales(q, k, norms[0], norms[1], (g,), round16, tail)]
 
     rows = (*ops, *strides(*ops), *norms, stats.pos, nll, g)  # the kernel's argument groups that every chunk shares
-    scalars_and_scales = (sc.inv_tau, sc.gamma, a, b, sc.thr, s)
+    scalars_and_scales = (sc.inv_tau, sc.gamma, scales[0].a, scales[0].b, sc.thr, s)
 
-    def launch_chunk(row0, row_end, col0, col_end, w, lo, res_r, res_c):
+    def launch_chunk(row0, row_end, col0, col_end, w, res_r, res_c):
         r, c = row_end - row0, col_end - col0
-        outputs = (w, lo, c, res_r, r, res_c, c)  # the chunk buffers and their row strides
+        outputs = (w, c, res_r, r, res_c, c)  # the chunk buffers and their row strides
         args = (*rows, *scalars_and_scales, *outputs, row0, row_end, col0, col_end, q.shape[1], offset)
         launch_dscore(sc, q.element_size(), r, c, args)
 
@@ -84,22 +85,19 @@ def rank_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=None):
     pos, nll = (torch.cat(pair) for pair in zip(*((x.pos, epilogue.row_nll(x)) for x in stats)))
     g = torch.cat((g, g))
     s = None if shifts is None else torch.cat(shifts)
-    round16, tail, _ = _modes(v)
-    lines = (slice(0, m), slice(m, 2 * m))  # each direction's rows' bound on |dS|
-    scales = [
-        w_scales(*d, ((g[sl], nll[sl], None if s is None else s[sl]),), round16, tail) for d, sl in zip(dirs, lines)
-    ]
-    a, b = torch.cat([x[0] for x in scales]), torch.cat([x[1] for x in scales])
+    round16, tail = _modes(v)
+    scales = [w_scales(*d, (g[:m],), round16, tail) for d in dirs]  # each direction's rows bound its |dS|
+    a, b = torch.cat([x.a for x in scales]), torch.cat([x.b for x in scales])
 
     rows = (*ops, *strides(*ops), *norms, pos, nll, g)  # the kernel's argument groups that every chunk shares
     scalars_and_scales = (sc.inv_tau, sc.gamma, a, b, sc.thr, s)
 
-    def launch_chunk(row0, row_end, col0, col_end, w, lo, res_r, res_c):
+    def launch_chunk(row0, row_end, col0, col_end, w, res_r, res_c):
         r, c = row_end - row0, col_end - col0
-        sr, sc_ = triton.cdiv(r, cfg.RESIDUAL_SLICE), triton.cdiv(c, cfg.RESIDUAL_SLICE)
-        second = (r * c, sc_ * r, sr * c) if round16 else (r * c, 0, 0)  # the t2i W and its sums
+        row_slices, col_slices = triton.cdiv(r, cfg.RESIDUAL_SLICE), triton.cdiv(c, cfg.RESIDUAL_SLICE)
+        second = (r * c, col_slices * r, row_slices * c) if round16 else (r * c, 0, 0)  # the t2i W and its maxima
         shapes = (m, n, row0, row_end, col0, col_end, v.shape[1], offset)
-        args = (*rows, *scalars_and_scales, w, lo, res_r, res_c, *second, *shapes)
+        args = (*rows, *scalars_and_scales, w, res_r, res_c, *second, *shapes)
         launch_dscore_rank(sc, v.element_size(), r, c, args)
 
     return _walk(dirs, scales, offset, launch_chunk)
@@ -108,15 +106,15 @@ def rank_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=None):
 def _walk(dirs, scales, offset: int, launch_chunk):
     """The chunk walk of the directional op (one direction) and of a rank's pair (two): ``dirs``
     holds each direction's (rows q (M, D), columns k (N, D), their inverse norms), ``scales``
-    each one's :func:`.scales.w_scales`; ``launch_chunk(row0, row_end, col0, col_end, w, lo,
-    res_r, res_c)`` writes every direction's W of one chunk into its fresh buffers (direction i's
-    at i·R·C). Chunks of ``cfg.chunk_shape(M, N)``, row blocks outer; per direction two GEMMs a
-    chunk (four with fp16's tail), accumulated in chunk order. Returns each direction's (d_q,
-    d_k), scaled back, with the rounding compensation."""
+    each one's :func:`.scales.w_scales`; ``launch_chunk(row0, row_end, col0, col_end, w, res_r,
+    res_c)`` writes every direction's W of one chunk into its fresh buffers (direction i's at
+    i·R·C, its slice maxima likewise). Chunks of ``cfg.chunk_shape(M, N)``, row blocks outer; per
+    direction two GEMMs a chunk (four with fp16's tail), accumulated in chunk order. Returns each
+    direction's (d_q, d_k), scaled back, with the rounding compensation."""
     q0 = dirs[0][0]
     m, n, dev = q0.shape[0], dirs[0][1].shape[0], q0.device
-    round16, tail, w_dtype = _modes(q0)
-    rows, cols = cfg.chunk_shape(m, n)
+    round16, tail = _modes(q0)
+    rows, cols = cfg.chunk_shape(m, n, dtype=q0.dtype)
     n_dirs, col_chunks = len(dirs), triton.cdiv(n, cols)
     d_q_parts, rho_parts = [[] for _ in dirs], [[] for _ in dirs]
     d_k_parts, sigma_parts = [[None] * col_chunks for _ in dirs], [[None] * col_chunks for _ in dirs]
@@ -126,43 +124,49 @@ def _walk(dirs, scales, offset: int, launch_chunk):
             row_end = min(row0 + rows, m)
             acc_q, rho = [None] * n_dirs, [None] * n_dirs
             q_rows = [
-                _rows(q, row0, row_end) if sc[4] is None else to_f16(_rows(q, row0, row_end), sc[4][0][row0:row_end])
+                _rows(q, row0, row_end) if sc.f16 is None else to_f16(_rows(q, row0, row_end), sc.f16[0][row0:row_end])
                 for (q, _, _, _), sc in zip(dirs, scales)
             ]
             for j, col0 in enumerate(range(0, n, cols)):
                 col_end = min(col0 + cols, n)
                 r, c = row_end - row0, col_end - col0
-                sr, sc_ = triton.cdiv(r, cfg.RESIDUAL_SLICE), triton.cdiv(c, cfg.RESIDUAL_SLICE)
+                row_slices, col_slices = triton.cdiv(r, cfg.RESIDUAL_SLICE), triton.cdiv(c, cfg.RESIDUAL_SLICE)
                 # a fresh workspace per chunk, the previous one freed first (the allocator hands its
                 # memory back): never a view into a shared buffer, which a traced operator would
-                # write through a scatter. Each direction's row slice sums (sc, r), column ones (sr, c)
-                w, lo, res_r, res_c = _w_buffers(
-                    n_dirs * r * c, n_dirs * sc_ * r, n_dirs * sr * c, w_dtype, round16, tail, dev
+                # write through a scatter. Each direction's row slice maxima (col_slices, r), column ones (row_slices, c)
+                w, res_r, res_c = _w_buffers(
+                    n_dirs * r * c, n_dirs * col_slices * r, n_dirs * row_slices * c, round16, dev
                 )
-                launch_chunk(row0, row_end, col0, col_end, w, lo, res_r, res_c)
+                launch_chunk(row0, row_end, col0, col_end, w, res_r, res_c)
+                stage = _stage_buffers(r * c, round16, tail, dev)
                 for i, (_, k, _, _) in enumerate(dirs):
                     k_cols = _rows(k, col0, col_end)
-                    if scales[i][4] is not None:
-                        k_cols = to_f16(k_cols, scales[i][4][1][col0:col_end])  # this column block's float16 copy
-                    for buf in [w, lo] if tail else [w]:  # the head, then the tail's products
-                        w_i = buf[i * r * c : (i + 1) * r * c].view(r, c)
-                        acc_q[i] = _mm(w_i, k_cols, acc_q[i])
-                        d_k_parts[i][j] = _mm(w_i.t(), q_rows[i], d_k_parts[i][j])
-                    if round16:  # slice sums merged in a fixed order, then over chunks in chunk order
-                        s = res_r[i * sc_ * r : (i + 1) * sc_ * r].view(sc_, r).sum(0)
-                        rho[i] = s if rho[i] is None else rho[i] + s
-                        s = res_c[i * sr * c : (i + 1) * sr * c].view(sr, c).sum(0)
-                        sigma_parts[i][j] = s if sigma_parts[i][j] is None else sigma_parts[i][j] + s
-                    del k_cols, buf, w_i
-                del w, lo, res_r, res_c  # one chunk alive at a time
+                    if scales[i].f16 is not None:
+                        k_cols = to_f16(k_cols, scales[i].f16[1][col0:col_end])  # this column block's float16 copy
+                    w_i = w[i * r * c : (i + 1) * r * c]
+                    if not round16:
+                        acc_q[i] = _mm(w_i.view(r, c), k_cols, acc_q[i])
+                        d_k_parts[i][j] = _mm(w_i.view(r, c).t(), q_rows[i], d_k_parts[i][j])
+                        del k_cols, w_i  # views: they would keep this chunk's buffers alive
+                        continue
+                    maxima = (
+                        res_r[i * col_slices * r : (i + 1) * col_slices * r].view(col_slices, r),
+                        res_c[i * row_slices * c : (i + 1) * row_slices * c].view(row_slices, c),
+                    )
+                    line_scales = (scales[i].a[row0:row_end], scales[i].b[col0:col_end])
+                    d_q, d_k, rho_i, sigma_i = _rounded_products(w_i, line_scales, maxima, (q_rows[i], k_cols), stage)
+                    acc_q[i], rho[i] = _add(acc_q[i], d_q), _add(rho[i], rho_i)  # over chunks in chunk order
+                    d_k_parts[i][j], sigma_parts[i][j] = _add(d_k_parts[i][j], d_k), _add(sigma_parts[i][j], sigma_i)
+                    del k_cols, w_i, maxima  # views: they would keep this chunk's buffers alive
+                del w, res_r, res_c, stage  # one chunk alive at a time
             del q_rows
             for i in range(n_dirs):
                 d_q_parts[i].append(acc_q[i])
                 rho_parts[i].append(rho[i])
     out = []
     for i, (q, k, r_q, r_k) in enumerate(dirs):
-        d_q = _cat(d_q_parts[i]).div_(scales[i][2][:, None])
-        d_k = _cat(d_k_parts[i]).div_(scales[i][3][:, None])
+        d_q = _cat(d_q_parts[i]).div_(scales[i].rq[:, None])
+        d_k = _cat(d_k_parts[i]).div_(scales[i].rk[:, None])
         if round16:
             epilogue.add_rounding_compensation(
                 d_q, d_k, _cat(rho_parts[i]), _cat(sigma_parts[i]), q, k, r_q, r_k, offset
@@ -171,102 +175,170 @@ def _walk(dirs, scales, offset: int, launch_chunk):
     return out
 
 
+def _rounded_products(w32, line_scales, maxima, features, stage):
+    """One staged R × C float32 W (``w32``, W's scales ``line_scales`` = (a over its rows, b over its
+    columns)) rounded to float16 twice (:mod:`.round16`) and multiplied: (W̃_rows · k (R, D) and
+    W̃_colsᵀ · q (C, D), each line divided by its own power of two, so in W's units; ρ (R) and σ (C)
+    the residuals' line sums). ``maxima`` = (|W|'s row slice maxima (⌈C / SLICE⌉, R), column slice
+    maxima (⌈R / SLICE⌉, C)), overwritten by the residuals' slice sums; ``features`` = (q rows
+    (R, D), k columns (C, D)) as the GEMMs read them; ``stage`` = (W̃, W̃_lo or None), R·C float16."""
+    row_max, col_max = maxima
+    q, k = features
+    r, c = row_max.shape[1], col_max.shape[1]
+    row_scale, col_scale = fit16(row_max.amax(0)), fit16(col_max.amax(0))
+    launch_round16(True, w32, line_scales, row_scale, (*stage, row_max), (r, c))
+    d_q = _products(stage, (r, c), k, transpose=False).div_(row_scale[:, None])
+    rho = row_max.sum(0)  # slice sums merged in a fixed order
+    launch_round16(False, w32, line_scales, col_scale, (*stage, col_max), (r, c))
+    d_k = _products(stage, (r, c), q, transpose=True).div_(col_scale[:, None])
+    return d_q, d_k, rho, col_max.sum(0)
+
+
+def _products(stage, shape, x: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """W̃ · x (or W̃ᵀ · x) from the staged float16 head (and tail) of shape R × C, float32."""
+    out = None
+    for buf in stage:
+        if buf is not None:
+            w = buf.view(shape)
+            out = _mm(w.t() if transpose else w, x, out)
+    return out
+
+
+def _add(acc, x):
+    return x if acc is None else acc + x
+
+
 def symmetric_shares(ops, norms, rows, cols, sc: Scalars, shifts=None):
     """The single-process loss's negatives' shares (times τ), float32: dL/dv̂ (N, D) and dL/dt̂ (N, D)
     of both directions at once (M = N, offset 0).
 
-    ``ops`` = (v, t, t, t), ``norms`` their inverse norms; ``rows`` = (i2t statistics, g),
+    ``ops`` = (v, t), ``norms`` their inverse norms; ``rows`` = (i2t statistics, g),
     ``cols`` = (t2i statistics, g'), each direction's upstream gradient; ``sc`` as
     :func:`directional_shares`; ``shifts`` = (the rows' ε/n_i, the columns') or None. Square
     chunks (``cfg.chunk_shape(square=True)``), pairs (a, b ≥ a) in order
     (``_dscore_pair_kernel``): a pair b > a writes W_ab and W_ba from the same tile pairs, a
     diagonal pair W_aa; then the GEMMs of each buffer, accumulated per chunk in pair order."""
     (stats, g), (key_stats, g_c) = rows, cols
-    v, t = ops[0], ops[1]
+    v, t = ops
     n, d = v.shape
     nll, nll_c = epilogue.row_nll(stats), epilogue.row_nll(key_stats)
     s = (None, None) if shifts is None else shifts
-    round16, tail, w_dtype = _modes(v)
-    a, b, rq, rk, f16 = w_scales(v, t, norms[0], norms[1], ((g, nll, s[0]), (g_c, nll_c, s[1])), round16, tail)
-    side, _ = cfg.chunk_shape(n, n, square=True)
+    round16, tail = _modes(v)
+    scales = w_scales(v, t, norms[0], norms[1], (g, g_c), round16, tail)
+    side, _ = cfg.chunk_shape(n, n, square=True, dtype=v.dtype)
     bounds = [(c0, min(c0 + side, n)) for c0 in range(0, n, side)]
-    d_q, d_k = [None] * len(bounds), [None] * len(bounds)
-    rho, sigma = [None] * len(bounds), [None] * len(bounds)
+    parts = PairParts(*([None] * len(bounds) for _ in range(4)))
     dev = v.device
 
     def copies(start, end):  # the features of one chunk: float16 copies for bf16 (exact, see scales)
         vr, tr = _rows(v, start, end), _rows(t, start, end)
-        if f16 is None:
+        if scales.f16 is None:
             return vr, tr
-        return to_f16(vr, f16[0][start:end]), to_f16(tr, f16[1][start:end])
-
-    def add(parts, i, x):
-        parts[i] = x if parts[i] is None else parts[i] + x
+        return to_f16(vr, scales.f16[0][start:end]), to_f16(tr, scales.f16[1][start:end])
 
     # the kernel's argument groups that every chunk pair shares
-    rows = (v, t, *strides(v, t), norms[0], norms[1], stats.pos, nll, g, sc.inv_tau, sc.gamma)
-    columns_and_scales = (nll_c, g_c, a, b, sc.thr, s[0], s[1])
+    row_args = (v, t, *strides(v, t), *norms, stats.pos, nll, g, sc.inv_tau, sc.gamma)
+    columns_and_scales = (nll_c, g_c, scales.a, scales.b, sc.thr, s[0], s[1])
     with ieee_float32(dev), autocast_disabled(dev):
         for ia, (row0, row_end) in enumerate(bounds):
-            q_a, k_a = copies(row0, row_end)
-            r = row_end - row0
+            chunk_a = (ia, row0, row_end, *copies(row0, row_end))
             for ib in range(ia, len(bounds)):
                 col0, col_end = bounds[ib]
-                c = col_end - col0
-                pair = ib > ia
-                q_b, k_b = copies(col0, col_end) if pair else (q_a, k_a)
-                # fresh buffers per chunk pair (the previous ones freed first): W_ab then W_ba, flat
-                sr, sc_ = (
-                    (triton.cdiv(r, cfg.RESIDUAL_SLICE), triton.cdiv(c, cfg.RESIDUAL_SLICE)) if round16 else (0, 0)
-                )
-                # ab's row sums (sc, r) then ba's (sr, c); ab's column sums (sr, c) then ba's (sc, r)
-                w, lo, res_r, res_c = _w_buffers(
-                    (2 if pair else 1) * r * c,
-                    sc_ * r + (sr * c if pair else 0),
-                    sr * c + (sc_ * r if pair else 0),
-                    w_dtype,
-                    round16,
-                    tail,
-                    dev,
-                )
-                mirror = (r * c, sc_ * r, sr * c) if pair else (0, 0, 0)
-                outputs = (w, lo, res_r, res_c, *mirror)
-                args = (*rows, *columns_and_scales, *outputs, row0, row_end, col0, col_end, d)
-                launch_dscore_pair(sc, v.element_size(), r, c, args)
-                for buf in [w, lo] if tail else [w]:  # W_ab (and its tail): rows a against columns b
-                    d_q[ia] = _mm(buf[: r * c].view(r, c), k_b, d_q[ia])
-                    d_k[ib] = _mm(buf[: r * c].view(r, c).t(), q_a, d_k[ib])
-                    if pair:  # W_ba: rows b against columns a
-                        d_q[ib] = _mm(buf[r * c :].view(c, r), k_a, d_q[ib])
-                        d_k[ia] = _mm(buf[r * c :].view(c, r).t(), q_b, d_k[ia])
-                del buf
-                if round16:  # slice sums merged in a fixed order, then over pairs in pair order
-                    add(rho, ia, res_r[: sc_ * r].view(sc_, r).sum(0))
-                    add(sigma, ib, res_c[: sr * c].view(sr, c).sum(0))
-                    if pair:
-                        add(rho, ib, res_r[sc_ * r :].view(sr, c).sum(0))
-                        add(sigma, ia, res_c[sr * c :].view(sc_, r).sum(0))
-                del w, lo, res_r, res_c, outputs, args, q_b, k_b  # one chunk pair alive at a time
-            del q_a, k_a
-    d_v, d_t = _cat(d_q).div_(rq[:, None]), _cat(d_k).div_(rk[:, None])
+                chunk_b = (ib, col0, col_end, *copies(col0, col_end)) if ib > ia else chunk_a
+                _chunk_pair(chunk_a, chunk_b, (row_args, columns_and_scales, d), sc, scales, parts, round16, tail)
+                del chunk_b  # one chunk pair alive at a time
+            del chunk_a
+    d_v, d_t = _cat(parts.d_q).div_(scales.rq[:, None]), _cat(parts.d_k).div_(scales.rk[:, None])
     if round16:
-        epilogue.add_rounding_compensation(d_v, d_t, _cat(rho), _cat(sigma), v, t, norms[0], norms[1], 0)
+        epilogue.add_rounding_compensation(d_v, d_t, _cat(parts.rho), _cat(parts.sigma), v, t, norms[0], norms[1], 0)
     return d_v, d_t
 
 
-def _w_buffers(w_len: int, res_r_len: int, res_c_len: int, w_dtype, round16: bool, tail: bool, dev):
-    """One chunk's fresh dS buffers (w, lo, res_r, res_c): W, fp16's tail, the float32 row and
-    column residual slice sums; None for those the kernel does not write (no tail without TAIL,
-    no sums without ROUND16: the kernels' flags derive from that)."""
-    w = torch.empty(w_len, device=dev, dtype=w_dtype)
+class PairParts(NamedTuple):
+    """The symmetric walk's per-chunk accumulators (lists, one entry a chunk, None until written):
+    the rows' and columns' shares (in W's units) and their residual sums."""
+
+    d_q: list
+    d_k: list
+    rho: list
+    sigma: list
+
+
+def _chunk_pair(chunk_a, chunk_b, args, sc: Scalars, scales, parts: PairParts, round16: bool, tail: bool):
+    """One chunk pair (a, b ≥ a) of :func:`symmetric_shares`: ``chunk_*`` = (index, first row, end,
+    v rows, t rows (float16 copies for bf16)); ``args`` = (the row groups, the columns' groups and
+    scales, D) of ``_dscore_pair_kernel``. Writes W_ab (and for b > a W_ba) and adds each buffer's
+    GEMMs to ``parts``, in pair order."""
+    ia, row0, row_end, q_a, k_a = chunk_a
+    ib, col0, col_end, q_b, k_b = chunk_b
+    row_args, columns_and_scales, d = args
+    r, c, pair = row_end - row0, col_end - col0, ib > ia
+    row_slices, col_slices = (
+        (triton.cdiv(r, cfg.RESIDUAL_SLICE), triton.cdiv(c, cfg.RESIDUAL_SLICE)) if round16 else (0, 0)
+    )
+    # fresh buffers per chunk pair (the previous ones freed first): W_ab then W_ba, flat;
+    # ab's row maxima (col_slices, r) then ba's (row_slices, c); ab's column maxima (row_slices, c) then ba's (col_slices, r)
+    w, res_r, res_c = _w_buffers(
+        (2 if pair else 1) * r * c,
+        col_slices * r + (row_slices * c if pair else 0),
+        row_slices * c + (col_slices * r if pair else 0),
+        round16,
+        dev=q_a.device,
+    )
+    mirror = (r * c, col_slices * r, row_slices * c) if pair else (0, 0, 0)
+    launch_dscore_pair(
+        sc,
+        q_a.element_size(),
+        r,
+        c,
+        (*row_args, *columns_and_scales, w, res_r, res_c, *mirror, row0, row_end, col0, col_end, d),
+    )
+    # (rows chunk, columns chunk, W, its rows' q, its columns' k, the maxima's slices): W_ab, then W_ba
+    buffers = [(ia, ib, row0, row_end, col0, col_end, w[: r * c], q_a, k_b, (col_slices, r), (row_slices, c), 0, 0)]
+    if pair:
+        rest = (col_slices * r, row_slices * c)
+        buffers.append(
+            (ib, ia, col0, col_end, row0, row_end, w[r * c :], q_b, k_a, (row_slices, c), (col_slices, r), *rest)
+        )
+    stage = _stage_buffers(r * c, round16, tail, q_a.device)
+    for i_rows, i_cols, lo_r, hi_r, lo_c, hi_c, w_x, q_x, k_x, rows_shape, cols_shape, at_r, at_c in buffers:
+        n_rows, n_cols = rows_shape[1], cols_shape[1]
+        if not round16:
+            parts.d_q[i_rows] = _mm(w_x.view(n_rows, n_cols), k_x, parts.d_q[i_rows])
+            parts.d_k[i_cols] = _mm(w_x.view(n_rows, n_cols).t(), q_x, parts.d_k[i_cols])
+            continue
+        maxima = (
+            res_r[at_r : at_r + rows_shape[0] * n_rows].view(rows_shape),
+            res_c[at_c : at_c + cols_shape[0] * n_cols].view(cols_shape),
+        )
+        line_scales = (scales.a[lo_r:hi_r], scales.b[lo_c:hi_c])
+        d_q, d_k, rho, sigma = _rounded_products(w_x, line_scales, maxima, (q_x, k_x), stage)
+        parts.d_q[i_rows], parts.rho[i_rows] = _add(parts.d_q[i_rows], d_q), _add(parts.rho[i_rows], rho)
+        parts.d_k[i_cols], parts.sigma[i_cols] = _add(parts.d_k[i_cols], d_k), _add(parts.sigma[i_cols], sigma)
+    del w, res_r, res_c, stage, buffers
+
+
+def _w_buffers(w_len: int, res_r_len: int, res_c_len: int, round16: bool, dev):
+    """One chunk's fresh dS buffers (w, res_r, res_c): W in float32 (for 16-bit features the staging
+    buffer :mod:`.round16` rounds), the float32 row and column slice maxima (16-bit only, None
+    otherwise: ROUND16 derives from that), later the residuals' slice sums."""
+    w = torch.empty(w_len, device=dev, dtype=torch.float32)
     if not round16:
-        return w, None, None, None
-    lo = torch.empty(w.shape, device=dev, dtype=w_dtype) if tail else None
+        return w, None, None
     return (
         w,
-        lo,
         torch.empty(res_r_len, device=dev, dtype=torch.float32),
         torch.empty(res_c_len, device=dev, dtype=torch.float32),
+    )
+
+
+def _stage_buffers(length: int, round16: bool, tail: bool, dev):
+    """The rounded float16 W (and fp16's tail) of one R × C chunk, reused by each rounding; None for float32."""
+    if not round16:
+        return None
+    return (
+        torch.empty(length, device=dev, dtype=torch.float16),
+        torch.empty(length, device=dev, dtype=torch.float16) if tail else None,
     )
 
 

@@ -36,10 +36,11 @@ import triton
 from ...validation import DEFAULT_FP32_PRECISION, FP32_PRECISIONS  # noqa: F401
 from .precision import INTERPRET
 
-# Backward workspace: dS is materialised chunk by chunk (R rows × C columns, at most 4 bytes an
-# entry: float32, or a float16 head and tail; bf16 features write one float16 dS, 2 bytes) and
-# multiplied by the features in torch GEMMs; 4·R·C stays within this many bytes.
+# Backward workspace: dS is materialised chunk by chunk (R rows × C columns) and multiplied by the
+# features in torch GEMMs; e·R·C stays within this many bytes, e the bytes a W entry costs
+# (``W_ENTRY_BYTES``: float32 W, and for 16-bit features its float16 rounding, fp16's with a tail).
 BWD_WORKSPACE_BYTES = 256 << 20
+W_ENTRY_BYTES = {torch.float32: 4, torch.bfloat16: 4 + 2, torch.float16: 4 + 4}
 
 SM_COUNT_IF_UNKNOWN = 132  # an H100/H200: the grid heuristics' target when no GPU can be asked
 INTERPRET_TILE = 32
@@ -137,6 +138,8 @@ CANDIDATES = {
         ],
         4: [_cfg(4, 2, BLOCK_M=64, BLOCK_N=16)],
     },
+    # 16-bit W's rounding of a staged float32 chunk (``round16._round16_kernel``): elementwise, memory-bound
+    "round16": {2: [_cfg(4, 2, BLOCK_M=64, BLOCK_N=64)]},
     # (the backward's GEMMs are torch's: cuBLAS on CUDA, see backward.py's walks)
 }
 
@@ -208,6 +211,7 @@ def heuristic(kernel: str, elem_size: int) -> Fixed:
             "dscore": dict(BLOCK_M=t, BLOCK_N=t),
             "dscore_pair": dict(BLOCK_M=t, BLOCK_N=t),
             "dscore_rank": dict(BLOCK_M=t, BLOCK_N=t),
+            "round16": dict(BLOCK_M=t, BLOCK_N=t),
         }[kernel]
         return Fixed(tiles, 1, 1)
     c = candidates(kernel, elem_size)[0]
@@ -278,12 +282,12 @@ def fwd_grid(m: int, n: int, elem_size: int, columns: bool, device: torch.device
     return row_blocks, slab, splits, per_split
 
 
-def chunk_shape(m: int, n: int, square: bool = False) -> tuple[int, int]:
-    """(R, C): the dS chunk of the backward, 4·R·C ≤ BWD_WORKSPACE_BYTES (at most 4 bytes an
-    entry: a float32 dS, or a float16 head and tail), as square as M and N allow, sides multiples
-    of the largest tile. ``square`` (the symmetric loss's chunk pairs, M = N): R = C."""
+def chunk_shape(m: int, n: int, square: bool = False, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """(R, C): the dS chunk of the backward for features of ``dtype``, e·R·C ≤ BWD_WORKSPACE_BYTES
+    (e = ``W_ENTRY_BYTES[dtype]``), as square as M and N allow, sides multiples of the largest
+    tile. ``square`` (the symmetric loss's chunk pairs, M = N): R = C."""
     align = INTERPRET_TILE if launch_mode() == "interpret" else 128
-    budget = max(align * align, BWD_WORKSPACE_BYTES // 4)
+    budget = max(align * align, BWD_WORKSPACE_BYTES // W_ENTRY_BYTES[dtype])
     rows = min(m, max(align, int(budget**0.5) // align * align))
     if square:
         return rows, min(n, rows)

@@ -64,16 +64,16 @@ def _chunk_tile(row0, row_end, col0, col_end, BLOCK_M: tl.constexpr, BLOCK_N: tl
     return (offs_m, mask_m), (offs_n, mask_n), row_end - row0, col_end - col0
 
 
-@derived("MASK", "SHIFT", "ROUND16", "TAIL")
+@derived("MASK", "SHIFT", "ROUND16")
 @triton.jit
 def _dscore_kernel(
     q_ptr, k_ptr, mq_ptr, mk_ptr,
     stride_qm, stride_qd, stride_kn, stride_kd, stride_mqm, stride_mqd, stride_mkn, stride_mkd,
     rq_ptr, rk_ptr, r_mq_ptr, r_mk_ptr, pos_ptr, nll_ptr, g_ptr, inv_tau_ptr, gamma_ptr, a_ptr, b_ptr, thr_ptr, s_ptr,
-    w_ptr, lo_ptr, stride_w, res_r_ptr, stride_rr, res_c_ptr, stride_rc,
+    w_ptr, stride_w, res_r_ptr, stride_rr, res_c_ptr, stride_rc,
     row0, row_end, col0, col_end, D, offset,
     HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr,
-    ROUND16: tl.constexpr, TAIL: tl.constexpr,
+    ROUND16: tl.constexpr,
     SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The directional op's W[i − row0, k − col0] = a_i · dS_ik · b_k over one chunk
@@ -110,12 +110,12 @@ def _dscore_kernel(
                      (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
                      (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
                      D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
-    w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, None, None,
-                            a_ptr, b_ptr, False, s_ptr, None, MASK, SHIFT)
-    _store_w(w, a, b, mask, (offs_m, mask_m, row0, row_end, tl.program_id(0) * (BLOCK_M // SLICE)),
+    w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, None, None,
+                      a_ptr, b_ptr, False, s_ptr, None, MASK, SHIFT)
+    _store_w(w, mask, (offs_m, mask_m, row0, row_end, tl.program_id(0) * (BLOCK_M // SLICE)),
              (offs_n, mask_n, col0, col_end, tl.program_id(1) * (BLOCK_N // SLICE)),
-             w_ptr, lo_ptr, 0, stride_w, res_r_ptr, 0, stride_rr, res_c_ptr, 0, stride_rc,
-             ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
+             w_ptr, 0, stride_w, res_r_ptr, 0, stride_rr, res_c_ptr, 0, stride_rc,
+             ROUND16, SLICE, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -156,56 +156,44 @@ def _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, 
     a = tl.load(a_ptr + offs_m, mask=mask_m, other=0.0)
     b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0)
     w = dscore * a[:, None] * b[None, :]
-    return w, a, b, mask_m[:, None] & mask_n[None, :]
+    return w, mask_m[:, None] & mask_n[None, :]
 
 
 @triton.jit
-def _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, w0, stride_w, res_r_ptr, r0, stride_rr, res_c_ptr, c0,
-             stride_rc, ROUND16: tl.constexpr, TAIL: tl.constexpr, SLICE: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _store_w(w, mask, rows, cols, w_ptr, w0, stride_w, res_r_ptr, r0, stride_rr, res_c_ptr, c0, stride_rc,
+             ROUND16: tl.constexpr, SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Store a W tile (``_w_tile``) at rows ``rows`` = (offsets, mask, the chunk's first row, its end,
     the tile's first row slice) and columns ``cols`` alike of a row-major chunk buffer at entry w0
-    of ``w_ptr`` (row stride ``stride_w``; the tail alike in ``lo_ptr``): with ROUND16 rounded to
-    float16 (with TAIL also the tail), and the residuals' slice sums at entry r0 of ``res_r_ptr``
-    (stride ``stride_rr`` between slices) and c0 of ``res_c_ptr`` (``stride_rc``); see
-    ``_dscore_kernel``. The offsets are added here, under the flags: unread pointers are None."""
+    of ``w_ptr`` (row stride ``stride_w``), in float32. With ROUND16 (16-bit features: the buffer
+    is the staging W that :mod:`.round16` rounds with each line's own scale) also |W|'s maxima
+    over each SLICE columns at entry r0 of ``res_r_ptr`` (stride ``stride_rr`` between slices) and
+    over each SLICE rows at c0 of ``res_c_ptr`` (``stride_rc``); see ``_dscore_kernel``. The offsets
+    are added here, under the flags: unread pointers are None."""
     offs_m, mask_m, row0, row_end, first_m = rows
     offs_n, mask_n, col0, col_end, first_n = cols
     if ROUND16:
-        w16 = w.to(tl.float16).to(tl.float32)  # round to nearest even
-        if TAIL:
-            lo16 = (w - w16).to(tl.float16).to(tl.float32)  # the tail: W ≈ W̃ + W̃_lo to ~22 bits
-            rest = (w - w16) - lo16
-        else:
-            rest = w - w16
-        # ε_ik dS_ik, exact residual of the rounding(s), in dS's units; 0 off the chunk (a, b are 0 there)
-        err = tl.where(mask, rest / b[None, :] / a[:, None], 0.0)
-        row_part = tl.sum(tl.reshape(err, (BLOCK_M, BLOCK_N // SLICE, SLICE)), axis=2)  # (BLOCK_M, slices)
-        col_part = tl.sum(tl.reshape(err, (BLOCK_M // SLICE, SLICE, BLOCK_N)), axis=1)  # (slices, BLOCK_N)
+        mag = tl.where(mask, tl.abs(w), 0.0)
+        row_part = tl.max(tl.reshape(mag, (BLOCK_M, BLOCK_N // SLICE, SLICE)), axis=2)  # (BLOCK_M, slices)
+        col_part = tl.max(tl.reshape(mag, (BLOCK_M // SLICE, SLICE, BLOCK_N)), axis=1)  # (slices, BLOCK_N)
         slices_n = tl.arange(0, BLOCK_N // SLICE)
         slices_m = tl.arange(0, BLOCK_M // SLICE)
         tl.store(res_r_ptr + r0 + (first_n + slices_n)[None, :] * stride_rr + (offs_m - row0)[:, None], row_part,
                  mask=mask_m[:, None] & (col0 + (first_n + slices_n) * SLICE < col_end)[None, :])
         tl.store(res_c_ptr + c0 + (first_m + slices_m)[:, None] * stride_rc + (offs_n - col0)[None, :], col_part,
                  mask=(row0 + (first_m + slices_m) * SLICE < row_end)[:, None] & mask_n[None, :])
-        if TAIL:
-            tl.store(lo_ptr + w0 + (offs_m - row0)[:, None] * stride_w + (offs_n - col0)[None, :],
-                     lo16.to(lo_ptr.dtype.element_ty), mask=mask)
-        w = w16
     tl.store(w_ptr + w0 + (offs_m - row0)[:, None] * stride_w + (offs_n - col0)[None, :],
              w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
-@derived("MASK", "SHIFT", "ROUND16", "TAIL")
+@derived("MASK", "SHIFT", "ROUND16")
 @triton.jit
 def _dscore_pair_kernel(
     v_ptr, t_ptr, stride_vm, stride_vd, stride_tm, stride_td,
     rv_ptr, rt_ptr, pos_ptr, nll_ptr, g_ptr, inv_tau_ptr, gamma_ptr, nll_c_ptr, g_c_ptr, a_ptr, b_ptr,
     thr_ptr, s_ptr, s_c_ptr,
-    w_ptr, lo_ptr, res_r_ptr, res_c_ptr, mirror_w, mirror_r, mirror_c,
+    w_ptr, res_r_ptr, res_c_ptr, mirror_w, mirror_r, mirror_c,
     row0, row_end, col0, col_end, D,
     HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr, ROUND16: tl.constexpr,
-    TAIL: tl.constexpr,
     SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The symmetric loss's dS over a chunk pair: chunk (a, b) = [row0, row_end) × [col0, col_end)
@@ -250,34 +238,34 @@ def _dscore_pair_kernel(
         # the diagonal super-tile: its tiles hold the positives and are formed alone, as the forward forms them
         z = _logits_tile(v, t, t, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
                          D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
-        w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
-                                a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
-        _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
-                 ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
+        w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
+                          a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
+        _store_w(w, mask, rows, cols, w_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
+                 ROUND16, SLICE, BLOCK_M, BLOCK_N)
     elif (row0 != col0) | (local_n >= local_m + BLOCK_M):
         z, zm = _pair_tiles(v, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
                             D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
-        w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
-                                a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
-        _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
-                 ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
+        w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
+                          a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
+        _store_w(w, mask, rows, cols, w_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
+                 ROUND16, SLICE, BLOCK_M, BLOCK_N)
         # the mirror: rows J, columns I of chunk (b, a), a C × R buffer
-        wm, am, bm, maskm = _w_tile(tl.trans(zm), offs_n, mask_n, offs_m, mask_m, 0, pos_ptr, nll_ptr, g_ptr,
-                                    nll_c_ptr, g_c_ptr, a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
-        _store_w(wm, am, bm, maskm, cols, rows, w_ptr, lo_ptr, mirror_w, rows_c, res_r_ptr, mirror_r, cols_c,
-                 res_c_ptr, mirror_c, rows_c, ROUND16, TAIL, SLICE, BLOCK_N, BLOCK_M)
+        wm, maskm = _w_tile(tl.trans(zm), offs_n, mask_n, offs_m, mask_m, 0, pos_ptr, nll_ptr, g_ptr,
+                            nll_c_ptr, g_c_ptr, a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
+        _store_w(wm, maskm, cols, rows, w_ptr, mirror_w, rows_c, res_r_ptr, mirror_r, cols_c,
+                 res_c_ptr, mirror_c, rows_c, ROUND16, SLICE, BLOCK_N, BLOCK_M)
 
 
-@derived("MASK", "SHIFT", "ROUND16", "TAIL")
+@derived("MASK", "SHIFT", "ROUND16")
 @triton.jit
 def _dscore_rank_kernel(
     v_ptr, t_ptr, va_ptr, ta_ptr,
     stride_vm, stride_vd, stride_tm, stride_td, stride_van, stride_vad, stride_tan, stride_tad,
     rv_ptr, rt_ptr, rva_ptr, rta_ptr, pos_ptr, nll_ptr, g_ptr, inv_tau_ptr, gamma_ptr, a_ptr, b_ptr, thr_ptr, s_ptr,
-    w_ptr, lo_ptr, res_r_ptr, res_c_ptr, second_w, second_r, second_c,
+    w_ptr, res_r_ptr, res_c_ptr, second_w, second_r, second_c,
     M, N, row0, row_end, col0, col_end, D, offset,
     HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr,
-    ROUND16: tl.constexpr, TAIL: tl.constexpr,
+    ROUND16: tl.constexpr,
     SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """A distributed rank's dS of both directions over one chunk [row0, row_end) × [col0, col_end)
@@ -308,17 +296,17 @@ def _dscore_rank_kernel(
                         D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     rows = (offs_m, mask_m, row0, row_end, pid_m * (BLOCK_M // SLICE))
     cols = (offs_n, mask_n, col0, col_end, pid_n * (BLOCK_N // SLICE))
-    w, a, b, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, None, None,
-                            a_ptr, b_ptr, False, s_ptr, None, MASK, SHIFT)
-    _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
-             ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
+    w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, None, None,
+                      a_ptr, b_ptr, False, s_ptr, None, MASK, SHIFT)
+    _store_w(w, mask, rows, cols, w_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
+             ROUND16, SLICE, BLOCK_M, BLOCK_N)
     s_t2i = s_ptr  # None without SHIFT: the t2i lines' shifts only exist with it
     if SHIFT:
         s_t2i = s_ptr + M
-    w, a, b, mask = _w_tile(zt, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr + M, nll_ptr + M, g_ptr + M,
-                            None, None, a_ptr + M, b_ptr + N, False, s_t2i, None, MASK, SHIFT)
-    _store_w(w, a, b, mask, rows, cols, w_ptr, lo_ptr, second_w, cols_c, res_r_ptr, second_r, rows_c, res_c_ptr,
-             second_c, cols_c, ROUND16, TAIL, SLICE, BLOCK_M, BLOCK_N)
+    w, mask = _w_tile(zt, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr + M, nll_ptr + M, g_ptr + M,
+                      None, None, a_ptr + M, b_ptr + N, False, s_t2i, None, MASK, SHIFT)
+    _store_w(w, mask, rows, cols, w_ptr, second_w, cols_c, res_r_ptr, second_r, rows_c, res_c_ptr,
+             second_c, cols_c, ROUND16, SLICE, BLOCK_M, BLOCK_N)
 
 
 # autotuned twins (GPU only; the interpreter and HNCLIP_AUTOTUNE=0 use cfg.heuristic). Key: D,

@@ -81,8 +81,8 @@ def launch(kernel, name: str, width: int, grid, args, **constexprs):
 _DERIVED = {
     "MASK": lambda args: args["thr_ptr"] is not None,  # false-negative masking: the threshold block
     "SHIFT": lambda args: args["s_ptr"] is not None,  # masking with label smoothing: each row's ε/n_i
-    "ROUND16": lambda args: args["res_r_ptr"] is not None,  # 16-bit W: its residual sums
-    "TAIL": lambda args: args["lo_ptr"] is not None,  # fp16: W's float16 tail
+    "ROUND16": lambda args: args["res_r_ptr"] is not None,  # 16-bit W: staged in float32, its slice maxima
+    "TAIL": lambda args: args["lo_ptr"] is not None,  # fp16: the rounded W's float16 tail (round16)
 }
 
 

@@ -1,20 +1,33 @@
-"""W's scales: exact powers of two that keep dS in float16's range, and bf16's exact float16 copies.
+"""W's scales: exact powers of two that keep every row and column of a 16-bit dS in range.
 
 W = diag(a) · dS · diag(b) (:mod:`.dscore`): a, b are the inverse norms times exact powers of two.
-Scales. W's norms are first brought near 1 by exact powers of two (``_pow2_unit``): with
-‖q‖‖k‖ ~ 1e36 the plain r_q·r_k·dS falls below float32's normal range. For 16-bit W one more
-power of two c (``_pow2_fit``) brings B ≥ |W_ik| into [2¹², 2¹³): float16 (max 65504) never
-overflows. B holds in every regime: |dS_ik| ≤ |g_i|·μ_i (+ |g'_k|·μ'_k), μ_i the row's negative
-mass Σ_k P_ik = 1 − e^(−nll_i) (or ε/n_i if larger) rounded up to a power of two, at most 1
-(B = max|g| put a saturated batch's W, P_ik ~ 1e-13, below float16's subnormals, all of dS then
-compensated along the positive). Rows of mass > ½ keep B = max|g| (+ max|g'|), bit for bit. One
-c serves all of W: a row whose |g_i|·μ_i is below ~2⁻²⁵ of the largest still flushes (its absolute
-error below ~2⁻²⁵ of the largest row's share). All scales are exact powers of two.
+Their norms are first brought near 1 (``_pow2_unit``): with ‖q‖‖k‖ ~ 1e36 the plain r_q·r_k·dS falls
+below float32's normal range. For 16-bit features the dS kernels write W in float32 (a staging
+buffer), with one more power of two c (``_pow2_stage``) that puts a bound B ≥ |dS| at 2⁹⁹–2¹⁰⁰;
+:mod:`.round16` then rounds each chunk of it to float16 twice, with each row's own power of two
+(for the rows' GEMM) and each column's (for the columns' GEMM), from the chunk's exact maxima
+(``fit16``). No row's scale depends on another row's loss: the argument is in docs/numerics.md.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
+
+STAGE_EXP = 100  # the staged float32 W's bound: 2^100 (float32's largest finite is 2^128)
+FIT_EXP = 13  # a rounded line's largest |W| in [2^12, 2^13): float16's largest finite is 65504
+LINE_CAP_EXP = 126  # a line's scale at most 2^126 (1 / scale stays a normal float32)
+
+
+class WScales(NamedTuple):
+    """W = diag(a) dS diag(b)'s scales for rows q against columns k (:func:`w_scales`)."""
+
+    a: torch.Tensor  # (M,) W's row scales
+    b: torch.Tensor  # (N,) W's column scales
+    rq: torch.Tensor  # (M,) what the rows' GEMM result divides out (a_i · k's power of two)
+    rk: torch.Tensor  # (N,) what the columns' GEMM result divides out (b_k · q's power of two)
+    f16: Optional[tuple]  # bf16 features: the exact float16 copies' scales (s_q, s_k), else None
 
 
 def _pow2_unit(r: torch.Tensor) -> torch.Tensor:
@@ -23,16 +36,24 @@ def _pow2_unit(r: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones(1, device=r.device), -exponent)
 
 
-def _pow2_fit(sides, w: torch.Tensor) -> torch.Tensor:
-    """The power of two c (1-element float32, no host sync) with c·B in [2¹², 2¹³), B ≥ |dS| from each
-    side's rows (g, nll, ε/n_i or None; module docstring, Scales), and c ≤ 2¹²⁰ / w (w ≥ 1: the
-    other powers of two in a·wk, b·wq; they stay finite when B is tiny)."""
-    bound = 0.0
-    for g, nll, s in sides:
-        mass = -torch.expm1(-nll) if s is None else torch.maximum(-torch.expm1(-nll), s)
-        bound = bound + (g.abs() * torch.ldexp(torch.ones_like(mass), torch.frexp(mass)[1]).clamp_max(1.0)).max()
-    _, exponent = torch.frexp(bound.reshape(1))
-    return torch.minimum(torch.ldexp(torch.ones(1, device=w.device), 13 - exponent), 2.0**120 / w)
+def _pow2_stage(gs, w: torch.Tensor) -> torch.Tensor:
+    """The power of two c (1-element float32, no host sync) with c·B in [2⁹⁹, 2¹⁰⁰), B = Σ max|g|
+    over ``gs`` (each side's upstream gradients) ≥ |dS_ik| = |g_i (P_ik − s_i) + g'_k (P'_ki − s'_k)|
+    (P and s in [0, 1]), and c ≤ 2¹²⁰ / w (w ≥ 1: the other powers of two in a·wk, b·wq; when B is
+    tiny, a tiny upstream gradient, c stays finite and so do a and the scales divided out).
+    A bound, not each row's mass: the float32 staging W has 2²¹⁴ of range below 2¹⁰⁰ (the line
+    scales reach 2¹²⁶), so no row's scale needs to follow its own loss here; ``fit16`` does that."""
+    bound = sum(g.abs().max() for g in gs)
+    _, exponent = torch.frexp(torch.as_tensor(bound, dtype=torch.float32, device=w.device).reshape(1))
+    return torch.minimum(torch.ldexp(torch.ones(1, device=w.device), STAGE_EXP - exponent), 2.0**120 / w)
+
+
+def fit16(line_max: torch.Tensor) -> torch.Tensor:
+    """Per line (row or column of a staged chunk), the power of two that brings its largest |W|
+    into [2¹², 2¹³) (at most 2¹²⁶; 2¹³ for a zero line): float16 holds the line's entries to
+    11 bits down to 2⁻²⁶ of its largest, whatever the other lines hold."""
+    _, exponent = torch.frexp(line_max)
+    return torch.ldexp(torch.ones_like(line_max), (FIT_EXP - exponent).clamp_max(LINE_CAP_EXP))
 
 
 def _f16_scales(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -55,13 +76,12 @@ def to_f16(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def w_scales(q, k, r_q, r_k, sides, round16: bool, tail: bool):
+def w_scales(q, k, r_q, r_k, gs, round16: bool, tail: bool) -> WScales:
     """W = diag(a) dS diag(b)'s scales for rows ``q`` against columns ``k`` (inverse norms r_q,
-    r_k; ``sides`` what bounds |dS|, see ``_pow2_fit``):
-    (a, b, rq, rk, f16): rq, rk what the products divide out (W's own side's scale and the other
-    side's power of two: a GEMM against x·s gives a_i·wk·Σ_k dS_ik k̂_k; the power-of-two
-    products are exact), f16 the exact float16 conversions' scales (s_q, s_k) of bf16 features
-    (None otherwise; W's scales then carry 1/s, t = r/s exactly)."""
+    r_k; ``gs`` each side's upstream gradients, which bound |dS|, see ``_pow2_stage``). A GEMM
+    against x·s gives a_i·wk·Σ_k dS_ik k̂_k, so rq, rk divide the results back (the power-of-two
+    products are exact); f16 the exact float16 conversions' scales of bf16 features (W's scales
+    then carry 1/s: t = r/s exactly)."""
     if round16 and not tail:
         f16 = _f16_scales(q, r_q), _f16_scales(k, r_k)
         t_q, t_k = r_q / f16[0], r_k / f16[1]
@@ -69,6 +89,6 @@ def w_scales(q, k, r_q, r_k, sides, round16: bool, tail: bool):
         f16, t_q, t_k = None, r_q, r_k
     wq, wk = _pow2_unit(t_q), _pow2_unit(t_k)
     if round16:
-        wq = wq * _pow2_fit(sides, torch.maximum(wq, wk).clamp_min(1.0))
+        wq = wq * _pow2_stage(gs, torch.maximum(wq, wk).clamp_min(1.0))
     a, b = t_q * wq, t_k * wk
-    return a, b, a * wk, b * wq, f16
+    return WScales(a, b, a * wk, b * wq, f16)

@@ -98,8 +98,8 @@ def _symmetric_nll_backward(
     g = 0.5 * grad.float().contiguous()  # each direction's rows get half
     if need_vt:
         d_v, d_t = symmetric_shares(
-            (img, txt, txt, txt),
-            (rv, rt, rt, rt),
+            (img, txt),
+            (rv, rt),
             (i2t, g),
             (t2i, g),
             sc,

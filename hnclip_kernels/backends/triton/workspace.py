@@ -10,9 +10,10 @@ returns, the backward's is allocated inside the backward operator):
   and its splits' (splits, planes, 2 · slab rows), the grid of ``config.fwd_grid``;
 * the backward's dS chunk (``backward.directional_shares``, ``symmetric_shares``, ``rank_shares``): one R × C chunk
   of ``config.chunk_shape`` at a time (for the symmetric loss one square chunk pair, W_ab and W_ba,
-  at a time; for a rank both directions' W of one chunk) (float32 dS, a float16 head and tail for fp16 features, one float16 dS and float16
-  copies of the chunk's feature rows for bf16), with its residual slice sums for 16-bit
-  features (:func:`backward_bytes` states it).
+  at a time; for a rank both directions' W of one chunk), float32 (for 16-bit features the
+  staging W, with its slice maxima and residual sums and one float16 rounding of it at a time
+  (:mod:`.round16`), and for bf16 float16 copies of the chunk's feature rows)
+  (:func:`backward_bytes` states it).
 
 :func:`workspace_bytes` reports their sum (a bound on the peak), for the GPU launch
 configuration. ``tests/backends/test_workspace.py`` counts what the operators actually allocate
@@ -60,20 +61,22 @@ def forward_bytes(
 
 
 def _chunk_bytes(rows: int, cols: int, d: int, dtype: torch.dtype, buffers: int, copies: int | None = None) -> int:
-    """Bytes of ``buffers`` R × C dS buffers of ``dtype`` features with their residual slice
-    sums, and for bf16 the float16 copies of the feature rows they meet: ``copies`` (default
-    ``buffers``) blocks of R rows and as many of C columns (q and k of both chunks for a pair:
-    2·(R + C)·D; a rank's two directions keep both row blocks and one column block: 2·R·D + C·D)."""
+    """Bytes of ``buffers`` R × C float32 W buffers (for 16-bit features the staging W, with its
+    slice maxima, later the residuals' slice sums, and one rounded float16 W, with fp16's tail,
+    reused by each rounding), and for bf16 the float16 copies of the feature rows they meet:
+    ``copies`` (default ``buffers``) blocks of R rows and as many of C columns (q and k of both
+    chunks for a pair: 2·(R + C)·D; a rank's two directions keep both row blocks and one column
+    block: 2·R·D + C·D)."""
+    w = 4 * rows * cols * buffers
     if dtype == torch.float32:
-        return 4 * rows * cols * buffers
-    residuals = (
-        4 * (triton.cdiv(cols, cfg.RESIDUAL_SLICE) * rows + triton.cdiv(rows, cfg.RESIDUAL_SLICE) * cols) * buffers
-    )
+        return w
+    slices = 4 * (triton.cdiv(cols, cfg.RESIDUAL_SLICE) * rows + triton.cdiv(rows, cfg.RESIDUAL_SLICE) * cols) * buffers
+    rounded = (4 if dtype == torch.float16 else 2) * rows * cols
     if dtype == torch.float16:
-        return 4 * rows * cols * buffers + residuals
+        return w + slices + rounded
     if copies is None:
-        return 2 * rows * cols * buffers + residuals + 2 * (rows + cols) * d * buffers
-    return 2 * rows * cols * buffers + residuals + 2 * copies
+        return w + slices + rounded + 2 * (rows + cols) * d * buffers
+    return w + slices + rounded + 2 * copies
 
 
 def backward_bytes(
@@ -82,9 +85,9 @@ def backward_bytes(
     """Bytes the backward (``backward.directional_shares``, ``symmetric_shares``, ``rank_shares``)
     allocates at its peak for M rows against N columns of ``dtype`` features of width D, in the
     GPU launch configuration: one chunk of ``config.chunk_shape`` (the first, the largest):
-    float32 dS (float32 features), a float16 head and tail (fp16) or one float16 W (bf16), for
-    16-bit features the residual slice sums, and for bf16 the chunk's rows and columns of the
-    features in float16 (R·D + C·D). ``symmetric`` (the single-process loss, M = N, square
+    float32 W; for 16-bit features also its slice maxima (then residual sums) and one rounded
+    float16 W (bf16) or head and tail (fp16) at a time, and for bf16 the chunk's rows and columns
+    of the features in float16 (R·D + C·D). ``symmetric`` (the single-process loss, M = N, square
     chunks): a chunk pair (a, b > a) holds two chunk buffers (W_ab and W_ba) at once, the largest
     pair the first: R × min(R, N − R); a single chunk (N ≤ R) one. Else ``rank`` (a rank's two
     directions): two chunk buffers, both directions' row blocks in float16 and one column block
@@ -95,10 +98,10 @@ def backward_bytes(
 
 def _backward_bytes(m: int, n: int, d: int, dtype: torch.dtype, symmetric: bool, rank: bool) -> int:
     if symmetric:
-        rows, _ = cfg.chunk_shape(m, n, square=True)
+        rows, _ = cfg.chunk_shape(m, n, square=True, dtype=dtype)
         single = _chunk_bytes(rows, rows, d, dtype, 1)
         return single if n <= rows else max(single, _chunk_bytes(rows, min(rows, n - rows), d, dtype, 2))
-    rows, cols = cfg.chunk_shape(m, n)
+    rows, cols = cfg.chunk_shape(m, n, dtype=dtype)
     if rank:
         return _chunk_bytes(rows, cols, d, dtype, 2, copies=(2 * rows + cols) * d)
     return _chunk_bytes(rows, cols, d, dtype, 1)
