@@ -102,31 +102,43 @@ std::tuple<Tensor, Tensor> directional_bwd(const Tensor& q_hat, const Tensor& k_
   Tensor d_q, d_k;
   AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_directional_bwd", [&] {
     const scalar_t* gp = gc.data_ptr<scalar_t>();
+    // each row's (lse, weight): w_i P_ik = e^(d_ik − lse_i)·weight_i (row_factor: rows whose
+    // probabilities are float32 subnormals take the softmax over their negatives times g·σ(δ))
+    const Tensor shift_c = threshold.has_value() ? shift.to(dt).contiguous() : shift;
+    bool shifted = false;
+    if (threshold.has_value()) {
+      const scalar_t* sp = shift_c.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < M && !shifted; ++i) shifted = sp[i] != scalar_t(0);
+    }
+    Tensor nll = at::empty({M}, opts), weight = at::empty({M}, opts);
+    bool deep = false;
+    {
+      const Tensor dl = delta.to(dt).contiguous();
+      const scalar_t* dp = dl.data_ptr<scalar_t>();
+      scalar_t* np = nll.data_ptr<scalar_t>();
+      scalar_t* wp = weight.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < M; ++i) {
+        row_factor<scalar_t>(dp[i], gp[i], shifted, np + i, wp + i);
+        deep = deep || wp[i] != gp[i] || np[i] != softplus<scalar_t>(dp[i]);
+      }
+    }
     bool uniform = true;
     for (int64_t i = 1; i < M && uniform; ++i) uniform = gp[i] == gp[0];
-    if (have_acc) {
+    if (have_acc && !deep) {  // the forward's shares, P with weight 1: subnormal on a deep row
       d_q = row_acc.to(dt).mul(gc.unsqueeze(1));
       if (uniform) d_k = col_acc.to(dt).mul(M > 0 ? at::Scalar(gp[0]) : at::Scalar(0.0));
     }
     if (d_q.defined() && d_k.defined()) return;
     const Tensor qh = q_hat.contiguous(), kh = k_hat.contiguous();
     const Tensor pos_c = pos.to(dt).contiguous();
-    Tensor nll = at::empty({M}, opts);
-    {
-      const Tensor dl = delta.to(dt).contiguous();
-      const scalar_t* dp = dl.data_ptr<scalar_t>();
-      scalar_t* np = nll.data_ptr<scalar_t>();
-      for (int64_t i = 0; i < M; ++i) np[i] = softplus<scalar_t>(dp[i]);
-    }
     // one row sweep over the forward's tile grid: the same logits, bit for bit, as the forward's
     // statistics came from; strips of w_i P_ik into the key gradient (per-group accumulators) and,
     // when the forward kept no shares, into the query gradient too
     auto sw = row_sweep<scalar_t, Sweep::kBackward>(qh, kh, a, b, ra, rb, pos_c, inv_tau, offset, gamma);
     mask_sweep(sw, a, b, ra, rb, threshold, ca, cb, opts);
-    const Tensor shift_c = threshold.has_value() ? shift.to(dt).contiguous() : shift;
     if (threshold.has_value()) sw.shift = shift_c.data_ptr<scalar_t>();
     sw.nll_in = nll.data_ptr<scalar_t>();
-    sw.weight = gp;
+    sw.weight = weight.data_ptr<scalar_t>();
     if (!d_q.defined()) {
       d_q = at::empty({M, D}, opts);
       sw.row_acc = d_q;

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -20,6 +21,23 @@ namespace hnclip {
 template <typename T>
 inline T softplus(T x) {  // log(1 + e^x) without overflow; −inf → 0, NaN → NaN
   return x > T(0) ? x + std::log1p(std::exp(-x)) : std::log1p(std::exp(x));
+}
+
+// Below this a float32 row's probabilities e^(d − softplus δ) ≤ e^δ are subnormals (e^−87 ≈ 1.6e−38):
+// the backward then weights the row as the softmax over its negatives, e^(d − δ), times g·σ(δ),
+// formed in logs (a bf16 batch under a loss scale keeps such rows' gradients). The same rule as
+// epilogue.row_factors. Returns (what the gaps lose, the row's weight) through lse and w.
+template <typename T>
+inline void row_factor(T delta, T g, bool shifted, T* lse, T* w) {
+  const bool deep = std::is_same<T, float>::value && !shifted && delta < T(-87);
+  if (!deep) {
+    *lse = softplus<T>(delta);
+    *w = g;
+    return;
+  }
+  *lse = delta;
+  const T log_sigmoid = delta - std::log1p(std::exp(delta));
+  *w = std::copysign(std::exp(std::log(std::fabs(g)) + log_sigmoid), g);
 }
 
 // Online log-sum-exp state of one row: running max, Σe, Σe·d (both relative to m), Σd, and with

@@ -247,13 +247,14 @@ void symmetric_stats(const Tensor& L, const Tensor& R, const T* pos, T* delta_r,
   });
 }
 
-// Negatives' shares (times τ) of dL/dv̂ and dL/dt̂ for row weights g (both directions'
-// upstream gradient of pair k is g_k); nll_r / nll_c = softplus(delta) of i2t / t2i.
+// Negatives' shares (times τ) of dL/dv̂ and dL/dt̂; each direction's rows i: what its gaps lose,
+// nll (softplus(delta)), and its weight w (the upstream gradient g_i), or for a row whose
+// probabilities are float32 subnormals (δ, g_i·σ(δ_i)) (row_factor in online_lse.h).
 // ds_ij = g_i P_ij + g_j P'_ji; with masking g_i (P_ij − s_i) + g_j (P'_ji − s'_j) on the kept
 // entries and 0 on the masked ones.
 template <typename T>
 void symmetric_grads(const Tensor& L, const Tensor& R, const Tensor& vh, const T* pos, const T* nll_r, const T* nll_c,
-                     const T* g, Tensor& d_v, Tensor& d_t, const SymMask<T>* mask = nullptr) {
+                     const T* w_r, const T* w_c, Tensor& d_v, Tensor& d_t, const SymMask<T>* mask = nullptr) {
   const int64_t N = R.size(0), D = R.size(1);
   if (N == 0) return;
   const TileGrid grid(N, N);
@@ -269,8 +270,8 @@ void symmetric_grads(const Tensor& L, const Tensor& R, const Tensor& vh, const T
                               [&](int64_t r, int64_t i, int64_t n0, int64_t nb, const T* z, const T* gt) {
         const T s_i = kMasked ? mask->s_r[i] : T(0);
         const T* s_c = kMasked ? mask->s_c + n0 : nullptr;
-        sym_prob<T, kMasked>(z, gt, bp + r * N + n0, nb, pos[i], nll_r[i], g[i], s_i, pos + n0, nll_c + n0, g + n0,
-                             s_c, thr);
+        sym_prob<T, kMasked>(z, gt, bp + r * N + n0, nb, pos[i], nll_r[i], w_r[i], s_i, pos + n0, nll_c + n0,
+                             w_c + n0, s_c, thr);
       });
       for (int64_t r = 0; r < rows; ++r) bp[r * N + i0 + r] = T(0);
       const Tensor ds = strip.narrow(0, 0, rows);

@@ -7,18 +7,6 @@
 #include <ATen/Dispatch.h>
 
 namespace hnclip {
-namespace {
-
-Tensor softplus_of(const Tensor& x, at::ScalarType dt) {
-  Tensor out = x.to(dt).contiguous().clone();
-  AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_softplus", [&] {
-    scalar_t* p = out.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < out.numel(); ++i) p[i] = softplus<scalar_t>(p[i]);
-  });
-  return out;
-}
-
-}  // namespace
 
 // Row (i2t) and column (t2i) statistics of the single-process loss from one product.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symmetric_fwd(
@@ -58,9 +46,25 @@ std::tuple<Tensor, Tensor> symmetric_bwd(const Tensor& v_hat, const Tensor& t_ha
   const auto opts = v_hat.options();
   const Tensor vh = v_hat.contiguous(), th = t_hat.contiguous();
   const Tensor pos_c = pos.to(dt).contiguous(), gc = g.to(dt).contiguous();
-  const Tensor nll_r = softplus_of(delta_r, dt), nll_c = softplus_of(delta_c, dt);
   Tensor d_v = at::empty({N, D}, opts), d_t = at::empty({N, D}, opts);
   AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_symmetric_bwd", [&] {
+    // each direction's (lse, weight) per row (row_factor); label-smoothing shifts keep (softplus δ, g)
+    bool shifted = false;
+    if (threshold.has_value()) {
+      const Tensor sr = shift_r.to(dt).contiguous(), sc = shift_c.to(dt).contiguous();
+      const scalar_t *a = sr.data_ptr<scalar_t>(), *b = sc.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < N && !shifted; ++i) shifted = a[i] != scalar_t(0) || b[i] != scalar_t(0);
+    }
+    Tensor nll_r = at::empty({N}, opts), nll_c = at::empty({N}, opts);
+    Tensor w_r = at::empty({N}, opts), w_c = at::empty({N}, opts);
+    {
+      const Tensor dr = delta_r.to(dt).contiguous(), dc = delta_c.to(dt).contiguous();
+      const scalar_t *drp = dr.data_ptr<scalar_t>(), *dcp = dc.data_ptr<scalar_t>(), *gp = gc.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < N; ++i) {
+        row_factor<scalar_t>(drp[i], gp[i], shifted, nll_r.data_ptr<scalar_t>() + i, w_r.data_ptr<scalar_t>() + i);
+        row_factor<scalar_t>(dcp[i], gp[i], shifted, nll_c.data_ptr<scalar_t>() + i, w_c.data_ptr<scalar_t>() + i);
+      }
+    }
     const Tensor L = margin_left<scalar_t>(vh, th, gamma, inv_tau.to(dt).item<scalar_t>());
     SymMask<scalar_t> mask{static_cast<scalar_t>(threshold.value_or(0.0))};
     Tensor s_r, s_c;
@@ -72,7 +76,7 @@ std::tuple<Tensor, Tensor> symmetric_bwd(const Tensor& v_hat, const Tensor& t_ha
       if (rc.has_value()) mask.captions = scaled_rows<scalar_t>(th, *rc, opts);
     }
     symmetric_grads<scalar_t>(L, th, vh, pos_c.data_ptr<scalar_t>(), nll_r.data_ptr<scalar_t>(),
-                              nll_c.data_ptr<scalar_t>(), gc.data_ptr<scalar_t>(), d_v, d_t,
+                              nll_c.data_ptr<scalar_t>(), w_r.data_ptr<scalar_t>(), w_c.data_ptr<scalar_t>(), d_v, d_t,
                               threshold.has_value() ? &mask : nullptr);
   });
   return {d_v, d_t};

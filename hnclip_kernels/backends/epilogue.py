@@ -99,6 +99,40 @@ def row_nll(stats: RowStats) -> torch.Tensor:
     return F.softplus(stats.delta)
 
 
+# below this a row's probabilities e^(d − softplus δ) ≤ e^δ are float32 subnormals (e^−87 ≈ 1.6e−38):
+# such a row is weighted as the softmax over its negatives times g·σ(δ), formed in logs
+SUBNORMAL_DELTA = -87.0
+
+
+def weighted_mass(stats: RowStats, g) -> torch.Tensor:
+    """g_i·σ(δ_i) per row (the upstream gradient times the negatives' total probability q_i), as
+    sign(g)·exp(log|g| + logsigmoid(δ)) where q_i is below float32's normal range (a bf16 batch
+    under a loss scale keeps such rows' gradients), else g·σ(δ) as ever."""
+    q_prob = torch.sigmoid(stats.delta)
+    logs = torch.sign(g) * torch.exp(torch.log(torch.abs(g)) + F.logsigmoid(stats.delta))
+    return torch.where(_deep(stats), logs, g * q_prob)
+
+
+def _deep(stats: RowStats) -> torch.Tensor:
+    """The rows whose probabilities are float32 subnormals (float64 statistics have none here)."""
+    if stats.delta.dtype != torch.float32:
+        return torch.zeros_like(stats.delta, dtype=torch.bool)
+    return stats.delta < SUBNORMAL_DELTA
+
+
+def row_factors(stats: RowStats, g, shifted: bool):
+    """(L, G) per row, what a dS kernel subtracts from the gaps and weights them by:
+    g_i P_ik = exp(d_ik − L_i)·G_i. (softplus δ, g), or for rows whose probabilities are float32
+    subnormals (δ < SUBNORMAL_DELTA) (δ, g·σ(δ)): the softmax over the negatives, normal, times
+    the row's weighted mass. ``shifted`` (label smoothing with masking: dS = g (P − ε/n)): (softplus
+    δ, g) for every row (−g ε/n dwarfs such a row's P)."""
+    nll = row_nll(stats)
+    if shifted:
+        return nll, g
+    deep = _deep(stats)
+    return torch.where(deep, stats.delta, nll), torch.where(deep, weighted_mass(stats, g), g)
+
+
 def add_positive_and_smoothing(stats: RowStats, g, q_hat, k_hat, d_q, d_k, offset: int, label_smoothing: float):
     """Add, in place, the parts of dL/dq̂ and dL/dk̂ (times τ) that no kernel computes: the
     positive's gradient and the uniform label-smoothing term. Returns this direction's
@@ -107,9 +141,12 @@ def add_positive_and_smoothing(stats: RowStats, g, q_hat, k_hat, d_q, d_k, offse
     m, n = q_hat.shape[0], k_hat.shape[0]
     eps = label_smoothing
     q_prob = torch.sigmoid(stats.delta)  # Σ of the negatives' probabilities, stable when tiny
+    g_q = weighted_mass(stats, g)  # g·q, also where q is a float32 subnormal
+    deep = _deep(stats)
     if stats.kept is not None:
-        return _add_positive_masked(stats, g, q_hat, k_hat, d_q, d_k, offset, eps, q_prob)
-    g_pos = g * (eps - q_prob)  # dL/dZ_pos = ε(1 − 1/N) − q, the −ε/N part is in the uniform term below
+        return _add_positive_masked(stats, g, q_hat, k_hat, d_q, d_k, offset, eps, (q_prob, g_q, deep))
+    # dL/dZ_pos = ε(1 − 1/N) − q, the −ε/N part is in the uniform term below
+    g_pos = torch.where(deep, g * eps - g_q, g * (eps - q_prob))
     d_q.add_(g_pos[:, None] * k_hat[offset : offset + m])
     d_k[offset : offset + m].add_(g_pos[:, None] * q_hat)
     if smooths(eps):
@@ -118,23 +155,26 @@ def add_positive_and_smoothing(stats: RowStats, g, q_hat, k_hat, d_q, d_k, offse
         d_k.sub_((eps / n) * (g[:, None] * q_hat).sum(dim=0)[None, :])
     # Σ_k dZ_ik Z_ik = Σ_{k≠pos} (P_ik − ε/N)(Z_ik − Z_pos), since each row of dZ sums to 0:
     # written with gaps, so there is no cancellation when the loss is tiny
-    return (g * (q_prob * stats.mean_neg - (eps / n) * stats.dsum)).sum()
+    uniform = (eps / n) * stats.dsum
+    return torch.where(deep, g_q * stats.mean_neg - g * uniform, g * (q_prob * stats.mean_neg - uniform)).sum()
 
 
-def _add_positive_masked(stats: RowStats, g, q_hat, k_hat, d_q, d_k, offset: int, eps, q_prob):
+def _add_positive_masked(stats: RowStats, g, q_hat, k_hat, d_q, d_k, offset: int, eps, probs):
     """:func:`add_positive_and_smoothing` with false-negative masking: the kernels put
     g_i (P_ik − ε/n_i) on the kept negatives, so only the positive is left, dL/dZ_pos =
-    ε − q − ε/n_i (n_i = kept_i + 1 classes)."""
+    ε − q − ε/n_i (n_i = kept_i + 1 classes). ``probs`` = (q, g·q, the rows where q is subnormal)."""
     m = q_hat.shape[0]
-    g_pos = g * (eps - q_prob)
+    q_prob, g_q, deep = probs
+    g_pos = torch.where(deep, g * eps - g_q, g * (eps - q_prob))
     if smooths(eps):
         shift = eps / (stats.kept + 1.0)
         g_pos = g_pos - g * shift
     d_q.add_(g_pos[:, None] * k_hat[offset : offset + m])
     d_k[offset : offset + m].add_(g_pos[:, None] * q_hat)
     if not smooths(eps):
-        return (g * (q_prob * stats.mean_neg)).sum()
-    return (g * (q_prob * stats.mean_neg - shift * stats.dsum)).sum()
+        return torch.where(deep, g_q * stats.mean_neg, g * (q_prob * stats.mean_neg)).sum()
+    uniform = shift * stats.dsum
+    return torch.where(deep, g_q * stats.mean_neg - g * uniform, g * (q_prob * stats.mean_neg - uniform)).sum()
 
 
 def add_rounding_compensation(d_q, d_k, rho, sigma, q, k, rq, rk, offset: int) -> None:

@@ -50,12 +50,19 @@ def directional_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=No
     and label smoothing (``epilogue.smoothing_shift``), else None: the kept entries get
     dS_ik = g_i (P_ik − ε/n_i)."""
     q, k, _, _ = ops
-    nll = epilogue.row_nll(stats)
     s = None if shifts is None else shifts[0]
     round16, tail = _modes(q)
     scales = [w_scales(q, k, norms[0], norms[1], (g,), round16, tail)]
+    lse, weight = epilogue.row_factors(stats, g, shifted=s is not None)  # g_i P_ik = exp(d_ik − lse_i) weight_i
 
-    rows = (*ops, *strides(*ops), *norms, stats.pos, nll, g)  # the kernel's argument groups that every chunk shares
+    rows = (
+        *ops,
+        *strides(*ops),
+        *norms,
+        stats.pos,
+        lse,
+        weight,
+    )  # the kernel's argument groups that every chunk shares
     scalars_and_scales = (sc.inv_tau, sc.gamma, scales[0].a, scales[0].b, sc.thr, s)
 
     def launch_chunk(row0, row_end, col0, col_end, w, res_r, res_c):
@@ -81,15 +88,15 @@ def rank_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=None):
     v, t, v_all, t_all = ops
     m, n = v.shape[0], v_all.shape[0]
     dirs = ((v, t_all, norms[0], norms[3]), (t, v_all, norms[1], norms[2]))
-    # per direction, as its directional op forms them (torch's vectorised softplus rounds a loop's tail apart)
-    pos, nll = (torch.cat(pair) for pair in zip(*((x.pos, epilogue.row_nll(x)) for x in stats)))
-    g = torch.cat((g, g))
     s = None if shifts is None else torch.cat(shifts)
+    # per direction, as its directional op forms them (torch's vectorised softplus rounds a loop's tail apart)
+    factors = [(x.pos, *epilogue.row_factors(x, g, shifted=s is not None)) for x in stats]
+    pos, lse, weight = (torch.cat(parts) for parts in zip(*factors))
     round16, tail = _modes(v)
-    scales = [w_scales(*d, (g[:m],), round16, tail) for d in dirs]  # each direction's rows bound its |dS|
+    scales = [w_scales(*d, (g,), round16, tail) for d in dirs]  # the rows' upstream gradient bounds |dS|
     a, b = torch.cat([x.a for x in scales]), torch.cat([x.b for x in scales])
 
-    rows = (*ops, *strides(*ops), *norms, pos, nll, g)  # the kernel's argument groups that every chunk shares
+    rows = (*ops, *strides(*ops), *norms, pos, lse, weight)  # the kernel's argument groups that every chunk shares
     scalars_and_scales = (sc.inv_tau, sc.gamma, a, b, sc.thr, s)
 
     def launch_chunk(row0, row_end, col0, col_end, w, res_r, res_c):
@@ -218,11 +225,12 @@ def symmetric_shares(ops, norms, rows, cols, sc: Scalars, shifts=None):
     chunks (``cfg.chunk_shape(square=True)``), pairs (a, b ≥ a) in order
     (``_dscore_pair_kernel``): a pair b > a writes W_ab and W_ba from the same tile pairs, a
     diagonal pair W_aa; then the GEMMs of each buffer, accumulated per chunk in pair order."""
-    (stats, g), (key_stats, g_c) = rows, cols
+    (stats, g), (_, g_c) = rows, cols
     v, t = ops
     n, d = v.shape
-    nll, nll_c = epilogue.row_nll(stats), epilogue.row_nll(key_stats)
     s = (None, None) if shifts is None else shifts
+    # g_i P_ik = exp(d_ik − lse_i) weight_i for each direction's rows
+    (lse, weight), (lse_c, weight_c) = (epilogue.row_factors(x, y, shifted=shifts is not None) for x, y in (rows, cols))
     round16, tail = _modes(v)
     scales = w_scales(v, t, norms[0], norms[1], (g, g_c), round16, tail)
     side, _ = cfg.chunk_shape(n, n, square=True, dtype=v.dtype)
@@ -237,8 +245,8 @@ def symmetric_shares(ops, norms, rows, cols, sc: Scalars, shifts=None):
         return to_f16(vr, scales.f16[0][start:end]), to_f16(tr, scales.f16[1][start:end])
 
     # the kernel's argument groups that every chunk pair shares
-    row_args = (v, t, *strides(v, t), *norms, stats.pos, nll, g, sc.inv_tau, sc.gamma)
-    columns_and_scales = (nll_c, g_c, scales.a, scales.b, sc.thr, s[0], s[1])
+    row_args = (v, t, *strides(v, t), *norms, stats.pos, lse, weight, sc.inv_tau, sc.gamma)
+    columns_and_scales = (lse_c, weight_c, scales.a, scales.b, sc.thr, s[0], s[1])
     with ieee_float32(dev), autocast_disabled(dev):
         for ia, (row0, row_end) in enumerate(bounds):
             chunk_a = (ia, row0, row_end, *copies(row0, row_end))

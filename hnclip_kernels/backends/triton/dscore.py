@@ -111,7 +111,7 @@ def _dscore_kernel(
                      (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
                      D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, None, None,
-                      a_ptr, b_ptr, False, s_ptr, None, MASK, SHIFT)
+                      a_ptr, b_ptr, False, s_ptr, None, MASK, SHIFT, ROUND16)
     _store_w(w, mask, (offs_m, mask_m, row0, row_end, tl.program_id(0) * (BLOCK_M // SLICE)),
              (offs_n, mask_n, col0, col_end, tl.program_id(1) * (BLOCK_N // SLICE)),
              w_ptr, 0, stride_w, res_r_ptr, 0, stride_rr, res_c_ptr, 0, stride_rc,
@@ -119,8 +119,20 @@ def _dscore_kernel(
 
 
 @triton.jit
+def _weighted_exp(x, g, FOLD: tl.constexpr):
+    """g·e^x. With FOLD (16-bit features) an entry whose e^x is a float32 subnormal (x < −87) is
+    sign(g)·e^(x + log|g|) instead: under a loss scale g·e^x is a normal number that a column of
+    saturated rows is made of (its own row's mass is far above it, so the row never sees it)."""
+    if FOLD:
+        sub = x < -87.0
+        e = tl.exp(tl.where(sub, x + tl.log(tl.abs(g)), x))
+        return tl.where(sub, tl.where(g < 0, -e, e), e * g)
+    return tl.exp(x) * g
+
+
+@triton.jit
 def _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr, a_ptr, b_ptr,
-            SYMMETRIC: tl.constexpr, s_ptr, s_c_ptr, MASK: tl.constexpr, SHIFT: tl.constexpr):
+            SYMMETRIC: tl.constexpr, s_ptr, s_c_ptr, MASK: tl.constexpr, SHIFT: tl.constexpr, FOLD: tl.constexpr):
     """W = a_i · dS_ik · b_k (float32) of a tile z of logits (rows ``offs_m``, columns ``offs_n``;
     row i's positive is column offset + i), with the row scales a, column scales b and the
     tile's bounds mask. With SYMMETRIC (the single-process loss, offset 0) dS also gains
@@ -141,7 +153,7 @@ def _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, 
         dscore = tl.where(neg, p - s[:, None], 0.0) * g[:, None]
     else:
         # mask before exp: the positive's tile entry carries a margin and may overflow
-        dscore = tl.exp(tl.where(neg, z - pos[:, None] - nll[:, None], float("-inf"))) * g[:, None]
+        dscore = _weighted_exp(tl.where(neg, z - pos[:, None] - nll[:, None], float("-inf")), g[:, None], FOLD)
     if SYMMETRIC:
         pos_c = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
         nll_c = tl.load(nll_c_ptr + offs_n, mask=mask_n, other=0.0)
@@ -151,7 +163,8 @@ def _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, 
             p_c = tl.exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf")))
             dscore += tl.where(neg, p_c - s_c[None, :], 0.0) * g_c[None, :]
         else:
-            dscore += tl.exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf"))) * g_c[None, :]
+            dscore += _weighted_exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf")), g_c[None, :],
+                                    FOLD)
     # W_ik = a_i · dS_ik · b_k (a, b: the products' scales, see scales.w_scales)
     a = tl.load(a_ptr + offs_m, mask=mask_m, other=0.0)
     b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0)
@@ -239,19 +252,19 @@ def _dscore_pair_kernel(
         z = _logits_tile(v, t, t, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
                          D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
-                          a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
+                          a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT, ROUND16)
         _store_w(w, mask, rows, cols, w_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
                  ROUND16, SLICE, BLOCK_M, BLOCK_N)
     elif (row0 != col0) | (local_n >= local_m + BLOCK_M):
         z, zm = _pair_tiles(v, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
                             D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
-                          a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
+                          a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT, ROUND16)
         _store_w(w, mask, rows, cols, w_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
                  ROUND16, SLICE, BLOCK_M, BLOCK_N)
         # the mirror: rows J, columns I of chunk (b, a), a C × R buffer
         wm, maskm = _w_tile(tl.trans(zm), offs_n, mask_n, offs_m, mask_m, 0, pos_ptr, nll_ptr, g_ptr,
-                            nll_c_ptr, g_c_ptr, a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT)
+                            nll_c_ptr, g_c_ptr, a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT, ROUND16)
         _store_w(wm, maskm, cols, rows, w_ptr, mirror_w, rows_c, res_r_ptr, mirror_r, cols_c,
                  res_c_ptr, mirror_c, rows_c, ROUND16, SLICE, BLOCK_N, BLOCK_M)
 
@@ -297,14 +310,14 @@ def _dscore_rank_kernel(
     rows = (offs_m, mask_m, row0, row_end, pid_m * (BLOCK_M // SLICE))
     cols = (offs_n, mask_n, col0, col_end, pid_n * (BLOCK_N // SLICE))
     w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, None, None,
-                      a_ptr, b_ptr, False, s_ptr, None, MASK, SHIFT)
+                      a_ptr, b_ptr, False, s_ptr, None, MASK, SHIFT, ROUND16)
     _store_w(w, mask, rows, cols, w_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
              ROUND16, SLICE, BLOCK_M, BLOCK_N)
     s_t2i = s_ptr  # None without SHIFT: the t2i lines' shifts only exist with it
     if SHIFT:
         s_t2i = s_ptr + M
     w, mask = _w_tile(zt, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr + M, nll_ptr + M, g_ptr + M,
-                      None, None, a_ptr + M, b_ptr + N, False, s_t2i, None, MASK, SHIFT)
+                      None, None, a_ptr + M, b_ptr + N, False, s_t2i, None, MASK, SHIFT, ROUND16)
     _store_w(w, mask, rows, cols, w_ptr, second_w, cols_c, res_r_ptr, second_r, rows_c, res_c_ptr,
              second_c, cols_c, ROUND16, SLICE, BLOCK_M, BLOCK_N)
 
