@@ -254,6 +254,16 @@ def test_bad_inputs_raise():
         chunked_encode(lambda a: (a,), torch.randn(4, 2), 2)
 
 
+def test_encoder_output_without_one_row_per_input_row_raises():
+    # a batch-pooled output (one row per call) would be cat'ed chunk by chunk into 3 rows for 7
+    # inputs, silently; a 0-dim one would fail in torch.cat without naming the encoder
+    x = torch.randn(7, 2)
+    for encoder in (lambda a: a.mean(0, keepdim=True), lambda a: a.sum(), lambda a: a[:-1]):
+        for chunk in (3, 7):  # several chunks, and one chunk (the encoder called once, plainly)
+            with pytest.raises(ValueError, match=r"encoder must return one row per input row, got shape"):
+                chunked_encode(encoder, x, chunk)
+
+
 def _step_grads(step, encoder, x, seed=0):
     encoder.zero_grad()
     torch.manual_seed(seed)
