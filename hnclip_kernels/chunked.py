@@ -173,7 +173,9 @@ def chunked_encode(encoder: Callable, inputs: Inputs, chunk_size: int) -> torch.
     n = _batch_size(inputs)
     if n <= chunk_size:
         return _call(encoder, inputs)
-    plain = not torch.is_grad_enabled() or torch.is_inference_mode_enabled()
+    # inference_mode turns grad mode off too, so this one test covers it; and Dynamo traces grad
+    # mode (torch.is_inference_mode_enabled() would break the graph under torch.compile)
+    plain = not torch.is_grad_enabled()
     outs = [
         (_call if plain else _checkpointed)(encoder, _slice(inputs, i, i + chunk_size)) for i in range(0, n, chunk_size)
     ]

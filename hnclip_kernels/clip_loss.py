@@ -122,6 +122,10 @@ class HNClipLoss(nn.Module):
     checks) and one host sync. Autocast is disabled inside the loss (float32 accumulation).
     """
 
+    # the warning about an implausible s (a subclass that forms s itself words its own, see
+    # integrations.transformers)
+    _scale_warning = staticmethod(warn_if_implausible_logit_scale)
+
     def __init__(
         self,
         local_loss: bool = False,
@@ -258,7 +262,7 @@ class HNClipLoss(nn.Module):
         logit_scale = validation.plain_number(logit_scale)
         scale_value, problem = validation.read_logit_scale(logit_scale)
         tau_value = None if scale_value is None else 1.0 / scale_value  # τ's one host read is s's
-        warn_if_implausible_logit_scale(scale_value)
+        self._scale_warning(scale_value)
         if problem is not None:
             if self.world_size == 1:
                 raise problem

@@ -1,13 +1,17 @@
 """Inputs that are valid but almost surely a mistake, and the once-per-process warning about them.
 
 One home for each rule, so that every entry point (``hn_clip_loss``, ``HNClipLoss``,
-``distributed_hn_clip_loss``, ``saturation_report``) applies the same one:
+``distributed_hn_clip_loss``, ``saturation_report``, ``clip_model_loss``) applies the same one,
+each warning in the words of what its caller passed (τ, ``logit_scale``, the model):
 
 * :func:`scale_mistake`: where the temperature sits, as s = 1/τ. open_clip keeps a
   learnable *log*-scale, initialised at log(1/0.07) = 2.66 and clamped to [0, log 100], and
   its model returns s = exp of it, between 1/0.07 = 14.3 and 100 in practice. So s < 1
   (τ > 1) is a temperature where a scale belongs or a scale where τ belongs, and
-  1 ≤ s ≤ log 100 = 4.61 is the log-scale's own range: the ``.exp()`` was left out.
+  1 ≤ s ≤ log 100 = 4.61 is the log-scale's own range: the ``.exp()`` was left out. An entry
+  point that exponentiates the log-scale itself (``clip_model_loss`` takes the model) cannot
+  miss the ``.exp()``: it warns of s < 1 alone, naming the model's parameter
+  (:func:`warn_if_implausible_model_logit_scale`).
 * :func:`unit_norm_mistake`: with ``normalize=False`` the loss takes the features as given;
   rows far from unit norm (raw encoder outputs) give another loss than the cosine one the
   formula means (41.0 against 4.81 for raw open_clip features).
@@ -109,3 +113,26 @@ def warn_if_implausible_logit_scale(scale: Optional[float]) -> None:
             "RuntimeWarning. This warning is shown once.",
             stacklevel=None,
         )
+
+
+def warn_if_implausible_model_logit_scale(scale: Optional[float], caller: str = "clip_model_loss") -> None:
+    """``clip_model_loss``'s warning (once per process, at the user's line) about the model's own
+    ``logit_scale`` parameter, given s = exp(``model.logit_scale``) (a host float; None: not read).
+
+    The function exponentiates the parameter itself, as ``CLIPModel`` does, so the "log-scale"
+    mistake of :func:`scale_mistake` (a missing ``.exp()``) cannot happen here: a parameter from
+    0 to 1.53 (s from 1 to log 100) is a warm temperature the model holds (τ from 0.22 to 1)
+    and stays quiet.
+    s < 1 is a negative parameter, τ > 1: almost surely log τ stored where log(1/τ) belongs."""
+    if scale_mistake(scale) != "tau":
+        return
+    log_scale = math.log(scale) if scale > 0 else float("-inf")
+    warn_once(
+        "model.logit_scale<0",
+        f"{caller} got a model whose logit_scale parameter is {log_scale:g} < 0: {caller} takes "
+        f"tau = 1 / exp(model.logit_scale) = {1.0 / scale:g} > 1, as CLIPModel scales its logits by "
+        f"exp(logit_scale). logit_scale is log(1 / tau) (CLIPConfig.logit_scale_init_value, "
+        f"2.6592 = log(1 / 0.07) by default); if {log_scale:g} is log(tau), set the parameter to "
+        f"{-log_scale:g}. This warning is shown once.",
+        stacklevel=None,
+    )

@@ -26,6 +26,11 @@ uses the GPU tile sizes and warps even while interpreting. Two counters run toge
     inside a custom operator's implementation (the interpreter's operators are opaque
     ``custom_op``s, run with the mode popped), e.g. the backward's GEMMs.
 
+The same FlopCounterMode also counts the ``hnclip::`` operators by their registered formulas
+(``hnclip_kernels/backends/triton/flops.py``): "formula_flops", what an MFU tool sees, kept
+apart from the counted work (tests/tooling/test_work_count.py holds the two equal where the
+shapes are whole tiles: the formulas leave tile padding out).
+
 Units: one product is an M×N×D matrix product, 2·M·N·D flops (M = N for the loss). The useful
 work is 3 products per direction: S = q kᵀ in the forward, dS·k and dSᵀ·q in the backward (6
 for kind "rank", two directions); "x_useful" is the total in products divided by that. The margin's t tᵀ, tile recomputation, padding and any
@@ -74,6 +79,7 @@ COLUMNS = [
     "useful_products",
     "x_useful",
     "dot_tiles",
+    "formula_flops",
 ]
 
 
@@ -84,6 +90,7 @@ class MatmulCount:
         self.dot_flops = 0
         self.dot_tiles = collections.Counter()  # (M, N, K) of each tl.dot -> calls
         self.torch_flops = 0
+        self.formula_flops = 0  # FlopCounterMode's count of the hnclip:: operators (their formulas)
 
     def _add_dot(self, a_shape, b_shape):
         *batch, m, k = a_shape
@@ -132,7 +139,15 @@ def count_matmul_flops():
         builder.create_dot, builder.create_dot_scaled = orig_dot, orig_scaled
         for name, fn in originals.items():
             setattr(torch, name, fn)
-        count.torch_flops = int(torch_counter.get_total_flops()) + hidden[0]
+        by_op = torch_counter.get_flop_counts().get("Global", {})
+        ours = sum(int(v) for op, v in by_op.items() if _is_ours(op))
+        count.formula_flops = ours
+        count.torch_flops = int(torch_counter.get_total_flops()) - ours + hidden[0]
+
+
+def _is_ours(op) -> bool:
+    """Is ``op`` (an OpOverloadPacket) one of the package's ``hnclip::`` operators?"""
+    return str(op).startswith("hnclip.")
 
 
 def _mm_flops(a, b, *_):
@@ -170,6 +185,7 @@ def count_products(
     kind: str = "loss",
     m: int | None = None,
     seed: int = 0,
+    false_negative_threshold: float | None = None,
 ) -> dict:
     """Matmul work of one forward+backward of one case, as a dict (keys: :data:`COLUMNS`).
 
@@ -177,6 +193,8 @@ def count_products(
     (default n // 4, the last of 4 ranks) against n keys, positives at offset n - m, the margin's
     factors a, b the local and all text rows. kind "rank": the same rank's two directions in one
     op (local images and texts, m rows, against all n). One product is 2·m·n·d flops.
+    ``false_negative_threshold``: masking on (the kernels then form the captions' product G
+    at γ = 0 too).
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -201,14 +219,34 @@ def count_products(
         img, txt = (x.detach()[offset : offset + m].clone().requires_grad_() for x in (all_img, all_txt))
     with gpu_launch(), count_matmul_flops() as count:
         if kind == "loss":
-            loss = hnclip_kernels.hn_clip_loss(img, txt, tau, gamma=gamma, backend="triton")
+            loss = hnclip_kernels.hn_clip_loss(
+                img, txt, tau, gamma=gamma, backend="triton", false_negative_threshold=false_negative_threshold
+            )
         elif kind == "directional":
             loss = fn(
-                q, k, query_txt=a, key_txt=b, tau=tau, offset=offset, gamma=gamma, label_smoothing=0.0, normalize=True
+                q,
+                k,
+                query_txt=a,
+                key_txt=b,
+                tau=tau,
+                offset=offset,
+                gamma=gamma,
+                label_smoothing=0.0,
+                normalize=True,
+                false_negative_threshold=false_negative_threshold,
             ).sum()
         else:
             loss = rank_nll_triton(
-                img, txt, all_img, all_txt, tau=tau, offset=offset, gamma=gamma, label_smoothing=0.0, normalize=True
+                img,
+                txt,
+                all_img,
+                all_txt,
+                tau=tau,
+                offset=offset,
+                gamma=gamma,
+                label_smoothing=0.0,
+                normalize=True,
+                false_negative_threshold=false_negative_threshold,
             ).sum()
         loss.backward()
     if count.dot_flops == 0:
@@ -236,6 +274,7 @@ def count_products(
         useful_products=useful,
         x_useful=total / unit / useful,
         dot_tiles=" ".join(f"{a}x{b}x{c}:{k}" for (a, b, c), k in sorted(count.dot_tiles.items())),
+        formula_flops=count.formula_flops,
     )
 
 

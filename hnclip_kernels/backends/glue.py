@@ -185,6 +185,22 @@ def fused_op(
     )
 
 
+def register_flops(name: str, formula: Callable) -> None:
+    """``formula`` as ``torch.utils.flop_counter.FlopCounterMode``'s count of ``hnclip::<name>``:
+    called with the operator's arguments as they are (tensors, real or fake, and flags) and
+    ``out_val`` (its outputs), it returns the FLOPs the operator runs (2 per multiply-add, as torch
+    counts a matmul). Without a formula the mode counts 0 for an operator: it runs one with itself
+    popped off the mode stack, so it never sees the kernels or GEMMs inside. Registered once
+    (a second registration of a target raises in torch); skipped on a torch without the API."""
+    try:
+        from torch.utils.flop_counter import flop_registry, register_flop_formula
+    except ImportError:  # pragma: no cover - torch < 2.4
+        return
+    packet = getattr(torch.ops.hnclip, name)
+    if packet not in flop_registry:
+        register_flop_formula(packet, get_raw=True)(formula)
+
+
 def call(function: type, op, *args):
     """``op(*args)`` under ``torch.compile``/``torch.export`` (the operator and its registered
     formula: Dynamo cannot trace a ``Function.apply`` that gets one tensor twice, as a

@@ -31,6 +31,7 @@ except ImportError as exc:  # pragma: no cover - the [hf] extra is part of [test
 from ..chunked import check_chunk_size, chunked_encode
 from ..clip_loss import HNClipLoss
 from ..distributed.gather import HAS_DISTRIBUTED, dist, gather_sizes
+from ..plausibility import warn_if_implausible_model_logit_scale
 
 __all__ = ["clip_model_loss", "HNClipTrainer"]
 
@@ -137,6 +138,14 @@ def _distributed_layout():
     return 0, 1
 
 
+class _ModelLoss(HNClipLoss):
+    """``HNClipLoss`` as :func:`clip_model_loss` runs it: s = exp(``model.logit_scale``) is formed
+    here, not passed by the caller, so an implausible s is worded as the model's parameter (and
+    the missing-``.exp()`` warning, about an argument the caller never passed, does not apply)."""
+
+    _scale_warning = staticmethod(warn_if_implausible_model_logit_scale)
+
+
 def _loss_module(gamma, label_smoothing, false_negative_threshold, backend) -> HNClipLoss:
     rank, world_size = _distributed_layout()
     options = dict(gamma=gamma, label_smoothing=label_smoothing, backend=backend, normalize=True)
@@ -144,7 +153,7 @@ def _loss_module(gamma, label_smoothing, false_negative_threshold, backend) -> H
         options["false_negative_threshold"] = false_negative_threshold
     # local rows against the gathered batch, gradients through the gather: with DDP's averaging
     # every parameter's gradient is the single-process gradient on the global batch
-    return HNClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world_size, **options)
+    return _ModelLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world_size, **options)
 
 
 def clip_model_loss(
@@ -201,6 +210,11 @@ def clip_model_loss(
     Returns:
         The float32 scalar loss (this rank's share under ``torch.distributed``), or
         ``(loss, CLIPOutput)`` with ``return_outputs``.
+
+    Warns:
+        RuntimeWarning (once per process): a negative ``model.logit_scale`` (τ > 1, almost surely
+        log τ stored in its place). A small non-negative one is a warm τ the model holds and is
+        taken as ``CLIPModel`` takes it, quietly.
 
     Raises:
         TypeError: a model without the CLIP embedding methods, or with a ``logit_bias`` (SigLIP);

@@ -213,6 +213,33 @@ def test_implausible_logit_scale_warns_once_at_the_callers_line(scale, words):
     assert caught[0].filename == __file__ and caught[0].lineno == line
 
 
+@pytest.mark.parametrize(
+    "entry, words",
+    [
+        ("hn_clip_loss", r"^hn_clip_loss got tau = 14\.3 > 1: tau is the temperature"),
+        ("saturation_report", r"^saturation_report got tau = 14\.3 > 1: tau is the temperature"),
+        ("HNClipLoss 0.07", r"^HNClipLoss got logit_scale = 0\.07 < 1: logit_scale is 1/tau"),
+        ("HNClipLoss 2.66", r"^HNClipLoss got logit_scale = 2\.66, in the range of open_clip's un-exponentiated"),
+    ],
+)
+def test_scale_warnings_name_what_each_entry_point_was_passed(entry, words):
+    # each entry point's warning speaks of its own argument: τ for the functions, logit_scale (and
+    # open_clip's model.logit_scale it came from) for the module; clip_model_loss, which takes the
+    # model, is tests/integrations/test_transformers.py's
+    from hnclip_kernels.diagnostics import saturation_report
+
+    img, txt = unit_pair(seed=3)
+    calls = {
+        "hn_clip_loss": lambda: hn_clip_loss(img, txt, 14.3, backend="torch"),
+        "saturation_report": lambda: saturation_report(img, txt, 14.3, backend="torch"),
+        "HNClipLoss 0.07": lambda: HNClipLoss(backend="torch")(img, txt, 0.07),
+        "HNClipLoss 2.66": lambda: HNClipLoss(backend="torch")(img, txt, 2.66),
+    }
+    with pytest.warns(RuntimeWarning, match=words) as caught:
+        calls[entry]()
+    assert len(caught) == 1, [str(w.message) for w in caught]
+
+
 def test_plausible_values_never_warn():
     # open_clip's s from 14.3 (init) to 100 (its clamp), in every form, with unit-norm features in
     # every dtype (16-bit rounding leaves norms within 0.4% of 1) and normalize=False

@@ -254,6 +254,50 @@ def test_bad_inputs_raise():
         chunked_encode(lambda a: (a,), torch.randn(4, 2), 2)
 
 
+def test_encoder_output_without_one_row_per_input_row_raises():
+    # a batch-pooled output (one row per call) would be cat'ed chunk by chunk into 3 rows for 7
+    # inputs, silently; a 0-dim one would fail in torch.cat without naming the encoder
+    x = torch.randn(7, 2)
+    for encoder in (lambda a: a.mean(0, keepdim=True), lambda a: a.sum(), lambda a: a[:-1]):
+        for chunk in (3, 7):  # several chunks, and one chunk (the encoder called once, plainly)
+            with pytest.raises(ValueError, match=r"encoder must return one row per input row, got shape"):
+                chunked_encode(encoder, x, chunk)
+
+
+def _step_grads(step, encoder, x, seed=0):
+    encoder.zero_grad()
+    torch.manual_seed(seed)
+    loss = step(x)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in encoder.parameters()]
+
+
+def test_compiles_as_one_graph_without_breaks():
+    # Dynamo traces grad mode (no graph break, no is_inference_mode_enabled() call), and the compiled
+    # step (fullgraph, aot_eager: AOT replays the checkpointed chunks' dropout masks) gives the eager
+    # chunked step's loss and gradients; under no_grad / inference_mode the plain chunks run
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    encoder = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 4))
+    x = torch.randn(10, 8)
+
+    def step(x):
+        return chunked_encode(encoder, x, 3).square().sum()
+
+    explained = torch._dynamo.explain(step)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    (got, got_grads), (want, want_grads) = _step_grads(compiled, encoder, x), _step_grads(step, encoder, x)
+    assert torch.equal(got, want)
+    for g, w in zip(got_grads, want_grads):
+        assert rel_err(g, w) <= TOL
+    encoder.eval()
+    with torch.no_grad():
+        assert rel_err(compiled(x), step(x)) <= TOL
+    with torch.inference_mode():
+        assert rel_err(compiled(x), step(x)) <= TOL
+
+
 # ----------------------------------------------------------------------------- Hugging Face CLIPModel
 
 VOCAB, L = 99, 7

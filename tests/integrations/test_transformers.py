@@ -11,7 +11,9 @@ import copy
 import math
 import multiprocessing as mp
 import os
+import sys
 import traceback
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -191,6 +193,33 @@ def test_bf16_model_temperature_is_the_float32_exp_of_logit_scale(monkeypatch):
     loss = clip_model_loss(model, ids, pixels.bfloat16(), mask, backend="torch")
     assert torch.isfinite(loss) and len(seen) == 1
     assert seen[0].dtype == torch.float32 and torch.equal(seen[0].reshape(()), want.reshape(()))
+
+
+def test_logit_scale_warning_speaks_of_the_models_parameter(monkeypatch):
+    """clip_model_loss exponentiates model.logit_scale itself: no "pass model.logit_scale.exp()"
+    advice (HNClipLoss's, about an argument this caller never passed) for a small parameter, a warm
+    τ the model holds (logit_scale = 1.0: τ = 0.37); a negative one (τ > 1, log τ stored in its
+    place) warns once, naming the model's parameter, at the caller's line."""
+    monkeypatch.setattr("hnclip_kernels.plausibility._warned", set())
+    model = tiny_model()
+    ids, pixels, mask = batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for value in (1.0, 0.0, 1.5, math.log(1 / 0.07)):
+            with torch.no_grad():
+                model.logit_scale.fill_(value)
+            clip_model_loss(model, ids, pixels, mask, backend="torch")
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(0.07))
+    words = r"^clip_model_loss got a model whose logit_scale parameter is -2\.65926 < 0: .* tau = 1 / exp\(model"
+    with pytest.warns(RuntimeWarning, match=words) as caught:
+        clip_model_loss(model, ids, pixels, mask, backend="torch")  # line below: the warning points here
+        line = sys._getframe().f_lineno - 1
+        clip_model_loss(model, ids, pixels, mask, backend="torch")
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert "set the parameter to 2.65926" in message and ".exp()" not in message
+    assert caught[0].filename == __file__ and caught[0].lineno == line
 
 
 def test_bad_models_and_options_raise():

@@ -100,3 +100,50 @@ def test_torch_gemms_inside_the_operators_are_counted():
     # products each and one pair at 3, 7 super-tile products for 4) + dS 1.75 (the same pairs, one
     # square chunk)
     assert case["dot_products"] == 3.5, case
+
+
+# ---- FlopCounterMode's formulas (hnclip_kernels/backends/triton/flops.py) against the counted work
+FORMULA_CASES = {
+    "loss bf16 γ=0": dict(kind="loss", gamma=0.0),
+    "loss bf16 γ=0.5": dict(kind="loss", gamma=0.5),
+    "loss bf16 γ=0 masked": dict(kind="loss", gamma=0.0, false_negative_threshold=0.9),
+    "loss fp16 γ=0.5 masked": dict(kind="loss", gamma=0.5, dtype="float16", false_negative_threshold=0.9),
+    "loss float32 γ=0.5 (tf32x3)": dict(kind="loss", gamma=0.5, dtype="float32"),
+    "directional bf16 γ=0.5": dict(kind="directional", gamma=0.5, m=128),
+    "directional fp16 γ=0 masked": dict(
+        kind="directional", gamma=0.0, m=128, dtype="float16", false_negative_threshold=0.9
+    ),
+    "rank bf16 γ=0": dict(kind="rank", gamma=0.0, m=128),
+    "rank bf16 γ=0.5 masked": dict(kind="rank", gamma=0.5, m=128, false_negative_threshold=0.9),
+}
+
+
+@pytest.mark.parametrize("case", list(FORMULA_CASES), ids=list(FORMULA_CASES))
+def test_flop_formulas_state_the_counted_work(case):
+    # whole tiles (N = 256, M = 128, D = 64 under the GPU launch configuration): the formulas that
+    # FlopCounterMode applies to the hnclip:: operators equal, to the flop, the kernels' tl.dot work
+    # plus the backward's torch GEMMs (float32: tf32x3's three passes a product, as interpreted)
+    row = count_products(**{"n": 256, "d": 64, "dtype": "bfloat16", **FORMULA_CASES[case]})
+    assert row["formula_flops"] == row["total_flops"], row
+
+
+def test_flop_formulas_leave_tile_padding_out():
+    # N = 200 is no whole number of 128-row blocks: the GPU runs the padded tiles, the formula states
+    # the products of the 200 × 200 logits (the edge tiles' padding is 21% of this small case)
+    row = count_products(n=200, d=64, dtype="bfloat16", gamma=0.5, kind="loss")
+    assert 0 < row["formula_flops"] < row["total_flops"] <= 1.25 * row["formula_flops"], row
+
+
+def test_flop_formulas_under_the_interpreter_tiles_and_a_tau_only_backward():
+    # the interpreter's own launch (32-row diagonal super-tiles, 32-wide chunks): the formula reads
+    # the launch's tiles; a backward that wants dτ alone runs no kernel and states 0
+    import hnclip_kernels
+
+    gen = torch.Generator().manual_seed(3)
+    img, txt = (torch.randn(96, 32, generator=gen).bfloat16() for _ in range(2))
+    for grads in ("features", "tau only"):
+        tau = torch.tensor(0.07, requires_grad=True)
+        x, y = (t.clone().requires_grad_(grads == "features") for t in (img, txt))
+        with count_matmul_flops() as count:
+            hnclip_kernels.hn_clip_loss(x, y, tau, gamma=0.5, backend="triton").backward()
+        assert count.formula_flops == count.dot_flops + count.torch_flops > 0, (grads, vars(count))

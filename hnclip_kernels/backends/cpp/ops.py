@@ -35,6 +35,7 @@ from torch import Tensor
 from ...numerics import compute_dtype
 from ...validation import check_directional
 from .. import epilogue, glue
+from . import flops
 from .raw import RAW, caption_norms, row_stats, shift_arg, threshold_arg, value_of
 
 # ---- one direction: M query rows against N key columns, positive of row i at column offset + i
@@ -290,6 +291,7 @@ _SymmetricNLL = glue.fused_op(
     tau_input=2,
     device_types="cpu",
 )
+flops.register()  # FlopCounterMode's formulas of the operators and the raw kernels
 
 
 # ---- public wrappers

@@ -47,6 +47,7 @@ import torch
 
 from ...validation import check_directional, resolve_precision
 from .. import epilogue, glue
+from . import flops
 from .distributed_ops import (
     _directional_grads_fake,
     _directional_nll,
@@ -92,6 +93,8 @@ HNClipRankTriton = glue.fused_op(
     feature_inputs=(0, 1, 2, 3),
     use_triton_op=USE_TRITON_OP,
 )
+
+flops.register()  # FlopCounterMode's formulas of the six operators
 
 
 # ------------------------------------------------------------------ public wrappers

@@ -1,0 +1,150 @@
+"""FlopCounterMode's formulas of the C++ operators (``hnclip_kernels/backends/cpp/flops.py``)
+against the products the kernels run.
+
+The mode never sees inside an operator (it runs one with itself popped), so the work is counted
+apart: ``torch.profiler`` records every aten matmul the C++ kernels call (``at::mm_out``,
+``addmm_``) with its shapes. One thread, so that every call runs where the profiler records it
+(at::parallel_for's workers go unrecorded). Shapes of a few dozen rows: each case runs in
+milliseconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.flop_counter import FlopCounterMode
+
+try:
+    from hnclip_kernels.backends.cpp import ops as cpp_ops
+except ImportError as exc:  # pragma: no cover - the extension was not built
+    pytest.skip(f"C++ extension unavailable: {exc}", allow_module_level=True)
+
+from hnclip_kernels import hn_clip_loss
+
+N, M, D = 40, 16, 24
+MATMULS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::addmm_": (1, 2)}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def counted(fn) -> int:
+    """FLOPs (2·M·N·K) of the aten matmuls ``fn`` runs, C++ callers included."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    total = 0
+    for event in prof.events():
+        assert event.name not in ("aten::bmm", "aten::baddbmm", "aten::addbmm"), event.name  # not counted below
+        if event.name in MATMULS:
+            a, b = (event.input_shapes[i] for i in MATMULS[event.name])
+            total += 2 * a[0] * a[1] * b[1]
+    return total
+
+
+def stated(fn) -> int:
+    with FlopCounterMode(display=False) as mode:
+        fn()
+    return mode.get_total_flops()
+
+
+def features(*rows, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(r, D, generator=gen, requires_grad=True) for r in rows]
+
+
+@pytest.mark.parametrize("gamma, threshold, products", [(0.0, None, 4), (0.5, None, 4), (0.5, 0.3, 6)])
+def test_symmetric_formula_states_the_kernels_products(gamma, threshold, products):
+    # forward 1 product (the margin folded into (v̂ + γt̂)/τ), backward 3 (recompute, ds·t̂, dsᵀ·v̂);
+    # masking forms the captions' tile beside each logit tile: one more in each
+    img, txt = features(N, N)
+    tau = torch.tensor(0.07, requires_grad=True)
+
+    def step():
+        hn_clip_loss(img, txt, tau, gamma=gamma, backend="cpp", false_negative_threshold=threshold).backward()
+
+    assert stated(step) == counted(step) == products * 2 * N * N * D
+
+
+@pytest.mark.parametrize(
+    "factors, weights, threshold, products",
+    [
+        ("keys", "uniform", None, 3),  # i2t of the distributed loss: shares kept, backward a rescale
+        ("keys", "per row", None, 5),  # a per-row gradient: recompute and Pᵀ·q̂ in the backward
+        ("queries", "per row", 0.3, 7),  # t2i, masked: the captions' tile in forward and recompute
+        ("other", "uniform", None, 4),  # margin factors neither: Z of inner width 2D
+        ("other", "per row", 0.3, 9),
+    ],
+)
+def test_directional_formula_states_the_kernels_products(factors, weights, threshold, products):
+    q, k = features(M, N)
+    offset = N - M
+    a, b = {
+        "keys": (k.detach()[offset:].clone(), k.detach().clone()),
+        "queries": (q.detach().clone(), torch.randn(N, D)),
+        "other": (torch.randn(M, D), torch.randn(N, D)),
+    }[factors]
+    w = torch.ones(M) if weights == "uniform" else torch.rand(M, generator=torch.Generator().manual_seed(1))
+    tau = torch.tensor(0.07, requires_grad=True)
+
+    def step():
+        rows = cpp_ops.directional_nll_cpp(
+            q,
+            k,
+            query_txt=a,
+            key_txt=b,
+            tau=tau,
+            offset=offset,
+            gamma=0.5,
+            label_smoothing=0.0,
+            normalize=True,
+            false_negative_threshold=threshold,
+        )
+        (rows * w).sum().backward()
+
+    assert stated(step) == counted(step) == products * 2 * M * N * D
+
+
+def test_raw_kernels_formulas_and_a_tau_only_backward():
+    # the operators' bodies called directly: FlopCounterMode then sees the raw kernels
+    # (hnclip::cpp_raw_*) and counts them by their own formulas
+    img, txt = (x.detach() for x in features(N, N))
+    tau, gamma, eps, thr = (torch.tensor(v, dtype=torch.float64) for v in (0.07, 0.5, 0.0, 0.3))
+
+    def symmetric():
+        out = cpp_ops._symmetric_nll(img, txt, tau, gamma, eps, thr, True, True)
+        cpp_ops._symmetric_nll_backward(torch.rand(N), img, txt, tau, gamma, eps, thr, *out[1:], True, True, True)
+
+    assert stated(symmetric) == counted(symmetric) == 6 * 2 * N * N * D
+    q, k, a, b = (x.detach() for x in features(M, N, M, N, seed=2))
+
+    def directional():
+        out = cpp_ops._directional_nll(q, k, a, b, tau, gamma, eps, thr, N - M, True, True, False)
+        rest = (*out[1:], N - M, True, True, False, True)
+        cpp_ops._directional_nll_backward(torch.rand(M), q, k, a, b, tau, gamma, eps, thr, *rest)
+
+    assert stated(directional) == counted(directional) == (4 + 3) * 2 * M * N * D
+    # dτ alone: the backward runs no kernel, its formula states 0
+    img, txt = (x.detach() for x in features(N, N))
+    tau = torch.tensor(0.07, requires_grad=True)
+
+    def tau_only():
+        hn_clip_loss(img, txt, tau, gamma=0.5, backend="cpp").backward()
+
+    assert stated(tau_only) == counted(tau_only) == 2 * N * N * D
+
+
+def test_formulas_on_fake_tensors_assume_the_distributed_losss_case():
+    # no values to read: Z of width D (the margin's factors taken for the keys or queries)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), FlopCounterMode(display=False) as mode:
+        q, k, a, b = torch.empty(M, D), torch.empty(N, D), torch.empty(M, D), torch.empty(N, D)
+        scalars = [torch.zeros((), dtype=torch.float64) for _ in range(4)]
+        torch.ops.hnclip.cpp_directional_nll(q, k, a, b, *scalars, N - M, True, True, False)
+    assert mode.get_total_flops() == 3 * 2 * M * N * D
