@@ -62,11 +62,13 @@ def oc_batch(n=N, seed=1):
     return torch.randn(n, 3, 32, 32, generator=g), texts
 
 
-def groups(model):
-    """{group: {name: grad}}: the image tower, the text side (all the rest), logit_scale."""
+def groups(model, grads=None):
+    """{group: {name: grad}}: the image tower, the text side (all the rest), logit_scale; the
+    gradients from ``grads`` ({name: grad}) where given, else from ``.grad``."""
     out = {"image tower": {}, "text tower": {}, "logit_scale": {}}
     for name, p in model.named_parameters():
-        if p.grad is None:
+        grad = p.grad if grads is None else grads.get(name)
+        if grad is None:
             continue
         key = (
             "logit_scale"
@@ -75,7 +77,7 @@ def groups(model):
             if name.startswith(("visual", "vision"))
             else "text tower"
         )
-        out[key][name] = p.grad.detach().clone()
+        out[key][name] = grad.detach().clone()
     return out
 
 
