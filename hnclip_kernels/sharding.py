@@ -90,8 +90,8 @@ def squeeze_scalar_parameters(
     Args:
         state_dict: the model's full state dict, as it is without a wrapper: ``model.state_dict()``,
             FSDP2's ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))``,
-            ZeRO-3's parameters gathered (``deepspeed.zero.GatheredParameters``) or consolidated
-            (``get_fp32_state_dict_from_zero_checkpoint``).
+            ZeRO-2's ``engine.module.state_dict()``, ZeRO-3's the same under
+            ``deepspeed.zero.GatheredParameters(list(engine.module.parameters()))``, cloned.
         names: what :func:`unsqueeze_scalar_parameters` returned (or one name).
 
     Raises:
@@ -123,7 +123,7 @@ def squeeze_scalar_parameters(
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(
                 f"state_dict[{name!r}] must hold one value, got {shape}: pass the full state dict (ZeRO-3: "
-                "the parameters gathered with deepspeed.zero.GatheredParameters, or consolidated)"
+                "the parameters gathered with deepspeed.zero.GatheredParameters)"
             )
         out[name] = value.reshape(())
     return out
