@@ -204,8 +204,9 @@ def clip_model_loss(
             over the whole batch: the same loss and gradients, with the encoders' activation
             memory of one chunk.
 
-    FSDP2: ``fully_shard`` refuses 0-dim parameters, and CLIPModel's ``logit_scale`` is one; make it
-    1-D before sharding: ``model.logit_scale = nn.Parameter(model.logit_scale.detach().reshape(1))``.
+    FSDP2 and DeepSpeed ZeRO: ``fully_shard`` and ``deepspeed.initialize`` take no 0-dim parameter,
+    and CLIPModel's ``logit_scale`` is one; make it (1,) before wrapping and 0-dim again in the
+    state dict you save (:mod:`hnclip_kernels.sharding`).
 
     Returns:
         The float32 scalar loss (this rank's share under ``torch.distributed``), or

@@ -1,6 +1,7 @@
 """The snippets and commands of the README and the docs run as printed: the README's quickstart
 (a real open_clip ViT-B-32, random weights), docs/train.md's CPU smoke run of
-``python -m hnclip_kernels.train`` and docs/transformers.md's snippets (tiny models). Bound:
+``python -m hnclip_kernels.train``, docs/transformers.md's snippets and docs/distributed.md's
+``hnclip_kernels.sharding`` snippets (tiny models). Bound:
 about a minute on 2 idle cores."""
 
 import os
@@ -85,3 +86,28 @@ def test_transformers_snippets_run(tmp_path):
     exec(compile(snippets[1], "README transformers loop", "exec"), scope)
     assert scope["loss"].ndim == 0 and torch.isfinite(scope["loss"])
     assert scope["model"].logit_scale.grad is not None
+
+
+def test_sharding_snippets_run(tmp_path):
+    """docs/distributed.md's "FSDP2 and DeepSpeed ZeRO": the two snippets in one process, the full
+    state dict being the bare model's; the saved logit_scale comes back 0-dim, bit for bit."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import CLIPModel
+
+    sys.path.insert(0, os.path.join(ROOT, "tests", "integrations"))  # the tiny models' home
+    from test_transformers import tiny_model
+
+    unsqueeze, save = re.findall(
+        r"```python\n(.*?)```", _section("## FSDP2 and DeepSpeed ZeRO", "distributed.md"), re.S
+    )
+    scope = dict(model=tiny_model())
+    exec(compile(unsqueeze, "docs/distributed.md unsqueeze", "exec"), scope)
+    model = scope["model"]
+    assert scope["names"] == ("logit_scale",) and model.logit_scale.shape == (1,)
+    with torch.no_grad():
+        model.logit_scale.add_(0.125)  # a "trained" value
+    scope.update(state=model.state_dict(), out_dir=str(tmp_path))
+    exec(compile(save, "docs/distributed.md save", "exec"), scope)
+    back = CLIPModel.from_pretrained(str(tmp_path)).logit_scale
+    assert back.shape == () and torch.equal(back.detach(), model.logit_scale.detach().reshape(()))

@@ -5,7 +5,8 @@ Tiny random-init towers (open_clip ViT of width 32 with patch and attention drop
 divide the batch). Every parameter's gradient, ``logit_scale`` included, is compared at 1e-5
 relative in float32 against (a) the unchunked step without dropout and (b) with dropout, the
 same chunks run once with grad and nothing recomputed (same seed, same order). One spawn of 2
-gloo ranks checks DDP (one all-reduce per bucket per step) and FSDP2 (``fully_shard``).
+gloo ranks checks DDP (one all-reduce per bucket per step) and FSDP2 (``fully_shard``, with the
+save/load round trip of ``hnclip_kernels.sharding``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from helpers import collect_rank_reports, rel_err
 from hnclip_kernels import HNClipLoss, chunked, chunked_encode, chunked_features
+from hnclip_kernels.sharding import unsqueeze_scalar_parameters
 
 open_clip = pytest.importorskip("open_clip")
 
@@ -60,11 +62,13 @@ def oc_batch(n=N, seed=1):
     return torch.randn(n, 3, 32, 32, generator=g), texts
 
 
-def groups(model):
-    """{group: {name: grad}}: the image tower, the text side (all the rest), logit_scale."""
+def groups(model, grads=None):
+    """{group: {name: grad}}: the image tower, the text side (all the rest), logit_scale; the
+    gradients from ``grads`` ({name: grad}) where given, else from ``.grad``."""
     out = {"image tower": {}, "text tower": {}, "logit_scale": {}}
     for name, p in model.named_parameters():
-        if p.grad is None:
+        grad = p.grad if grads is None else grads.get(name)
+        if grad is None:
             continue
         key = (
             "logit_scale"
@@ -73,7 +77,7 @@ def groups(model):
             if name.startswith(("visual", "vision"))
             else "text tower"
         )
-        out[key][name] = p.grad.detach().clone()
+        out[key][name] = grad.detach().clone()
     return out
 
 
@@ -489,28 +493,43 @@ def _ddp_open_clip(rank, world, report):
         report[f"oc_{name}_allreduces"] = calls
 
 
-def _hf_wrapped(rank, world, report):
-    """clip_model_loss through DDP and through FSDP2 (fully_shard, 1-D logit_scale), chunked or not."""
+def _hf_wrapped(rank, world, report, out_dir):
+    """clip_model_loss through DDP and through FSDP2 (fully_shard, logit_scale made (1,) by
+    unsqueeze_scalar_parameters), chunked or not; the chunked FSDP2 model, after an SGD step,
+    saved by rank 0 with its scalars squeezed back."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hnclip_kernels.integrations.transformers import clip_model_loss
+    from hnclip_kernels.sharding import squeeze_scalar_parameters, unsqueeze_scalar_parameters
 
     ids, pixels, mask = hf_batch()
     rows = slice(sum(SIZES[:rank]), sum(SIZES[: rank + 1]))
     for name, chunk in (("unchunked", None), ("chunked", C)):
         for kind in ("ddp", "fsdp2"):
             model = hf_model(dropout=False)
-            model.logit_scale = torch.nn.Parameter(model.logit_scale.detach().reshape(1))  # fully_shard: no 0-dim
+            names = unsqueeze_scalar_parameters(model)  # fully_shard refuses 0-dim parameters
             wrapped = DDP(model) if kind == "ddp" else fully_shard(model)
             clip_model_loss(wrapped, ids[rows], pixels[rows], mask[rows], gamma=0.5, chunk_size=chunk).backward()
             out = {}
             for key, params in groups(model).items():
                 out[key] = {n: (g.full_tensor() if hasattr(g, "full_tensor") else g).numpy() for n, g in params.items()}
             report[f"hf_{kind}_{name}"] = out
+            if kind == "fsdp2" and chunk:
+                try:  # the sharded state dict holds DTensors: refused, naming the fix
+                    squeeze_scalar_parameters(model.state_dict(), names)
+                except TypeError as exc:
+                    report["sharded_state_error"] = str(exc)
+                torch.optim.SGD(model.parameters(), lr=0.5).step()
+                report["fsdp2_trained_scale"] = model.logit_scale.full_tensor().detach().numpy()
+                options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, the rest {}
+                state = get_model_state_dict(model, options=options)
+                if rank == 0:
+                    model.save_pretrained(out_dir, state_dict=squeeze_scalar_parameters(state, names))
 
 
-def _worker(rank, world, init_method, q):
+def _worker(rank, world, init_method, out_dir, q):
     try:
         torch.set_num_threads(1)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -519,7 +538,7 @@ def _worker(rank, world, init_method, q):
         )
         report = {}
         _ddp_open_clip(rank, world, report)
-        _hf_wrapped(rank, world, report)
+        _hf_wrapped(rank, world, report, out_dir)
         q.put((rank, report, None))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         q.put((rank, None, traceback.format_exc()))
@@ -535,10 +554,11 @@ def _as_torch(report):
 def test_two_gloo_ranks_ddp_and_fsdp2(tmp_path):
     """2 ranks of 6 and 5 pairs, local_loss + gather_with_grad: chunked = unchunked = one process on all 11,
     for open_clip under DDP (each bucket all-reduced once a step, as unchunked) and CLIPModel under DDP
-    and FSDP2."""
+    and FSDP2; the FSDP2 model's trained logit_scale round-trips save_pretrained / from_pretrained."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, f"file://{tmp_path / 'pg'}", q)) for r in range(2)]
+    saved = tmp_path / "fsdp2_clip"
+    procs = [ctx.Process(target=_worker, args=(r, 2, f"file://{tmp_path / 'pg'}", str(saved), q)) for r in range(2)]
     for p in procs:
         p.start()
     results = collect_rank_reports(q, procs, 2, 240)
@@ -548,7 +568,7 @@ def test_two_gloo_ranks_ddp_and_fsdp2(tmp_path):
     images, texts = oc_batch()
     _, oc_single = oc_step(oc_model(dropout=False), images, texts, None)
     hf_single_model = hf_model(dropout=False)
-    hf_single_model.logit_scale = torch.nn.Parameter(hf_single_model.logit_scale.detach().reshape(1))
+    unsqueeze_scalar_parameters(hf_single_model)
     _, hf_single = hf_step(hf_single_model, hf_batch(), None)
     for rank in (0, 1):
         report = results[rank][0]
@@ -558,6 +578,15 @@ def test_two_gloo_ranks_ddp_and_fsdp2(tmp_path):
             assert_worst(_as_torch(report[f"oc_{name}"]), oc_single)
             for kind in ("ddp", "fsdp2"):
                 assert_worst(_as_torch(report[f"hf_{kind}_{name}"]), hf_single)
+    # the trained (1,) logit_scale, saved 0-dim, loads into the unmodified CLIPModel bit for bit
+    from transformers import CLIPModel
+
+    assert "full_state_dict=True" in results[0][0]["sharded_state_error"]
+    trained = results[0][0]["fsdp2_trained_scale"]
+    assert trained.tobytes() == results[1][0]["fsdp2_trained_scale"].tobytes()
+    assert trained.item() != hf_model(dropout=False).logit_scale.item()
+    back = CLIPModel.from_pretrained(str(saved)).logit_scale.detach()
+    assert back.shape == () and back.numpy().tobytes() == trained.tobytes()
 
 
 def test_readme_snippets_run(tmp_path):
