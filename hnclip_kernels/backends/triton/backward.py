@@ -1,13 +1,15 @@
 """Backward host walks: the negatives' shares of dL/dq̂ and dL/dk̂, one chunk of dS at a time.
 
 Each walk launches a dS kernel (:mod:`.dscore`) per chunk, which writes W = diag(a) · dS · diag(b)
-in the type the GEMMs read (scales: :mod:`.scales`), and multiplies it by the features in torch
-GEMMs (two per chunk for float32 and bf16 features, four, head and tail, for fp16), each
-accumulated in float32 over the chunks (``torch.addmm``); the epilogue divides the scales back
-out and adds the rounding compensation (``epilogue.add_rounding_compensation``).
+in float32 (scales: :mod:`.scales`), and multiplies it by the features in torch GEMMs (two per
+chunk for float32 and bf16 features, four, head and tail, for fp16), accumulated in float32 over
+the chunks. For 16-bit features each GEMM reads a float16 rounding of the chunk with each of its
+output lines' own power of two (:mod:`.round16`, ``_rounded_products``), divided back out per
+line. The epilogue divides the scales back out and adds the rounding compensation
+(``epilogue.add_rounding_compensation``).
 
-* :func:`directional_shares`: one direction, R × C chunks of ``cfg.chunk_shape`` (4·R·C ≤
-  ``cfg.BWD_WORKSPACE_BYTES``, e.g. 8192 × 8192 for 256 MiB), row blocks outer;
+* :func:`directional_shares`: one direction, R × C chunks of ``cfg.chunk_shape`` (e·R·C ≤
+  ``cfg.BWD_WORKSPACE_BYTES``, e.g. 8192 × 8192 for 256 MiB of float32), row blocks outer;
 * :func:`rank_shares`: a rank's two directions on the same chunks, both W's from one launch;
 * :func:`symmetric_shares`: the single-process loss, square chunk pairs (a, b ≥ a), W_ab and
   W_ba from the same tile pairs.

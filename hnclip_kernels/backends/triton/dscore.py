@@ -2,17 +2,15 @@
 
 ``_dscore_kernel`` forms each tile of Z once more and writes W = diag(a) · dS · diag(b)
 (dS = dL/dZ times τ, negatives only; a, b the inverse norms times exact powers of two) to the
-workspace, once, in the type the GEMMs read:
+workspace in float32:
 
-* bf16 features: W̃ = float16(W), one pass. cuBLAS multiplies operands of one type, so each
-  chunk's feature rows are copied to float16 exactly: bf16's 8-bit significand fits float16's
-  11 bits once a row is scaled by an exact power of two s (every |x·s| < 1; 1/s folded into W's
-  scales). Entries below 2⁻¹⁷ of their row lose bits to float16's subnormals, below 2⁻²⁵ flush:
-  at most 2⁻²⁵ absolute an entry. 2 GEMMs a chunk (float16 × float16 → float32).
-* fp16 features: a float16 head W̃ and tail W̃_lo = float16(W − W̃), 4 GEMMs a chunk (a single
-  float16 pass measured 1.12–1.17× the two-pass error here: fp16 gradients are fine enough that
-  the dS rounding shows).
-* float32 features: float32 W and an IEEE-float32 GEMM (TF32 off), 2 GEMMs a chunk.
+* float32 features: the W the GEMMs read, IEEE-float32 GEMMs (TF32 off), 2 GEMMs a chunk.
+* 16-bit features (ROUND16): the staging W (its bound at 2¹⁰⁰, :mod:`.scales`) and |W|'s maxima
+  over each 32-column slice of a row and 32-row slice of a column; :mod:`.round16` rounds it to
+  float16 with each row's and each column's own power of two (bf16 one pass a side against exact
+  float16 copies of the features, 2 GEMMs a chunk; fp16 a head and a tail, 4 GEMMs), so no row
+  flushes for another row's size (docs/numerics.md). An entry whose e^x is a float32 subnormal
+  takes log|g| into the exponent there (``_weighted_exp``).
 
 The GEMMs are torch's (cuBLAS on CUDA, float32 results from 16-bit operands), accumulated over
 chunks; the O(N·D) epilogue divides the scales back out.
@@ -25,20 +23,15 @@ buffer ba; a diagonal chunk pairs its tiles across its diagonal super-tiles. dS 
 then costs 1.5 products a logit away from the diagonal instead of 2, and two chunk buffers are
 alive at once (``workspace.backward_bytes``).
 
-Compensation. Let dS̃ be what the GEMMs see (W̃, or W̃ + W̃_lo, over a_i b_k), dS_ik = dS̃_ik + ε_ik dS_ik.
-Row i's share is Σ_k dS_ik k̂_k = Σ_k dS̃_ik k̂_k + Σ_k ε_ik dS_ik k̂_k. The kernel also writes,
-per row, ρ_i = Σ_k ε_ik dS_ik (= r_i − r̃_i, the row sums of dS and dS̃), summed in float32 from
-the exact per-element residuals (W − W̃, or W − W̃ − W̃_lo; not as a difference of the two sums, which would
-cancel), and the epilogue adds ρ_i k̂_p(i), p(i) = offset + i the row's positive. Then
+Compensation (16-bit): the GEMMs see dS̃ (the rounded W over its scales), dS_ik = dS̃_ik + ε_ik dS_ik;
+the rounding kernel writes per row ρ_i = Σ_k ε_ik dS_ik from the exact per-element residuals, and
+the epilogue adds ρ_i k̂_p(i) (p(i) = offset + i the row's positive), so that
     GEMM + ρ_i k̂_p(i) − exact = −Σ_k ε_ik dS_ik (k̂_k − k̂_p(i)):
-the rounding error of dS enters only through the keys' differences from the row's positive,
-and vanishes as the captions a row confuses approach each other (the near-duplicates the
-margin is for, where the share, Σ_k dS_ik (k̂_k − k̂_p(i)) with the positive's term, is small
-against its terms). The column side is the same with σ_k = Σ_i ε_ik dS_ik and q̂ of the
-column's positive row (k − offset, when that row is local; a column without a local positive
-row, only in the directional op, is uncompensated). Residual sums are taken per 32-column
-(32-row) slice of a tile into per-chunk partial buffers (each slot written by one program) and
-merged by ``torch.sum`` in a fixed order: no atomics, bit-reproducible.
+the rounding error enters only through the keys' differences from the row's positive (small for
+the near-duplicates the margin is for). Columns alike with σ_k and q̂ of the column's positive
+row (k − offset, when that row is local; a column without one, only in the directional and rank
+ops, is uncompensated). Slice sums go into per-chunk partial buffers, merged in a fixed order:
+no atomics, bit-reproducible.
 
 Why float16 for bf16 (a bf16 dS kept the text gradient's 2⁻⁹ error; float16's 2⁻¹² is 8× finer):
 measured in ``docs/triton.md``. W's scales are :mod:`.scales`'; the chunk walks that launch these
@@ -77,22 +70,22 @@ def _dscore_kernel(
     SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The directional op's W[i − row0, k − col0] = a_i · dS_ik · b_k over one chunk
-    [row0, row_end) × [col0, col_end) (dS_ik = g_i P_ik over the negatives, P = exp(d − nll));
-    with ROUND16 rounded to float16 (with TAIL also a float16 tail), and the residuals' slice
-    sums written. Grid: (⌈rows / BLOCK_M⌉, ⌈columns / BLOCK_N⌉) of the chunk.
+    [row0, row_end) × [col0, col_end) (dS_ik = g_i P_ik over the negatives, g_i P_ik =
+    exp(d − nll_i)·g_i, ``epilogue.row_factors``), in float32; with ROUND16 the staging W and its
+    slice maxima. Grid: (⌈rows / BLOCK_M⌉, ⌈columns / BLOCK_N⌉) of the chunk.
 
     Features and per-row inputs: as ``forward_kernels._fwd_kernel`` (q_ptr … mk_ptr, their
         strides, rq_ptr … r_mk_ptr, pos_ptr, inv_tau_ptr, gamma_ptr, thr_ptr).
     Per-row inputs of the backward (float32):
-        nll_ptr (M): each row's LSE of the gaps (P's normaliser); g_ptr (M): upstream gradient;
+        nll_ptr (M): what each row's gaps lose (P's normaliser, softplus δ or δ); g_ptr (M): the
+        row's weight (the upstream gradient, or g·σ(δ): ``epilogue.row_factors``);
         a_ptr (M), b_ptr (N): W's row and column scales (:func:`.scales.w_scales`).
         s_ptr (M): each row's ε/n_i with masking and label smoothing, else None (SHIFT):
         dS_ik = g_i (P_ik − s_i) on the entries kept (caption cosine < thr), 0 on the masked ones.
     Outputs, the chunk's R × C (R = row_end − row0, C = col_end − col0), row-major: w_ptr, W in
-        float32, or float16 with ROUND16; lo_ptr the float16 tail (None without TAIL); with
-        ROUND16 the residuals E_ik = (W_ik − W̃_ik − W̃_lo,ik) / (a_i b_k) (= ε_ik dS_ik) summed
-        over SLICE columns into res_r_ptr (⌈C / SLICE⌉, R) and over SLICE rows into res_c_ptr
-        (⌈R / SLICE⌉, C) (None without ROUND16). Their row strides stride_w = C, stride_rr = R,
+        float32; with ROUND16 |W|'s maxima over SLICE columns into res_r_ptr (⌈C / SLICE⌉, R) and
+        over SLICE rows into res_c_ptr (⌈R / SLICE⌉, C) (None without ROUND16; :mod:`.round16`
+        later writes the residuals' slice sums there). Their row strides stride_w = C, stride_rr = R,
         stride_rc = C come as arguments, not from the bounds: an argument costs no register, and
         the masked 16-bit 128 × 64 dS with the margin is at 255 (sm_90a spills 4 B otherwise).
     Shapes and scalars: the chunk's bounds row0, row_end (≤ M), col0, col_end (≤ N); D;
@@ -100,7 +93,7 @@ def _dscore_kernel(
     Constexprs: HAS_MARGIN (γ ≠ 0), PREC (``precision._dot``), SLICE (``cfg.RESIDUAL_SLICE``,
         dividing both tile sides), BLOCK_M × BLOCK_N tiles, BLOCK_K the reduction step (the
         forward's: the same tiles to the bit). Derived (``launch.derived``): MASK (thr_ptr),
-        SHIFT (s_ptr), ROUND16 (res_r_ptr), TAIL (lo_ptr).
+        SHIFT (s_ptr), ROUND16 (res_r_ptr).
     """
     (offs_m, mask_m), (offs_n, mask_n), _, _ = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
     inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
@@ -227,8 +220,8 @@ def _dscore_pair_kernel(
         nll_c_ptr, g_c_ptr (N) the columns' (t2i rows') LSE and upstream gradient, s_c_ptr their
         ε/n (None without SHIFT). MASK: the pair tiles' one caption tile masks W_IJ and W_JI alike.
     Outputs: w_ptr, one flat buffer: W_ab (R × C, row-major) at 0, W_ba (C × R) at mirror_w;
-        with TAIL lo_ptr alike; with ROUND16 res_r_ptr: ab's row slice sums (⌈C / SLICE⌉, R)
-        at 0, ba's (⌈R / SLICE⌉, C) at mirror_r; res_c_ptr: ab's column slice sums
+        with ROUND16 res_r_ptr: ab's row slice maxima (⌈C / SLICE⌉, R)
+        at 0, ba's (⌈R / SLICE⌉, C) at mirror_r; res_c_ptr: ab's column slice maxima
         (⌈R / SLICE⌉, C) at 0, ba's (⌈C / SLICE⌉, R) at mirror_c (R = row_end − row0,
         C = col_end − col0). Diagonal chunk: the mirror offsets 0 (one buffer each).
     Constexprs: as ``_dscore_kernel``; BLOCK_N divides BLOCK_M; chunk sides multiples of BLOCK_M.
@@ -292,7 +285,7 @@ def _dscore_rank_kernel(
         line's ε/n_i s_ptr; per direction's columns (2N: i2t's keys t_all, then t2i's keys
         v_all) the column scales b_ptr; inv_tau_ptr, gamma_ptr, thr_ptr as ``_dscore_kernel``.
     Outputs: w_ptr, one flat buffer: the i2t W (R × C, row-major) at 0 and the t2i W at
-        second_w; with TAIL lo_ptr alike; with ROUND16 res_r_ptr (⌈C / SLICE⌉, R) and res_c_ptr
+        second_w; with ROUND16 the slice maxima res_r_ptr (⌈C / SLICE⌉, R) and res_c_ptr
         (⌈R / SLICE⌉, C), the t2i direction's at second_r / second_c (R = row_end − row0,
         C = col_end − col0).
     Scalars and constexprs: M, N; the rest as ``_dscore_kernel``.
@@ -323,7 +316,7 @@ def _dscore_rank_kernel(
 
 
 # autotuned twins (GPU only; the interpreter and HNCLIP_AUTOTUNE=0 use cfg.heuristic). Key: D,
-# HAS_MARGIN, PREC (MASK, SHIFT, ROUND16 and TAIL derive from their pointers: ``launch.derived``);
+# HAS_MARGIN, PREC (MASK, SHIFT and ROUND16 derive from their pointers: ``launch.derived``);
 # the pruner keeps the operand width's candidates, less those SHIFT spills with
 _KEY = ["D", "HAS_MARGIN", "PREC"]
 _dscore_tuned = triton.autotune(cfg.all_candidates("dscore"), key=_KEY,

@@ -130,9 +130,9 @@ def workspace_bytes(
     ``false_negative_threshold``: not None adds the kept-count plane (the per-row ε/n shifts of
     the backward are O(N) vectors, not workspace).
 
-    E.g. N = 262144, D = 768, bf16, γ = 0.5 on 132 SMs: 79 MiB of statistics + 336 MiB of backward
-    (a chunk pair: two 128 MiB float16 dS chunks, 32 MiB of residual sums, 48 MiB of float16
-    feature rows).
+    E.g. N = 262144, D = 768, bf16, γ = 0.5 on 132 SMs: 79 MiB of statistics + 483 MiB of backward
+    (a chunk pair of 6656 × 6656: two 169 MiB float32 staging W's, one 84.5 MiB float16 rounding,
+    21 MiB of slice sums, 39 MiB of float16 feature rows).
 
     Returns: bytes (an int): the sum of the two workspaces, a bound on the peak (they are never live together).
     Raises: ValueError for a dtype other than float16/bfloat16/float32, or n, d, local_rows < 1.
