@@ -70,7 +70,10 @@ HNCLIP_INLINE T exp_of(T x) {
 
 // ---- False-negative masking: one compile-time flag, kMasked -------------------------------
 // Each loop is written once for both: with kMasked it runs over the columns a row keeps, column
-// j kept when its caption cosine g[j] (the caption-caption tile, laid out as z) is below thr. A
+// j kept unless its caption cosine g[j] (the caption-caption tile, laid out as z) is at or above
+// thr: a NaN cosine (a NaN or ±inf caption) is kept, so its NaN logit reaches the LSE and the
+// loss is NaN exactly when the gradients are (`g < thr` would drop it from the forward, while the
+// backward's products with that caption, 0·NaN, still make the gradients NaN). A
 // masked column counts nowhere: no term of the LSE, of Σd, no probability; the row sums also
 // count the kept columns, and P less its label-smoothing share s is what a masked row's dS holds.
 // Without masking keep() is the constant true, the smoothing share and the counts are compiled
@@ -79,7 +82,7 @@ HNCLIP_INLINE T exp_of(T x) {
 template <bool kMasked, typename T>
 HNCLIP_INLINE bool keep(const T* g, int64_t j, T thr) {
   if constexpr (kMasked) {
-    return g[j] < thr;
+    return !(g[j] >= thr);  // for a finite cosine the same as g[j] < thr
   } else {
     return true;
   }

@@ -78,7 +78,7 @@ inline void lse_merge(T& m, T& se, T& sw, T& sd, T m2, T se2, T sw2, T sd2) {
 
 // Fold the n columns z[0..n) of one row into st, skipping column `excl` (the positive); with
 // masking only the columns the row keeps: g[0..n) the caption cosines of the same columns, column
-// j kept when g[j] < thr (without masking g = z, not read; see loops.h)
+// j kept unless g[j] >= thr, a NaN cosine kept (without masking g = z, not read; see loops.h keep())
 template <typename T, bool kMasked>
 void update_row(const T* z, const T* g, int64_t n, int64_t excl, T p, T thr, LseState<T>& st) {
   const int64_t n1 = (excl >= 0 && excl < n) ? excl : n;  // [0, n1) and [n1 + 1, n)
@@ -117,7 +117,7 @@ struct ColStats {  // online LSE state of every column: max, Σe, Σe·d (relati
 // Fold a (rows × nb) tile (leading dimension ld), columns [n0, n0 + nb), into the column
 // states; row r's excluded entry (the positive) is at tile column diag + r. With masking only
 // the columns' kept entries: g the caption-cosine tile (same layout as z; without masking g = z,
-// not read), an entry kept when g < thr. scratch: 6·nb, with or without masking (the counts' row tc
+// not read), an entry kept unless g >= thr (keep()). scratch: 6·nb, with or without masking (the counts' row tc
 // is passed either way, written with masking only).
 template <typename T, bool kMasked>
 void col_update(const T* z, const T* g, int64_t ld, int64_t rows, int64_t nb, int64_t diag, const T* pc,

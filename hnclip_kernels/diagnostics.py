@@ -187,7 +187,7 @@ def saturation_report(
     n = img.shape[0]
     if n < 2:
         raise ValueError(f"img and txt have N = {n} pair; saturation_report needs N >= 2 (a row needs negatives)")
-    tau_value = _validation.check_tau(tau, img.device, img.dtype, float(gamma))
+    tau_value = _validation.check_tau(tau, img.device, img.dtype, float(gamma), tau_grad=False)  # no backward here
     gamma = float(gamma)
     _warn_if_tau_looks_like_logit_scale(tau_value, "saturation_report")  # once: hn_clip_loss below stays quiet
 

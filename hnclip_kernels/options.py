@@ -95,11 +95,21 @@ class LossOptions:
         if n_rows is None:
             n_rows = n if self.reduction != "none" else 1
         checked = tau if tau_value is None else tau_value
+        tau_grad = validation.tau_requires_grad(tau)  # dτ's bound too (a τ read earlier is a float)
         value = validation.check_tau(
-            checked, img.device, img.dtype, self.gamma, label_smoothing=self.label_smoothing, n_keys=n, n_rows=n_rows
+            checked,
+            img.device,
+            img.dtype,
+            self.gamma,
+            label_smoothing=self.label_smoothing,
+            n_keys=n,
+            n_rows=n_rows,
+            tau_grad=tau_grad,
         )
         if not self.normalize:
-            validation.check_feature_range(img, txt, value, self.gamma, self.label_smoothing, *names, n_rows=n_rows)
+            validation.check_feature_range(
+                img, txt, value, self.gamma, self.label_smoothing, *names, n_rows=n_rows, tau_grad=tau_grad
+            )
         return self.resolved(img, value)
 
     def resolved(self, like: torch.Tensor, tau_value: Optional[float] = None) -> "LossOptions":

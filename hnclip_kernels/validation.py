@@ -6,6 +6,7 @@ bad value) with a message that names the argument and says how to fix it.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import sys
@@ -135,8 +136,9 @@ def largest_intermediate(
     img_norm: float = 1.0,
     txt_norm: float = 1.0,
     n_rows: int = 1,
+    tau_grad: bool = False,
 ) -> float:
-    """The largest magnitude any backend forms on the way to the loss.
+    """The largest magnitude any backend forms on the way to the loss (with ``tau_grad``, to dL/dτ).
 
     With ‖v_i‖ ≤ img_norm and ‖t_j‖ ≤ txt_norm (1 for normalised features):
 
@@ -145,12 +147,23 @@ def largest_intermediate(
       g = (2·img_norm·txt_norm + γ·txt_norm²)/τ, that is (2 + γ)/τ when normalised;
     * label smoothing sums N gaps per row (``dsum``): N·g;
     * a row's loss is at most g (2g with label smoothing), a pair sums two rows, and the
-      "mean"/"sum" reductions add up ``n_rows`` pairs.
+      "mean"/"sum" reductions add up ``n_rows`` pairs: the loss bound 2·row·n_rows;
+    * ``tau_grad``: dL/dτ = −Σ ∂L/∂Z_ij · (Z_ij − Z_ii) / τ (each row's ∂L/∂Z sums to 0, every
+      logit is ∝ 1/τ) reaches the loss bound / τ, ∝ 1/τ² (float32 overflows below τ ≈ 1e-19).
     """
     gap = (2.0 * img_norm * txt_norm + gamma * txt_norm * txt_norm) / tau
     smoothing = gap * n_keys if label_smoothing != 0.0 else 0.0
     row = gap * (2.0 if label_smoothing != 0.0 else 1.0)
-    return max(img_norm * txt_norm, txt_norm * txt_norm, gap, smoothing, 2.0 * row * n_rows)
+    loss = 2.0 * row * n_rows
+    return max(img_norm * txt_norm, txt_norm * txt_norm, gap, smoothing, loss, loss / tau if tau_grad else 0.0)
+
+
+def tau_requires_grad(tau) -> bool:
+    """Whether dL/dτ will be formed: ``tau`` a tensor that requires grad (or, under
+    ``torch.func`` transforms, whose wrapper or wrapped tensor does), with grad mode on."""
+    if not isinstance(tau, torch.Tensor) or not torch.is_grad_enabled():
+        return False
+    return tau.requires_grad or _unwrapped(tau).requires_grad
 
 
 def _finite_limit(dtype: torch.dtype) -> float:
@@ -166,19 +179,24 @@ def check_tau(
     label_smoothing: float = 0.0,
     n_keys: int = 1,
     n_rows: int = 1,
+    tau_grad: Optional[bool] = None,
 ) -> Optional[float]:
     """τ must be a positive finite number or a one-element floating tensor, large enough that
     every intermediate of normalised features (:func:`largest_intermediate`: the gaps reach
     (2 + γ)/τ) stays finite in the compute ``dtype`` (float32 for all but float64). Pass the
     margin scale ``gamma`` (already checked: a finite float ≥ 0), with label smoothing
     ``label_smoothing`` and the number of key columns ``n_keys``, and the number of rows a
-    reduction sums, ``n_rows``, so the bound holds.
+    reduction sums, ``n_rows``, so the bound holds. ``tau_grad``: whether dL/dτ will be formed
+    (its bound, the loss bound / τ, then counts too); None: :func:`tau_requires_grad` of ``tau``
+    (pass it where ``tau`` is a value read earlier from a tensor).
 
     Returns τ's value, or None where it is not read: under ``torch.compile`` (a value check
     would break the graph, and reading a Python float would specialise the graph on it) and
     for a meta-device τ (it has no value)."""
     if torch.compiler.is_compiling():
         return None  # τ may be a symbolic float or a traced tensor: eager calls check it
+    if tau_grad is None:
+        tau_grad = tau_requires_grad(tau)
     if isinstance(tau, torch.Tensor):
         if tau.numel() != 1:
             raise ValueError(
@@ -192,8 +210,9 @@ def check_tau(
             return None  # meta tensors have no value
         values = _functorch_values(tau.detach())
         if values is not None:  # under torch.func.vmap: check every batch entry's τ; the smallest bounds them all
+            sizes = dict(label_smoothing=label_smoothing, n_keys=n_keys, n_rows=n_rows, tau_grad=tau_grad)
             for value in values:
-                check_tau(value, device, dtype, gamma, label_smoothing=label_smoothing, n_keys=n_keys, n_rows=n_rows)
+                check_tau(value, device, dtype, gamma, **sizes)
             return min(values)
         value = float(tau.detach())  # one host sync: the price of a clear error instead of a NaN loss
     else:
@@ -201,12 +220,16 @@ def check_tau(
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"tau (temperature) must be finite and > 0, got {value}; open_clip users pass 1 / logit_scale")
     limit = _finite_limit(dtype)
-    if largest_intermediate(value, gamma, label_smoothing, n_keys, n_rows=n_rows) >= limit:
-        smallest = largest_intermediate(1.0, gamma, label_smoothing, n_keys, n_rows=n_rows) / limit
+    if largest_intermediate(value, gamma, label_smoothing, n_keys, n_rows=n_rows, tau_grad=tau_grad) >= limit:
+        at_one = functools.partial(largest_intermediate, 1.0, gamma, label_smoothing, n_keys, n_rows=n_rows)
+        smallest = at_one() / limit  # the gaps, the sums and the loss are ∝ 1/τ
+        if tau_grad:  # dL/dτ ∝ 1/τ²
+            smallest = max(smallest, math.sqrt(at_one(tau_grad=True) / limit))
         raise ValueError(
             f"tau = {value} makes the logit gaps (2 + gamma) / tau"
             + (f" summed over N = {n_keys} columns (label smoothing)" if label_smoothing else "")
             + (f" or the {n_rows} rows' losses summed by the reduction" if n_rows > 1 else "")
+            + (" or dL/dtau (up to that loss / tau; tau requires grad)" if tau_grad else "")
             + f" overflow {dtype} arithmetic (gamma = {gamma}); use tau > {smallest:.2e}"
         )
     return value
@@ -249,10 +272,12 @@ def check_feature_range(
     img_name: str = "img",
     txt_name: str = "txt",
     n_rows: int = 1,
+    tau_grad: bool = False,
 ) -> None:
     """With ``normalize=False`` the logits grow with the feature norms: raise ``ValueError`` if
-    they would overflow the compute dtype (one host sync for the two largest row norms), so
-    that no backend returns a silently non-finite loss for finite features; otherwise warn once
+    they (with ``tau_grad``, or dL/dτ) would overflow the compute dtype (one host sync for the
+    two largest row norms), so that no backend returns a silently non-finite loss or gradient
+    for finite features; otherwise warn once
     per process if a row's norm is off 1 by more than 5% (no extra sync). Skipped under
     ``torch.compile``, for meta tensors and where τ was not read (``tau_value`` None)."""
     if tau_value is None or torch.compiler.is_compiling() or img.device.type == "meta":
@@ -261,11 +286,15 @@ def check_feature_range(
     if not (math.isfinite(img_norm) and math.isfinite(txt_norm)):
         return  # non-finite features: the loss is non-finite too, as in torch.nn.functional
     limit = _finite_limit(img.dtype)
-    largest = largest_intermediate(tau_value, gamma, label_smoothing, img.shape[-2], img_norm, txt_norm, n_rows)
+    largest = largest_intermediate(
+        tau_value, gamma, label_smoothing, img.shape[-2], img_norm, txt_norm, n_rows, tau_grad=tau_grad
+    )
     if largest >= limit:
         raise ValueError(
             f"with normalize=False, {img_name} (row norms up to {img_norm:.3g}) and {txt_name} "
-            f"(up to {txt_norm:.3g}) at tau = {tau_value:g} give logit gaps up to {largest:.3g}, beyond "
+            f"(up to {txt_norm:.3g}) at tau = {tau_value:g} give logit gaps"
+            + (" or dL/dtau" if tau_grad else "")
+            + f" up to {largest:.3g}, beyond "
             f"{'float64' if img.dtype == torch.float64 else 'float32'} range; pass normalize=True or "
             "scale the features down"
         )

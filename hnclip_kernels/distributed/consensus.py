@@ -56,6 +56,7 @@ def local_checks(image_features, text_features, tau, options, rank, world_size, 
         return 3, exc, None, None
     try:  # the global N is known after the collective, which checks the bound again with it
         n = image_features.shape[0]
+        tau_grad = validation.tau_requires_grad(tau)  # dτ's bound too (a τ read earlier is a float)
         tau_value = validation.check_tau(
             tau if tau_value is None else tau_value,
             image_features.device,
@@ -64,6 +65,7 @@ def local_checks(image_features, text_features, tau, options, rank, world_size, 
             label_smoothing=options.label_smoothing,
             n_keys=n,
             n_rows=n,
+            tau_grad=tau_grad,
         )
         if world_size == 1 and not options.normalize:
             validation.check_feature_range(
@@ -75,6 +77,7 @@ def local_checks(image_features, text_features, tau, options, rank, world_size, 
                 "image_features",
                 "text_features",
                 n_rows=n,
+                tau_grad=tau_grad,
             )
     except (TypeError, ValueError) as exc:
         return 2, exc, options, None
@@ -149,15 +152,17 @@ def _global_range_problem(meta, gamma, label_smoothing, dtype_index) -> Optional
     img_norm = max(_bits_float(m[_IMG_NORM]) for m in meta)
     txt_norm = max(_bits_float(m[_TXT_NORM]) for m in meta)
     n_total = sum(m[_N_IMG] for m in meta)
+    tau_grad = any(m[_FLAGS] >> 3 & 1 for m in meta)  # a rank's τ requires grad: dL/dτ is formed
     largest = validation.largest_intermediate(
-        tau_value, float(gamma), float(label_smoothing), n_total, img_norm, txt_norm, n_rows=n_total
+        tau_value, float(gamma), float(label_smoothing), n_total, img_norm, txt_norm, n_rows=n_total, tau_grad=tau_grad
     )
     dtype = validation.FLOAT_DTYPES[dtype_index]
     if largest < validation._finite_limit(dtype):
         return None
     return (
         f"the global batch (N = {n_total}, smallest tau = {tau_value:g}, largest row norms {img_norm:.3g} / "
-        f"{txt_norm:.3g}) gives logit gaps up to {largest:.3g}, beyond the range of {dtype}; raise tau, pass "
+        f"{txt_norm:.3g}) gives logit gaps{' or dL/dtau' if tau_grad else ''} up to {largest:.3g}, beyond the "
+        f"range of {dtype}; raise tau, pass "
         "normalize=True or scale the features down"
     )
 
@@ -173,6 +178,7 @@ def collective_check(
     like = image_features if isinstance(image_features, torch.Tensor) else None
     if requested is not None:
         flags |= int(bool(requested.normalize)) << 2
+        flags |= int(validation.tau_requires_grad(tau)) << 3  # dτ's overflow bound: not compared across ranks
         row = _meta_row(
             status,
             image_features,
@@ -207,7 +213,7 @@ def collective_check(
     if len({m[_DTYPE] for m in meta}) > 1:
         names = [str(validation.FLOAT_DTYPES[m[_DTYPE]]) for m in meta]
         problems.append(f"feature dtypes differ across ranks: {names}")
-    if len({(m[_FLAGS], m[_GAMMA], m[_EPS], m[_WORLD], m[_PREC]) for m in meta}) > 1:
+    if len({(m[_FLAGS] & 0b111, m[_GAMMA], m[_EPS], m[_WORLD], m[_PREC]) for m in meta}) > 1:
         problems.append(
             "loss options (local_loss, gather_with_grad, normalize, gamma, "
             "label_smoothing, world_size, precision) differ across ranks"

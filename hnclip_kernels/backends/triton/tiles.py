@@ -86,17 +86,20 @@ def _logits_tile(
 
 @triton.jit
 def _caption_keep(product, offs_m, mask_m, offs_n, mask_n, thr):
-    """Which entries of a caption tile stay negatives under false-negative masking: caption
-    cosine ``product · ρ_m · ρ_n`` < c, float32 (an entry at or above the threshold is masked, a
-    NaN cosine is masked too). ``product`` the tile's raw float32 caption products over D, rows
-    ``offs_m`` and columns ``offs_n`` (with their bounds masks); ``thr`` = (c, the block's
+    """Which entries of a caption tile stay negatives under false-negative masking: those whose
+    caption cosine ``product · ρ_m · ρ_n`` (float32) is not ≥ c. An entry at or above the
+    threshold is masked; a NaN cosine (a NaN or ±inf caption) is kept, so its NaN logit reaches
+    the LSE and the loss (``< c`` would drop it from the forward while the backward's products
+    with that caption, 0·NaN, still make the gradients NaN); for a finite cosine ``not ≥ c`` is
+    ``< c``, the same masking bit for bit. ``product`` the tile's raw float32 caption products over
+    D, rows ``offs_m`` and columns ``offs_n`` (with their bounds masks); ``thr`` = (c, the block's
     pointer) from ``_load_threshold``: the block holds c, c, then each column's and each row's
     inverse norm interleaved (``ρ_n`` at 2 + 2n, ``ρ_m`` at 3 + 2m). With ``normalize`` the
     norms are the margin's own, so the cosine is the margin's product to the bit."""
     c, block = thr
     rho_m = tl.load(block + 3 + 2 * offs_m, mask=mask_m, other=0.0)
     rho_n = tl.load(block + 2 + 2 * offs_n, mask=mask_n, other=0.0)
-    return product * rho_m[:, None] * rho_n[None, :] < c
+    return ~(product * rho_m[:, None] * rho_n[None, :] >= c)
 
 
 @triton.jit
