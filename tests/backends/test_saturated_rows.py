@@ -7,7 +7,8 @@ right, those rows 100% wrong. The error of the whole gradient hides it (the mild
 its norm), so this test judges each row: for every row of every feature gradient whose float64
 value is representable in the features' dtype (largest entry ≥ 64 × the dtype's smallest normal
 and below half its largest finite), the row's relative error is at most 2 × the error of rounding
-that row to the dtype + 2e-3. Loss and d τ: 1e-3 (the suite's 16-bit bounds).
+that row to the dtype + 2e-3. Loss and d τ: 1e-3 (the suite's 16-bit bounds; d τ of an
+unsaturated batch of near-duplicates 5e-2, see ``check_rows``).
 
 Drawn (derandomized: CI sees the same examples each run): N 1 … 200 (not tile multiples), D,
 τ 0.005 … 0.02, γ 0 / 0.5, ε 0 / 0.1, masking (captions in near-duplicate clusters, c = 0.999),
@@ -25,6 +26,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cases import TOL_LOWP_LOSS, fused_backends, op_loss, rel_err
+from hnclip_kernels import hn_clip_loss
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only: CPU tensors, launch modes")
 
@@ -89,8 +91,11 @@ def check_rows(backend, dtype, op, n, d, tau, gamma, eps, masked, profile, scale
         if over:
             bad[f"grad {i}"] = f"{len(over)} rows, worst {max(over, key=lambda x: x[1])}"
     assert not bad, f"{what}: {bad}"
+    # d τ = −Σ dZ·Z / τ: 1e-3 where the batch is saturated (loss < 0.1). Unsaturated near-duplicate
+    # clusters (loss ≈ log 4) make it ~1e4 times smaller than its terms, logits of ~1/τ = 64 whose
+    # float32 rounding alone is ~1e-2 of it there (torch, cpp and Triton alike): 5e-2
     d_tau = rel_err(grads[-1], ref_grads[-1] * scale)
-    assert d_tau <= TOL_LOWP_LOSS, f"{what}: d tau {d_tau:.3e}"
+    assert d_tau <= (TOL_LOWP_LOSS if truth.item() < 0.1 else 5e-2), f"{what}: d tau {d_tau:.3e}"
 
 
 CASES = dict(
@@ -123,3 +128,43 @@ def test_rows_torch_and_cpp(backend, dtype, op, n, d, tau, gamma, eps, masked, p
     # entries whose e^x is a float32 subnormal (x < −87) flushes where g would lift it into range
     # (Triton folds log|g| into the exponent there; docs/numerics.md)
     check_rows(backend, dtype, op, n, d, tau, gamma, eps, masked, profile, scale_mode, seed)
+
+
+# ---- the bounds of W's scales where they matter (scales._pow2_stage's cap, scales.fit16's cap)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tiny_upstream_gradient_keeps_the_scales_finite(dtype):
+    # B = max|g| = 1e-40: the staging scale 2^100 / B would be 2^233, a and the scales divided
+    # out infinite and W NaN; capped at 2^120 they stay finite and the gradients are 0 (as torch's)
+    img, txt = profile_batch(9, 16, dtype, "mixed", seed=3)
+    img, txt = img.requires_grad_(), txt.requires_grad_()
+    loss = hn_clip_loss(img, txt, 0.01, gamma=0.5, backend="triton")
+    loss.backward(torch.tensor(1e-40))
+    for name, grad in (("d img", img.grad), ("d txt", txt.grad)):
+        assert torch.isfinite(grad).all(), name
+
+
+def test_rows_far_below_the_batch_bound_keep_their_gradient():
+    # the directional op's rows with upstream gradients from 1e30 to 1e-30: the staging bound
+    # follows the largest, so the smallest rows' W lines sit ~2^-200 below it, where a line's
+    # power of two needs its cap (2^126) to stay finite; every representable row within the bound
+    from hnclip_kernels.backends import directional_fn
+    from hnclip_kernels.backends.pytorch.reference import directional_nll_torch
+
+    img, txt = profile_batch(12, 16, torch.bfloat16, "uniform", seed=5)
+    up = torch.logspace(30, -30, 12, dtype=torch.float64)
+
+    def grads(fn, dt, upstream):
+        leaves = [x.to(dt).requires_grad_() for x in (img, txt)]
+        tau = torch.tensor(0.012, dtype=torch.float64 if dt == torch.float64 else torch.float32)
+        kw = dict(tau=tau, offset=0, normalize=True, gamma=0.5, label_smoothing=0.0, false_negative_threshold=None)
+        rows = fn(*leaves, query_txt=txt.to(dt), key_txt=txt.to(dt), **kw)
+        return torch.autograd.grad(rows, leaves, upstream)
+
+    ref = grads(directional_nll_torch, torch.float64, up)
+    got = grads(directional_fn("triton"), torch.bfloat16, up.float())
+    for name, g, want in zip(("d img", "d txt"), got, ref):
+        assert torch.isfinite(g).all(), name
+        over = row_errors(g, want, torch.bfloat16)
+        assert not over, f"{name}: {over}"

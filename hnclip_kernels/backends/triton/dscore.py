@@ -81,7 +81,8 @@ def _dscore_kernel(
         row's weight (the upstream gradient, or g·σ(δ): ``epilogue.row_factors``);
         a_ptr (M), b_ptr (N): W's row and column scales (:func:`.scales.w_scales`).
         s_ptr (M): each row's ε/n_i with masking and label smoothing, else None (SHIFT):
-        dS_ik = g_i (P_ik − s_i) on the entries kept (caption cosine < thr), 0 on the masked ones.
+        dS_ik = g_i (P_ik − s_i) on the entries kept (caption cosine not ≥ thr: a NaN cosine is
+        kept, ``tiles._caption_keep``), 0 on the masked ones.
     Outputs, the chunk's R × C (R = row_end − row0, C = col_end − col0), row-major: w_ptr, W in
         float32; with ROUND16 |W|'s maxima over SLICE columns into res_r_ptr (⌈C / SLICE⌉, R) and
         over SLICE rows into res_c_ptr (⌈R / SLICE⌉, C) (None without ROUND16; :mod:`.round16`
