@@ -163,7 +163,8 @@ def tau_requires_grad(tau) -> bool:
     ``torch.func`` transforms, whose wrapper or wrapped tensor does), with grad mode on."""
     if not isinstance(tau, torch.Tensor) or not torch.is_grad_enabled():
         return False
-    return tau.requires_grad or _unwrapped(tau).requires_grad
+    # Dynamo cannot trace functorch's unwrapping (and traces no functorch wrapper)
+    return tau.requires_grad or (not torch.compiler.is_compiling() and _unwrapped(tau).requires_grad)
 
 
 def _finite_limit(dtype: torch.dtype) -> float:

@@ -379,9 +379,9 @@ def test_traced_for_inductor_without_gpu():
     for kernel, cloned, takes_gamma in out["fwd"] + out["bwd"]:
         assert cloned == writes[kernel], (kernel, cloned)
         assert takes_gamma == (kernel in ("_fwd_pair_kernel", "_dscore_pair_kernel")), kernel  # γ: a tensor argument
-    # triton_op finds the kernel the backward operator launches, and no other (torch hashes them into
-    # its cache keys; each kernel has one named launcher)
-    assert out["kernels"] == ["_dscore_pair_kernel"], out["kernels"]
+    # triton_op finds the kernels the backward operator launches, and no other (torch hashes them into
+    # its cache keys; each kernel has one named launcher): the dS and, for 16-bit features, its rounding
+    assert out["kernels"] == ["_dscore_pair_kernel", "_round16_kernel"], out["kernels"]
     # the rank op: one walk for both directions, one merge of their 2M lines; one dS launch (one chunk)
     writes.update({"_fwd_rank_kernel": ["row_part_ptr"], "_dscore_rank_kernel": ["w_ptr"]})
     assert [k for k, *_ in out["rank_fwd"]] == ["_fwd_rank_kernel", "_merge_kernel"], out["rank_fwd"]
