@@ -57,14 +57,8 @@ def directional_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=No
     scales = [w_scales(q, k, norms[0], norms[1], (g,), round16, tail)]
     lse, weight = epilogue.row_factors(stats, g, shifted=s is not None)  # g_i P_ik = exp(d_ik − lse_i) weight_i
 
-    rows = (
-        *ops,
-        *strides(*ops),
-        *norms,
-        stats.pos,
-        lse,
-        weight,
-    )  # the kernel's argument groups that every chunk shares
+    # the kernel's argument groups that every chunk shares
+    rows = (*ops, *strides(*ops), *norms, stats.pos, lse, weight)
     scalars_and_scales = (sc.inv_tau, sc.gamma, scales[0].a, scales[0].b, sc.thr, s)
 
     def launch_chunk(row0, row_end, col0, col_end, w, res_r, res_c):
