@@ -115,3 +115,24 @@ class DirectionalOut(NamedTuple):
     def fake(cls, q: Tensor, k: Tensor, masked: bool, dtype: torch.dtype) -> "DirectionalOut":
         m, n = q.shape[0], k.shape[0]
         return fake(cls, q, dtype, m, rk=n, rb=n, kept=m if masked else 0)
+
+
+class CppDirectionalOut(
+    NamedTuple("_CppDirectionalOut", [(f, Tensor) for f in (*DirectionalOut._fields, "row_acc", "col_acc")])
+):
+    """``hnclip::cpp_directional_nll``'s outputs: :class:`DirectionalOut`'s, then the negatives'
+    gradient shares the forward kept for the backward (``need_grad``: row_acc (M, D), col_acc
+    (N, D); else (0, D))."""
+
+    __slots__ = ()
+    stats = DirectionalOut.stats
+
+    @classmethod
+    def fake(cls, q: Tensor, k: Tensor, masked: bool, need_grad: bool, dtype: torch.dtype) -> "CppDirectionalOut":
+        (m, d), n = q.shape, k.shape[0]
+        acc = {"row_acc": (m if need_grad else 0, d), "col_acc": (n if need_grad else 0, d)}
+        return fake(cls, q, dtype, m, rk=n, rb=n, kept=m if masked else 0, **acc)
+
+
+# the raw C++ directional kernel's outputs: CppDirectionalOut's fields from delta on
+DIRECTIONAL_STATS = slice(CppDirectionalOut._fields.index("delta"), None)
