@@ -19,7 +19,8 @@
 //   symmetric forward / backward (the single-process loss, M = N, offset 0): one tile
 //     serves i2t (its rows) and t2i (its columns); see "Symmetric single-process kernels".
 // False-negative masking is a compile-time flag of every pass too (kMasked, see loops.h), made
-// from the runtime one in one place per pass: RowSweep::run, symmetric_stats, symmetric_grads.
+// from the runtime one by MASK_SWITCH in one place per pass: RowSweep::run, symmetric_stats,
+// symmetric_grads.
 #pragma once
 
 #include <cstring>
@@ -27,6 +28,19 @@
 
 #include "online_lse.h"
 #include "tiles.h"
+
+// MASK_SWITCH(cond, [&] { ... kMasked ... }): runs the lambda with constexpr bool kMasked = cond
+// (one instantiation per value; flash-attention's BOOL_SWITCH).
+#define MASK_SWITCH(COND, ...)         \
+  [&] {                                \
+    if (COND) {                        \
+      constexpr bool kMasked = true;   \
+      return __VA_ARGS__();            \
+    } else {                           \
+      constexpr bool kMasked = false;  \
+      return __VA_ARGS__();            \
+    }                                  \
+  }()
 
 namespace hnclip {
 
@@ -53,11 +67,7 @@ struct RowSweep {
   const T* shift = nullptr;
 
   void run() {  // the one point where the runtime masking flag becomes the compile-time kMasked
-    if (masked) {
-      sweep<true>();
-    } else {
-      sweep<false>();
-    }
+    MASK_SWITCH(masked, [&] { sweep<kMasked>(); });
   }
 
   template <bool kMasked>
@@ -190,8 +200,7 @@ void symmetric_stats(const Tensor& L, const Tensor& R, const T* pos, T* delta_r,
   cols.reserve(groups);
   for (int64_t g = 0; g < groups; ++g) cols.emplace_back(N, mask != nullptr);
   // the one point where the runtime masking flag becomes the compile-time kMasked
-  const auto fold = [&](auto masked) {
-    constexpr bool kMasked = decltype(masked)::value;
+  MASK_SWITCH(mask != nullptr, [&] {
     const T thr = kMasked ? mask->thr : T(0);
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       Tensor scratch = grid.scratch(L.options());
@@ -222,12 +231,7 @@ void symmetric_stats(const Tensor& L, const Tensor& R, const T* pos, T* delta_r,
         }
       }
     });
-  };
-  if (mask) {
-    fold(std::true_type());
-  } else {
-    fold(std::false_type());
-  }
+  });
   // merge the groups' column states in group order
   at::parallel_for(0, N, 1024, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
@@ -259,8 +263,7 @@ void symmetric_grads(const Tensor& L, const Tensor& R, const Tensor& vh, const T
   if (N == 0) return;
   const TileGrid grid(N, N);
   // the one point where the runtime masking flag becomes the compile-time kMasked
-  const auto grads = [&](auto masked) {
-    constexpr bool kMasked = decltype(masked)::value;
+  MASK_SWITCH(mask != nullptr, [&] {
     const Tensor& G = kMasked ? mask->factor(R) : R;  // without masking not read
     const T thr = kMasked ? mask->thr : T(0);
     grouped_strips<T>(grid, D, d_t, L.options(),
@@ -284,12 +287,7 @@ void symmetric_grads(const Tensor& L, const Tensor& R, const Tensor& vh, const T
         part.addmm_(ds.t(), vi);
       }
     });
-  };
-  if (mask) {
-    grads(std::true_type());
-  } else {
-    grads(std::false_type());
-  }
+  });
 }
 
 }  // namespace hnclip

@@ -14,8 +14,10 @@ a backward implementation with their fake (meta) versions; :func:`fused_op` regi
 * a ``torch.func``-capable ``autograd.Function`` for the public wrappers (see below).
 
 Operator signatures follow one convention, so that the formula above fits every op: tensors
-first (the two feature matrices, then any margin factors, then τ, γ, ε), non-tensor options
-after. γ and ε are 0-dim float64 tensors (:func:`hyperparameter`): a ``float`` argument of an
+first (the two feature matrices, then any margin factors, then τ, γ, ε, the threshold), then
+the flags in one order on both backends (``offset`` where there is one, ``normalize``,
+``masked``, then the backend's own: Triton's ``has_margin, smoothing, precision``, C++'s
+``need_grad``); the outputs are named in :mod:`.outputs`. γ and ε are 0-dim float64 tensors (:func:`hyperparameter`): a ``float`` argument of an
 operator is a constant of a ``torch.compile``d graph, and a new γ or ε of a schedule would
 recompile it.
 

@@ -216,13 +216,14 @@ def test_opcheck_registered_operators(masked):
     q.requires_grad_(True)
     tau = torch.tensor(0.1, requires_grad=True)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    args = (q, k, a, b, tau, _f64(0.5), _f64(0.1), _f64(0.5), 3, True, True, masked)
+    # offset 3, normalize, masked, need_grad
+    args = (q, k, a, b, tau, _f64(0.5), _f64(0.1), _f64(0.5), 3, True, masked, True)
     torch.library.opcheck(torch.ops.hnclip.cpp_directional_nll.default, args, test_utils=checks)
     saved = [x.detach() for x in torch.ops.hnclip.cpp_directional_nll(*args)[1:]]
     grad = torch.linspace(0.5, 1.0, 4)
     torch.library.opcheck(
         torch.ops.hnclip.cpp_directional_nll_backward.default,
-        (grad, q.detach(), k, a, b, tau.detach(), _f64(0.5), _f64(0.1), _f64(0.5), *saved, 3, True, True, masked, True),
+        (grad, q.detach(), k, a, b, tau.detach(), _f64(0.5), _f64(0.1), _f64(0.5), *saved, 3, True, masked, True, True),
         test_utils=checks,
     )
 

@@ -124,8 +124,8 @@ def test_raw_kernels_formulas_and_a_tau_only_backward():
     q, k, a, b = (x.detach() for x in features(M, N, M, N, seed=2))
 
     def directional():
-        out = cpp_ops._directional_nll(q, k, a, b, tau, gamma, eps, thr, N - M, True, True, False)
-        rest = (*out[1:], N - M, True, True, False, True)
+        out = cpp_ops._directional_nll(q, k, a, b, tau, gamma, eps, thr, N - M, True, False, True)
+        rest = (*out[1:], N - M, True, False, True, True)
         cpp_ops._directional_nll_backward(torch.rand(M), q, k, a, b, tau, gamma, eps, thr, *rest)
 
     assert stated(directional) == counted(directional) == (4 + 3) * 2 * M * N * D
@@ -146,5 +146,5 @@ def test_formulas_on_fake_tensors_assume_the_distributed_losss_case():
     with FakeTensorMode(), FlopCounterMode(display=False) as mode:
         q, k, a, b = torch.empty(M, D), torch.empty(N, D), torch.empty(M, D), torch.empty(N, D)
         scalars = [torch.zeros((), dtype=torch.float64) for _ in range(4)]
-        torch.ops.hnclip.cpp_directional_nll(q, k, a, b, *scalars, N - M, True, True, False)
+        torch.ops.hnclip.cpp_directional_nll(q, k, a, b, *scalars, N - M, True, False, True)
     assert mode.get_total_flops() == 3 * 2 * M * N * D

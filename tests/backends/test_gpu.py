@@ -330,7 +330,7 @@ def test_library_opcheck_cuda():
     tau = torch.tensor(0.07, device=DEV, requires_grad=True)
     gamma, eps, thr = (torch.tensor(x, device=DEV, dtype=torch.float64) for x in (0.5, 0.1, 0.3))
     for masked in (False, True):  # false-negative masking at caption cosine 0.3
-        statics = (True, True, masked, True, "tf32x3")  # has_margin, smoothing, masked, normalize, precision
+        statics = (True, masked, True, True, "tf32x3")  # normalize, masked, has_margin, smoothing, precision
         sym = (img, txt, tau, gamma, eps, thr, *statics)
         torch.library.opcheck(ops.triton_symmetric_nll, sym)
         detached = [x.detach() for x in (img, txt, tau)]
@@ -342,8 +342,8 @@ def test_library_opcheck_cuda():
         q = img[:m].detach().requires_grad_()
         a, b = txt.detach()[offset : offset + m], txt.detach()
         zero = torch.zeros((), device=DEV, dtype=torch.float64)
-        # offset, has_margin, smoothing, masked, normalize, precision
-        dir_statics = (offset, True, False, masked, True, "ieee")
+        # offset, normalize, masked, has_margin, smoothing, precision
+        dir_statics = (offset, True, masked, True, False, "ieee")
         direc = (q, txt, a, b, tau, gamma, zero, thr, *dir_statics)
         torch.library.opcheck(ops.triton_directional_nll, direc)
         out = ops.triton_directional_nll(q.detach(), detached[1], a, b, detached[2], gamma, zero, thr, *dir_statics)

@@ -58,10 +58,10 @@ def _sym_args(gamma=0.5, eps=0.1, grad=True, threshold=None):
         _hyper(gamma),
         _hyper(eps),
         _hyper(threshold if masked else 0.0),
-        gamma != 0.0,
-        eps != 0.0,
+        True,  # normalize
         masked,
-        True,
+        gamma != 0.0,  # has_margin
+        eps != 0.0,  # smoothing
         "tf32x3",
     )
 
@@ -86,10 +86,10 @@ def _dir_args(gamma=0.5, eps=0.1, grad=True, m=4, offset=2, threshold=None):
         _hyper(eps),
         _hyper(threshold if masked else 0.0),
         offset,
-        gamma != 0.0,
-        eps != 0.0,
+        True,  # normalize
         masked,
-        True,
+        gamma != 0.0,  # has_margin
+        eps != 0.0,  # smoothing
         "ieee",
     )
 
@@ -98,8 +98,8 @@ def test_registration():
     assert ht.USE_TRITON_OP is False  # interpreter: custom_op (triton_op's fake would launch the kernels)
     schema = str(OPS.triton_symmetric_nll.default._schema)
     assert (
-        "Tensor gamma, Tensor label_smoothing, Tensor threshold, bool has_margin, bool smoothing, bool masked, "
-        "bool normalize, str precision" in schema
+        "Tensor gamma, Tensor label_smoothing, Tensor threshold, bool normalize, bool masked, bool has_margin, "
+        "bool smoothing, str precision" in schema
     )
     for name in (
         "triton_symmetric_nll",
@@ -305,10 +305,10 @@ _TRACE = textwrap.dedent("""
         return kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
 
     def fwd(*a):
-        return torch.ops.hnclip.triton_symmetric_nll(*a, True, True, False, True, "tf32x3")
+        return torch.ops.hnclip.triton_symmetric_nll(*a, True, False, True, True, "tf32x3")
 
     def bwd(*a):
-        return torch.ops.hnclip.triton_symmetric_nll_backward(*a, True, True, False, True, "tf32x3", True)
+        return torch.ops.hnclip.triton_symmetric_nll_backward(*a, True, False, True, True, "tf32x3", True)
 
     def inputs(n, d=16):
         return (torch.randn(n, d), torch.randn(n, d), torch.tensor(0.07), torch.tensor(0.5, dtype=torch.float64),
@@ -326,10 +326,10 @@ _TRACE = textwrap.dedent("""
                              for k in get_triton_kernels_for_op("hnclip::triton_symmetric_nll_backward")})
     # a distributed rank's op: 4 local rows of 8 gathered ones, both directions in one walk
     def rank_fwd(*a):
-        return torch.ops.hnclip.triton_rank_nll(*a, 2, True, True, False, True, "tf32x3")
+        return torch.ops.hnclip.triton_rank_nll(*a, 2, True, False, True, True, "tf32x3")
 
     def rank_bwd(*a):
-        return torch.ops.hnclip.triton_rank_nll_backward(*a, 2, True, True, False, True, "tf32x3", True)
+        return torch.ops.hnclip.triton_rank_nll_backward(*a, 2, True, False, True, True, "tf32x3", True)
 
     v, t, tau, g, e, thr = inputs(8)
     rank_in = (v[2:6].clone(), t[2:6].clone(), v, t, tau, g, e, thr)

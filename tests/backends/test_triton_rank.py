@@ -169,10 +169,10 @@ def _rank_args(gamma=0.5, eps=0.1, grad=True, m=4, offset=2, n=8, d=8, threshold
         tau,
         *hyper,
         offset,
-        gamma != 0.0,
-        eps != 0.0,
-        threshold is not None,
-        True,
+        True,  # normalize
+        threshold is not None,  # masked
+        gamma != 0.0,  # has_margin
+        eps != 0.0,  # smoothing
         "tf32x3",
     )
 

@@ -30,6 +30,7 @@ import torch
 
 from ...numerics import compute_dtype
 from .. import epilogue, glue
+from ..outputs import CppDirectionalOut
 
 
 def _readable(*tensors) -> bool:
@@ -81,20 +82,19 @@ def _has_acc(row_acc, col_acc, m, n, d) -> bool:
 
 
 # ---- the operators of ops.py: (argument names as their schemas)
-def directional_forward(q, k, a, b, tau, gamma, eps, thr, offset, normalize, need_grad, masked, out_val=None, **_):
+def directional_forward(q, k, a, b, tau, gamma, eps, thr, offset, normalize, masked, need_grad, out_val=None, **_):
     (m, d), n = q.shape, k.shape[0]
     width = 1
     if out_val is not None and _value(gamma) != 0.0 and _readable(q, k):
         dt = compute_dtype(q.dtype)
-        rq, rk, ra, rb = out_val[1:5]
-        q_hat, k_hat = epilogue.scaled(q, rq, dt), epilogue.scaled(k, rk, dt)
-        width = _width(q_hat, k_hat, a, b, ra, rb, _value(gamma))
+        out = CppDirectionalOut._make(out_val)
+        q_hat, k_hat = epilogue.scaled(q, out.rq, dt), epilogue.scaled(k, out.rk, dt)
+        width = _width(q_hat, k_hat, a, b, out.ra, out.rb, _value(gamma))
     return _directional_fwd(m, n, d, width, masked, need_grad)
 
 
 def directional_backward(grad, q, k, a, b, tau, gamma, eps, thr, rq, rk, ra, rb, *rest, **_):
-    row_acc, col_acc = rest[5:7]
-    masked, need_qk = rest[-2:]
+    *_stats, row_acc, col_acc, _offset, _normalize, masked, _need_grad, need_qk = rest
     if not need_qk:
         return 0
     (m, d), n = q.shape, k.shape[0]

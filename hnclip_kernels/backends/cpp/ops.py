@@ -35,11 +35,11 @@ from torch import Tensor
 from ...numerics import compute_dtype
 from ...validation import check_directional
 from .. import epilogue, glue
+from ..outputs import CppDirectionalOut, SymmetricOut, row_stats, schema
 from . import flops
-from .raw import RAW, caption_norms, row_stats, shift_arg, threshold_arg, value_of
+from .raw import RAW, caption_norms, scalars, shift_arg
 
 # ---- one direction: M query rows against N key columns, positive of row i at column offset + i
-_DirOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 def _directional_nll(
@@ -53,20 +53,17 @@ def _directional_nll(
     threshold: Tensor,
     offset: int,
     normalize: bool,
-    need_grad: bool,
     masked: bool,
-) -> _DirOut:
-    """Per-row losses (M,) and what the backward needs:
-    (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, kept, row_acc, col_acc); ``kept`` (M,) with
+    need_grad: bool,
+) -> schema(CppDirectionalOut):
+    """Per-row losses (M,) and what the backward needs (``CppDirectionalOut``); ``kept`` (M,) with
     false-negative masking (``masked``: a pair at caption cosine ≥ ``threshold`` is no negative),
     else empty."""
-    gamma, label_smoothing = value_of(gamma), value_of(label_smoothing)
-    dt = compute_dtype(q.dtype)
-    rq, rk, ra, rb = (epilogue.inv_norms(x, normalize, dt) for x in (q, k, a, b))
-    inv_tau = 1.0 / tau.detach().to(dt)
-    q_hat, k_hat = epilogue.scaled(q, rq, dt), epilogue.scaled(k, rk, dt)
-    pos = epilogue.positive_logits(q_hat, k_hat, offset, inv_tau)
-    delta, mean_neg, dsum, kept, row_acc, col_acc = RAW.cpp_raw_directional_fwd(
+    sc = scalars(q, tau, gamma, label_smoothing, threshold, masked)
+    rq, rk, ra, rb = (epilogue.inv_norms(x, normalize, sc.dt) for x in (q, k, a, b))
+    q_hat, k_hat = epilogue.scaled(q, rq, sc.dt), epilogue.scaled(k, rk, sc.dt)
+    pos = epilogue.positive_logits(q_hat, k_hat, offset, sc.inv_tau)
+    raw = RAW.cpp_raw_directional_fwd(
         q_hat,
         k_hat,
         a,
@@ -74,28 +71,20 @@ def _directional_nll(
         ra,
         rb,
         pos,
-        inv_tau,
+        sc.inv_tau,
         offset,
-        gamma,
+        sc.gamma,
         need_grad,
-        threshold_arg(threshold, masked),
-        label_smoothing,
-        *caption_norms((a, b), normalize, masked, dt),
+        sc.threshold,
+        sc.eps,
+        *caption_norms((a, b), normalize, masked, sc.dt),
     )
-    loss = epilogue.row_losses(row_stats(pos, delta, mean_neg, dsum, kept, masked), k.shape[0], label_smoothing)
-    return loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, kept, row_acc, col_acc
+    out = CppDirectionalOut(None, rq, rk, ra, rb, pos, *raw)
+    return out._replace(loss=epilogue.row_losses(out.stats(masked), k.shape[0], sc.eps))
 
 
-def _directional_nll_fake(q, k, a, b, tau, gamma, label_smoothing, threshold, offset, normalize, need_grad, masked):
-    dt = compute_dtype(q.dtype)
-    m, d = q.shape
-    n = k.shape[0]
-    loss, rq, ra, pos, delta, mean_neg, dsum = (q.new_empty((m,), dtype=dt) for _ in range(7))
-    rk, rb = q.new_empty((n,), dtype=dt), q.new_empty((n,), dtype=dt)
-    kept = q.new_empty((m if masked else 0,), dtype=dt)
-    row_acc = q.new_empty((m if need_grad else 0, d), dtype=dt)
-    col_acc = q.new_empty((n if need_grad else 0, d), dtype=dt)
-    return loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, kept, row_acc, col_acc
+def _directional_nll_fake(q, k, a, b, tau, gamma, label_smoothing, threshold, offset, normalize, masked, need_grad):
+    return CppDirectionalOut.fake(q, k, masked, need_grad, compute_dtype(q.dtype))
 
 
 def _directional_nll_backward(
@@ -121,18 +110,16 @@ def _directional_nll_backward(
     col_acc: Tensor,
     offset: int,
     normalize: bool,
-    need_grad: bool,
     masked: bool,
+    need_grad: bool,
     need_qk: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dL/dq in q's dtype, dL/dk in k's dtype, dL/dτ in τ's dtype and shape)."""
-    gamma, label_smoothing = value_of(gamma), value_of(label_smoothing)
-    dt = compute_dtype(q.dtype)
-    g = grad.to(dt).contiguous()
-    inv_tau = 1.0 / tau.detach().to(dt)
+    sc = scalars(q, tau, gamma, label_smoothing, threshold, masked)
+    g = grad.to(sc.dt).contiguous()
     stats = row_stats(pos, delta, mean_neg, dsum, kept, masked)
-    shift = shift_arg(stats, label_smoothing, masked)
-    q_hat, k_hat = epilogue.scaled(q, rq, dt), epilogue.scaled(k, rk, dt)
+    shift = shift_arg(stats, sc.eps, masked)
+    q_hat, k_hat = epilogue.scaled(q, rq, sc.dt), epilogue.scaled(k, rk, sc.dt)
     if need_qk:
         d_q_neg, d_k_neg = RAW.cpp_raw_directional_bwd(
             q_hat,
@@ -142,24 +129,24 @@ def _directional_nll_backward(
             ra,
             rb,
             pos,
-            inv_tau,
+            sc.inv_tau,
             delta,
             row_acc,
             col_acc,
             g,
             offset,
-            gamma,
-            threshold_arg(threshold, masked),
+            sc.gamma,
+            sc.threshold,
             shift,
-            *caption_norms((a, b), normalize, masked, dt),
+            *caption_norms((a, b), normalize, masked, sc.dt),
         )
     else:  # only τ wants a gradient: it needs the row statistics alone
         d_q_neg, d_k_neg = torch.zeros_like(q_hat), torch.zeros_like(k_hat)
     del q_hat, k_hat  # peak memory: the finisher forms them again after the kernel's temporaries are gone
     d_q, d_k, dz_z = epilogue.finish_directional(
-        stats, g, q, k, rq, rk, d_q_neg, d_k_neg, offset, inv_tau, label_smoothing, normalize
+        stats, g, q, k, rq, rk, d_q_neg, d_k_neg, offset, sc.inv_tau, sc.eps, normalize
     )
-    return d_q, d_k, epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
+    return d_q, d_k, epilogue.tau_grad(dz_z, sc.inv_tau, tau.dtype, tau.shape)
 
 
 def _directional_grads_fake(grad, q, k, a, b, tau, *rest):
@@ -179,9 +166,6 @@ _DirectionalNLL = glue.fused_op(
 
 
 # ---- the single-process loss: both directions from one product per tile
-_SymOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
-
-
 def _symmetric_nll(
     img: Tensor,
     txt: Tensor,
@@ -191,35 +175,28 @@ def _symmetric_nll(
     threshold: Tensor,
     normalize: bool,
     masked: bool,
-) -> _SymOut:
-    """Per-pair losses ½(i2t_k + t2i_k) (N,) and what the backward needs: (pairs, rv, rt, pos,
-    delta_i2t, mean_neg_i2t, dsum_i2t, kept_i2t, delta_t2i, mean_neg_t2i, dsum_t2i, kept_t2i)
-    (``kept``: empty without false-negative masking)."""
-    gamma, label_smoothing = value_of(gamma), value_of(label_smoothing)
-    dt = compute_dtype(img.dtype)
-    rv, rt = epilogue.inv_norms(img, normalize, dt), epilogue.inv_norms(txt, normalize, dt)
-    inv_tau = 1.0 / tau.detach().to(dt)
-    v_hat, t_hat = epilogue.scaled(img, rv, dt), epilogue.scaled(txt, rt, dt)
-    pos = epilogue.positive_logits(v_hat, t_hat, 0, inv_tau)  # Z_kk, the same for both directions
-    stats = RAW.cpp_raw_symmetric_fwd(
+) -> schema(SymmetricOut):
+    """Per-pair losses ½(i2t_k + t2i_k) (N,) and what the backward needs (``SymmetricOut``;
+    ``kept``: empty without false-negative masking)."""
+    sc = scalars(img, tau, gamma, label_smoothing, threshold, masked)
+    rv, rt = epilogue.inv_norms(img, normalize, sc.dt), epilogue.inv_norms(txt, normalize, sc.dt)
+    v_hat, t_hat = epilogue.scaled(img, rv, sc.dt), epilogue.scaled(txt, rt, sc.dt)
+    pos = epilogue.positive_logits(v_hat, t_hat, 0, sc.inv_tau)  # Z_kk, the same for both directions
+    raw = RAW.cpp_raw_symmetric_fwd(
         v_hat,
         t_hat,
         pos,
-        inv_tau,
-        gamma,
-        threshold_arg(threshold, masked),
-        *caption_norms((txt,), normalize, masked, dt),
+        sc.inv_tau,
+        sc.gamma,
+        sc.threshold,
+        *caption_norms((txt,), normalize, masked, sc.dt),
     )
-    pairs = epilogue.pair_losses(
-        row_stats(pos, *stats[:4], masked), row_stats(pos, *stats[4:], masked), img.shape[0], label_smoothing
-    )
-    return (pairs, rv, rt, pos, *stats)
+    out = SymmetricOut(None, rv, rt, pos, *raw)
+    return out._replace(pairs=epilogue.pair_losses(out.i2t(masked), out.t2i(masked), img.shape[0], sc.eps))
 
 
-def _symmetric_nll_fake(img, txt, tau, gamma, label_smoothing, threshold, normalize, masked):
-    dt = compute_dtype(img.dtype)
-    n = img.shape[0]
-    return tuple(img.new_empty((0 if i in (7, 11) and not masked else n,), dtype=dt) for i in range(12))
+def _symmetric_nll_fake(img, txt, tau, gamma, label_smoothing, threshold, normalize, masked, *rest):
+    return SymmetricOut.fake(img, masked, compute_dtype(img.dtype))
 
 
 def _symmetric_nll_backward(
@@ -233,48 +210,46 @@ def _symmetric_nll_backward(
     rv: Tensor,
     rt: Tensor,
     pos: Tensor,
-    delta_r: Tensor,
-    mean_neg_r: Tensor,
-    dsum_r: Tensor,
-    kept_r: Tensor,
-    delta_c: Tensor,
-    mean_neg_c: Tensor,
-    dsum_c: Tensor,
-    kept_c: Tensor,
+    delta_i2t: Tensor,
+    mean_neg_i2t: Tensor,
+    dsum_i2t: Tensor,
+    kept_i2t: Tensor,
+    delta_t2i: Tensor,
+    mean_neg_t2i: Tensor,
+    dsum_t2i: Tensor,
+    kept_t2i: Tensor,
     normalize: bool,
     masked: bool,
     need_vt: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dL/dimg in img's dtype, dL/dtxt in txt's dtype, dL/dτ in τ's dtype and shape)."""
-    gamma, label_smoothing = value_of(gamma), value_of(label_smoothing)
-    dt = compute_dtype(img.dtype)
-    g = 0.5 * grad.to(dt).contiguous()  # each direction's row k gets half of pair k's gradient
-    inv_tau = 1.0 / tau.detach().to(dt)
-    i2t = row_stats(pos, delta_r, mean_neg_r, dsum_r, kept_r, masked)
-    t2i = row_stats(pos, delta_c, mean_neg_c, dsum_c, kept_c, masked)
-    v_hat, t_hat = epilogue.scaled(img, rv, dt), epilogue.scaled(txt, rt, dt)
+    sc = scalars(img, tau, gamma, label_smoothing, threshold, masked)
+    g = 0.5 * grad.to(sc.dt).contiguous()  # each direction's row k gets half of pair k's gradient
+    i2t = row_stats(pos, delta_i2t, mean_neg_i2t, dsum_i2t, kept_i2t, masked)
+    t2i = row_stats(pos, delta_t2i, mean_neg_t2i, dsum_t2i, kept_t2i, masked)
+    v_hat, t_hat = epilogue.scaled(img, rv, sc.dt), epilogue.scaled(txt, rt, sc.dt)
     if need_vt:
         d_v, d_t = RAW.cpp_raw_symmetric_bwd(
             v_hat,
             t_hat,
             pos,
-            inv_tau,
-            delta_r,
-            delta_c,
+            sc.inv_tau,
+            delta_i2t,
+            delta_t2i,
             g,
-            gamma,
-            threshold_arg(threshold, masked),
-            shift_arg(i2t, label_smoothing, masked),
-            shift_arg(t2i, label_smoothing, masked),
-            *caption_norms((txt,), normalize, masked, dt),
+            sc.gamma,
+            sc.threshold,
+            shift_arg(i2t, sc.eps, masked),
+            shift_arg(t2i, sc.eps, masked),
+            *caption_norms((txt,), normalize, masked, sc.dt),
         )
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t = torch.zeros_like(v_hat), torch.zeros_like(t_hat)
     del v_hat, t_hat
     d_img, d_txt, dz_z = epilogue.finish_symmetric(
-        i2t, t2i, g, img, txt, rv, rt, d_v, d_t, inv_tau, label_smoothing, normalize
+        i2t, t2i, g, img, txt, rv, rt, d_v, d_t, sc.inv_tau, sc.eps, normalize
     )
-    return d_img, d_txt, epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape)
+    return d_img, d_txt, epilogue.tau_grad(dz_z, sc.inv_tau, tau.dtype, tau.shape)
 
 
 def _symmetric_grads_fake(grad, img, txt, tau, *rest):
@@ -327,25 +302,25 @@ def directional_nll_cpp(
     # the forward also produces the gradient shares only when a backward can follow
     need_grad = torch.is_grad_enabled() and bool(queries.requires_grad or keys.requires_grad)
     thr_t, masked = glue.threshold_args(false_negative_threshold, queries)
-    out = glue.call(
-        _DirectionalNLL,
-        torch.ops.hnclip.cpp_directional_nll,
-        queries,
-        keys,
-        query_txt,
-        key_txt,
-        tau,
-        glue.hyperparameter(gamma, queries),
-        glue.hyperparameter(label_smoothing, queries),
-        thr_t,
-        int(offset),
-        bool(normalize),
-        need_grad,
-        masked,
+    out = CppDirectionalOut._make(
+        glue.call(
+            _DirectionalNLL,
+            torch.ops.hnclip.cpp_directional_nll,
+            queries,
+            keys,
+            query_txt,
+            key_txt,
+            tau,
+            glue.hyperparameter(gamma, queries),
+            glue.hyperparameter(label_smoothing, queries),
+            thr_t,
+            int(offset),
+            bool(normalize),
+            masked,
+            need_grad,
+        )
     )
-    if not return_stats:
-        return out[0]
-    return out[0], row_stats(*out[5:10], masked)
+    return (out.loss, out.stats(masked)) if return_stats else out.loss
 
 
 def hn_clip_pairs_cpp(
@@ -362,19 +337,18 @@ def hn_clip_pairs_cpp(
     :func:`directional_nll_cpp` (the caption tile t̂_I t̂_Jᵀ is formed beside each logit tile).
     """
     thr_t, masked = glue.threshold_args(false_negative_threshold, img)
-    out = glue.call(
-        _SymmetricNLL,
-        torch.ops.hnclip.cpp_symmetric_nll,
-        img,
-        txt,
-        tau,
-        glue.hyperparameter(gamma, img),
-        glue.hyperparameter(label_smoothing, img),
-        thr_t,
-        bool(normalize),
-        masked,
+    out = SymmetricOut._make(
+        glue.call(
+            _SymmetricNLL,
+            torch.ops.hnclip.cpp_symmetric_nll,
+            img,
+            txt,
+            tau,
+            glue.hyperparameter(gamma, img),
+            glue.hyperparameter(label_smoothing, img),
+            thr_t,
+            bool(normalize),
+            masked,
+        )
     )
-    if not return_stats:
-        return out[0]
-    pos = out[3]
-    return out[0], (row_stats(pos, *out[4:8], masked), row_stats(pos, *out[8:12], masked))
+    return (out.pairs, (out.i2t(masked), out.t2i(masked))) if return_stats else out.pairs

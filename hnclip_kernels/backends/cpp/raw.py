@@ -26,10 +26,14 @@ Importing this module raises ImportError when the extension was not built.
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 from torch import Tensor
 
+from ...numerics import compute_dtype
 from .. import epilogue
+from ..outputs import DIRECTIONAL_STATS, SYMMETRIC_STATS, CppDirectionalOut, SymmetricOut
 
 try:
     from ... import _C  # noqa: F401  (loading the library runs its TORCH_LIBRARY registrations)
@@ -55,15 +59,30 @@ def threshold_arg(threshold: Tensor, masked: bool):
     return value_of(threshold) if masked else None
 
 
+class Scalars(NamedTuple):
+    """What an operator body reads of its scalar inputs (:func:`scalars`)."""
+
+    gamma: float
+    eps: float  # label smoothing
+    threshold: Optional[float]  # the raw kernels' threshold: None without masking
+    dt: torch.dtype  # the compute dtype
+    inv_tau: Tensor  # 1/τ in dt, detached
+
+
+def scalars(x: Tensor, tau: Tensor, gamma: Tensor, label_smoothing: Tensor, threshold: Tensor, masked: bool):
+    """:class:`Scalars` of an operator on features ``x`` (γ, ε and the threshold
+    :func:`glue.hyperparameter` tensors)."""
+    dt = compute_dtype(x.dtype)
+    return Scalars(
+        value_of(gamma), value_of(label_smoothing), threshold_arg(threshold, masked), dt, 1.0 / tau.detach().to(dt)
+    )
+
+
 def caption_norms(captions, normalize: bool, masked: bool, dt) -> list:
     """The raw kernels' caption norms of the masking, one per caption matrix: None (the kernels
     normalise the captions with the margin's norms) unless masking without ``normalize``, where
     the margin's norms are ones: then 1/‖t‖ in ``dt``, so the threshold stays a cosine."""
     return [epilogue.inv_norms(x, True, dt) if masked and not normalize else None for x in captions]
-
-
-def row_stats(pos, delta, mean_neg, dsum, kept, masked: bool) -> epilogue.RowStats:
-    return epilogue.RowStats(pos, delta, mean_neg, dsum, kept if masked else None)
 
 
 def shift_arg(stats: epilogue.RowStats, label_smoothing: float, masked: bool) -> Tensor:
@@ -76,15 +95,7 @@ def shift_arg(stats: epilogue.RowStats, label_smoothing: float, masked: bool) ->
 def _directional_fwd_fake(
     q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, eps, ca=None, cb=None
 ):
-    m, d = q_hat.shape
-    n = k_hat.shape[0]
-    vec = [q_hat.new_empty((m,)) for _ in range(3)]
-    return (
-        *vec,
-        q_hat.new_empty((0 if threshold is None else m,)),
-        q_hat.new_empty((m if need_grad else 0, d)),
-        q_hat.new_empty((n if need_grad else 0, d)),
-    )
+    return CppDirectionalOut.fake(q_hat, k_hat, threshold is not None, need_grad, q_hat.dtype)[DIRECTIONAL_STATS]
 
 
 @torch.library.register_fake("hnclip::cpp_raw_directional_bwd")
@@ -113,8 +124,7 @@ def _directional_bwd_fake(
 
 @torch.library.register_fake("hnclip::cpp_raw_symmetric_fwd")
 def _symmetric_fwd_fake(v_hat, t_hat, pos, inv_tau, gamma, threshold, rc=None):
-    n, kept = v_hat.shape[0], (0 if threshold is None else v_hat.shape[0])
-    return tuple(v_hat.new_empty((kept if i in (3, 7) else n,)) for i in range(8))
+    return SymmetricOut.fake(v_hat, threshold is not None, v_hat.dtype)[SYMMETRIC_STATS]
 
 
 @torch.library.register_fake("hnclip::cpp_raw_symmetric_bwd")

@@ -9,9 +9,10 @@ import torch
 from torch import Tensor
 
 from .. import epilogue
+from ..outputs import DirectionalOut, row_stats, schema
 from .backward import directional_shares, rank_shares
 from .forward import directional_stats, rank_stats
-from .outputs import DirOut, Grads, RankGrads, kept_or_none, no_kept, rank_directions, smoothing_shifts
+from .outputs import Grads, RankGrads, RankOut, rank_directions, smoothing_shifts
 from .params import scalars, threshold_block
 
 
@@ -25,14 +26,13 @@ def _directional_nll(
     label_smoothing: Tensor,
     threshold: Tensor,
     offset: int,
+    normalize: bool,
+    masked: bool,
     has_margin: bool,
     smoothing: bool,
-    masked: bool,
-    normalize: bool,
     precision: str,
-) -> DirOut:
-    """Per-row losses (M,) of one direction and what the backward needs:
-    (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum, kept)."""
+) -> schema(DirectionalOut):
+    """Per-row losses (M,) of one direction and what the backward needs (``DirectionalOut``)."""
     norms = tuple(epilogue.inv_norms(x, normalize) for x in (q, k, a, b))
     sc = scalars(
         q,
@@ -45,20 +45,12 @@ def _directional_nll(
     )
     pos = epilogue.positive_logits(epilogue.scaled(q, norms[0]), epilogue.scaled(k, norms[1]), offset, sc.inv_tau)
     stats = directional_stats((q, k, a, b), norms, pos, sc, offset)
-    return (
-        epilogue.row_losses(stats, k.shape[0], label_smoothing if smoothing else 0.0),
-        *norms,
-        *stats[:4],
-        stats.kept if masked else no_kept(q),
-    )
+    loss = epilogue.row_losses(stats, k.shape[0], label_smoothing if smoothing else 0.0)
+    return DirectionalOut.of(loss, norms, stats)
 
 
-def _directional_nll_fake(
-    q, k, a, b, tau, gamma, label_smoothing, threshold, offset, has_margin, smoothing, masked, normalize, precision
-):
-    m, n = q.shape[0], k.shape[0]
-    sizes = [m, m, n, m, n, m, m, m, m, m if masked else 0]
-    return tuple(q.new_empty((size,), dtype=torch.float32) for size in sizes)
+def _directional_nll_fake(q, k, a, b, tau, gamma, label_smoothing, threshold, offset, normalize, masked, *rest):
+    return DirectionalOut.fake(q, k, masked, torch.float32)
 
 
 def _directional_nll_backward(
@@ -81,15 +73,15 @@ def _directional_nll_backward(
     dsum: Tensor,
     kept: Tensor,
     offset: int,
+    normalize: bool,
+    masked: bool,
     has_margin: bool,
     smoothing: bool,
-    masked: bool,
-    normalize: bool,
     precision: str,
     need_qk: bool,
 ) -> Grads:
     """(dL/dq in q's dtype, dL/dk in k's dtype, dL/dτ in τ's dtype and shape)."""
-    stats = epilogue.RowStats(pos, delta, mean_neg, dsum, kept_or_none(kept, masked))
+    stats = row_stats(pos, delta, mean_neg, dsum, kept, masked)
     sc = scalars(
         q,
         tau,
@@ -128,16 +120,15 @@ def _rank_nll(
     label_smoothing: Tensor,
     threshold: Tensor,
     offset: int,
+    normalize: bool,
+    masked: bool,
     has_margin: bool,
     smoothing: bool,
-    masked: bool,
-    normalize: bool,
     precision: str,
-) -> DirOut:
-    """A rank's per-row losses ½(i2t_i + t2i_i) (M,) and what the backward needs:
-    (rows, rv, rt, rv_all, rt_all, pos, delta, mean_neg, dsum, kept), the last five over 2M lines
-    (i2t rows, then t2i rows; ``kept`` empty without masking). Each direction's values are its
-    directional op's to the bit (the same positives, tiles and partial order)."""
+) -> schema(RankOut):
+    """A rank's per-row losses ½(i2t_i + t2i_i) (M,) and what the backward needs (``RankOut``).
+    Each direction's values are its directional op's to the bit (the same positives, tiles and
+    partial order)."""
     norms = tuple(epilogue.inv_norms(x, normalize) for x in (img, txt, all_img, all_txt))
     sc = scalars(
         img,
@@ -165,28 +156,13 @@ def _rank_nll(
     eps, n = label_smoothing if smoothing else 0.0, all_img.shape[0]
     i2t, t2i = rank_directions(stats, m, masked)
     rows = 0.5 * (epilogue.row_losses(i2t, n, eps) + epilogue.row_losses(t2i, n, eps))
-    return (rows, *norms, *stats[:4], stats.kept if masked else no_kept(img))
+    return RankOut.of(rows, norms, stats)
 
 
 def _rank_nll_fake(
-    img,
-    txt,
-    all_img,
-    all_txt,
-    tau,
-    gamma,
-    label_smoothing,
-    threshold,
-    offset,
-    has_margin,
-    smoothing,
-    masked,
-    normalize,
-    precision,
+    img, txt, all_img, all_txt, tau, gamma, label_smoothing, threshold, offset, normalize, masked, *rest
 ):
-    m, n = img.shape[0], all_img.shape[0]
-    sizes = (m, m, m, n, n, 2 * m, 2 * m, 2 * m, 2 * m, 2 * m if masked else 0)
-    return tuple(img.new_empty((size,), dtype=torch.float32) for size in sizes)
+    return RankOut.fake(img, all_img, masked)
 
 
 def _rank_nll_backward(
@@ -209,10 +185,10 @@ def _rank_nll_backward(
     dsum: Tensor,
     kept: Tensor,
     offset: int,
+    normalize: bool,
+    masked: bool,
     has_margin: bool,
     smoothing: bool,
-    masked: bool,
-    normalize: bool,
     precision: str,
     need_features: bool,
 ) -> RankGrads:

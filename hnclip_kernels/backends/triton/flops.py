@@ -56,14 +56,14 @@ def symmetric_score_macs(n: int, d: int, block_m: int, g: int) -> int:
     return d * ((1 + g) * diagonal + (2 + g) * (n * n - diagonal) // 2)
 
 
-def symmetric_forward(img, txt, tau, gamma, eps, thr, has_margin, smoothing, masked, normalize, precision, **_):
+def symmetric_forward(img, txt, tau, gamma, eps, thr, normalize, masked, has_margin, smoothing, precision, **_):
     n, d = img.shape
     macs = symmetric_score_macs(n, d, cfg.fwd_block_m(img.element_size()), _margin(has_margin, masked))
     return 2 * _passes(img, precision) * macs
 
 
 def symmetric_backward(grad, img, txt, *rest, **_):
-    has_margin, _smoothing, masked, _normalize, precision, need_vt = rest[-6:]
+    _normalize, masked, has_margin, _smoothing, precision, need_vt = rest[-6:]
     if not need_vt:
         return 0
     n, d = img.shape
@@ -71,28 +71,30 @@ def symmetric_backward(grad, img, txt, *rest, **_):
     return 2 * (_passes(img, precision) * macs + 2 * _gemms(img) * n * n * d)
 
 
-def directional_forward(q, k, a, b, tau, gamma, eps, thr, offset, has_margin, smoothing, masked, *rest, **_):
-    precision = rest[-1]
+def directional_forward(
+    q, k, a, b, tau, gamma, eps, thr, offset, normalize, masked, has_margin, smoothing, precision, **_
+):
     (m, d), n = q.shape, k.shape[0]
     return 2 * _passes(q, precision) * (1 + _margin(has_margin, masked)) * m * n * d
 
 
 def directional_backward(grad, q, k, *rest, **_):
-    has_margin, _smoothing, masked, _normalize, precision, need_qk = rest[-6:]
+    _normalize, masked, has_margin, _smoothing, precision, need_qk = rest[-6:]
     if not need_qk:
         return 0
     (m, d), n = q.shape, k.shape[0]
     return 2 * m * n * d * (_passes(q, precision) * (1 + _margin(has_margin, masked)) + 2 * _gemms(q))
 
 
-def rank_forward(img, txt, all_img, all_txt, tau, gamma, eps, thr, offset, has_margin, smoothing, masked, *rest, **_):
-    precision = rest[-1]
+def rank_forward(
+    img, txt, all_img, all_txt, tau, gamma, eps, thr, offset, normalize, masked, has_margin, smoothing, precision, **_
+):
     (m, d), n = img.shape, all_img.shape[0]
     return 2 * _passes(img, precision) * (2 + _margin(has_margin, masked)) * m * n * d
 
 
 def rank_backward(grad, img, txt, all_img, *rest, **_):
-    has_margin, _smoothing, masked, _normalize, precision, need_features = rest[-6:]
+    _normalize, masked, has_margin, _smoothing, precision, need_features = rest[-6:]
     if not need_features:
         return 0
     (m, d), n = img.shape, all_img.shape[0]

@@ -1,44 +1,11 @@
-"""The Triton backend as operators: ``hnclip::triton_symmetric_nll`` and
-``hnclip::triton_directional_nll`` with their ``*_backward`` operators, and the public wrappers.
+"""The Triton backend as operators, ``hnclip::triton_symmetric_nll``, ``hnclip::triton_directional_nll``
+and ``hnclip::triton_rank_nll`` with their ``*_backward`` operators, and their public wrappers.
 
-The operators' bodies are :mod:`.symmetric_op` and :mod:`.distributed_ops`: the O(N·D) algebra
-(:mod:`..epilogue`) around the kernels' walks (:mod:`.forward`: one walk over the logit tiles for
-the row and column statistics; :mod:`.backward`: the chunked dS and its GEMMs). Here, their
-registration through :func:`..glue.fused_op`, the glue the C++ backend's ``hnclip::cpp_*``
-operators share (autograd formula, raising second derivative, vmap rule, ``torch.func``).
-
-* ``triton_symmetric_nll(img, txt, tau, gamma, label_smoothing, threshold, has_margin, smoothing,
-  masked, normalize, precision)`` → (pairs, rv, rt, pos, and the (delta, mean_neg, dsum, kept) of
-  i2t then of t2i): what ``hn_clip_loss(backend="triton")`` runs;
-* ``triton_directional_nll(q, k, a, b, tau, gamma, label_smoothing, threshold, offset, has_margin,
-  smoothing, masked, normalize, precision)`` → (loss, rq, rk, ra, rb, pos, delta, mean_neg, dsum,
-  kept): what a rank of the distributed loss runs;
-* ``triton_rank_nll(img, txt, all_img, all_txt, tau, gamma, label_smoothing, threshold, offset,
-  has_margin, smoothing, masked, normalize, precision)`` → (rows, rv, rt, rv_all, rt_all, pos,
-  delta, mean_neg, dsum, kept): a distributed rank's two directions in one op (rows
-  ½(i2t_i + t2i_i), the statistics over 2M lines, i2t then t2i), the margin's G = t tᵀ_all
-  formed once per tile for both;
-* their ``*_backward`` operators → (dL/dq, dL/dk, dL/dτ) in the inputs' dtypes (the rank op: the
-  gradients of its four features, then dL/dτ).
-
-τ, γ and ε are tensors (γ and ε 0-dim float64, :func:`..glue.hyperparameter`), so a schedule
-of any of them reuses a compiled graph; ``has_margin`` (γ ≠ 0) and ``smoothing`` (ε ≠ 0) are the
-kernels' HAS_MARGIN and SMOOTHING flags. False-negative masking: ``threshold`` (a 0-dim float64
-tensor like γ) and ``masked`` (the kernels' MASK); ``kept`` (each row's kept negatives) is empty
-without it. What the kernels read of τ, γ and the threshold is one ``params.Scalars``, built once per
-operator body (float32 tensors, never float arguments: see :mod:`.params`). ``python -m tools.sm90
---wide-scalars`` compiles the kernels with Inductor's scalar types. ``precision`` is the tensor-core mode string
-(``validation.FP32_PRECISIONS``).
-
-With compiled kernels the operators are ``torch.library.triton_op``s launching every kernel
-through ``torch.library.wrap_triton``: ``torch.compile`` traces them into one
-``triton_kernel_wrapper`` node per launch that Inductor compiles with the rest of the graph,
-and the operator function run on fake tensors is its own fake implementation. Under the
-interpreter (``TRITON_INTERPRET=1``) ``wrap_triton`` hands back the interpreted kernel, which
-cannot run on fake tensors, so the same functions are registered with
-``torch.library.custom_op`` and explicit fake implementations: opaque to tracing, the same
-kernels run eagerly inside (``torch.compile`` with "eager"/"aot_eager", ``torch.export`` and
-``opcheck`` work on CPU tensors; Inductor cannot compile user Triton kernels for CPU tensors).
+The bodies are :mod:`.symmetric_op` and :mod:`.distributed_ops`, their outputs by name
+:class:`..outputs.SymmetricOut`, :class:`..outputs.DirectionalOut` and :class:`.outputs.RankOut`;
+:func:`..glue.fused_op` registers them (``triton_op``, or ``custom_op`` under the interpreter)
+with the glue the C++ operators share. Signatures, flags and registration: ``docs/triton.md``,
+"The operators".
 """
 
 from __future__ import annotations
@@ -46,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from ...validation import check_directional, resolve_precision
-from .. import epilogue, glue
+from .. import glue
+from ..outputs import DirectionalOut, SymmetricOut
 from . import flops
 from .distributed_ops import (
     _directional_grads_fake,
@@ -59,7 +27,7 @@ from .distributed_ops import (
     _rank_nll_fake,
 )
 from .launch import USE_TRITON_OP
-from .outputs import kept_or_none, rank_directions
+from .outputs import RankOut
 from .symmetric_op import _symmetric_grads_fake, _symmetric_nll, _symmetric_nll_backward, _symmetric_nll_fake
 
 HNClipTriton = glue.fused_op(
@@ -145,25 +113,27 @@ def directional_nll_triton(
     check_directional(queries, keys, query_txt, key_txt, offset)
     gamma_t, eps_t, has_margin, smoothing, precision = _scalar_args(gamma, label_smoothing, precision, queries)
     thr_t, masked = glue.threshold_args(false_negative_threshold, queries)
-    out = glue.call(
-        HNClipDirectionalTriton,
-        torch.ops.hnclip.triton_directional_nll,
-        queries,
-        keys,
-        query_txt,
-        key_txt,
-        tau,
-        gamma_t,
-        eps_t,
-        thr_t,
-        int(offset),
-        has_margin,
-        smoothing,
-        masked,
-        bool(normalize),
-        precision,
+    out = DirectionalOut._make(
+        glue.call(
+            HNClipDirectionalTriton,
+            torch.ops.hnclip.triton_directional_nll,
+            queries,
+            keys,
+            query_txt,
+            key_txt,
+            tau,
+            gamma_t,
+            eps_t,
+            thr_t,
+            int(offset),
+            bool(normalize),
+            masked,
+            has_margin,
+            smoothing,
+            precision,
+        )
     )
-    return (out[0], epilogue.RowStats(*out[5:9], kept_or_none(out[9], masked))) if return_stats else out[0]
+    return (out.loss, out.stats(masked)) if return_stats else out.loss
 
 
 def hn_clip_pairs_triton(
@@ -185,28 +155,24 @@ def hn_clip_pairs_triton(
     one caption tile masks Z_IJ and Z_JIᵀ alike: the mask is symmetric to the bit there)."""
     gamma_t, eps_t, has_margin, smoothing, precision = _scalar_args(gamma, label_smoothing, precision, img)
     thr_t, masked = glue.threshold_args(false_negative_threshold, img)
-    out = glue.call(
-        HNClipTriton,
-        torch.ops.hnclip.triton_symmetric_nll,
-        img,
-        txt,
-        tau,
-        gamma_t,
-        eps_t,
-        thr_t,
-        has_margin,
-        smoothing,
-        masked,
-        bool(normalize),
-        precision,
+    out = SymmetricOut._make(
+        glue.call(
+            HNClipTriton,
+            torch.ops.hnclip.triton_symmetric_nll,
+            img,
+            txt,
+            tau,
+            gamma_t,
+            eps_t,
+            thr_t,
+            bool(normalize),
+            masked,
+            has_margin,
+            smoothing,
+            precision,
+        )
     )
-    if not return_stats:
-        return out[0]
-    pos = out[3]
-    return out[0], (
-        epilogue.RowStats(pos, *out[4:7], kept_or_none(out[7], masked)),
-        epilogue.RowStats(pos, *out[8:11], kept_or_none(out[11], masked)),
-    )
+    return (out.pairs, (out.i2t(masked), out.t2i(masked))) if return_stats else out.pairs
 
 
 def rank_nll_triton(
@@ -241,24 +207,24 @@ def rank_nll_triton(
     check_directional(txt, all_img, txt, all_txt, offset)
     gamma_t, eps_t, has_margin, smoothing, precision = _scalar_args(gamma, label_smoothing, precision, img)
     thr_t, masked = glue.threshold_args(false_negative_threshold, img)
-    out = glue.call(
-        HNClipRankTriton,
-        torch.ops.hnclip.triton_rank_nll,
-        img,
-        txt,
-        all_img,
-        all_txt,
-        tau,
-        gamma_t,
-        eps_t,
-        thr_t,
-        int(offset),
-        has_margin,
-        smoothing,
-        masked,
-        bool(normalize),
-        precision,
+    out = RankOut._make(
+        glue.call(
+            HNClipRankTriton,
+            torch.ops.hnclip.triton_rank_nll,
+            img,
+            txt,
+            all_img,
+            all_txt,
+            tau,
+            gamma_t,
+            eps_t,
+            thr_t,
+            int(offset),
+            bool(normalize),
+            masked,
+            has_margin,
+            smoothing,
+            precision,
+        )
     )
-    if not return_stats:
-        return out[0]
-    return out[0], rank_directions(epilogue.RowStats(*out[5:10]), img.shape[0], masked)
+    return (out.rows, out.directions(masked)) if return_stats else out.rows

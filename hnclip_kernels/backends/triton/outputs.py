@@ -1,25 +1,19 @@
-"""What the Triton operators' bodies share: their output types, the ``kept`` convention, the
-backward's ε/n shifts, and a rank's two directions' statistics.
+"""What the Triton operators' bodies share: a rank's output layout and its two directions'
+statistics, the backward's ε/n shifts (the layouts both backends share: :mod:`..outputs`).
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import NamedTuple, Tuple
 
 import torch
 from torch import Tensor
 
 from .. import epilogue
+from ..outputs import fake, kept_output
 
-SymOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
-DirOut = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 Grads = Tuple[Tensor, Tensor, Tensor]
 RankGrads = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
-
-
-def kept_or_none(kept: Tensor, masked: bool):
-    """``kept`` as the statistics carry it: the counts with masking, else None (the operator's empty output)."""
-    return kept if masked else None
 
 
 def smoothing_shifts(sc, eps, rows: epilogue.RowStats, key_rows: epilogue.RowStats):
@@ -32,14 +26,40 @@ def smoothing_shifts(sc, eps, rows: epilogue.RowStats, key_rows: epilogue.RowSta
     return shift, (shift if key_rows is rows else epilogue.smoothing_shift(key_rows, eps))
 
 
-def no_kept(like: Tensor) -> Tensor:
-    """The ``kept`` output without masking: empty (an operator's outputs are tensors)."""
-    return like.new_empty((0,), dtype=torch.float32)
-
-
 def rank_directions(stats, m: int, masked: bool):
     """The (i2t, t2i) ``RowStats`` of a rank's 2M lines (views)."""
     return tuple(
         epilogue.RowStats(*(x[sl] for x in stats[:4]), stats[4][sl] if masked else None)
         for sl in (slice(0, m), slice(m, 2 * m))
     )
+
+
+class RankOut(NamedTuple):
+    """``hnclip::triton_rank_nll``'s outputs, float32: M local rows against N gathered columns;
+    the statistics cover 2M lines (i2t rows, then t2i rows), ``kept`` (0,) without masking."""
+
+    rows: Tensor  # (M,) ½(i2t_i + t2i_i)
+    rv: Tensor  # (M,) 1/‖v_i‖, 1/‖t_i‖ (ones without normalize)
+    rt: Tensor
+    rv_all: Tensor  # (N,) the gathered features'
+    rt_all: Tensor
+    pos: Tensor  # (2M,) the lines' statistics (epilogue.RowStats)
+    delta: Tensor
+    mean_neg: Tensor
+    dsum: Tensor
+    kept: Tensor
+
+    def directions(self, masked: bool):
+        """The (i2t, t2i) ``RowStats`` (views)."""
+        stats = epilogue.RowStats(self.pos, self.delta, self.mean_neg, self.dsum, self.kept)
+        return rank_directions(stats, self.rv.shape[0], masked)
+
+    @classmethod
+    def of(cls, rows: Tensor, norms, stats: epilogue.RowStats) -> "RankOut":
+        """From the row losses, the four norms (img, txt, all_img, all_txt) and the 2M lines' statistics."""
+        return cls(rows, *norms, *stats[:4], kept_output(stats))
+
+    @classmethod
+    def fake(cls, img: Tensor, all_img: Tensor, masked: bool) -> "RankOut":
+        m, n = img.shape[0], all_img.shape[0]
+        return fake(cls, img, torch.float32, 2 * m, rows=m, rv=m, rt=m, rv_all=n, rt_all=n, kept=2 * m if masked else 0)

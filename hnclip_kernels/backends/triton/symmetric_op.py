@@ -8,9 +8,10 @@ import torch
 from torch import Tensor
 
 from .. import epilogue
+from ..outputs import SymmetricOut, row_stats, schema
 from .backward import symmetric_shares
 from .forward import symmetric_stats
-from .outputs import Grads, SymOut, kept_or_none, no_kept, smoothing_shifts
+from .outputs import Grads, smoothing_shifts
 from .params import scalars, threshold_block
 
 
@@ -21,14 +22,13 @@ def _symmetric_nll(
     gamma: Tensor,
     label_smoothing: Tensor,
     threshold: Tensor,
+    normalize: bool,
+    masked: bool,
     has_margin: bool,
     smoothing: bool,
-    masked: bool,
-    normalize: bool,
     precision: str,
-) -> SymOut:
-    """Per-pair losses ½(i2t_k + t2i_k) (N,) and what the backward needs: (pairs, rv, rt, pos,
-    delta_i2t, mean_neg_i2t, dsum_i2t, kept_i2t, delta_t2i, mean_neg_t2i, dsum_t2i, kept_t2i).
+) -> schema(SymmetricOut):
+    """Per-pair losses ½(i2t_k + t2i_k) (N,) and what the backward needs (``SymmetricOut``).
 
     Forward: one walk over the tiles of Z gives its rows' (i2t) and columns' (t2i) statistics."""
     rv, rt = epilogue.inv_norms(img, normalize), epilogue.inv_norms(txt, normalize)
@@ -44,15 +44,11 @@ def _symmetric_nll(
     pos = epilogue.positive_logits(epilogue.scaled(img, rv), epilogue.scaled(txt, rt), 0, sc.inv_tau)
     i2t, t2i = symmetric_stats((img, txt, txt, txt), (rv, rt, rt, rt), pos, sc)
     pairs = epilogue.pair_losses(i2t, t2i, img.shape[0], label_smoothing if smoothing else 0.0)
-    kept = (i2t.kept, t2i.kept) if masked else (no_kept(img), no_kept(img))
-    return (pairs, rv, rt, pos, *i2t[1:4], kept[0], *t2i[1:4], kept[1])
+    return SymmetricOut.of(pairs, rv, rt, i2t, t2i)
 
 
-def _symmetric_nll_fake(
-    img, txt, tau, gamma, label_smoothing, threshold, has_margin, smoothing, masked, normalize, precision
-):
-    n = img.shape[0]
-    return tuple(img.new_empty((0 if i in (7, 11) and not masked else n,), dtype=torch.float32) for i in range(12))
+def _symmetric_nll_fake(img, txt, tau, gamma, label_smoothing, threshold, normalize, masked, *rest):
+    return SymmetricOut.fake(img, masked, torch.float32)
 
 
 def _symmetric_nll_backward(
@@ -66,25 +62,25 @@ def _symmetric_nll_backward(
     rv: Tensor,
     rt: Tensor,
     pos: Tensor,
-    delta_r: Tensor,
-    mean_neg_r: Tensor,
-    dsum_r: Tensor,
-    kept_r: Tensor,
-    delta_c: Tensor,
-    mean_neg_c: Tensor,
-    dsum_c: Tensor,
-    kept_c: Tensor,
+    delta_i2t: Tensor,
+    mean_neg_i2t: Tensor,
+    dsum_i2t: Tensor,
+    kept_i2t: Tensor,
+    delta_t2i: Tensor,
+    mean_neg_t2i: Tensor,
+    dsum_t2i: Tensor,
+    kept_t2i: Tensor,
+    normalize: bool,
+    masked: bool,
     has_margin: bool,
     smoothing: bool,
-    masked: bool,
-    normalize: bool,
     precision: str,
     need_vt: bool,
 ) -> Grads:
     """(dL/dimg in img's dtype, dL/dtxt in txt's dtype, dL/dτ in τ's dtype and shape). Each
     recomputed tile carries both directions' softmax into one dS workspace."""
-    i2t = epilogue.RowStats(pos, delta_r, mean_neg_r, dsum_r, kept_or_none(kept_r, masked))
-    t2i = epilogue.RowStats(pos, delta_c, mean_neg_c, dsum_c, kept_or_none(kept_c, masked))
+    i2t = row_stats(pos, delta_i2t, mean_neg_i2t, dsum_i2t, kept_i2t, masked)
+    t2i = row_stats(pos, delta_t2i, mean_neg_t2i, dsum_t2i, kept_t2i, masked)
     sc = scalars(
         img,
         tau,
