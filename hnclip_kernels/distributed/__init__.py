@@ -41,7 +41,7 @@ from ..numerics import autocast_disabled
 from ..options import LossOptions
 from .consensus import collective_check, local_checks
 from .gather import AUTOGRAD_GATHER, HAS_DISTRIBUTED, _require_distributed, dist, gather_features, gather_sizes
-from .rank_loss import rank_hn_clip_loss
+from .per_rank import rank_hn_clip_loss
 
 __all__ = [
     "gather_features",
