@@ -55,30 +55,15 @@ def local_checks(image_features, text_features, tau, options, rank, world_size, 
     except (TypeError, ValueError) as exc:
         return 3, exc, None, None
     try:  # the global N is known after the collective, which checks the bound again with it
-        n = image_features.shape[0]
-        tau_grad = validation.tau_requires_grad(tau)  # dτ's bound too (a τ read earlier is a float)
-        tau_value = validation.check_tau(
-            tau if tau_value is None else tau_value,
-            image_features.device,
-            image_features.dtype,
-            options.gamma,
-            label_smoothing=options.label_smoothing,
-            n_keys=n,
-            n_rows=n,
-            tau_grad=tau_grad,
+        tau_value = options.checked_tau(
+            image_features,
+            text_features,
+            tau,
+            n_rows=image_features.shape[0],
+            tau_value=tau_value,
+            feature_range=world_size == 1,
+            names=("image_features", "text_features"),
         )
-        if world_size == 1 and not options.normalize:
-            validation.check_feature_range(
-                image_features,
-                text_features,
-                tau_value,
-                options.gamma,
-                options.label_smoothing,
-                "image_features",
-                "text_features",
-                n_rows=n,
-                tau_grad=tau_grad,
-            )
     except (TypeError, ValueError) as exc:
         return 2, exc, options, None
     try:
