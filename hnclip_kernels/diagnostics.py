@@ -41,10 +41,11 @@ import torch.nn.functional as F
 
 from . import validation as _validation
 from .backends.epilogue import RowStats
-from .loss import _warn_if_tau_looks_like_logit_scale, hn_clip_loss
+from .loss import hn_clip_loss
 from .numerics import NORM_EPS, compute_dtype
 from .options import LossOptions
-from .reports import SaturationReport, _check_threshold, _stats_fields, report_from_row_stats
+from .plausibility import warn_if_tau_looks_like_logit_scale
+from .reports import SaturationReport, check_threshold, report_from_row_stats, stats_fields
 
 __all__ = ["SaturationReport", "saturation_report", "report_from_row_stats"]
 
@@ -180,7 +181,7 @@ def saturation_report(
         gamma=gamma, backend=backend, normalize=normalize, false_negative_threshold=false_negative_threshold
     )  # raises for a bad option
     fn_thr = None if false_negative_threshold is None else float(false_negative_threshold)
-    thr = _check_threshold(threshold)
+    thr = check_threshold(threshold)
     chunk = _check_chunk_rows(chunk_rows)
     if img.device.type == "meta":
         raise ValueError("saturation_report needs tensors with values; img and txt are on the meta device")
@@ -189,7 +190,7 @@ def saturation_report(
         raise ValueError(f"img and txt have N = {n} pair; saturation_report needs N >= 2 (a row needs negatives)")
     tau_value = _validation.check_tau(tau, img.device, img.dtype, float(gamma), tau_grad=False)  # no backward here
     gamma = float(gamma)
-    _warn_if_tau_looks_like_logit_scale(tau_value, "saturation_report")  # once: hn_clip_loss below stays quiet
+    warn_if_tau_looks_like_logit_scale(tau_value, "saturation_report")  # once: hn_clip_loss below stays quiet
 
     with torch.no_grad():
         loss = float(
@@ -227,7 +228,7 @@ def saturation_report(
             per_dir[name] = {key: torch.cat(vals) for key, vals in parts.items()}
 
         i2t, t2i = per_dir["i2t"], per_dir["t2i"]
-        fields = _stats_fields(
+        fields = stats_fields(
             RowStats(None, i2t["delta"], i2t["mean_neg"], i2t["dsum"]),
             RowStats(None, t2i["delta"], t2i["mean_neg"], t2i["dsum"]),
             thr,

@@ -10,25 +10,8 @@ from . import validation
 from .backends import symmetric_losses
 from .numerics import autocast_disabled
 from .options import LossOptions, as_tau_tensor
-from .plausibility import scale_mistake, warn_once
+from .plausibility import warn_if_tau_looks_like_logit_scale
 from .reports import report_of_call
-
-
-def _warn_if_tau_looks_like_logit_scale(tau_value: Optional[float], caller: str = "hn_clip_loss") -> None:
-    """Warn once when τ > 1 (:func:`~hnclip_kernels.plausibility.scale_mistake` of s = 1/τ is
-    "tau"), naming ``caller``, at the line that called ``caller`` (which must call this function
-    directly). τ ≤ 1 is a temperature some use (SimCLR's 0.5): only the swap is flagged here."""
-    if tau_value is None or scale_mistake(1.0 / tau_value) != "tau":
-        return
-    # stacklevel 4: warn_once, this function, the caller, then the line that called it
-    warn_once(
-        "tau>1",
-        f"{caller} got tau = {tau_value:g} > 1: tau is the temperature, and a value above 1 "
-        f"is almost always open_clip's logit_scale passed by mistake (1/tau = {1.0 / tau_value:g} "
-        "would then be the temperature). Pass tau = 1 / logit_scale.exp() (or 1 / logit_scale "
-        "if it is already exponentiated). This warning is shown once.",
-        stacklevel=4,
-    )
 
 
 def reduce_rows(rows: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -148,7 +131,7 @@ def hn_clip_loss(
     ).bind(img, txt, tau)
     if not isinstance(return_stats, bool):
         raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
-    _warn_if_tau_looks_like_logit_scale(options.tau_value)
+    warn_if_tau_looks_like_logit_scale(options.tau_value)
     # autocast would run the reference's matmuls in bf16: accumulation here is float32 by design
     with autocast_disabled(img.device):
         out = symmetric_losses(img, txt, as_tau_tensor(tau, img), options, return_stats)

@@ -91,26 +91,45 @@ class LossOptions:
         :func:`hnclip_kernels.backends.resolve_backend`.
         """
         validation.check_features(img, txt, *names)
-        n = img.shape[0]
         if n_rows is None:
-            n_rows = n if self.reduction != "none" else 1
-        checked = tau if tau_value is None else tau_value
+            n_rows = img.shape[0] if self.reduction != "none" else 1
+        value = self.checked_tau(img, txt, tau, n_rows=n_rows, tau_value=tau_value, names=names)
+        return self.resolved(img, value)
+
+    def checked_tau(
+        self,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        tau: Union[float, torch.Tensor],
+        *,
+        n_rows: int,
+        tau_value: Optional[float] = None,
+        feature_range: bool = True,
+        names: tuple = ("img", "txt"),
+    ) -> Optional[float]:
+        """τ checked for these options on features ``img``/``txt`` (N, D):
+        :func:`validation.check_tau` with N key columns, ``n_rows`` summed rows and dL/dτ's bound
+        when ``tau`` requires grad (``tau_value``: τ already read, checked instead of reading
+        ``tau`` again); then, with ``normalize=False`` and ``feature_range``, the features' range
+        (:func:`validation.check_feature_range`). Returns τ's value (None where it is not read).
+
+        Raises: the ``TypeError``/``ValueError`` of those two checks."""
         tau_grad = validation.tau_requires_grad(tau)  # dτ's bound too (a τ read earlier is a float)
         value = validation.check_tau(
-            checked,
+            tau if tau_value is None else tau_value,
             img.device,
             img.dtype,
             self.gamma,
             label_smoothing=self.label_smoothing,
-            n_keys=n,
+            n_keys=img.shape[0],
             n_rows=n_rows,
             tau_grad=tau_grad,
         )
-        if not self.normalize:
+        if feature_range and not self.normalize:
             validation.check_feature_range(
                 img, txt, value, self.gamma, self.label_smoothing, *names, n_rows=n_rows, tau_grad=tau_grad
             )
-        return self.resolved(img, value)
+        return value
 
     def resolved(self, like: torch.Tensor, tau_value: Optional[float] = None) -> "LossOptions":
         """The backend that runs tensors like ``like`` and its precision, with ``tau_value``."""

@@ -77,7 +77,7 @@ class SaturationReport:
         return dataclasses.asdict(self)
 
 
-def _check_threshold(threshold) -> float:
+def check_threshold(threshold) -> float:
     if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real):
         raise TypeError(f"threshold must be a real number (float), got {type(threshold).__name__}")
     value = float(threshold)
@@ -86,7 +86,7 @@ def _check_threshold(threshold) -> float:
     return value
 
 
-def _stats_fields(
+def stats_fields(
     i2t: RowStats, t2i: RowStats, threshold: float, label_smoothing: float = 0.0, n_keys: Optional[int] = None
 ) -> dict:
     """loss, saturated_rows, effective_negatives, rows (and masked_pairs with false-negative
@@ -145,8 +145,8 @@ def report_from_row_stats(
     without smoothing, softplus(δ). Statistics of a false-negative-masked loss (``kept`` set in
     both) also fill ``masked_pairs`` (``n_keys`` needed).
     """
-    thr = _check_threshold(threshold)
-    ls = _validation._real("label_smoothing", label_smoothing)
+    thr = check_threshold(threshold)
+    ls = _validation.real_number("label_smoothing", label_smoothing)
     if not 0.0 <= ls < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     masked = getattr(i2t, "kept", None) is not None and getattr(t2i, "kept", None) is not None
@@ -184,4 +184,4 @@ def report_from_row_stats(
     if i2t.delta.numel() == 0:
         raise ValueError("i2t and t2i statistics are empty (M = 0 rows)")
     with torch.no_grad():
-        return SaturationReport(**_stats_fields(i2t, t2i, thr, ls, n_keys))
+        return SaturationReport(**stats_fields(i2t, t2i, thr, ls, n_keys))

@@ -117,7 +117,7 @@ def _is_dtensor(x) -> bool:
     return dtensor is not None and isinstance(x, dtensor)
 
 
-def _real(name: str, x) -> float:
+def real_number(name: str, x) -> float:
     """A Python/NumPy real number as a float, or TypeError/ValueError naming ``name``."""
     x = plain_number(x)
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
@@ -167,7 +167,7 @@ def tau_requires_grad(tau) -> bool:
     return tau.requires_grad or (not torch.compiler.is_compiling() and _unwrapped(tau).requires_grad)
 
 
-def _finite_limit(dtype: torch.dtype) -> float:
+def finite_limit(dtype: torch.dtype) -> float:
     return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
 
 
@@ -217,10 +217,10 @@ def check_tau(
             return min(values)
         value = float(tau.detach())  # one host sync: the price of a clear error instead of a NaN loss
     else:
-        value = _real("tau", tau)
+        value = real_number("tau", tau)
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"tau (temperature) must be finite and > 0, got {value}; open_clip users pass 1 / logit_scale")
-    limit = _finite_limit(dtype)
+    limit = finite_limit(dtype)
     if largest_intermediate(value, gamma, label_smoothing, n_keys, n_rows=n_rows, tau_grad=tau_grad) >= limit:
         at_one = functools.partial(largest_intermediate, 1.0, gamma, label_smoothing, n_keys, n_rows=n_rows)
         smallest = at_one() / limit  # the gaps, the sums and the loss are ∝ 1/τ
@@ -286,7 +286,7 @@ def check_feature_range(
     img_norm, txt_norm, off_unit = row_norm_extremes(img, txt)
     if not (math.isfinite(img_norm) and math.isfinite(txt_norm)):
         return  # non-finite features: the loss is non-finite too, as in torch.nn.functional
-    limit = _finite_limit(img.dtype)
+    limit = finite_limit(img.dtype)
     largest = largest_intermediate(
         tau_value, gamma, label_smoothing, img.shape[-2], img_norm, txt_norm, n_rows, tau_grad=tau_grad
     )
@@ -343,7 +343,7 @@ def check_false_negative_threshold(threshold) -> None:
     cosine at and above which a pair i ≠ j stops being a negative (see ``hn_clip_loss``)."""
     if threshold is None:
         return
-    value = _real("false_negative_threshold", threshold)
+    value = real_number("false_negative_threshold", threshold)
     if torch.compiler.is_compiling():
         return  # may be a symbolic float under torch.compile; eager calls check it
     if not (-1.0 < value <= 1.0):  # NaN fails too
@@ -365,9 +365,9 @@ def check_options(gamma: float, label_smoothing: float, reduction: str, backend:
     if torch.compiler.is_compiling():  # symbolic floats or traced tensors: eager calls check the values
         for name, x in pairs:
             if not isinstance(x, torch.Tensor):
-                _real(name, x)
+                real_number(name, x)
         return
-    values = {name: _real(name, x) for name, x in pairs}
+    values = {name: real_number(name, x) for name, x in pairs}
     for name, x in values.items():
         if not math.isfinite(x):
             raise ValueError(f"{name} must be finite, got {x}")

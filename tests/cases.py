@@ -238,7 +238,7 @@ def masked_pairs_f64(txt, threshold) -> int:
     return int(((cos >= threshold) & ~torch.eye(t.shape[0], dtype=torch.bool)).sum())
 
 
-# ---- the three loss ops on 16-bit features against float64 (issue 22)
+# ---- the three loss ops against float64: saturated 16-bit features, non-finite and extreme inputs
 def op_loss(op: str, backend: str, img, txt, tau: float, gamma: float, eps: float, threshold, m: int, offset: int):
     """(loss, leaves) of ``op`` on ``backend`` ("f64": the float64 truth on upcast inputs): "symmetric",
     the single-process mean loss (leaves img, txt, τ); "directional", i2t of the ``m`` rows at

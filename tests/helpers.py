@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import queue
 import time
+import traceback
+from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
@@ -96,3 +100,41 @@ def collect_rank_reports(q, procs, world: int, timeout: float) -> dict:
                 p.kill()
                 p.join()
     return results
+
+
+def _gloo_rank(body, rank, world, init_method, pg_timeout_s, args, q):
+    """One spawned rank: a gloo process group, then ``(rank, body(rank, world, *args), None)`` on
+    ``q``, or ``(rank, None, the traceback)`` if anything raised."""
+    try:
+        torch.set_num_threads(1)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        torch.distributed.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout_s)
+        )
+        q.put((rank, body(rank, world, *args), None))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put((rank, None, traceback.format_exc()))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def spawn_gloo_ranks(body, tmp_path, *args, world: int = 2, timeout: float = 240.0, pg_timeout_s: float = 60) -> dict:
+    """``body(rank, world, *args)`` in ``world`` spawned processes joined in one gloo process group
+    (its rendezvous a file under ``tmp_path``): ``{rank: what body returned}``. Fails naming each rank
+    that did not report within ``timeout`` seconds (a hang or a crash) or that raised (its traceback).
+    ``body`` must be a module-level function (spawn pickles it by name) returning what pickles by
+    value (numpy arrays: a tensor would be shared memory that dies with its process)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    init_method = f"file://{tmp_path / 'pg'}"
+    procs = [
+        ctx.Process(target=_gloo_rank, args=(body, r, world, init_method, pg_timeout_s, args, q)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results = collect_rank_reports(q, procs, world, timeout)
+    assert sorted(results) == list(range(world)), f"ranks reported: {sorted(results)} (hang or crash)"
+    for rank, (_, tb) in results.items():
+        assert tb is None, f"rank {rank}:\n{tb}"
+    return {rank: report for rank, (report, _) in results.items()}

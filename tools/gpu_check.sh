@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# One-command GPU check, sized for a lent H200 (one command of at most 10 minutes, no
-# package index, torch 2.11 / triton 3.6 / Python 3.12 preinstalled, 16 cores):
+# One-command GPU check of this checkout on a CUDA machine: the GPU tests, the torch.compile /
+# torch.library checks, the benchmark sweep and the MMA-work count, each step under its own
+# timeout, so that the whole run ends within one wall-clock budget (GPU_CHECK_BUDGET_S, 570 s by
+# default: it fits a 10-minute command):
 #
 #   bash tools/gpu_check.sh [OUTDIR]
 #
-# OUTDIR: the argument, else $OUT when set (the device tool's folder that comes back), else
-# benchmarks/out/gpu_check. The package runs from this checkout (PYTHONPATH=<repo root>,
-# HNCLIP_NO_CPP=1): csrc/ is not built, so the C++ backend is reported as not built.
+# Needs: an NVIDIA GPU with nvidia-smi; a Python ($PYTHON, default python3) with torch and
+# triton (pyproject.toml: torch >= 2.4, triton >= 3.0) and pytest (pytest-xdist used when
+# present); bash, timeout, tar. No network: no step downloads anything. The package
+# runs from this checkout (PYTHONPATH=<repo root>, HNCLIP_NO_CPP=1): csrc/ is not built, so the
+# C++ backend is reported as not built.
 #
-# Wheels: packages that machine lacks travel in .whl/ (ignored through .git/info/exclude).
-# Rebuild it on a machine with PyPI with `bash tools/gpu_wheels.sh` (open_clip_torch
-# 3.3.0, ftfy, wcwidth, inf-cl 1.2.1; about 2.3 MiB), then run, with the device tool:
-#   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=600)
-# Without .whl/ the wheels step is skipped, and open_clip / inf-cl are benchmarked only if
-# the machine has them.
+# OUTDIR: the argument, else $OUT when set, else benchmarks/out/gpu_check.
+#
+# Wheels: optional packages the machine may lack travel in .whl/ (ignored through
+# .git/info/exclude), copied along with the checkout. Build it on a machine with PyPI with
+# `bash tools/gpu_wheels.sh` (open_clip_torch 3.3.0, ftfy, wcwidth, inf-cl 1.2.1; about 2.3 MiB).
+# Without .whl/ the wheels step is skipped, and open_clip / inf-cl are benchmarked only if the
+# machine has them.
 #
 # Steps, in order; each has its own timeout (cut so that the whole run ends within
 # GPU_CHECK_BUDGET_S), its log under logs/, and a failed step does not stop the next:
@@ -25,7 +30,7 @@
 #            -q -x -k "not test_library_" (test_gpu_flavours.py: TF32 allowed, reduced-precision reductions
 #            allowed and autocast, each within the float32 / 16-bit bounds; about 20 s), with
 #            HNCLIP_AUTOTUNE=0 (one launch configuration per shape instead of autotuning each) and
-#            pytest-xdist (-n 4) when installed; expected 1.5 to 4 minutes on an H200, mostly Triton compiles
+#            pytest-xdist (-n 4) when installed; 1.5 to 4 minutes measured on an H200, mostly Triton compiles
 #   compile  the same for tests/backends/test_gpu.py -k test_library_: the hnclip::triton_* operators under
 #            torch.compile with Inductor (fullgraph, a 12-step τ/γ schedule: at most 2 compiles,
 #            values and gradients as eager; the kernels used to fail there on fp64 scalars),
@@ -35,7 +40,7 @@
 #            (the default sweep's budget) or less when earlier steps ran long
 #   work     python -m tools.work: the MMA-work counter; last, with what is left, because it
 #            runs in Triton's interpreter on the CPU (no GPU needed); skipped without tools/work.py
-# Outputs, at most 8 files at the top of OUTDIR (what the device tool brings back):
+# Outputs, at most 8 files at the top of OUTDIR (few files, so a remote runner can copy them back):
 #   summary.txt (step statuses, test result line, bench status counts), versions.txt,
 #   tests.log, bench.log, cuda_results.csv, cuda_time_vs_n.png, cuda_memory_vs_n.png,
 #   logs.tar.gz (every step's log, the tests' JUnit XML, the bench folder).
@@ -50,7 +55,7 @@
 #   GPU_CHECK_SKIP=a,b             steps to skip (wheels,info,imports,tests,compile,bench,work)
 #   GPU_CHECK_BENCH_ARGS, GPU_CHECK_WORK_ARGS   extra arguments of those commands
 #   GPU_CHECK_SITE=/tmp/site       where the wheels are installed
-#   PYTHON=python3                 the interpreter (the machine's python3 holds torch)
+#   PYTHON=python3                 the interpreter that has torch and triton
 # shellcheck disable=SC2317  # finish, step_info and step_imports run through trap and bash -c
 set -uo pipefail
 export PYTHONUNBUFFERED=1

@@ -7,15 +7,17 @@
 
 Run it with TRITON_INTERPRET unset. What it does:
 
-1. Drives, on CPU tensors, forward + backward of the public single-process loss
-   ``hn_clip_loss(img, txt, tau, gamma=, label_smoothing=, backend="triton")`` (N rows) and of
-   the directional op of the distributed path, ``hnclip_kernels.backends.triton_directional()``,
-   for one rank: M local query rows against N gathered keys, positives at offset M + i, and
-   of that rank's op for both directions (``rank_nll_triton``, what the distributed loss runs)
-   (see ``drive_single`` / ``drive_directional`` / ``drive_rank``). The backend refuses CPU tensors unless
-   Triton is interpreting, so ``hnclip_kernels.backends._triton_interpreting`` is patched to
-   return True; the launcher's own choices (tiles, precision, autotune candidates) still
-   see real ``JITFunction`` / ``Autotuner`` objects, i.e. the GPU configuration.
+1. Drives, on CPU tensors, forward + backward of the three Triton operators through their
+   public wrappers in ``hnclip_kernels.backends.triton.ops``, called as the loss functions
+   call them: ``hn_clip_pairs_triton`` (N rows; what ``hn_clip_loss(..., backend="triton")``
+   runs), the directional op of the distributed path (``directional_nll_triton``, from
+   ``hnclip_kernels.backends.triton_directional()``) for one rank: M local query rows against N
+   gathered keys, positives at offset M + i, and that rank's op for both directions
+   (``rank_nll_triton``, what the distributed loss runs) (see ``drive_single`` /
+   ``drive_directional`` / ``drive_rank``). The operators themselves take CPU tensors (only
+   ``backend="triton"``'s dispatch refuses them when Triton is not interpreting), and the
+   launchers' own choices (tiles, precision, autotune candidates) see real ``JITFunction`` /
+   ``Autotuner`` objects, i.e. the GPU configuration.
 2. Captures launches instead of running them: ``JITFunction.run`` records the kernel and
    its arguments; ``Autotuner.run`` applies the autotuner's own ``prune_configs`` (no
    benchmarking) and records one launch per surviving config. ``Heuristics`` is left
@@ -51,7 +53,7 @@ A launcher that raises on CPU tensors, or launches nothing, is a problem too.
 Table (one line per distinct compiled kernel; --json has everything, constexprs included):
 kernel; cfg (i/k: autotune candidate i of the k left after pruning); flags (bool constexprs
 that are True); ints=1 (int arguments specialised to the constant 1, e.g. a unit stride);
-from (single: hn_clip_loss, dir: the directional op, rank: a rank's two directions); the input dtype, D and gamma values that
+from (single: the operator of hn_clip_loss, dir: the directional op, rank: a rank's two directions); the input dtype, D and gamma values that
 led to it; blocks (BLOCK_* constexprs); prec (*PREC constexprs); warps/stages; registers per
 thread; spill store/load bytes; shared memory bytes; MMA instructions (shape.operand type);
 tf32 (a tf32 MMA is present); status; key (the bind key, to find the kernel in --json).
@@ -115,19 +117,23 @@ def _features(n, d, dtype, seed=0):
 
 
 def drive_single(n, d, dtype, gamma, eps, threshold=None):
-    """The public single-process loss, forward + backward (``threshold``: false-negative masking)."""
+    """The single-process loss's operator, forward + backward, with the arguments
+    ``hn_clip_loss(img, txt, tau, gamma=, label_smoothing=, backend="triton",
+    false_negative_threshold=)`` passes it (``backends.symmetric_losses``) and its mean."""
+    from hnclip_kernels.backends.triton.ops import hn_clip_pairs_triton
+
     img, txt = _features(n, d, dtype)
     tau = torch.tensor(0.07, requires_grad=True)
-    loss = hnclip_kernels.hn_clip_loss(
+    pairs = hn_clip_pairs_triton(
         img.requires_grad_(),
         txt.requires_grad_(),
-        tau,
+        tau=tau,
         gamma=gamma,
         label_smoothing=eps,
-        backend="triton",
+        normalize=True,
         false_negative_threshold=threshold,
     )
-    loss.backward()
+    pairs.mean().backward()
 
 
 def drive_directional(m, n, d, dtype, gamma, eps, offset, threshold=None):
@@ -174,19 +180,6 @@ def drive_rank(m, n, d, dtype, gamma, eps, offset, threshold=None):
         false_negative_threshold=threshold,
     )
     rows.sum().backward()
-
-
-@contextlib.contextmanager
-def triton_on_cpu():
-    """Let backend="triton" accept CPU tensors (its gate asks "is Triton interpreting?")."""
-    gate = getattr(hnclip_kernels.backends, "_triton_interpreting", None)
-    if gate is not None:
-        hnclip_kernels.backends._triton_interpreting = lambda: True
-    try:
-        yield
-    finally:
-        if gate is not None:
-            hnclip_kernels.backends._triton_interpreting = gate
 
 
 # ------------------------------------------------------------------ 2. capture launches
@@ -563,7 +556,7 @@ def capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars=False, 
         ):
             case = f"{src} {dt} D={d} gamma={gm} label_smoothing={eps} false_negative_threshold={thr}"
             try:
-                with triton_on_cpu(), capture_launches() as launches:
+                with capture_launches() as launches:
                     thunk()
             except Exception as e:  # noqa: BLE001 - the launcher failed on CPU tensors
                 problems.append(f"{case}: driving the launcher failed: {type(e).__name__}: {e}")

@@ -40,8 +40,8 @@ from .. import validation
 from ..numerics import autocast_disabled
 from ..options import LossOptions
 from .consensus import collective_check, local_checks
-from .gather import AUTOGRAD_GATHER, HAS_DISTRIBUTED, _require_distributed, dist, gather_features, gather_sizes
-from .rank_loss import rank_hn_clip_loss
+from .gather import AUTOGRAD_GATHER, HAS_DISTRIBUTED, dist, gather_features, gather_sizes, require_distributed
+from .per_rank import rank_hn_clip_loss
 
 __all__ = [
     "gather_features",
@@ -136,7 +136,7 @@ def rank_loss(
     if rank is None:
         rank = dist.get_rank(group=group) if world_size > 1 else 0
     if world_size > 1:
-        _require_distributed()
+        require_distributed()
         flags = int(bool(local_loss)) | (int(bool(gather_with_grad)) << 1)  # normalize: bit 2, added with the options
         sizes, bound = collective_check(
             image_features, text_features, tau, options, flags, rank, world_size, group, tau_value

@@ -18,7 +18,7 @@ import torch
 from .. import validation
 from ..options import LossOptions
 from ..plausibility import warn_if_not_unit_norm
-from .gather import _group_rank_world, _meta_device, dist
+from .gather import dist, group_rank_world, meta_device
 
 # metadata vector layout, one int64 row per rank
 _STATUS, _N_IMG, _N_TXT, _DIM, _DTYPE, _FLAGS, _GAMMA, _EPS, _WORLD, _PREC, _TAU, _IMG_NORM, _TXT_NORM = range(13)
@@ -55,30 +55,15 @@ def local_checks(image_features, text_features, tau, options, rank, world_size, 
     except (TypeError, ValueError) as exc:
         return 3, exc, None, None
     try:  # the global N is known after the collective, which checks the bound again with it
-        n = image_features.shape[0]
-        tau_grad = validation.tau_requires_grad(tau)  # dτ's bound too (a τ read earlier is a float)
-        tau_value = validation.check_tau(
-            tau if tau_value is None else tau_value,
-            image_features.device,
-            image_features.dtype,
-            options.gamma,
-            label_smoothing=options.label_smoothing,
-            n_keys=n,
-            n_rows=n,
-            tau_grad=tau_grad,
+        tau_value = options.checked_tau(
+            image_features,
+            text_features,
+            tau,
+            n_rows=image_features.shape[0],
+            tau_value=tau_value,
+            feature_range=world_size == 1,
+            names=("image_features", "text_features"),
         )
-        if world_size == 1 and not options.normalize:
-            validation.check_feature_range(
-                image_features,
-                text_features,
-                tau_value,
-                options.gamma,
-                options.label_smoothing,
-                "image_features",
-                "text_features",
-                n_rows=n,
-                tau_grad=tau_grad,
-            )
     except (TypeError, ValueError) as exc:
         return 2, exc, options, None
     try:
@@ -86,7 +71,7 @@ def local_checks(image_features, text_features, tau, options, rank, world_size, 
     except (TypeError, ValueError) as exc:
         return 3, exc, options, None
     if world_size > 1:
-        g_rank, g_world = _group_rank_world(group)
+        g_rank, g_world = group_rank_world(group)
         if (g_rank, g_world) != (rank, world_size):
             return (
                 4,
@@ -157,7 +142,7 @@ def _global_range_problem(meta, gamma, label_smoothing, dtype_index) -> Optional
         tau_value, float(gamma), float(label_smoothing), n_total, img_norm, txt_norm, n_rows=n_total, tau_grad=tau_grad
     )
     dtype = validation.FLOAT_DTYPES[dtype_index]
-    if largest < validation._finite_limit(dtype):
+    if largest < validation.finite_limit(dtype):
         return None
     return (
         f"the global batch (N = {n_total}, smallest tau = {tau_value:g}, largest row norms {img_norm:.3g} / "
@@ -194,7 +179,7 @@ def collective_check(
         row = _meta_row(status, image_features, text_features, flags, 0.0, 0.0, world_size)
     if status == 0:
         _range_fields(row, bound.tau_value, image_features, text_features, bound.normalize)
-    mine = torch.tensor(row, dtype=torch.int64, device=_meta_device(group, like))
+    mine = torch.tensor(row, dtype=torch.int64, device=meta_device(group, like))
     rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group=group))]
     dist.all_gather(rows, mine, group=group)
     meta = torch.stack(rows).cpu().tolist()

@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - older torch
 AUTOGRAD_GATHER = "functional" if _fc_all_gather is not None else "nn"
 
 
-def _require_distributed() -> None:
+def require_distributed() -> None:
     if not HAS_DISTRIBUTED:
         raise RuntimeError("this torch build has no torch.distributed; world_size > 1 needs it")
     if not dist.is_initialized():
@@ -38,11 +38,11 @@ def _require_distributed() -> None:
         )
 
 
-def _group_rank_world(group) -> Tuple[int, int]:
+def group_rank_world(group) -> Tuple[int, int]:
     return dist.get_rank(group=group), dist.get_world_size(group=group)
 
 
-def _meta_device(group, like: Optional[torch.Tensor]) -> torch.device:
+def meta_device(group, like: Optional[torch.Tensor]) -> torch.device:
     """Where the small metadata tensor lives: NCCL needs CUDA, everything else takes CPU."""
     backend = str(dist.get_backend(group))
     if "nccl" in backend:
@@ -54,7 +54,7 @@ def _meta_device(group, like: Optional[torch.Tensor]) -> torch.device:
 
 def gather_sizes(n: int, device: Union[str, torch.device] = "cpu", group=None) -> List[int]:
     """All ranks' local batch sizes, in rank order (one small all_gather; every rank must call)."""
-    _require_distributed()
+    require_distributed()
     world = dist.get_world_size(group=group)
     mine = torch.tensor([int(n)], dtype=torch.int64, device=device)
     out = [torch.zeros_like(mine) for _ in range(world)]
@@ -131,9 +131,9 @@ def gather_features(
         raise ValueError("hnclip_kernels does not support horovod; use torch.distributed (torchrun)")
     if world_size == 1:
         return image_features, text_features
-    _require_distributed()
+    require_distributed()
     if sizes is None:
-        sizes = gather_sizes(image_features.shape[0], _meta_device(group, image_features), group)
+        sizes = gather_sizes(image_features.shape[0], meta_device(group, image_features), group)
     sizes = [int(s) for s in sizes]
     if len(sizes) != world_size:
         raise ValueError(f"sizes has {len(sizes)} entries but world_size is {world_size}")

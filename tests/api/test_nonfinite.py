@@ -1,4 +1,4 @@
-"""Non-finite and extreme inputs: one answer on every backend (issue 29, section 2).
+"""Non-finite and extreme inputs: one answer on every backend.
 
 Every op (the symmetric ``hn_clip_loss``, the directional op, a rank's op at an offset, called as
 ``cases.op_loss`` calls them) on every backend gives one of three answers (docs/api.md, "NaN, inf

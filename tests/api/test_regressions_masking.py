@@ -1,6 +1,7 @@
 """Regression tests of false-negative masking and the options around it: the minimal inputs of
-defects a hostile review found (issue 18's features), one test each. N ≤ 12, well under a
-second per backend."""
+defects a hostile review found (NumPy, Fraction and tensor options, all-masked rows, the
+consensus of −0.0, the exact-duplicate hint), one test each. N ≤ 12, well under a second per
+backend."""
 
 from __future__ import annotations
 

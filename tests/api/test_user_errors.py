@@ -1,5 +1,6 @@
-"""What a new user tripped on (issue 18): positional ClipLoss flags, ``hn_clip_loss``'s statistics,
-and where the τ > 1 warning points. Bound: a few small batches per backend, under a minute."""
+"""Mistakes a new user makes, each answered by an error or a warning that names it: positional
+ClipLoss flags, ``hn_clip_loss``'s statistics, and where the τ > 1 warning points. Bound: a few
+small batches per backend, under a minute."""
 
 import math
 import sys

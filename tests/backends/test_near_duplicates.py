@@ -8,7 +8,7 @@ the GEMMs moved to torch (a float32 dS split into a bf16/tf32 head and tail insi
 GEMM), measured on these inputs; the current backend must not be worse (1.1× + 1e-6).
 float32 features keep the README bounds.
 
-Saturated (issue 22): the same clusters masked at c = 0.999 with images near their captions, τ 0.01
+Saturated (the 16-bit staging W near float16's subnormals): the same clusters masked at c = 0.999 with images near their captions, τ 0.01
 (true loss < 1e-20), bf16 and fp16, the symmetric loss and the rank op, against float64 within the
 suite's 16-bit bound (``cases.op_errors``). And the rounding compensation made visible: clusters
 3e-5 apart, where a bf16 W without it errs by 2-3× the bound (asserted, so the case keeps needing it).

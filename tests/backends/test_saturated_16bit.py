@@ -1,5 +1,6 @@
-"""Saturated 16-bit batches (issue 22, item 1): bf16 and fp16 features of a model that already
-separates its pairs, τ 0.01 / 0.012, true loss (at ε = 0) 1e-14 … 1e-30, on every backend.
+"""Saturated 16-bit batches, where the backward's staging W must not underflow: bf16 and fp16
+features of a model that already separates its pairs, τ 0.01 / 0.012, true loss (at ε = 0)
+1e-14 … 1e-30, on every backend.
 
 Triton sized its 16-bit W = c·a·dS·b from max|g| as if |dS_ik| ~ g_i; here |dS_ik| = g_i·P_ik with
 P_ik ~ the row's loss, so W fell below float16's subnormals and the rounding compensation put all of

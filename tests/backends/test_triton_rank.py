@@ -1,6 +1,6 @@
 """A distributed rank's op on Triton (``hnclip::triton_rank_nll``): both directions of the
 rank's M local rows against the N gathered columns in one walk, the margin's t tᵀ_all formed
-once per tile for both (issue 16, item 3).
+once per tile for both.
 
 * Against the two directional ops it replaces (what the distributed loss ran before): every
   value and gradient identical to the bit under the interpreter's launch, over dtypes, γ, ε,

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import copy
 import functools
-import multiprocessing as mp
 import os
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 
-from helpers import collect_rank_reports, rel_err
+from helpers import rel_err, spawn_gloo_ranks
 from hnclip_kernels import HNClipLoss, chunked, chunked_encode, chunked_features
 from hnclip_kernels.sharding import unsqueeze_scalar_parameters
 
@@ -529,22 +526,11 @@ def _hf_wrapped(rank, world, report, out_dir):
                     model.save_pretrained(out_dir, state_dict=squeeze_scalar_parameters(state, names))
 
 
-def _worker(rank, world, init_method, out_dir, q):
-    try:
-        torch.set_num_threads(1)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        torch.distributed.init_process_group(
-            "gloo", init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=60)
-        )
-        report = {}
-        _ddp_open_clip(rank, world, report)
-        _hf_wrapped(rank, world, report, out_dir)
-        q.put((rank, report, None))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        q.put((rank, None, traceback.format_exc()))
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+def _rank(rank, world, out_dir):
+    report = {}
+    _ddp_open_clip(rank, world, report)
+    _hf_wrapped(rank, world, report, out_dir)
+    return report
 
 
 def _as_torch(report):
@@ -555,23 +541,15 @@ def test_two_gloo_ranks_ddp_and_fsdp2(tmp_path):
     """2 ranks of 6 and 5 pairs, local_loss + gather_with_grad: chunked = unchunked = one process on all 11,
     for open_clip under DDP (each bucket all-reduced once a step, as unchunked) and CLIPModel under DDP
     and FSDP2; the FSDP2 model's trained logit_scale round-trips save_pretrained / from_pretrained."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     saved = tmp_path / "fsdp2_clip"
-    procs = [ctx.Process(target=_worker, args=(r, 2, f"file://{tmp_path / 'pg'}", str(saved), q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = collect_rank_reports(q, procs, 2, 240)
-    assert sorted(results) == [0, 1], f"ranks reported: {sorted(results)} (hang or crash)"
-    for rank, (_, tb) in results.items():
-        assert tb is None, f"rank {rank}:\n{tb}"
+    reports = spawn_gloo_ranks(_rank, tmp_path, str(saved), timeout=240)
     images, texts = oc_batch()
     _, oc_single = oc_step(oc_model(dropout=False), images, texts, None)
     hf_single_model = hf_model(dropout=False)
     unsqueeze_scalar_parameters(hf_single_model)
     _, hf_single = hf_step(hf_single_model, hf_batch(), None)
     for rank in (0, 1):
-        report = results[rank][0]
+        report = reports[rank]
         assert report["oc_chunked_allreduces"] == report["oc_unchunked_allreduces"]
         assert len(set(report["oc_chunked_allreduces"])) == len(report["oc_chunked_allreduces"]) >= 1
         for name in ("unchunked", "chunked"):
@@ -581,9 +559,9 @@ def test_two_gloo_ranks_ddp_and_fsdp2(tmp_path):
     # the trained (1,) logit_scale, saved 0-dim, loads into the unmodified CLIPModel bit for bit
     from transformers import CLIPModel
 
-    assert "full_state_dict=True" in results[0][0]["sharded_state_error"]
-    trained = results[0][0]["fsdp2_trained_scale"]
-    assert trained.tobytes() == results[1][0]["fsdp2_trained_scale"].tobytes()
+    assert "full_state_dict=True" in reports[0]["sharded_state_error"]
+    trained = reports[0]["fsdp2_trained_scale"]
+    assert trained.tobytes() == reports[1]["fsdp2_trained_scale"].tobytes()
     assert trained.item() != hf_model(dropout=False).logit_scale.item()
     back = CLIPModel.from_pretrained(str(saved)).logit_scale.detach()
     assert back.shape == () and back.numpy().tobytes() == trained.tobytes()

@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import multiprocessing as mp
 import os
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 
-from helpers import collect_rank_reports
+from helpers import spawn_gloo_ranks
 from hnclip_kernels import HNClipLoss
 from hnclip_kernels.sharding import squeeze_scalar_parameters, unsqueeze_scalar_parameters
 from test_chunked import SIZES, C, assert_worst, groups, hf_batch, hf_model, hf_step, oc_batch, oc_model, oc_step
@@ -99,50 +96,32 @@ def _run(deepspeed, stage, kind, chunk, rank, world, out_dir):
     return losses, grads, scale, saved
 
 
-def _worker(rank, world, init_method, out_dir, q):
-    try:
-        os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank))  # deepspeed.initialize reads LOCAL_RANK
-        torch.set_num_threads(1)
-        torch.distributed.init_process_group(
-            "gloo", init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=120)
-        )
-        import deepspeed
-        import deepspeed.ops
+def _rank(rank, world, out_dir):
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank))  # deepspeed.initialize reads LOCAL_RANK
+    import deepspeed
+    import deepspeed.ops
 
-        # the shared-memory all-reduce DeepSpeed JIT-compiles on CPU serves inference_all_reduce only,
-        # not training (1-2 minutes of g++ in a fresh environment): left out
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(dist_backend="gloo")
-        report = {}
-        for stage in (2, 3):
-            for kind in ("oc", "hf"):
-                for name, chunk in (("unchunked", None), ("chunked", C)):
-                    losses, grads, scale, saved = _run(deepspeed, stage, kind, chunk, rank, world, out_dir)
-                    report[(stage, kind, name)] = dict(
-                        losses=losses,
-                        grads={k: {n: g.numpy() for n, g in v.items()} for k, v in grads.items()},
-                        scale=scale.numpy(),
-                        saved=None if saved is None else saved.numpy(),
-                    )
-        q.put((rank, report, None))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        q.put((rank, None, traceback.format_exc()))
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    # the shared-memory all-reduce DeepSpeed JIT-compiles on CPU serves inference_all_reduce only,
+    # not training (1-2 minutes of g++ in a fresh environment): left out
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    report = {}
+    for stage in (2, 3):
+        for kind in ("oc", "hf"):
+            for name, chunk in (("unchunked", None), ("chunked", C)):
+                losses, grads, scale, saved = _run(deepspeed, stage, kind, chunk, rank, world, out_dir)
+                report[(stage, kind, name)] = dict(
+                    losses=losses,
+                    grads={k: {n: g.numpy() for n, g in v.items()} for k, v in grads.items()},
+                    scale=scale.numpy(),
+                    saved=None if saved is None else saved.numpy(),
+                )
+    return report
 
 
 def test_zero_2_and_3_chunked_equal_unchunked_and_one_process(tmp_path):
     transformers = pytest.importorskip("transformers")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, f"file://{tmp_path / 'pg'}", str(tmp_path), q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = collect_rank_reports(q, procs, 2, 300)
-    assert sorted(results) == [0, 1], f"ranks reported: {sorted(results)} (hang or crash)"
-    for rank, (_, tb) in results.items():
-        assert tb is None, f"rank {rank}:\n{tb}"
+    reports = spawn_gloo_ranks(_rank, tmp_path, str(tmp_path), timeout=300, pg_timeout_s=120)
 
     single = {}  # one process on all 11 pairs
     oc, hf = oc_model(dropout=False), hf_model(dropout=False)
@@ -150,7 +129,7 @@ def test_zero_2_and_3_chunked_equal_unchunked_and_one_process(tmp_path):
     _, single["oc"] = oc_step(oc, *oc_batch(), None)
     _, single["hf"] = hf_step(hf, hf_batch(), None)
     for rank in (0, 1):
-        report = results[rank][0]
+        report = reports[rank]
         for stage in (2, 3):
             for kind in ("oc", "hf"):
                 plain, chunked = report[(stage, kind, "unchunked")], report[(stage, kind, "chunked")]
@@ -164,7 +143,7 @@ def test_zero_2_and_3_chunked_equal_unchunked_and_one_process(tmp_path):
                 assert_worst(plain_grads, single[kind])
                 assert_worst(chunked_grads, single[kind])
     for stage in (2, 3):  # the trained scale, saved 0-dim, loads bit for bit into the unmodified models
-        oc_run, hf_run = (results[0][0][(stage, kind, "chunked")] for kind in ("oc", "hf"))
+        oc_run, hf_run = (reports[0][(stage, kind, "chunked")] for kind in ("oc", "hf"))
         assert oc_run["saved"].shape == () and oc_run["saved"].tobytes() == oc_run["scale"].tobytes()
         back = transformers.CLIPModel.from_pretrained(str(tmp_path / f"zero{stage}")).logit_scale.detach()
         assert back.shape == () and back.numpy().tobytes() == hf_run["scale"].tobytes()

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import copy
 import math
-import multiprocessing as mp
-import os
 import sys
-import traceback
 import warnings
-from datetime import timedelta
 
 import pytest
 import torch
@@ -22,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import collect_rank_reports, hn_clip_loss_f64, rel_err  # noqa: E402
+from helpers import hn_clip_loss_f64, rel_err, spawn_gloo_ranks  # noqa: E402
 from hnclip_kernels import HNClipLoss  # noqa: E402
 from hnclip_kernels.backends import cpp_directional  # noqa: E402
 from hnclip_kernels.integrations.transformers import HNClipTrainer, clip_model_loss  # noqa: E402
@@ -387,42 +383,21 @@ def test_evaluation_labels_count_every_ranks_pairs(tmp_path, monkeypatch):
 SIZES = (5, 6)  # unequal local batches: the global batch is the N = 11 of the tests above
 
 
-def _worker(rank, world, init_method, q):
-    try:
-        torch.set_num_threads(1)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        torch.distributed.init_process_group(
-            "gloo", init_method=init_method, rank=rank, world_size=world, timeout=timedelta(seconds=60)
-        )
-        ddp = torch.nn.parallel.DistributedDataParallel(tiny_model())  # the wrapper path of clip_model_loss
-        ids, pixels, mask = batch()
-        rows = slice(sum(SIZES[:rank]), sum(SIZES[: rank + 1]))
-        loss = clip_model_loss(ddp, ids[rows], pixels[rows], mask[rows], gamma=0.5, label_smoothing=0.1)
-        loss.backward()  # DDP averages the gradients over the two ranks
-        # numpy arrays travel by value (a tensor would be shared memory that dies with this process)
-        q.put((rank, loss.item(), {k: g.numpy() for k, g in grads(ddp.module).items()}, None))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        q.put((rank, None, None, traceback.format_exc()))
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+def _rank(rank, world):
+    ddp = torch.nn.parallel.DistributedDataParallel(tiny_model())  # the wrapper path of clip_model_loss
+    ids, pixels, mask = batch()
+    rows = slice(sum(SIZES[:rank]), sum(SIZES[: rank + 1]))
+    loss = clip_model_loss(ddp, ids[rows], pixels[rows], mask[rows], gamma=0.5, label_smoothing=0.1)
+    loss.backward()  # DDP averages the gradients over the two ranks
+    return loss.item(), {k: g.numpy() for k, g in grads(ddp.module).items()}
 
 
 def test_two_gloo_processes_equal_the_global_batch(tmp_path):
     """2 ranks of 5 and 6 pairs under DDP: mean loss and averaged gradients = one process on all 11."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    init = f"file://{tmp_path / 'pg'}"
-    procs = [ctx.Process(target=_worker, args=(r, 2, init, q)) for r in range(2)]
-    for p in procs:
-        p.start()
     results = {
-        rank: (loss, None if grad is None else {k: torch.from_numpy(g) for k, g in grad.items()}, tb)
-        for rank, (loss, grad, tb) in collect_rank_reports(q, procs, 2, 120).items()
+        rank: (loss, {k: torch.from_numpy(g) for k, g in grad.items()})
+        for rank, (loss, grad) in spawn_gloo_ranks(_rank, tmp_path, timeout=120).items()
     }
-    assert sorted(results) == [0, 1], f"ranks reported: {sorted(results)} (hang or crash)"
-    for rank, (_, _, tb) in results.items():
-        assert tb is None, f"rank {rank}:\n{tb}"
     model = tiny_model()
     expected = clip_model_loss(model, *batch(), gamma=0.5, label_smoothing=0.1)
     expected.backward()
