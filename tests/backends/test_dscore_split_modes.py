@@ -23,8 +23,9 @@ import torch
 
 from hnclip_kernels.backends import epilogue
 from hnclip_kernels.backends.triton import config as cfg
-from hnclip_kernels.backends.triton.dscore import _dscore_kernel
-from hnclip_kernels.backends.triton.round16 import _round16_kernel
+from hnclip_kernels.backends.triton.dscore import _dscore_kernel, dscore_args
+from hnclip_kernels.backends.triton.params import Scalars
+from hnclip_kernels.backends.triton.round16 import _round16_kernel, round16_args
 from hnclip_kernels.backends.triton.scales import fit16
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter checks (CPU tensors)")
@@ -66,12 +67,10 @@ def _stage(dtype):
     w = torch.full((M * N,), float("nan"))
     res_r = torch.full(((N // SLICE) * M,), float("nan")) if round16 else None
     res_c = torch.full(((M // SLICE) * N,), float("nan")) if round16 else None
-    inv_tau, gamma32 = 1.0 / torch.tensor([TAU]), torch.tensor([GAMMA])
-    rows = (*ops, *[s for x in ops for s in x.stride()], *norms, pos, nll, grad)
-    outputs = (w, N, res_r, M, res_c, N)  # the chunk buffers and their row strides
-    args = (*rows, inv_tau, gamma32, a, b, None, None, *outputs, 0, M, 0, N, D, OFFSET)
+    sc = Scalars(1.0 / torch.tensor([TAU]), torch.tensor([GAMMA]), None, True, False, "ieee")
+    args = dscore_args(ops, (*norms, pos, nll, grad, a, b, None), sc, (w, res_r, res_c), (0, M, 0, N, D, OFFSET))
     _dscore_kernel[(M // TILE, N // TILE)](
-        *args, HAS_MARGIN=True, PREC="ieee", SLICE=SLICE, BLOCK_M=TILE, BLOCK_N=TILE, BLOCK_K=TILE,
+        **args, HAS_MARGIN=True, PREC="ieee", SLICE=SLICE, BLOCK_M=TILE, BLOCK_N=TILE, BLOCK_K=TILE,
         num_warps=1, num_stages=1,
     )  # fmt: skip
     maxima = (res_r.view(N // SLICE, M), res_c.view(M // SLICE, N)) if round16 else None
@@ -85,7 +84,7 @@ def _round(w32, a, b, rows: bool, tail: bool):
     lo = torch.empty_like(head) if tail else None
     res = torch.full(((N // SLICE) * M if rows else (M // SLICE) * N,), float("nan"))
     _round16_kernel[(M // TILE, N // TILE)](
-        w32.reshape(-1), a, b, line, head, lo, res, M, N, M if rows else N,
+        **round16_args(rows, (w32.reshape(-1), (a, b), line), (head, lo, res), (M, N)),
         ROWS=rows, SLICE=SLICE, BLOCK_M=TILE, BLOCK_N=TILE, num_warps=1, num_stages=1,
     )  # fmt: skip
     res = res.view(N // SLICE, M) if rows else res.view(M // SLICE, N)

@@ -4,7 +4,7 @@ Each walk launches a dS kernel (:mod:`.dscore`) per chunk, which writes W = diag
 in float32 (scales: :mod:`.scales`), and multiplies it by the features in torch GEMMs (two per
 chunk for float32 and bf16 features, four, head and tail, for fp16), accumulated in float32 over
 the chunks. For 16-bit features each GEMM reads a float16 rounding of the chunk with each of its
-output lines' own power of two (:mod:`.round16`, ``_rounded_products``), divided back out per
+output lines' own power of two (:mod:`.round16`, ``_add_products``), divided back out per
 line. The epilogue divides the scales back out and adds the rounding compensation
 (``epilogue.add_rounding_compensation``).
 
@@ -31,7 +31,6 @@ from ...numerics import autocast_disabled, ieee_float32
 from .. import epilogue
 from . import config as cfg
 from .dscore import launch_dscore, launch_dscore_pair, launch_dscore_rank
-from .launch import strides
 from .params import Scalars
 from .round16 import launch_round16
 from .scales import fit16, to_f16, w_scales
@@ -54,20 +53,14 @@ def directional_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=No
     q, k, _, _ = ops
     s = None if shifts is None else shifts[0]
     round16, tail = _modes(q)
-    scales = [w_scales(q, k, norms[0], norms[1], (g,), round16, tail)]
+    scale = w_scales(q, k, norms[0], norms[1], (g,), round16, tail)
     lse, weight = epilogue.row_factors(stats, g, shifted=s is not None)  # g_i P_ik = exp(d_ik − lse_i) weight_i
+    per_row = (*norms, stats.pos, lse, weight, scale.a, scale.b, s)  # every chunk's alike
 
-    # the kernel's argument groups that every chunk shares
-    rows = (*ops, *strides(*ops), *norms, stats.pos, lse, weight)
-    scalars_and_scales = (sc.inv_tau, sc.gamma, scales[0].a, scales[0].b, sc.thr, s)
+    def launch_chunk(bounds, buffers):
+        launch_dscore(sc, ops, per_row, buffers, (*bounds, q.shape[1], offset))
 
-    def launch_chunk(row0, row_end, col0, col_end, w, res_r, res_c):
-        r, c = row_end - row0, col_end - col0
-        outputs = (w, c, res_r, r, res_c, c)  # the chunk buffers and their row strides
-        args = (*rows, *scalars_and_scales, *outputs, row0, row_end, col0, col_end, q.shape[1], offset)
-        launch_dscore(sc, q.element_size(), r, c, args)
-
-    ((d_q, d_k),) = _walk(((q, k, norms[0], norms[1]),), scales, offset, launch_chunk)
+    ((d_q, d_k),) = _walk(((q, k, norms[0], norms[1]),), [scale], offset, launch_chunk)
     return d_q, d_k
 
 
@@ -91,17 +84,13 @@ def rank_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=None):
     round16, tail = _modes(v)
     scales = [w_scales(*d, (g,), round16, tail) for d in dirs]  # the rows' upstream gradient bounds |dS|
     a, b = torch.cat([x.a for x in scales]), torch.cat([x.b for x in scales])
+    per_row = (*norms, pos, lse, weight, a, b, s)  # every chunk's alike
 
-    rows = (*ops, *strides(*ops), *norms, pos, lse, weight)  # the kernel's argument groups that every chunk shares
-    scalars_and_scales = (sc.inv_tau, sc.gamma, a, b, sc.thr, s)
-
-    def launch_chunk(row0, row_end, col0, col_end, w, res_r, res_c):
-        r, c = row_end - row0, col_end - col0
+    def launch_chunk(bounds, buffers):
+        r, c = bounds[1] - bounds[0], bounds[3] - bounds[2]
         row_slices, col_slices = triton.cdiv(r, cfg.RESIDUAL_SLICE), triton.cdiv(c, cfg.RESIDUAL_SLICE)
         second = (r * c, col_slices * r, row_slices * c) if round16 else (r * c, 0, 0)  # the t2i W and its maxima
-        shapes = (m, n, row0, row_end, col0, col_end, v.shape[1], offset)
-        args = (*rows, *scalars_and_scales, w, res_r, res_c, *second, *shapes)
-        launch_dscore_rank(sc, v.element_size(), r, c, args)
+        launch_dscore_rank(sc, ops, per_row, (*buffers, second), (m, n, *bounds, v.shape[1], offset))
 
     return _walk(dirs, scales, offset, launch_chunk)
 
@@ -109,29 +98,28 @@ def rank_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=None):
 def _walk(dirs, scales, offset: int, launch_chunk):
     """The chunk walk of the directional op (one direction) and of a rank's pair (two): ``dirs``
     holds each direction's (rows q (M, D), columns k (N, D), their inverse norms), ``scales``
-    each one's :func:`.scales.w_scales`; ``launch_chunk(row0, row_end, col0, col_end, w, res_r,
-    res_c)`` writes every direction's W of one chunk into its fresh buffers (direction i's at
+    each one's :func:`.scales.w_scales`; ``launch_chunk((row0, row_end, col0, col_end), (w, res_r,
+    res_c))`` writes every direction's W of one chunk into its fresh buffers (direction i's at
     i·R·C, its slice maxima likewise). Chunks of ``cfg.chunk_shape(M, N)``, row blocks outer; per
     direction two GEMMs a chunk (four with fp16's tail), accumulated in chunk order. Returns each
     direction's (d_q, d_k), scaled back, with the rounding compensation."""
     q0 = dirs[0][0]
     m, n, dev = q0.shape[0], dirs[0][1].shape[0], q0.device
     round16, tail = _modes(q0)
-    rows, cols = cfg.chunk_shape(m, n, dtype=q0.dtype)
-    n_dirs, col_chunks = len(dirs), triton.cdiv(n, cols)
+    chunk_rows, chunk_cols = cfg.chunk_shape(m, n, dtype=q0.dtype)
+    n_dirs, col_chunks = len(dirs), triton.cdiv(n, chunk_cols)
     d_q_parts, rho_parts = [[] for _ in dirs], [[] for _ in dirs]
     d_k_parts, sigma_parts = [[None] * col_chunks for _ in dirs], [[None] * col_chunks for _ in dirs]
     # the GEMMs accumulate in float32 whatever autocast region the backward runs in
     with ieee_float32(dev), autocast_disabled(dev):
-        for row0 in range(0, m, rows):
-            row_end = min(row0 + rows, m)
+        for row0 in range(0, m, chunk_rows):
+            row_end = min(row0 + chunk_rows, m)
             acc_q, rho = [None] * n_dirs, [None] * n_dirs
             q_rows = [
-                _rows(q, row0, row_end) if sc.f16 is None else to_f16(_rows(q, row0, row_end), sc.f16[0][row0:row_end])
-                for (q, _, _, _), sc in zip(dirs, scales)
+                _operand(q, row0, row_end, None if x.f16 is None else x.f16.q) for (q, *_), x in zip(dirs, scales)
             ]
-            for j, col0 in enumerate(range(0, n, cols)):
-                col_end = min(col0 + cols, n)
+            for j, col0 in enumerate(range(0, n, chunk_cols)):
+                col_end = min(col0 + chunk_cols, n)
                 r, c = row_end - row0, col_end - col0
                 row_slices, col_slices = triton.cdiv(r, cfg.RESIDUAL_SLICE), triton.cdiv(c, cfg.RESIDUAL_SLICE)
                 # a fresh workspace per chunk, the previous one freed first (the allocator hands its
@@ -140,27 +128,21 @@ def _walk(dirs, scales, offset: int, launch_chunk):
                 w, res_r, res_c = _w_buffers(
                     n_dirs * r * c, n_dirs * col_slices * r, n_dirs * row_slices * c, round16, dev
                 )
-                launch_chunk(row0, row_end, col0, col_end, w, res_r, res_c)
+                launch_chunk((row0, row_end, col0, col_end), (w, res_r, res_c))
                 stage = _stage_buffers(r * c, round16, tail, dev)
-                for i, (_, k, _, _) in enumerate(dirs):
-                    k_cols = _rows(k, col0, col_end)
-                    if scales[i].f16 is not None:
-                        k_cols = to_f16(k_cols, scales[i].f16[1][col0:col_end])  # this column block's float16 copy
-                    w_i = w[i * r * c : (i + 1) * r * c]
-                    if not round16:
-                        acc_q[i] = _mm(w_i.view(r, c), k_cols, acc_q[i])
-                        d_k_parts[i][j] = _mm(w_i.view(r, c).t(), q_rows[i], d_k_parts[i][j])
-                        del k_cols, w_i  # views: they would keep this chunk's buffers alive
-                        continue
-                    maxima = (
-                        res_r[i * col_slices * r : (i + 1) * col_slices * r].view(col_slices, r),
-                        res_c[i * row_slices * c : (i + 1) * row_slices * c].view(row_slices, c),
+                for i, ((_, k, _, _), x) in enumerate(zip(dirs, scales)):
+                    # this column block's k as the GEMMs read it (bf16: its float16 copy), direction i's W
+                    rounding = None
+                    if round16:
+                        at = (i * col_slices * r, i * row_slices * c)
+                        rounding = (res_r, res_c, at, (x.a[row0:row_end], x.b[col0:col_end]), stage)
+                    acc_q[i], d_k_parts[i][j], rho[i], sigma_parts[i][j] = _add_products(
+                        (acc_q[i], d_k_parts[i][j], rho[i], sigma_parts[i][j]),
+                        w[i * r * c : (i + 1) * r * c],
+                        (q_rows[i], _operand(k, col0, col_end, None if x.f16 is None else x.f16.k)),
+                        rounding,
                     )
-                    line_scales = (scales[i].a[row0:row_end], scales[i].b[col0:col_end])
-                    d_q, d_k, rho_i, sigma_i = _rounded_products(w_i, line_scales, maxima, (q_rows[i], k_cols), stage)
-                    acc_q[i], rho[i] = _add(acc_q[i], d_q), _add(rho[i], rho_i)  # over chunks in chunk order
-                    d_k_parts[i][j], sigma_parts[i][j] = _add(d_k_parts[i][j], d_k), _add(sigma_parts[i][j], sigma_i)
-                    del k_cols, w_i, maxima  # views: they would keep this chunk's buffers alive
+                    del rounding  # it holds this chunk's buffers
                 del w, res_r, res_c, stage  # one chunk alive at a time
             del q_rows
             for i in range(n_dirs):
@@ -178,23 +160,43 @@ def _walk(dirs, scales, offset: int, launch_chunk):
     return out
 
 
-def _rounded_products(w32, line_scales, maxima, features, stage):
-    """One staged R × C float32 W (``w32``, W's scales ``line_scales`` = (a over its rows, b over its
-    columns)) rounded to float16 twice (:mod:`.round16`) and multiplied: (W̃_rows · k (R, D) and
-    W̃_colsᵀ · q (C, D), each line divided by its own power of two, so in W's units; ρ (R) and σ (C)
-    the residuals' line sums). ``maxima`` = (|W|'s row slice maxima (⌈C / SLICE⌉, R), column slice
-    maxima (⌈R / SLICE⌉, C)), overwritten by the residuals' slice sums; ``features`` = (q rows
-    (R, D), k columns (C, D)) as the GEMMs read them; ``stage`` = (W̃, W̃_lo or None), R·C float16."""
-    row_max, col_max = maxima
+def _add_products(acc, w, features, rounding):
+    """``acc`` plus the products of one R × C buffer ``w`` of W (flat, row-major): ``acc`` = (the
+    rows' shares (R, D), the columns' (C, D), ρ (R), σ (C)), None where nothing was added yet;
+    ``features`` = (the rows' q (R, D), the columns' k (C, D)) as the GEMMs read them.
+
+    float32 (``rounding`` None): W · k and Wᵀ · q added by ``torch.addmm``, the rows' first.
+    16-bit: ``rounding`` = (res_r, res_c, (this buffer's row maxima's offset in res_r, its column
+    maxima's in res_c), W's scales (a over its rows, b over its columns), the stage (W̃, W̃_lo or
+    None), R·C float16). The staged float32 W is rounded to float16 twice (:mod:`.round16`), with
+    each row's and then each column's own power of two, and multiplied: W̃_rows · k and W̃_colsᵀ · q,
+    each line divided by its own power of two (so in W's units); |W|'s row slice maxima (⌈C /
+    SLICE⌉, R) and column ones (⌈R / SLICE⌉, C) are overwritten by the residuals' slice sums,
+    whose line sums add to ρ and σ. (One function, not two: ``triton_op`` follows calls at most
+    5 deep from the operator body to find ``launch_round16``.)"""
+    d_q, d_k, rho, sigma = acc
     q, k = features
-    r, c = row_max.shape[1], col_max.shape[1]
+    r, c = q.shape[0], k.shape[0]
+    if rounding is None:
+        return _mm(w.view(r, c), k, d_q), _mm(w.view(r, c).t(), q, d_k), rho, sigma
+    res_r, res_c, (at_r, at_c), line_scales, stage = rounding
+    row_slices, col_slices = triton.cdiv(r, cfg.RESIDUAL_SLICE), triton.cdiv(c, cfg.RESIDUAL_SLICE)
+    row_max = res_r[at_r : at_r + col_slices * r].view(col_slices, r)
+    col_max = res_c[at_c : at_c + row_slices * c].view(row_slices, c)
     row_scale, col_scale = fit16(row_max.amax(0)), fit16(col_max.amax(0))
-    launch_round16(True, w32, line_scales, row_scale, (*stage, row_max), (r, c))
-    d_q = _products(stage, (r, c), k, transpose=False).div_(row_scale[:, None])
-    rho = row_max.sum(0)  # slice sums merged in a fixed order
-    launch_round16(False, w32, line_scales, col_scale, (*stage, col_max), (r, c))
-    d_k = _products(stage, (r, c), q, transpose=True).div_(col_scale[:, None])
-    return d_q, d_k, rho, col_max.sum(0)
+    launch_round16(True, w, line_scales, row_scale, (*stage, row_max), (r, c))
+    d_q = _add(d_q, _products(stage, (r, c), k, transpose=False).div_(row_scale[:, None]))
+    rho = _add(rho, row_max.sum(0))  # slice sums merged in a fixed order; over chunks in chunk order
+    launch_round16(False, w, line_scales, col_scale, (*stage, col_max), (r, c))
+    d_k = _add(d_k, _products(stage, (r, c), q, transpose=True).div_(col_scale[:, None]))
+    return d_q, d_k, rho, _add(sigma, col_max.sum(0))
+
+
+def _operand(x: torch.Tensor, start: int, end: int, f16_scale) -> torch.Tensor:
+    """x's rows [start, end) as the GEMMs read them: as they are, or (bf16, ``f16_scale`` the
+    :class:`.scales.F16Scales` part of x) their exact float16 copy, a workspace buffer."""
+    rows = _rows(x, start, end)
+    return rows if f16_scale is None else to_f16(rows, f16_scale[start:end])
 
 
 def _products(stage, shape, x: torch.Tensor, transpose: bool) -> torch.Tensor:
@@ -211,47 +213,29 @@ def _add(acc, x):
     return x if acc is None else acc + x
 
 
-def symmetric_shares(ops, norms, rows, cols, sc: Scalars, shifts=None):
+def symmetric_shares(ops, norms, i2t, t2i, sc: Scalars, shifts=None):
     """The single-process loss's negatives' shares (times τ), float32: dL/dv̂ (N, D) and dL/dt̂ (N, D)
     of both directions at once (M = N, offset 0).
 
-    ``ops`` = (v, t), ``norms`` their inverse norms; ``rows`` = (i2t statistics, g),
-    ``cols`` = (t2i statistics, g'), each direction's upstream gradient; ``sc`` as
+    ``ops`` = (v, t), ``norms`` their inverse norms; ``i2t`` = (the rows' statistics, g),
+    ``t2i`` = (the columns' statistics, g'), each direction's upstream gradient; ``sc`` as
     :func:`directional_shares`; ``shifts`` = (the rows' ε/n_i, the columns') or None. Square
     chunks (``cfg.chunk_shape(square=True)``), pairs (a, b ≥ a) in order
     (``_dscore_pair_kernel``): a pair b > a writes W_ab and W_ba from the same tile pairs, a
     diagonal pair W_aa; then the GEMMs of each buffer, accumulated per chunk in pair order."""
-    (stats, g), (_, g_c) = rows, cols
+    (stats, g), (_, g_c) = i2t, t2i
     v, t = ops
-    n, d = v.shape
-    s = (None, None) if shifts is None else shifts
+    s, s_c = (None, None) if shifts is None else shifts
     # g_i P_ik = exp(d_ik − lse_i) weight_i for each direction's rows
-    (lse, weight), (lse_c, weight_c) = (epilogue.row_factors(x, y, shifted=shifts is not None) for x, y in (rows, cols))
+    (lse, weight), (lse_c, weight_c) = (epilogue.row_factors(x, y, shifted=shifts is not None) for x, y in (i2t, t2i))
     round16, tail = _modes(v)
     scales = w_scales(v, t, norms[0], norms[1], (g, g_c), round16, tail)
-    side, _ = cfg.chunk_shape(n, n, square=True, dtype=v.dtype)
-    bounds = [(c0, min(c0 + side, n)) for c0 in range(0, n, side)]
-    parts = PairParts(*([None] * len(bounds) for _ in range(4)))
-    dev = v.device
+    per_row = (*norms, stats.pos, lse, weight, lse_c, weight_c, scales.a, scales.b, s, s_c)  # every pair's alike
 
-    def copies(start, end):  # the features of one chunk: float16 copies for bf16 (exact, see scales)
-        vr, tr = _rows(v, start, end), _rows(t, start, end)
-        if scales.f16 is None:
-            return vr, tr
-        return to_f16(vr, scales.f16[0][start:end]), to_f16(tr, scales.f16[1][start:end])
+    def launch_pair(bounds, outputs):
+        launch_dscore_pair(sc, ops, per_row, outputs, (*bounds, v.shape[1]))
 
-    # the kernel's argument groups that every chunk pair shares
-    row_args = (v, t, *strides(v, t), *norms, stats.pos, lse, weight, sc.inv_tau, sc.gamma)
-    columns_and_scales = (lse_c, weight_c, scales.a, scales.b, sc.thr, s[0], s[1])
-    with ieee_float32(dev), autocast_disabled(dev):
-        for ia, (row0, row_end) in enumerate(bounds):
-            chunk_a = (ia, row0, row_end, *copies(row0, row_end))
-            for ib in range(ia, len(bounds)):
-                col0, col_end = bounds[ib]
-                chunk_b = (ib, col0, col_end, *copies(col0, col_end)) if ib > ia else chunk_a
-                _chunk_pair(chunk_a, chunk_b, (row_args, columns_and_scales, d), sc, scales, parts, round16, tail)
-                del chunk_b  # one chunk pair alive at a time
-            del chunk_a
+    parts = _pair_walk(ops, scales, launch_pair, round16, tail)
     d_v, d_t = _cat(parts.d_q).div_(scales.rq[:, None]), _cat(parts.d_k).div_(scales.rk[:, None])
     if round16:
         epilogue.add_rounding_compensation(d_v, d_t, _cat(parts.rho), _cat(parts.sigma), v, t, norms[0], norms[1], 0)
@@ -268,14 +252,38 @@ class PairParts(NamedTuple):
     sigma: list
 
 
-def _chunk_pair(chunk_a, chunk_b, args, sc: Scalars, scales, parts: PairParts, round16: bool, tail: bool):
-    """One chunk pair (a, b ≥ a) of :func:`symmetric_shares`: ``chunk_*`` = (index, first row, end,
-    v rows, t rows (float16 copies for bf16)); ``args`` = (the row groups, the columns' groups and
-    scales, D) of ``_dscore_pair_kernel``. Writes W_ab (and for b > a W_ba) and adds each buffer's
-    GEMMs to ``parts``, in pair order."""
+def _pair_walk(ops, scales, launch_pair, round16: bool, tail: bool) -> PairParts:
+    """The chunk pairs (a, b ≥ a) of :func:`symmetric_shares` in order over square chunks of
+    ``cfg.chunk_shape(N, N, square=True)``: ``launch_pair((row0, row_end, col0, col_end), (w,
+    res_r, res_c, mirror offsets))`` writes a pair's W (``_chunk_pair``)."""
+    v, t = ops
+    n, dev = v.shape[0], v.device
+    side, _ = cfg.chunk_shape(n, n, square=True, dtype=v.dtype)
+    bounds = [(c0, min(c0 + side, n)) for c0 in range(0, n, side)]
+    parts = PairParts(*([None] * len(bounds) for _ in range(4)))
+    s_v, s_t = (None, None) if scales.f16 is None else (scales.f16.q, scales.f16.k)
+
+    def copies(start, end):  # the features of one chunk: float16 copies for bf16 (exact, see scales)
+        return _operand(v, start, end, s_v), _operand(t, start, end, s_t)
+
+    with ieee_float32(dev), autocast_disabled(dev):
+        for ia, (row0, row_end) in enumerate(bounds):
+            chunk_a = (ia, row0, row_end, *copies(row0, row_end))
+            for ib in range(ia, len(bounds)):
+                col0, col_end = bounds[ib]
+                chunk_b = (ib, col0, col_end, *copies(col0, col_end)) if ib > ia else chunk_a
+                _chunk_pair(chunk_a, chunk_b, launch_pair, scales, parts, round16, tail)
+                del chunk_b  # one chunk pair alive at a time
+            del chunk_a
+    return parts
+
+
+def _chunk_pair(chunk_a, chunk_b, launch_pair, scales, parts: PairParts, round16: bool, tail: bool):
+    """One chunk pair (a, b ≥ a) of :func:`_pair_walk`: ``chunk_*`` = (index, first row, end,
+    v rows, t rows (float16 copies for bf16)). Writes W_ab (and for b > a W_ba) and adds each
+    buffer's GEMMs to ``parts``, in pair order."""
     ia, row0, row_end, q_a, k_a = chunk_a
     ib, col0, col_end, q_b, k_b = chunk_b
-    row_args, columns_and_scales, d = args
     r, c, pair = row_end - row0, col_end - col0, ib > ia
     row_slices, col_slices = (
         (triton.cdiv(r, cfg.RESIDUAL_SLICE), triton.cdiv(c, cfg.RESIDUAL_SLICE)) if round16 else (0, 0)
@@ -290,36 +298,19 @@ def _chunk_pair(chunk_a, chunk_b, args, sc: Scalars, scales, parts: PairParts, r
         dev=q_a.device,
     )
     mirror = (r * c, col_slices * r, row_slices * c) if pair else (0, 0, 0)
-    launch_dscore_pair(
-        sc,
-        q_a.element_size(),
-        r,
-        c,
-        (*row_args, *columns_and_scales, w, res_r, res_c, *mirror, row0, row_end, col0, col_end, d),
-    )
-    # (rows chunk, columns chunk, W, its rows' q, its columns' k, the maxima's slices): W_ab, then W_ba
-    buffers = [(ia, ib, row0, row_end, col0, col_end, w[: r * c], q_a, k_b, (col_slices, r), (row_slices, c), 0, 0)]
-    if pair:
-        rest = (col_slices * r, row_slices * c)
-        buffers.append(
-            (ib, ia, col0, col_end, row0, row_end, w[r * c :], q_b, k_a, (row_slices, c), (col_slices, r), *rest)
-        )
+    launch_pair((row0, row_end, col0, col_end), (w, res_r, res_c, mirror))
     stage = _stage_buffers(r * c, round16, tail, q_a.device)
-    for i_rows, i_cols, lo_r, hi_r, lo_c, hi_c, w_x, q_x, k_x, rows_shape, cols_shape, at_r, at_c in buffers:
-        n_rows, n_cols = rows_shape[1], cols_shape[1]
-        if not round16:
-            parts.d_q[i_rows] = _mm(w_x.view(n_rows, n_cols), k_x, parts.d_q[i_rows])
-            parts.d_k[i_cols] = _mm(w_x.view(n_rows, n_cols).t(), q_x, parts.d_k[i_cols])
-            continue
-        maxima = (
-            res_r[at_r : at_r + rows_shape[0] * n_rows].view(rows_shape),
-            res_c[at_c : at_c + cols_shape[0] * n_cols].view(cols_shape),
+
+    def add(i_rows, i_cols, buffer, features, at, line_scales):  # one buffer's GEMMs into its chunks' parts
+        rounding = (res_r, res_c, at, line_scales, stage) if round16 else None
+        acc = (parts.d_q[i_rows], parts.d_k[i_cols], parts.rho[i_rows], parts.sigma[i_cols])
+        parts.d_q[i_rows], parts.d_k[i_cols], parts.rho[i_rows], parts.sigma[i_cols] = _add_products(
+            acc, buffer, features, rounding
         )
-        line_scales = (scales.a[lo_r:hi_r], scales.b[lo_c:hi_c])
-        d_q, d_k, rho, sigma = _rounded_products(w_x, line_scales, maxima, (q_x, k_x), stage)
-        parts.d_q[i_rows], parts.rho[i_rows] = _add(parts.d_q[i_rows], d_q), _add(parts.rho[i_rows], rho)
-        parts.d_k[i_cols], parts.sigma[i_cols] = _add(parts.d_k[i_cols], d_k), _add(parts.sigma[i_cols], sigma)
-    del w, res_r, res_c, stage, buffers
+
+    add(ia, ib, w[: r * c], (q_a, k_b), (0, 0), (scales.a[row0:row_end], scales.b[col0:col_end]))  # W_ab
+    if pair:  # W_ba: rows b, columns a
+        add(ib, ia, w[r * c :], (q_b, k_a), mirror[1:], (scales.a[col0:col_end], scales.b[row0:row_end]))
 
 
 def _w_buffers(w_len: int, res_r_len: int, res_c_len: int, round16: bool, dev):

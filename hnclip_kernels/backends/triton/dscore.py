@@ -1,41 +1,9 @@
-"""dS kernels: one chunk of W = diag(a) · dS · diag(b) at a time, with their tile stores.
-
-``_dscore_kernel`` forms each tile of Z once more and writes W = diag(a) · dS · diag(b)
-(dS = dL/dZ times τ, negatives only; a, b the inverse norms times exact powers of two) to the
-workspace in float32:
-
-* float32 features: the W the GEMMs read, IEEE-float32 GEMMs (TF32 off), 2 GEMMs a chunk.
-* 16-bit features (ROUND16): the staging W (its bound at 2¹⁰⁰, :mod:`.scales`) and |W|'s maxima
-  over each 32-column slice of a row and 32-row slice of a column; :mod:`.round16` rounds it to
-  float16 with each row's and each column's own power of two (bf16 one pass a side against exact
-  float16 copies of the features, 2 GEMMs a chunk; fp16 a head and a tail, 4 GEMMs), so no row
-  flushes for another row's size (docs/numerics.md). An entry whose e^x is a float32 subnormal
-  takes log|g| into the exponent there (``_weighted_exp``).
-
-The GEMMs are torch's (cuBLAS on CUDA, float32 results from 16-bit operands), accumulated over
-chunks; the O(N·D) epilogue divides the scales back out.
-
-The single-process loss walks chunk pairs instead (``_dscore_pair_kernel``), as the
-forward walks tile pairs: square chunks, pairs (a, b ≥ a); each program forms a tile Z_IJ of
-chunk (a, b) and its mirror Z_JIᵀ from 3 products sharing the margin's G_IJ = t_I t_Jᵀ
-(``tiles._pair_tiles``, 2 without the margin) and writes W_IJ into chunk buffer ab and W_JI into
-buffer ba; a diagonal chunk pairs its tiles across its diagonal super-tiles. dS with the margin
-then costs 1.5 products a logit away from the diagonal instead of 2, and two chunk buffers are
-alive at once (``workspace.backward_bytes``).
-
-Compensation (16-bit): the GEMMs see dS̃ (the rounded W over its scales), dS_ik = dS̃_ik + ε_ik dS_ik;
-the rounding kernel writes per row ρ_i = Σ_k ε_ik dS_ik from the exact per-element residuals, and
-the epilogue adds ρ_i k̂_p(i) (p(i) = offset + i the row's positive), so that
-    GEMM + ρ_i k̂_p(i) − exact = −Σ_k ε_ik dS_ik (k̂_k − k̂_p(i)):
-the rounding error enters only through the keys' differences from the row's positive (small for
-the near-duplicates the margin is for). Columns alike with σ_k and q̂ of the column's positive
-row (k − offset, when that row is local; a column without one, only in the directional and rank
-ops, is uncompensated). Slice sums go into per-chunk partial buffers, merged in a fixed order:
-no atomics, bit-reproducible.
-
-Why float16 for bf16 (a bf16 dS kept the text gradient's 2⁻⁹ error; float16's 2⁻¹² is 8× finer):
-measured in ``docs/triton.md``. W's scales are :mod:`.scales`'; the chunk walks that launch these
-kernels and run the GEMMs are :mod:`.backward`'s.
+"""dS kernels: one chunk of W = diag(a) · dS · diag(b) at a time (a, b: :mod:`.scales`), float32:
+the W the GEMMs read for float32 features, a staging W with |W|'s slice maxima for 16-bit ones
+(:mod:`.round16` rounds it per line). ``_dscore_kernel``: the directional op; ``_dscore_pair_kernel``:
+the single-process loss, W_ab and W_ba from the same tile pairs; ``_dscore_rank_kernel``: a rank's
+two directions. Each with its launcher and arguments' builder; the walks: :mod:`.backward`.
+Design, measurements and the rounding compensation: docs/triton.md ("Backward").
 """
 from __future__ import annotations
 
@@ -44,6 +12,7 @@ import triton.language as tl
 
 from . import config as cfg
 from .launch import derived, launch, wrap_triton
+from .params import Scalars
 from .tiles import _block, _kept, _load2, _load_scalars, _logits_tile, _pair_tiles, _rank_tiles
 
 
@@ -62,7 +31,8 @@ def _chunk_tile(row0, row_end, col0, col_end, BLOCK_M: tl.constexpr, BLOCK_N: tl
 def _dscore_kernel(
     q_ptr, k_ptr, mq_ptr, mk_ptr,
     stride_qm, stride_qd, stride_kn, stride_kd, stride_mqm, stride_mqd, stride_mkn, stride_mkd,
-    rq_ptr, rk_ptr, r_mq_ptr, r_mk_ptr, pos_ptr, nll_ptr, g_ptr, inv_tau_ptr, gamma_ptr, a_ptr, b_ptr, thr_ptr, s_ptr,
+    rq_ptr, rk_ptr, r_mq_ptr, r_mk_ptr, pos_ptr, nll_ptr, g_ptr, a_ptr, b_ptr, s_ptr,
+    inv_tau_ptr, gamma_ptr, thr_ptr,
     w_ptr, stride_w, res_r_ptr, stride_rr, res_c_ptr, stride_rc,
     row0, row_end, col0, col_end, D, offset,
     HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr,
@@ -74,22 +44,22 @@ def _dscore_kernel(
     exp(d − nll_i)·g_i, ``epilogue.row_factors``), in float32; with ROUND16 the staging W and its
     slice maxima. Grid: (⌈rows / BLOCK_M⌉, ⌈columns / BLOCK_N⌉) of the chunk.
 
-    Features and per-row inputs: as ``forward_kernels._fwd_kernel`` (q_ptr … mk_ptr, their
-        strides, rq_ptr … r_mk_ptr, pos_ptr, inv_tau_ptr, gamma_ptr, thr_ptr).
-    Per-row inputs of the backward (float32):
+    Features: as ``forward_kernels._fwd_kernel`` (q_ptr … mk_ptr, their strides).
+    Per-row inputs (float32): rq_ptr … r_mk_ptr, pos_ptr as ``_fwd_kernel``'s;
         nll_ptr (M): what each row's gaps lose (P's normaliser, softplus δ or δ); g_ptr (M): the
         row's weight (the upstream gradient, or g·σ(δ): ``epilogue.row_factors``);
         a_ptr (M), b_ptr (N): W's row and column scales (:func:`.scales.w_scales`).
         s_ptr (M): each row's ε/n_i with masking and label smoothing, else None (SHIFT):
         dS_ik = g_i (P_ik − s_i) on the entries kept (caption cosine not ≥ thr: a NaN cosine is
         kept, ``tiles._caption_keep``), 0 on the masked ones.
+    Scalars: inv_tau_ptr, gamma_ptr, thr_ptr as ``_fwd_kernel``'s (``params.Scalars.pointers``).
     Outputs, the chunk's R × C (R = row_end − row0, C = col_end − col0), row-major: w_ptr, W in
         float32; with ROUND16 |W|'s maxima over SLICE columns into res_r_ptr (⌈C / SLICE⌉, R) and
         over SLICE rows into res_c_ptr (⌈R / SLICE⌉, C) (None without ROUND16; :mod:`.round16`
         later writes the residuals' slice sums there). Their row strides stride_w = C, stride_rr = R,
         stride_rc = C come as arguments, not from the bounds: an argument costs no register, and
         the masked 16-bit 128 × 64 dS with the margin is at 255 (sm_90a spills 4 B otherwise).
-    Shapes and scalars: the chunk's bounds row0, row_end (≤ M), col0, col_end (≤ N); D;
+    Shapes: the chunk's bounds row0, row_end (≤ M), col0, col_end (≤ N); D;
         offset (row i's positive is column offset + i).
     Constexprs: HAS_MARGIN (γ ≠ 0), PREC (``precision._dot``), SLICE (``cfg.RESIDUAL_SLICE``,
         dividing both tile sides), BLOCK_M × BLOCK_N tiles, BLOCK_K the reduction step (the
@@ -196,8 +166,8 @@ def _store_w(w, mask, rows, cols, w_ptr, w0, stride_w, res_r_ptr, r0, stride_rr,
 @triton.jit
 def _dscore_pair_kernel(
     v_ptr, t_ptr, stride_vm, stride_vd, stride_tm, stride_td,
-    rv_ptr, rt_ptr, pos_ptr, nll_ptr, g_ptr, inv_tau_ptr, gamma_ptr, nll_c_ptr, g_c_ptr, a_ptr, b_ptr,
-    thr_ptr, s_ptr, s_c_ptr,
+    rv_ptr, rt_ptr, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr, a_ptr, b_ptr, s_ptr, s_c_ptr,
+    inv_tau_ptr, gamma_ptr, thr_ptr,
     w_ptr, res_r_ptr, res_c_ptr, mirror_w, mirror_r, mirror_c,
     row0, row_end, col0, col_end, D,
     HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr, ROUND16: tl.constexpr,
@@ -216,15 +186,17 @@ def _dscore_pair_kernel(
     mirrors). Every logit is formed as the forward forms it (the same BLOCK_K): bit-identical.
     Grid: (⌈rows / BLOCK_M⌉, ⌈columns / BLOCK_N⌉) of chunk (a, b).
 
-    Inputs: v_ptr, t_ptr (N, D) features (strides ``stride_<v|t><m|d>``), rv_ptr, rt_ptr (N)
-        inverse norms, pos_ptr … b_ptr, thr_ptr, s_ptr as ``_dscore_kernel`` (q = v, k = t),
-        nll_c_ptr, g_c_ptr (N) the columns' (t2i rows') LSE and upstream gradient, s_c_ptr their
-        ε/n (None without SHIFT). MASK: the pair tiles' one caption tile masks W_IJ and W_JI alike.
+    Features: v_ptr, t_ptr (N, D) (strides ``stride_<v|t><m|d>``).
+    Per-row inputs: rv_ptr, rt_ptr (N) inverse norms; pos_ptr, nll_ptr, g_ptr, a_ptr, b_ptr, s_ptr
+        as ``_dscore_kernel``'s (q = v, k = t); nll_c_ptr, g_c_ptr (N) the columns' (t2i rows') LSE
+        and upstream gradient, s_c_ptr their ε/n (None without SHIFT).
+    Scalars: as ``_dscore_kernel``'s. MASK: the pair tiles' one caption tile masks W_IJ and W_JI alike.
     Outputs: w_ptr, one flat buffer: W_ab (R × C, row-major) at 0, W_ba (C × R) at mirror_w;
         with ROUND16 res_r_ptr: ab's row slice maxima (⌈C / SLICE⌉, R)
         at 0, ba's (⌈R / SLICE⌉, C) at mirror_r; res_c_ptr: ab's column slice maxima
         (⌈R / SLICE⌉, C) at 0, ba's (⌈C / SLICE⌉, R) at mirror_c (R = row_end − row0,
         C = col_end − col0). Diagonal chunk: the mirror offsets 0 (one buffer each).
+    Shapes: the chunk's bounds row0, row_end, col0, col_end (≤ N); D.
     Constexprs: as ``_dscore_kernel``; BLOCK_N divides BLOCK_M; chunk sides multiples of BLOCK_M.
     """
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
@@ -268,7 +240,8 @@ def _dscore_pair_kernel(
 def _dscore_rank_kernel(
     v_ptr, t_ptr, va_ptr, ta_ptr,
     stride_vm, stride_vd, stride_tm, stride_td, stride_van, stride_vad, stride_tan, stride_tad,
-    rv_ptr, rt_ptr, rva_ptr, rta_ptr, pos_ptr, nll_ptr, g_ptr, inv_tau_ptr, gamma_ptr, a_ptr, b_ptr, thr_ptr, s_ptr,
+    rv_ptr, rt_ptr, rva_ptr, rta_ptr, pos_ptr, nll_ptr, g_ptr, a_ptr, b_ptr, s_ptr,
+    inv_tau_ptr, gamma_ptr, thr_ptr,
     w_ptr, res_r_ptr, res_c_ptr, second_w, second_r, second_c,
     M, N, row0, row_end, col0, col_end, D, offset,
     HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr,
@@ -281,15 +254,17 @@ def _dscore_rank_kernel(
     ``_dscore_kernel`` writes its direction's), with their residual slice sums.
     Grid: (⌈rows / BLOCK_M⌉, ⌈columns / BLOCK_N⌉) of the chunk.
 
-    Inputs: the features and inverse norms as ``forward_kernels._fwd_rank_kernel``; per line (2M:
+    Features: as ``forward_kernels._fwd_rank_kernel``'s.
+    Per-row inputs: the inverse norms rv_ptr … rta_ptr as ``_fwd_rank_kernel``'s; per line (2M:
         i2t rows, then t2i rows) pos_ptr, nll_ptr, g_ptr, the row scales a_ptr and (SHIFT) each
         line's ε/n_i s_ptr; per direction's columns (2N: i2t's keys t_all, then t2i's keys
-        v_all) the column scales b_ptr; inv_tau_ptr, gamma_ptr, thr_ptr as ``_dscore_kernel``.
+        v_all) the column scales b_ptr.
+    Scalars: as ``_dscore_kernel``'s.
     Outputs: w_ptr, one flat buffer: the i2t W (R × C, row-major) at 0 and the t2i W at
         second_w; with ROUND16 the slice maxima res_r_ptr (⌈C / SLICE⌉, R) and res_c_ptr
         (⌈R / SLICE⌉, C), the t2i direction's at second_r / second_c (R = row_end − row0,
         C = col_end − col0).
-    Scalars and constexprs: M, N; the rest as ``_dscore_kernel``.
+    Shapes: M, N; the chunk's bounds, D and offset as ``_dscore_kernel``'s. Constexprs: as its.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -330,29 +305,96 @@ _dscore_rank_tuned = triton.autotune(cfg.all_candidates("dscore_rank"), key=_KEY
                                      )(_dscore_rank_kernel)
 
 
-def _chunk_grid(rows: int, cols: int):
-    """The launch grid of an R × C chunk for the chosen tiles."""
+def _chunk_grid(args: dict):
+    """The launch grid of a chunk [row0, row_end) × [col0, col_end) for the chosen tiles."""
+    rows, cols = args["row_end"] - args["row0"], args["col_end"] - args["col0"]
     return lambda tiles: (triton.cdiv(rows, tiles["BLOCK_M"]), triton.cdiv(cols, tiles["BLOCK_N"]))
 
 
-def _constexprs(sc, width: int) -> dict:
-    """The dS kernels' explicit constexprs from the operator's ``params.Scalars``."""
+def _constexprs(sc: Scalars, width: int) -> dict:  # the dS kernels' explicit constexprs
     return dict(HAS_MARGIN=sc.has_margin, PREC=sc.prec, SLICE=cfg.RESIDUAL_SLICE, BLOCK_K=cfg.score_block_k(width))
 
 
-def launch_dscore(sc, width: int, rows: int, cols: int, args):
-    """Launch ``_dscore_kernel`` over an R × C chunk (autotuned, or ``cfg.heuristic``; see :func:`.launch.launch`)."""
+def dscore_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
+    """``_dscore_kernel``'s arguments by name, group by group as its docstring lists them:
+    ``features`` = (q, k, margin_q, margin_k); ``per_row`` = (rq, rk, r_mq, r_mk, pos, nll, g, a,
+    b, s); the scalars ``sc.pointers``; ``outputs`` = (w, res_r, res_c), the chunk's buffers
+    (their row strides follow from the bounds); ``shapes`` = (row0, row_end, col0, col_end, D, offset)."""
+    q, k, mq, mk = features
+    rq, rk, r_mq, r_mk, pos, nll, g, a, b, s = per_row
+    inv_tau, gamma, thr = sc.pointers
+    w, res_r, res_c = outputs
+    row0, row_end, col0, col_end, d, offset = shapes
+    r, c = row_end - row0, col_end - col0  # the buffers' row strides: C, R, C
+    return dict(
+        q_ptr=q, k_ptr=k, mq_ptr=mq, mk_ptr=mk,
+        stride_qm=q.stride(0), stride_qd=q.stride(1), stride_kn=k.stride(0), stride_kd=k.stride(1),
+        stride_mqm=mq.stride(0), stride_mqd=mq.stride(1), stride_mkn=mk.stride(0), stride_mkd=mk.stride(1),
+        rq_ptr=rq, rk_ptr=rk, r_mq_ptr=r_mq, r_mk_ptr=r_mk, pos_ptr=pos, nll_ptr=nll, g_ptr=g,
+        a_ptr=a, b_ptr=b, s_ptr=s,
+        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr,
+        w_ptr=w, stride_w=c, res_r_ptr=res_r, stride_rr=r, res_c_ptr=res_c, stride_rc=c,
+        row0=row0, row_end=row_end, col0=col0, col_end=col_end, D=d, offset=offset,
+    )
+
+
+def dscore_pair_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
+    """``_dscore_pair_kernel``'s arguments by name (as :func:`dscore_args`): ``features`` = (v, t);
+    ``per_row`` = (rv, rt, pos, nll, g, nll_c, g_c, a, b, s, s_c); ``outputs`` = (w, res_r, res_c,
+    (W_ba's offset, its row maxima's, its column maxima's)); ``shapes`` = (row0, row_end, col0, col_end, D)."""
+    v, t = features
+    rv, rt, pos, nll, g, nll_c, g_c, a, b, s, s_c = per_row
+    inv_tau, gamma, thr = sc.pointers
+    w, res_r, res_c, (mirror_w, mirror_r, mirror_c) = outputs
+    row0, row_end, col0, col_end, d = shapes
+    return dict(
+        v_ptr=v, t_ptr=t, stride_vm=v.stride(0), stride_vd=v.stride(1), stride_tm=t.stride(0), stride_td=t.stride(1),
+        rv_ptr=rv, rt_ptr=rt, pos_ptr=pos, nll_ptr=nll, g_ptr=g, nll_c_ptr=nll_c, g_c_ptr=g_c,
+        a_ptr=a, b_ptr=b, s_ptr=s, s_c_ptr=s_c,
+        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr,
+        w_ptr=w, res_r_ptr=res_r, res_c_ptr=res_c, mirror_w=mirror_w, mirror_r=mirror_r, mirror_c=mirror_c,
+        row0=row0, row_end=row_end, col0=col0, col_end=col_end, D=d,
+    )
+
+
+def dscore_rank_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
+    """``_dscore_rank_kernel``'s arguments by name (as :func:`dscore_args`): ``features`` = (v, t,
+    v_all, t_all); ``per_row`` = (rv, rt, rv_all, rt_all, pos, nll, g, a, b, s); ``outputs`` = (w,
+    res_r, res_c, (the t2i W's offset, its row maxima's, its column maxima's)); ``shapes`` = (M, N,
+    row0, row_end, col0, col_end, D, offset)."""
+    v, t, va, ta = features
+    rv, rt, rva, rta, pos, nll, g, a, b, s = per_row
+    inv_tau, gamma, thr = sc.pointers
+    w, res_r, res_c, (second_w, second_r, second_c) = outputs
+    m, n, row0, row_end, col0, col_end, d, offset = shapes
+    return dict(
+        v_ptr=v, t_ptr=t, va_ptr=va, ta_ptr=ta,
+        stride_vm=v.stride(0), stride_vd=v.stride(1), stride_tm=t.stride(0), stride_td=t.stride(1),
+        stride_van=va.stride(0), stride_vad=va.stride(1), stride_tan=ta.stride(0), stride_tad=ta.stride(1),
+        rv_ptr=rv, rt_ptr=rt, rva_ptr=rva, rta_ptr=rta, pos_ptr=pos, nll_ptr=nll, g_ptr=g, a_ptr=a, b_ptr=b, s_ptr=s,
+        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr,
+        w_ptr=w, res_r_ptr=res_r, res_c_ptr=res_c, second_w=second_w, second_r=second_r, second_c=second_c,
+        M=m, N=n, row0=row0, row_end=row_end, col0=col0, col_end=col_end, D=d, offset=offset,
+    )
+
+
+def launch_dscore(sc: Scalars, features, per_row, outputs, shapes):
+    """Launch ``_dscore_kernel`` over one chunk (arguments: :func:`dscore_args`; autotuned, or
+    ``cfg.heuristic``, see :func:`.launch.launch`)."""
+    args, width = dscore_args(features, per_row, sc, outputs, shapes), features[0].element_size()
     launch(lambda tuned: wrap_triton(_dscore_tuned) if tuned else wrap_triton(_dscore_kernel), "dscore", width,
-           _chunk_grid(rows, cols), args, **_constexprs(sc, width))
+           _chunk_grid(args), args, **_constexprs(sc, width))
 
 
-def launch_dscore_pair(sc, width: int, rows: int, cols: int, args):
-    """Launch ``_dscore_pair_kernel`` over chunk pair (a, b) of R × C (as :func:`launch_dscore`)."""
+def launch_dscore_pair(sc: Scalars, features, per_row, outputs, shapes):
+    """Launch ``_dscore_pair_kernel`` over a chunk pair (arguments: :func:`dscore_pair_args`)."""
+    args, width = dscore_pair_args(features, per_row, sc, outputs, shapes), features[0].element_size()
     launch(lambda tuned: wrap_triton(_dscore_pair_tuned) if tuned else wrap_triton(_dscore_pair_kernel),
-           "dscore_pair", width, _chunk_grid(rows, cols), args, **_constexprs(sc, width))
+           "dscore_pair", width, _chunk_grid(args), args, **_constexprs(sc, width))
 
 
-def launch_dscore_rank(sc, width: int, rows: int, cols: int, args):
-    """Launch ``_dscore_rank_kernel`` over an R × C chunk (as :func:`launch_dscore`)."""
+def launch_dscore_rank(sc: Scalars, features, per_row, outputs, shapes):
+    """Launch ``_dscore_rank_kernel`` over one chunk (arguments: :func:`dscore_rank_args`)."""
+    args, width = dscore_rank_args(features, per_row, sc, outputs, shapes), features[0].element_size()
     launch(lambda tuned: wrap_triton(_dscore_rank_tuned) if tuned else wrap_triton(_dscore_rank_kernel),
-           "dscore_rank", width, _chunk_grid(rows, cols), args, **_constexprs(sc, width))
+           "dscore_rank", width, _chunk_grid(args), args, **_constexprs(sc, width))

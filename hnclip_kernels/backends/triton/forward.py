@@ -19,7 +19,6 @@ import torch
 from .. import epilogue
 from . import config as cfg
 from .forward_kernels import launch_fwd, launch_fwd_pair, launch_fwd_rank
-from .launch import strides
 from .merge import launch_fold, merge_stats
 from .params import Scalars
 
@@ -33,7 +32,7 @@ def symmetric_stats(ops, norms, pos, sc: Scalars):
     """(rows, columns) ``epilogue.RowStats`` of the symmetric loss (M = N, offset 0) from one
     walk over the tile pairs.
 
-    ``ops`` = (v, t, t, t), ``norms`` their float32 inverse row norms, ``pos`` the positives Z_ii,
+    ``ops`` = (v, t) (N, D), ``norms`` their float32 inverse row norms, ``pos`` the positives Z_ii,
     ``sc`` the operator's scalars (with ``sc.thr`` the masked entries leave both directions'
     statistics, which gain ``kept``).
 
@@ -43,7 +42,7 @@ def symmetric_stats(ops, norms, pos, sc: Scalars):
     its first row among the splits anew (``cfg.split_width``). After each slab ``_fold_kernel``
     folds its row blocks' partials and then its splits' partials into running summaries of 2N
     lines (columns, then rows), slab after slab in order: deterministic, no atomics, O(N)."""
-    v, t = ops[0], ops[1]
+    v, t = ops
     n, d = v.shape
     width = v.element_size()
     block_m = cfg.fwd_block_m(width)
@@ -59,23 +58,12 @@ def symmetric_stats(ops, norms, pos, sc: Scalars):
         # fresh slab workspaces each time (the previous ones freed first): never views
         col_part = torch.empty(blocks, planes, 2 * n, device=v.device, dtype=torch.float32)
         row_part = torch.empty(splits, planes, 2 * slab_rows, device=v.device, dtype=torch.float32)
-        features = (v, t, *strides(v, t), norms[0], norms[1], pos)
         shapes = (n, d, block0, col0, per_split, slab_rows, cfg.n_bucket(n))
-        args = (*features, sc.inv_tau, sc.gamma, sc.thr, row_part, col_part, *shapes)
-        launch_fwd_pair(
-            width,
-            lambda _, b=blocks: (b, splits),
-            args,
-            SMOOTHING=sc.smoothing,
-            HAS_MARGIN=sc.has_margin,
-            PREC=sc.prec,
-            BLOCK_M=block_m,
-            BLOCK_K=cfg.score_block_k(width),
-        )
+        launch_fwd_pair(sc, lambda _, b=blocks: (b, splits), ops, (*norms, pos), (row_part, col_part), shapes)
         # in order: the slab's row blocks' partials (columns and rows right of col0), then its splits'
         launch_fold(col_part, blocks, n, acc, n, 0, block0, block_m, block0 == 0, sc.smoothing, sc.masked)
         launch_fold(row_part, splits, slab_rows, acc, n, col0, 0, 0, False, sc.smoothing, sc.masked)
-        del args, col_part, row_part
+        del col_part, row_part
     return (
         epilogue.RowStats(pos, *merge_stats(acc, sc.smoothing, n, n, sc.masked)),
         epilogue.RowStats(pos, *merge_stats(acc, sc.smoothing, 0, n, sc.masked)),
@@ -95,19 +83,8 @@ def directional_stats(ops, norms, pos, sc: Scalars, offset: int):
     m, n, width = q.shape[0], ops[3].shape[0], q.element_size()
     _, row_blocks, splits, per_split = cfg.fwd_grid(m, n, width, False, q.device)
     row_part = torch.empty(splits, _planes(sc), m, device=q.device, dtype=torch.float32)
-    features = (*ops, *strides(*ops), *norms, pos)
     shapes = (m, n, q.shape[1], offset, per_split, cfg.n_bucket(n))
-    args = (*features, sc.inv_tau, sc.gamma, sc.thr, row_part, *shapes)
-    launch_fwd(
-        width,
-        lambda _: (row_blocks, splits),
-        args,
-        SMOOTHING=sc.smoothing,
-        HAS_MARGIN=sc.has_margin,
-        PREC=sc.prec,
-        BLOCK_M=cfg.fwd_block_m(width),
-        BLOCK_K=cfg.score_block_k(width),
-    )
+    launch_fwd(sc, lambda _: (row_blocks, splits), ops, (*norms, pos), (row_part,), shapes)
     return epilogue.RowStats(pos, *merge_stats(row_part, sc.smoothing, masked=sc.masked))
 
 
@@ -124,17 +101,6 @@ def rank_stats(ops, norms, pos, sc: Scalars, offset: int):
     m, n, width = v.shape[0], ops[3].shape[0], v.element_size()
     _, row_blocks, splits, per_split = cfg.fwd_grid(m, n, width, False, v.device)
     row_part = torch.empty(splits, _planes(sc), 2 * m, device=v.device, dtype=torch.float32)
-    features = (*ops, *strides(*ops), *norms, pos)
     shapes = (m, n, v.shape[1], offset, per_split, cfg.n_bucket(n))
-    args = (*features, sc.inv_tau, sc.gamma, sc.thr, row_part, *shapes)
-    launch_fwd_rank(
-        width,
-        lambda _: (row_blocks, splits),
-        args,
-        SMOOTHING=sc.smoothing,
-        HAS_MARGIN=sc.has_margin,
-        PREC=sc.prec,
-        BLOCK_M=cfg.fwd_block_m(width),
-        BLOCK_K=cfg.score_block_k(width),
-    )
+    launch_fwd_rank(sc, lambda _: (row_blocks, splits), ops, (*norms, pos), (row_part,), shapes)
     return epilogue.RowStats(pos, *merge_stats(row_part, sc.smoothing, masked=sc.masked))

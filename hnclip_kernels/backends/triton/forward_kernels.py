@@ -14,6 +14,7 @@ import triton.language as tl
 
 from . import config as cfg
 from .launch import derived, launch, wrap_triton
+from .params import Scalars
 from .tiles import (
     _block,
     _combine,
@@ -279,19 +280,87 @@ _fwd_pair_tuned = triton.autotune(cfg.all_candidates("pair"), key=_KEY,
                                   prune_configs_by={"early_config_prune": cfg.pruner("pair", "v_ptr")})(_fwd_pair_kernel)
 
 
-def launch_fwd(width: int, grid, args, **constexprs):
-    """Launch ``_fwd_kernel`` (autotuned, or ``cfg.heuristic("fwd", width)``; see :func:`.launch.launch`)."""
+def _constexprs(sc: Scalars, width: int) -> dict:
+    """The forward kernels' explicit constexprs (the column tiles BLOCK_N come from the launch)."""
+    return dict(SMOOTHING=sc.smoothing, HAS_MARGIN=sc.has_margin, PREC=sc.prec, BLOCK_M=cfg.fwd_block_m(width),
+                BLOCK_K=cfg.score_block_k(width))
+
+
+def fwd_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
+    """``_fwd_kernel``'s arguments by name, group by group as its docstring lists them: ``features``
+    = (q, k, margin_q, margin_k); ``per_row`` = (rq, rk, r_mq, r_mk, pos); the scalars
+    ``sc.pointers``; ``outputs`` = (row_part,); ``shapes`` = (M, N, D, offset, cols_per_split, N_BUCKET)."""
+    q, k, mq, mk = features
+    rq, rk, r_mq, r_mk, pos = per_row
+    inv_tau, gamma, thr = sc.pointers
+    (row_part,) = outputs
+    m, n, d, offset, cols_per_split, n_bucket = shapes
+    return dict(
+        q_ptr=q, k_ptr=k, mq_ptr=mq, mk_ptr=mk,
+        stride_qm=q.stride(0), stride_qd=q.stride(1), stride_kn=k.stride(0), stride_kd=k.stride(1),
+        stride_mqm=mq.stride(0), stride_mqd=mq.stride(1), stride_mkn=mk.stride(0), stride_mkd=mk.stride(1),
+        rq_ptr=rq, rk_ptr=rk, r_mq_ptr=r_mq, r_mk_ptr=r_mk, pos_ptr=pos,
+        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr,
+        row_part_ptr=row_part,
+        M=m, N=n, D=d, offset=offset, cols_per_split=cols_per_split, N_BUCKET=n_bucket,
+    )
+
+
+def fwd_rank_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
+    """``_fwd_rank_kernel``'s arguments by name (as :func:`fwd_args`): ``features`` = (v, t, v_all,
+    t_all); ``per_row`` = (rv, rt, rv_all, rt_all, pos); ``outputs`` = (row_part,); ``shapes`` as
+    :func:`fwd_args`'."""
+    v, t, va, ta = features
+    rv, rt, rva, rta, pos = per_row
+    inv_tau, gamma, thr = sc.pointers
+    (row_part,) = outputs
+    m, n, d, offset, cols_per_split, n_bucket = shapes
+    return dict(
+        v_ptr=v, t_ptr=t, va_ptr=va, ta_ptr=ta,
+        stride_vm=v.stride(0), stride_vd=v.stride(1), stride_tm=t.stride(0), stride_td=t.stride(1),
+        stride_van=va.stride(0), stride_vad=va.stride(1), stride_tan=ta.stride(0), stride_tad=ta.stride(1),
+        rv_ptr=rv, rt_ptr=rt, rva_ptr=rva, rta_ptr=rta, pos_ptr=pos,
+        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr,
+        row_part_ptr=row_part,
+        M=m, N=n, D=d, offset=offset, cols_per_split=cols_per_split, N_BUCKET=n_bucket,
+    )
+
+
+def fwd_pair_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
+    """``_fwd_pair_kernel``'s arguments by name (as :func:`fwd_args`): ``features`` = (v, t);
+    ``per_row`` = (rv, rt, pos); ``outputs`` = (row_part, col_part); ``shapes`` = (N, D, block0,
+    col0, cols_per_split, slab_rows, N_BUCKET)."""
+    v, t = features
+    rv, rt, pos = per_row
+    inv_tau, gamma, thr = sc.pointers
+    row_part, col_part = outputs
+    n, d, block0, col0, cols_per_split, slab_rows, n_bucket = shapes
+    return dict(
+        v_ptr=v, t_ptr=t, stride_vm=v.stride(0), stride_vd=v.stride(1), stride_tm=t.stride(0), stride_td=t.stride(1),
+        rv_ptr=rv, rt_ptr=rt, pos_ptr=pos,
+        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr,
+        row_part_ptr=row_part, col_part_ptr=col_part,
+        N=n, D=d, block0=block0, col0=col0, cols_per_split=cols_per_split, slab_rows=slab_rows, N_BUCKET=n_bucket,
+    )
+
+
+def launch_fwd(sc: Scalars, grid, features, per_row, outputs, shapes):
+    """Launch ``_fwd_kernel`` on ``grid`` (arguments: :func:`fwd_args`; autotuned, or
+    ``cfg.heuristic("fwd", width)``, see :func:`.launch.launch`)."""
+    args, width = fwd_args(features, per_row, sc, outputs, shapes), features[0].element_size()
     launch(lambda tuned: wrap_triton(_fwd_tuned) if tuned else wrap_triton(_fwd_kernel), "fwd", width, grid, args,
-           **constexprs)
+           **_constexprs(sc, width))
 
 
-def launch_fwd_rank(width: int, grid, args, **constexprs):
-    """Launch ``_fwd_rank_kernel`` (as :func:`launch_fwd`)."""
+def launch_fwd_rank(sc: Scalars, grid, features, per_row, outputs, shapes):
+    """Launch ``_fwd_rank_kernel`` (arguments: :func:`fwd_rank_args`; as :func:`launch_fwd`)."""
+    args, width = fwd_rank_args(features, per_row, sc, outputs, shapes), features[0].element_size()
     launch(lambda tuned: wrap_triton(_fwd_rank_tuned) if tuned else wrap_triton(_fwd_rank_kernel), "rank", width,
-           grid, args, **constexprs)
+           grid, args, **_constexprs(sc, width))
 
 
-def launch_fwd_pair(width: int, grid, args, **constexprs):
-    """Launch ``_fwd_pair_kernel`` (as :func:`launch_fwd`)."""
+def launch_fwd_pair(sc: Scalars, grid, features, per_row, outputs, shapes):
+    """Launch ``_fwd_pair_kernel`` (arguments: :func:`fwd_pair_args`; as :func:`launch_fwd`)."""
+    args, width = fwd_pair_args(features, per_row, sc, outputs, shapes), features[0].element_size()
     launch(lambda tuned: wrap_triton(_fwd_pair_tuned) if tuned else wrap_triton(_fwd_pair_kernel), "pair", width,
-           grid, args, **constexprs)
+           grid, args, **_constexprs(sc, width))

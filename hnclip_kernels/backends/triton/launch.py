@@ -55,23 +55,21 @@ def interpreting() -> bool:
     return False
 
 
-def strides(*xs):
-    """The strides of ``xs``, flattened, in order."""
-    return [s for x in xs for s in x.stride()]
-
-
 def launch(kernel, name: str, width: int, grid, args, **constexprs):
     """Launch ``kernel(tuned)`` (a launcher's switch: the kernel through ``wrap_triton``, its
     autotuned twin when ``tuned``) in mode "autotune", else the kernel with ``cfg.heuristic(name,
     width)``; ``grid(tiles)`` maps the chosen constexprs to the launch grid. ``args``: the
-    kernel's positional arguments (None for a pointer it does not read: its flag derives from
-    that, see the kernels' ``triton.heuristics``)."""
+    kernel's other arguments by name (each launcher's ``*_args`` builds them; None for a pointer
+    it does not read: its flag derives from that, see the kernels' ``triton.heuristics``).
+    By keyword throughout: ``wrap_triton`` binds launch kwargs to the kernel's parameters, the
+    autotuner keys and prunes on them (``cfg.pruner`` reads the kwargs) and the heuristics see
+    them, as they see positional ones."""
     if cfg.launch_mode() == "autotune":
-        kernel(True)[lambda meta: grid(meta)](*args, **constexprs)
+        kernel(True)[lambda meta: grid(meta)](**args, **constexprs)
         return
     fixed = cfg.heuristic(name, width)
     tiles = {**constexprs, **fixed.constexprs}
-    kernel(False)[grid(tiles)](*args, **tiles, num_warps=fixed.num_warps, num_stages=fixed.num_stages)
+    kernel(False)[grid(tiles)](**args, **tiles, num_warps=fixed.num_warps, num_stages=fixed.num_stages)
 
 
 # the kernels' flags that follow from a pointer being None (not read), as cut-cross-entropy

@@ -44,6 +44,11 @@ class Scalars(NamedTuple):
         """False-negative masking (the kernels' MASK)."""
         return self.thr is not None
 
+    @property
+    def pointers(self) -> tuple:
+        """(inv_tau, gamma, thr): the kernels' ``inv_tau_ptr, gamma_ptr, thr_ptr``, in their order."""
+        return self.inv_tau, self.gamma, self.thr
+
 
 def scalar32(x: Tensor, like: Tensor) -> Tensor:
     """A one-element tensor (τ, γ) as the kernels read it: float32, shape (1,), on ``like``'s device."""

@@ -80,13 +80,23 @@ def _round16_kernel(
 _round16_tuned = triton.autotune(cfg.all_candidates("round16"), key=["ROWS"])(_round16_kernel)
 
 
+def round16_args(rows: bool, inputs, outputs, shape) -> dict:
+    """``_round16_kernel``'s arguments by name, group by group as its docstring lists them:
+    ``inputs`` = (the staged chunk w32, its scales (a, b), the lines' powers of two); ``outputs`` =
+    (W̃, W̃_lo or None, the residual slice sums); ``shape`` = (R, C); the residuals' row stride is R
+    with ``rows``, else C."""
+    w32, (a, b), line = inputs
+    w, lo, res = outputs
+    r, c = shape
+    return dict(w32_ptr=w32, a_ptr=a, b_ptr=b, line_ptr=line, w_ptr=w, lo_ptr=lo, res_ptr=res,
+                R=r, C=c, stride_res=r if rows else c)
+
+
 def launch_round16(rows: bool, w32, scales, line, outputs, shape):
     """Launch ``_round16_kernel`` over one staged chunk: ``w32`` (R·C float32), ``scales`` = (a over
     the chunk's R rows, b over its C columns), ``line`` its rows' (``rows``) or columns' powers of
     two, ``outputs`` = (W̃, W̃_lo or None, the residual slice sums), ``shape`` = (R, C)."""
     r, c = shape
-    a, b = scales
-    w, lo, res = outputs
     launch(lambda tuned: wrap_triton(_round16_tuned) if tuned else wrap_triton(_round16_kernel), "round16", 2,
            lambda tiles: (triton.cdiv(r, tiles["BLOCK_M"]), triton.cdiv(c, tiles["BLOCK_N"])),
-           (w32, a, b, line, w, lo, res, r, c, r if rows else c), ROWS=rows, SLICE=cfg.RESIDUAL_SLICE)
+           round16_args(rows, (w32, scales, line), outputs, shape), ROWS=rows, SLICE=cfg.RESIDUAL_SLICE)

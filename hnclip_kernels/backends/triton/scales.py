@@ -20,6 +20,13 @@ FIT_EXP = 13  # a rounded line's largest |W| in [2^12, 2^13): float16's largest 
 LINE_CAP_EXP = 126  # a line's scale at most 2^126 (1 / scale stays a normal float32)
 
 
+class F16Scales(NamedTuple):
+    """bf16 features' exact float16 copies' per-row scales (``_f16_scales``): x·s[:, None] in float16."""
+
+    q: torch.Tensor  # (M,) the rows q's
+    k: torch.Tensor  # (N,) the columns k's
+
+
 class WScales(NamedTuple):
     """W = diag(a) dS diag(b)'s scales for rows q against columns k (:func:`w_scales`)."""
 
@@ -27,7 +34,7 @@ class WScales(NamedTuple):
     b: torch.Tensor  # (N,) W's column scales
     rq: torch.Tensor  # (M,) what the rows' GEMM result divides out (a_i · k's power of two)
     rk: torch.Tensor  # (N,) what the columns' GEMM result divides out (b_k · q's power of two)
-    f16: Optional[tuple]  # bf16 features: the exact float16 copies' scales (s_q, s_k), else None
+    f16: Optional[F16Scales]  # bf16 features: the exact float16 copies' scales, else None
 
 
 def _pow2_unit(r: torch.Tensor) -> torch.Tensor:
@@ -83,8 +90,8 @@ def w_scales(q, k, r_q, r_k, gs, round16: bool, tail: bool) -> WScales:
     products are exact); f16 the exact float16 conversions' scales of bf16 features (W's scales
     then carry 1/s: t = r/s exactly)."""
     if round16 and not tail:
-        f16 = _f16_scales(q, r_q), _f16_scales(k, r_k)
-        t_q, t_k = r_q / f16[0], r_k / f16[1]
+        f16 = F16Scales(_f16_scales(q, r_q), _f16_scales(k, r_k))
+        t_q, t_k = r_q / f16.q, r_k / f16.k
     else:
         f16, t_q, t_k = None, r_q, r_k
     wq, wk = _pow2_unit(t_q), _pow2_unit(t_k)

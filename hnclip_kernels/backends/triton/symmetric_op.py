@@ -42,7 +42,7 @@ def _symmetric_nll(
         threshold_block(threshold, (txt, txt), (rt, rt), normalize) if masked else None,
     )
     pos = epilogue.positive_logits(epilogue.scaled(img, rv), epilogue.scaled(txt, rt), 0, sc.inv_tau)
-    i2t, t2i = symmetric_stats((img, txt, txt, txt), (rv, rt, rt, rt), pos, sc)
+    i2t, t2i = symmetric_stats((img, txt), (rv, rt), pos, sc)
     pairs = epilogue.pair_losses(i2t, t2i, img.shape[0], label_smoothing if smoothing else 0.0)
     return SymmetricOut.of(pairs, rv, rt, i2t, t2i)
 
