@@ -99,9 +99,11 @@ def launch_fold(part, n_parts: int, h: int, acc, n: int, acc0: int, block0: int,
                 smoothing: bool, masked: bool):
     """Fold ``part`` (n_parts, planes, 2H) into ``acc`` (planes, 2N) with ``_fold_kernel`` (its arguments)."""
     block = _block_lines()
-    wrap_triton(_fold_kernel)[(triton.cdiv(2 * h, block),)](part, n_parts, h, acc, n, acc0, block0, block_rows,
-                                                           FIRST=first, SMOOTHING=smoothing, MASK=masked,
-                                                           BLOCK=block)
+    wrap_triton(_fold_kernel)[(triton.cdiv(2 * h, block),)](
+        part_ptr=part, n_parts=n_parts, H=h,  # the partial summaries
+        acc_ptr=acc, N=n, acc0=acc0, block0=block0, block_rows=block_rows,  # the running ones and where they go
+        FIRST=first, SMOOTHING=smoothing, MASK=masked, BLOCK=block,
+    )
 
 
 def merge_stats(part: torch.Tensor, smoothing: bool, line0: int = 0, length: int | None = None, masked: bool = False):
@@ -113,7 +115,9 @@ def merge_stats(part: torch.Tensor, smoothing: bool, line0: int = 0, length: int
     delta, mean_neg, dsum = (torch.empty(length, device=part.device, dtype=torch.float32) for _ in range(3))
     kept = torch.empty(length, device=part.device, dtype=torch.float32) if masked else None
     block = _block_lines()
-    wrap_triton(_merge_kernel)[(triton.cdiv(length, block),)](part, n_parts, length, line0, plane, delta, mean_neg,
-                                                             dsum, kept, SMOOTHING=smoothing, MASK=masked,
-                                                             BLOCK=block)
+    wrap_triton(_merge_kernel)[(triton.cdiv(length, block),)](
+        part_ptr=part, n_parts=n_parts, L=length, line0=line0, plane_stride=plane,  # the partial summaries
+        delta_ptr=delta, mean_neg_ptr=mean_neg, dsum_ptr=dsum, kept_ptr=kept,  # the merged statistics
+        SMOOTHING=smoothing, MASK=masked, BLOCK=block,
+    )
     return delta, mean_neg, dsum, kept
