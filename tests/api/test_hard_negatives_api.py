@@ -133,3 +133,11 @@ def test_module_without_new_arguments_is_bit_identical(backend):
     assert results[0][-1] == results[1][-1]
     for a, b in zip(results[0][:-1], results[1][:-1]):
         assert torch.equal(a, b), backend
+
+
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+def test_unnormalized_negatives_that_overflow_are_named(margin):
+    img, txt = (torch.nn.functional.normalize(x, dim=1) for x in pair(6))
+    huge = negs() * 1e36  # finite, but their products with the images overflow float32
+    with pytest.raises(ValueError, match=r"normalize=False.*captions and negatives.*pass normalize=True"):
+        hn_clip_loss(img, txt, 0.1, negatives=huge, normalize=False, margin=margin, backend="torch")
