@@ -12,6 +12,7 @@ from torch import nn
 from . import validation
 from .backends import symmetric_losses
 from .distributed import rank_loss
+from .loss import module_family_loss
 from .numerics import autocast_disabled
 from .options import LossOptions, as_tau_tensor, option_attribute, tau_from_scale
 from .plausibility import warn_if_implausible_logit_scale
@@ -97,9 +98,14 @@ class HNClipLoss(nn.Module):
             ``torch.compile``, where no value can be read). The report is kept on the module,
             not put in ``output_dict``, because open_clip's training loop sums every value
             of that dict into the total loss.
+        margin: "text" (default, the paper's sg(t_i·x)) or "image_text" (sg(v_i·x), LLaVE-style
+            hardness); see :func:`hnclip_kernels.hn_clip_loss` and ``docs/hard_negatives.md``.
+            With ``forward``'s ``negatives``/``group_ids``: the hard-negative family, backend="torch"
+            on one process for now ("auto" runs it; "cpp", "triton", ``world_size > 1`` raise
+            ``NotImplementedError``: the fused kernels of these options are in progress).
 
     ``gamma``, ``label_smoothing``, ``backend``, ``normalize``, ``precision`` and
-    ``false_negative_threshold`` are checked at
+    ``false_negative_threshold`` (and ``margin``) are checked at
     construction: a bad value raises ``TypeError``/``ValueError`` there, not at the first forward.
     As attributes they live in ``self.options`` only: ``loss.gamma = 0.3`` (a γ warm-up) is
     validated with the constructor's errors and used from the next ``forward`` on (under
@@ -143,6 +149,7 @@ class HNClipLoss(nn.Module):
         precision=None,
         return_stats: bool = False,
         false_negative_threshold=None,
+        margin: str = "text",
     ):
         super().__init__()
         _check_positional_flags(
@@ -164,6 +171,7 @@ class HNClipLoss(nn.Module):
             backend=backend,
             precision=precision,
             false_negative_threshold=false_negative_threshold,
+            margin=margin,
         )
         self.local_loss = local_loss
         self.gather_with_grad = gather_with_grad
@@ -181,6 +189,7 @@ class HNClipLoss(nn.Module):
     normalize = option_attribute("normalize")
     precision = option_attribute("precision")
     false_negative_threshold = option_attribute("false_negative_threshold")
+    margin = option_attribute("margin")
 
     # A process group cannot be copied or pickled ("cannot pickle ... ProcessGroup"), yet EMA/SWA
     # (``AveragedModel``) deep-copy the model, and checkpoints pickle it.
@@ -212,7 +221,7 @@ class HNClipLoss(nn.Module):
             f"rank={self.rank}, world_size={self.world_size}, gamma={self.gamma}, "
             f"label_smoothing={self.label_smoothing}, backend={self.backend!r}, "
             f"normalize={self.normalize}, precision={self.precision!r}, return_stats={self.return_stats}, "
-            f"false_negative_threshold={self.false_negative_threshold}"
+            f"false_negative_threshold={self.false_negative_threshold}, margin={self.margin!r}"
         )
 
     def _single_process(self, image_features, text_features, tau, tau_value):
@@ -237,6 +246,9 @@ class HNClipLoss(nn.Module):
         logit_scale: Union[float, torch.Tensor],
         logit_bias=None,
         output_dict: bool = False,
+        *,
+        negatives=None,
+        group_ids=None,
     ):
         """Loss of this rank (see the class docstring for what it equals in each mode).
 
@@ -250,6 +262,8 @@ class HNClipLoss(nn.Module):
                 less (τ, or the un-exponentiated log-scale) warns once (see the class docstring).
             logit_bias: must be None (SigLIP-style biases are not part of HN-CLIP).
             output_dict: return ``{"contrastive_loss": loss}`` instead of the scalar.
+            negatives, group_ids: None, or (M, D) hard-negative caption embeddings (extra i2t
+                columns) and (n,) integer pair ids, as in :func:`hnclip_kernels.hn_clip_loss`.
 
         Returns:
             A float32 scalar (float64 for float64 features), or the dict; as ``ClipLoss``.
@@ -271,6 +285,14 @@ class HNClipLoss(nn.Module):
             tau, tau_value = float("nan"), None
         else:
             tau = tau_from_scale(logit_scale, image_features)
+        if negatives is not None or group_ids is not None or self.options.margin != "text":
+            family = module_family_loss(
+                image_features, text_features, tau, self.options, negatives, group_ids,
+                world_size=self.world_size, return_stats=self.return_stats, tau_value=tau_value, problem=problem,
+            )  # fmt: skip
+            if family is not None:  # None: M = 0 and no other family option, today's loss below
+                loss, self.last_stats = family
+                return {"contrastive_loss": loss} if output_dict else loss
         if self.world_size > 1 and self.group is None and self.__dict__.get("_group_dropped", False):
             raise ValueError(
                 "this HNClipLoss was unpickled without its process group (process groups cannot be "

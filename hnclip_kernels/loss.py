@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Union
 
 import torch
 
-from . import validation
-from .backends import symmetric_losses
+from . import validation, validation_family
+from .backends import family_losses, symmetric_losses
 from .numerics import autocast_disabled
 from .options import LossOptions, as_tau_tensor
 from .plausibility import warn_if_tau_looks_like_logit_scale
@@ -35,6 +36,9 @@ def hn_clip_loss(
     precision: Optional[str] = None,
     return_stats: bool = False,
     false_negative_threshold: Optional[float] = None,
+    negatives: Optional[torch.Tensor] = None,
+    group_ids: Optional[torch.Tensor] = None,
+    margin: str = "text",
 ):
     """HN-CLIP contrastive loss with adaptive similarity margins (arXiv 2608.18521, Eq. 2).
 
@@ -89,6 +93,19 @@ def hn_clip_loss(
             differently for (i, j) and (j, i)): exact duplicates can come out at 1 − 6e-8, so use
             c ≤ 0.9999 (not 1.0) to mask them. With ``normalize=False`` the product of the
             features as given. A row whose negatives are all masked has loss 0 and no gradient.
+        negatives: None or (M, D) hard-negative caption embeddings (M ≥ 0, independent of N; the
+            dtype and device of ``txt``; M = 0 is None): extra columns of every image→text row,
+            an N × (N + M) softmax; text→image rows are unchanged. Gradients reach them. The
+            threshold's caption cosine masks negative columns too.
+        group_ids: None or (N,) integer ids (any integer dtype, ``txt``'s device): pairs i ≠ k
+            with equal ids are no negatives of each other in either direction (masked as the
+            threshold masks; several captions of one image, duplicates).
+        margin: "text" (default: sg(t_i·x), the paper's) or "image_text" (sg(v_i·x) in i2t and
+            sg(v_i·t_k) in t2i: the detached image-text score, LLaVE-style hardness).
+            ``negatives``, ``group_ids`` and ``margin="image_text"`` are the hard-negative family
+            (``docs/hard_negatives.md``): backend="torch" only for now (the fused kernels of
+            these options are in progress): "auto" then resolves to "torch", and "cpp"/"triton"
+            raise ``NotImplementedError``. Without them nothing changes, bit for bit.
 
     Returns:
         float32 loss (float64 for float64 inputs): a scalar, or shape (N,) for "none";
@@ -117,7 +134,12 @@ def hn_clip_loss(
             the features' norms) overflow float32, γ < 0 or non-finite, ε
             outside [0, 1), unknown ``reduction``/``backend``/``precision``,
             ``false_negative_threshold`` outside (−1, 1], a backend that cannot run on these
-            tensors. Under ``torch.compile`` value checks are skipped (no graph breaks).
+            tensors; ``negatives`` not 2-D, of another D or device than ``txt`` (another dtype
+            or non-floating: ``TypeError``); ``group_ids`` not of shape (N,) or on another device
+            (non-integer: ``TypeError``); ``margin`` not "text"/"image_text". Under
+            ``torch.compile`` value checks are skipped (no graph breaks).
+        NotImplementedError: ``negatives`` (M > 0), ``group_ids`` or ``margin="image_text"`` with
+            backend="cpp" or "triton" (their fused kernels are in progress): use backend="torch".
     """
     tau = validation.plain_number(tau)
     options = LossOptions(
@@ -128,7 +150,17 @@ def hn_clip_loss(
         backend=backend,
         precision=precision,
         false_negative_threshold=false_negative_threshold,
-    ).bind(img, txt, tau)
+        margin=margin,
+    )
+    if negatives is not None or group_ids is not None or margin != "text":
+        validation.check_features(img, txt)
+        negatives, group_ids = validation_family.family_arguments(img, txt, negatives, group_ids)
+        if negatives is not None or group_ids is not None or margin != "text":  # else M = 0: today's call
+            if not isinstance(return_stats, bool):
+                raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
+            rows, report = family_call(img, txt, tau, options, negatives, group_ids, return_stats, warn_tau=True)
+            return (reduce_rows(rows, reduction), report) if return_stats else reduce_rows(rows, reduction)
+    options = options.bind(img, txt, tau)
     if not isinstance(return_stats, bool):
         raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
     warn_if_tau_looks_like_logit_scale(options.tau_value)
@@ -140,3 +172,53 @@ def hn_clip_loss(
     rows, (i2t, t2i) = out
     report = report_of_call(i2t, t2i, img, label_smoothing=options.label_smoothing, n_keys=img.shape[0])
     return reduce_rows(rows, reduction), report
+
+
+def family_call(
+    img, txt, tau, options, negatives, group_ids, return_stats, *, tau_value=None, names=("img", "txt"), warn_tau=False
+):
+    """The hard-negative family's per-pair rows (N,) on one process and, with ``return_stats``,
+    its report (else None): ``options`` unbound, ``negatives`` (M > 0) and ``group_ids`` checked
+    or None. "auto" runs backend="torch" (the fused kernels of these options are in progress)."""
+    validation_family.check_fused_support(options.backend, negatives, group_ids, options.margin)
+    if options.backend == "auto":
+        options = dataclasses.replace(options, backend="torch")
+    n_keys = img.shape[0] + (0 if negatives is None else negatives.shape[0])
+    bound = options.bind(img, txt, tau, tau_value=tau_value, names=names, n_keys=n_keys)
+    if not bound.normalize:
+        n_rows = img.shape[0] if bound.reduction != "none" else 1
+        tau_grad = validation.tau_requires_grad(tau)
+        validation_family.check_family_range(
+            img, txt, negatives, bound.margin, bound.tau_value, bound.gamma, bound.label_smoothing, n_rows, tau_grad
+        )
+    if warn_tau:  # hn_clip_loss's warning (HNClipLoss warns about its logit_scale instead)
+        warn_if_tau_looks_like_logit_scale(bound.tau_value)
+    with autocast_disabled(img.device):
+        out = family_losses(img, txt, negatives, group_ids, as_tau_tensor(tau, img), bound, return_stats)
+    if not return_stats:
+        return out, None
+    rows, (i2t, t2i) = out
+    report = report_of_call(i2t, t2i, img, label_smoothing=bound.label_smoothing, n_keys=(n_keys, img.shape[0]))
+    return rows, report
+
+
+def module_family_loss(
+    img, txt, tau, options, negatives, group_ids, *, world_size, return_stats, tau_value, problem
+):  # fmt: skip
+    """``HNClipLoss.forward`` with a family option: (mean loss, report or None), or None where
+    the checked options turn out to be today's (M = 0, no ids, margin "text"). ``problem``: the
+    error of an invalid logit_scale, raised once the family arguments are checked."""
+    names = ("image_features", "text_features")
+    validation.check_features(img, txt, *names)
+    negatives, group_ids = validation_family.family_arguments(img, txt, negatives, group_ids, names)
+    if negatives is None and group_ids is None and options.margin == "text":
+        return None
+    if world_size > 1:
+        where = "world_size > 1 (gathering negatives and ids across ranks)"
+        validation_family.check_fused_support(options.backend, negatives, group_ids, options.margin, where=where)
+    if problem is not None:
+        raise problem
+    rows, report = family_call(
+        img, txt, tau, options, negatives, group_ids, return_stats, tau_value=tau_value, names=names
+    )
+    return rows.mean(), report

@@ -20,7 +20,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import validation
+from . import validation, validation_family
 from .numerics import compute_dtype
 
 
@@ -43,12 +43,15 @@ class LossOptions:
             i ≠ j with t̂_i·t̂_j ≥ it (the captions' cosine, also with ``normalize=False``) is not
             a negative in either direction (not in the paper;
             see :func:`hnclip_kernels.hn_clip_loss`).
+        margin: the margin's detached score, "text" (sg(t_i·x), the paper's, default) or
+            "image_text" (sg(v_i·x)); see ``docs/hard_negatives.md``.
 
     Raises:
         TypeError: non-real ``gamma``/``label_smoothing``, non-bool ``normalize``,
             non-string ``precision``, non-real ``false_negative_threshold``.
         ValueError: γ < 0 or non-finite, ε outside [0, 1), unknown ``reduction``,
-            ``backend`` or ``precision``, ``false_negative_threshold`` outside (−1, 1].
+            ``backend`` or ``precision``, ``false_negative_threshold`` outside (−1, 1],
+            ``margin`` not "text" or "image_text" (a non-string: ``TypeError``).
     """
 
     gamma: Union[float, torch.Tensor] = 0.5
@@ -59,6 +62,7 @@ class LossOptions:
     precision: Optional[str] = None
     tau_value: Optional[float] = None
     false_negative_threshold: Optional[float] = None
+    margin: str = "text"
 
     def __post_init__(self):
         for name in ("gamma", "label_smoothing"):  # NumPy scalars, one-element tensors: validation.hyperparameter
@@ -68,6 +72,7 @@ class LossOptions:
         if self.false_negative_threshold is not None:  # NumPy scalars and arrays, Fractions: a Python float
             object.__setattr__(self, "false_negative_threshold", validation.plain_number(self.false_negative_threshold))
         validation.check_false_negative_threshold(self.false_negative_threshold)
+        validation_family.check_margin(self.margin)
 
     def bind(
         self,
@@ -78,13 +83,15 @@ class LossOptions:
         tau_value: Optional[float] = None,
         n_rows: Optional[int] = None,
         names: tuple = ("img", "txt"),
+        n_keys: Optional[int] = None,
     ) -> "LossOptions":
         """These options for one single-process call on ``img``/``txt`` (N, D) with temperature
         ``tau``: the features and τ checked (τ read once, or ``tau_value`` used where the caller
         already read it), the backend resolved for these tensors, the precision default applied.
 
         ``n_rows``: how many pairs' losses the reduction adds up (default: N for "mean"/"sum",
-        1 for "none"), for the overflow bound of :func:`validation.check_tau`.
+        1 for "none"), for the overflow bound of :func:`validation.check_tau`. ``n_keys``: the
+        number of key columns of the widest row (default N; N + M with M negative captions).
 
         Raises: the ``TypeError``/``ValueError`` of :func:`validation.check_features`,
         :func:`validation.check_tau`, :func:`validation.check_feature_range` and
@@ -93,7 +100,7 @@ class LossOptions:
         validation.check_features(img, txt, *names)
         if n_rows is None:
             n_rows = img.shape[0] if self.reduction != "none" else 1
-        value = self.checked_tau(img, txt, tau, n_rows=n_rows, tau_value=tau_value, names=names)
+        value = self.checked_tau(img, txt, tau, n_rows=n_rows, tau_value=tau_value, names=names, n_keys=n_keys)
         return self.resolved(img, value)
 
     def checked_tau(
@@ -106,6 +113,7 @@ class LossOptions:
         tau_value: Optional[float] = None,
         feature_range: bool = True,
         names: tuple = ("img", "txt"),
+        n_keys: Optional[int] = None,
     ) -> Optional[float]:
         """τ checked for these options on features ``img``/``txt`` (N, D):
         :func:`validation.check_tau` with N key columns, ``n_rows`` summed rows and dL/dτ's bound
@@ -121,7 +129,7 @@ class LossOptions:
             img.dtype,
             self.gamma,
             label_smoothing=self.label_smoothing,
-            n_keys=img.shape[0],
+            n_keys=img.shape[0] if n_keys is None else n_keys,
             n_rows=n_rows,
             tau_grad=tau_grad,
         )

@@ -92,6 +92,10 @@ def stats_fields(
     """loss, saturated_rows, effective_negatives, rows (and masked_pairs with false-negative
     masking, from the ``kept`` counts and ``n_keys``) from both directions' statistics."""
     delta = torch.cat([i2t.delta.reshape(-1), t2i.delta.reshape(-1)]).double()
+    if isinstance(n_keys, tuple):  # the hard-negative family: (N + M i2t columns, N t2i columns)
+        n_keys = torch.cat(
+            [torch.full_like(st.delta.reshape(-1), k, dtype=torch.float64) for st, k in zip((i2t, t2i), n_keys)]
+        )
     mean_neg = torch.cat([i2t.mean_neg.reshape(-1), t2i.mean_neg.reshape(-1)]).double()
     masked = i2t.kept is not None and t2i.kept is not None
     kept = torch.cat([i2t.kept.reshape(-1), t2i.kept.reshape(-1)]).double() if masked else None
@@ -124,6 +128,9 @@ def report_of_call(
     (host floats) cannot be made: for meta tensors (no values) and inside a compiled graph."""
     if torch.compiler.is_compiling() or like.device.type == "meta":
         return None
+    if isinstance(n_keys, tuple):  # per direction (hnclip_kernels.loss.family_call): the defaults of the below
+        with torch.no_grad():
+            return SaturationReport(**stats_fields(i2t, t2i, 1e-3, float(label_smoothing), n_keys))
     return report_from_row_stats(i2t, t2i, label_smoothing=label_smoothing, n_keys=n_keys)
 
 

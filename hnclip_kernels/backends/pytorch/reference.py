@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ...numerics import NORM_EPS, compute_dtype, ieee_float32, matmul_nt, normalized
 from ...validation import check_directional
+from ...validation_family import check_family_directional
 from ..epilogue import RowStats, smooths
 
 
@@ -32,6 +33,10 @@ def directional_nll_torch(
     normalize: bool,
     return_stats: bool = False,
     false_negative_threshold=None,
+    mask_query=None,
+    mask_key=None,
+    query_groups=None,
+    key_groups=None,
 ):
     """Per-row cross-entropy of one direction of the HN-CLIP logits (arXiv 2608.18521, Eq. 2).
 
@@ -54,6 +59,19 @@ def directional_nll_torch(
     no margin and no gradient, and label smoothing spreads ε over the row's n_i kept classes,
     ``ε · mean_{k kept} (Z[i, pos] - Z[i, k])``.
 
+    The hard-negative family (``hn_clip_loss(negatives=, group_ids=, margin=)``; every keyword
+    below absent is today's call, on today's code path):
+
+    * ``mask_query`` (M, D) and ``mask_key`` (N, D), passed together: the captions whose cosine
+      the threshold compares, when they are not the margin's factors a, b (with
+      ``margin="image_text"`` the margin is sg(v_i·x) but the mask still compares captions).
+      Detached; normalised like a, b (with ``normalize=False`` divided by their norms).
+    * ``query_groups`` (M,) and ``key_groups`` (K,), K ≤ N, integer ids, passed together: column
+      k < K is masked in row i when ``query_groups[i] == key_groups[k]`` (k ≠ offset + i); the
+      columns from K on (the negative captions appended after the N captions) carry no id.
+
+    Masked entries leave the row exactly as with the threshold above (union of both rules).
+
     Returns a float32 (float64 for float64 inputs) tensor of shape (M,); with
     ``return_stats``, also the detached row statistics ``backends.epilogue.RowStats`` (what the
     fused kernels save for their backward; :mod:`hnclip_kernels.diagnostics` reads them).
@@ -75,7 +93,17 @@ def directional_nll_torch(
     delta = logits - pos[:, None]  # Z_ik - Z_i,pos: exactly 0 at the positive
     is_pos = torch.zeros_like(delta, dtype=torch.bool)
     is_pos[rows, pos_cols] = True
-    if false_negative_threshold is not None:
+    if any(x is not None for x in (mask_query, mask_key, query_groups, key_groups)):
+        check_family_directional(m, n, mask_query, mask_key, query_groups, key_groups)
+        cosine = None
+        if false_negative_threshold is not None:
+            cosine = margin if normalize else margin * _inv_norms(a)[:, None] * _inv_norms(b)[None, :]
+            if mask_query is not None:
+                cosine = _caption_cosine(mask_query.detach().to(dt), mask_key.detach().to(dt), normalize)
+        masked = _family_mask(cosine, false_negative_threshold, query_groups, key_groups, n)
+        if masked is not None:
+            return _masked_rows(delta, pos, is_pos, masked, label_smoothing, return_stats)
+    elif false_negative_threshold is not None:
         cosine = margin if normalize else margin * _inv_norms(a)[:, None] * _inv_norms(b)[None, :]
         return _masked_rows(delta, pos, is_pos, cosine >= false_negative_threshold, label_smoothing, return_stats)
     lse_neg = _lse_of_kept(delta, is_pos)
@@ -90,6 +118,27 @@ def directional_nll_torch(
 def _inv_norms(x):
     """1 / max(‖x_i‖, eps) per row, the norm in float64 (``normalized``'s), in x's dtype."""
     return (1.0 / torch.linalg.vector_norm(x, dim=1, dtype=torch.float64).clamp_min(NORM_EPS)).to(x.dtype)
+
+
+def _caption_cosine(a, b, normalize):
+    """The captions' cosine â_i·b̂_k (IEEE float32 products, as the margin's)."""
+    if normalize:
+        a, b = normalized(a), normalized(b)
+    with ieee_float32(a.device):
+        product = a @ b.T
+    return product if normalize else product * _inv_norms(a)[:, None] * _inv_norms(b)[None, :]
+
+
+def _family_mask(cosine, threshold, query_groups, key_groups, n):
+    """(M, N) bool: caption cosine ≥ threshold, or the same group id (first K columns only);
+    None when neither rule is on."""
+    masked = None if cosine is None else cosine >= threshold
+    if query_groups is not None:
+        same = query_groups[:, None] == key_groups[None, :]
+        if same.shape[1] < n:  # the negative captions' columns carry no id
+            same = torch.cat([same, same.new_zeros(same.shape[0], n - same.shape[1])], dim=1)
+        masked = same if masked is None else masked | same
+    return masked
 
 
 def _masked_rows(delta, pos, is_pos, masked, label_smoothing, return_stats):

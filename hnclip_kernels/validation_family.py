@@ -1,0 +1,161 @@
+"""Argument checks of the hard-negative family (``negatives``, ``group_ids``, ``margin``).
+
+Split from :mod:`hnclip_kernels.validation` by role: these are the checks of the options that
+extend the loss beyond the paper's formula (see ``docs/hard_negatives.md``). Each raises
+``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, bad value) naming the
+argument and the fix; ``NotImplementedError`` where a backend has no kernel for them yet.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .validation import FLOAT_DTYPES, finite_limit, largest_intermediate, row_norm_extremes
+
+MARGINS = ("text", "image_text")
+
+
+def check_margin(margin) -> None:
+    """``margin``: "text" (sg(t_i·x), the paper's) or "image_text" (sg(v_i·x))."""
+    if not isinstance(margin, str):
+        raise TypeError(f"margin must be a string, 'text' or 'image_text', got {type(margin).__name__}")
+    if margin not in MARGINS:
+        raise ValueError(
+            f"margin must be one of {MARGINS}, got {margin!r}: 'text' is HN-CLIP's sg(t_i·x), "
+            "'image_text' the detached image-text score sg(v_i·x) (LLaVE-style hardness)"
+        )
+
+
+def check_negatives(negatives, txt: torch.Tensor, txt_name: str = "txt") -> Optional[torch.Tensor]:
+    """``negatives`` (M, D), M ≥ 0: extra caption columns of the image→text direction, in
+    ``txt``'s dtype and on its device (``txt`` already checked). Returns it, or None for None or
+    M = 0 (no extra columns: the loss without negatives)."""
+    if negatives is None:
+        return None
+    if not isinstance(negatives, torch.Tensor):
+        raise TypeError(f"negatives must be None or a torch.Tensor of shape (M, D), got {type(negatives).__name__}")
+    if negatives.dim() != 2:
+        raise ValueError(
+            f"negatives must be 2-D (M, D): one row per hard-negative caption embedding, got shape "
+            f"{tuple(negatives.shape)}; flatten the leading dimensions (negatives.reshape(-1, D))"
+        )
+    if negatives.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"negatives has dtype {negatives.dtype}; pass floating embeddings in {txt_name}'s dtype ({txt.dtype})"
+        )
+    if negatives.shape[1] != txt.shape[1]:
+        raise ValueError(
+            f"negatives has D = {negatives.shape[1]} but {txt_name} has D = {txt.shape[1]}; embed the negative "
+            "captions with the same text tower"
+        )
+    if negatives.dtype != txt.dtype:
+        raise TypeError(
+            f"negatives ({negatives.dtype}) and {txt_name} ({txt.dtype}) must have the same dtype; cast negatives"
+        )
+    if negatives.device != txt.device:
+        raise ValueError(
+            f"negatives ({negatives.device}) and {txt_name} ({txt.device}) must be on the same device; "
+            f"move negatives to {txt.device}"
+        )
+    return None if negatives.shape[0] == 0 else negatives
+
+
+def check_group_ids(group_ids, txt: torch.Tensor, txt_name: str = "txt") -> Optional[torch.Tensor]:
+    """``group_ids`` (N,): an integer id per pair (bool and floating ids rejected), on the
+    features' device. Pairs i ≠ k with the same id are no negatives of each other."""
+    if group_ids is None:
+        return None
+    if not isinstance(group_ids, torch.Tensor):
+        raise TypeError(
+            f"group_ids must be None or a 1-D integer torch.Tensor of shape (N,), got {type(group_ids).__name__}; "
+            "e.g. torch.as_tensor(ids)"
+        )
+    if group_ids.dtype == torch.bool or group_ids.is_floating_point() or group_ids.is_complex():
+        raise TypeError(
+            f"group_ids must be an integer tensor (one id per pair), got {group_ids.dtype}; "
+            "cast with .long() if the values are whole numbers"
+        )
+    n = txt.shape[0]
+    if group_ids.dim() != 1 or group_ids.shape[0] != n:
+        raise ValueError(
+            f"group_ids must be 1-D of length N = {n} (one id per image-text pair), got shape {tuple(group_ids.shape)}"
+        )
+    if group_ids.device != txt.device:
+        raise ValueError(
+            f"group_ids ({group_ids.device}) and {txt_name} ({txt.device}) must be on the same device; "
+            f"move group_ids to {txt.device}"
+        )
+    return group_ids
+
+
+def family_arguments(img, txt, negatives, group_ids, names=("img", "txt")):
+    """(negatives or None, group_ids or None), checked against the checked features."""
+    return check_negatives(negatives, txt, names[1]), check_group_ids(group_ids, txt, names[1])
+
+
+def check_fused_support(backend: str, negatives, group_ids, margin: str, where: str = "") -> None:
+    """The fused kernels of the family are in progress: backend "cpp"/"triton" (and the
+    distributed loss) with any family option raise ``NotImplementedError`` naming it."""
+    used = [
+        name
+        for name, on in (
+            ("negatives (M > 0)", negatives is not None),
+            ("group_ids", group_ids is not None),
+            ("margin='image_text'", margin != "text"),
+        )
+        if on
+    ]
+    if used and (backend in ("cpp", "triton") or where):
+        what = where or f"backend={backend!r}"
+        raise NotImplementedError(
+            f"{' and '.join(used)}: not implemented yet for {what} (the fused kernels of these options are "
+            "in progress); use backend='torch' on one process"
+        )
+
+
+def check_family_range(img, txt, negatives, margin, tau_value, gamma, label_smoothing, n_rows, tau_grad) -> None:
+    """With ``normalize=False``: the negatives' norms (and, with margin="image_text", a margin
+    γ·v·x of the image norms) enter the logit gaps; raise ``ValueError`` where they would
+    overflow the compute dtype (as :func:`validation.check_feature_range` for img/txt)."""
+    if tau_value is None or torch.compiler.is_compiling() or img.device.type == "meta":
+        return
+    captions = txt if negatives is None else torch.cat([txt, negatives])
+    img_norm, txt_norm, _ = row_norm_extremes(img, captions)
+    if not (math.isfinite(img_norm) and math.isfinite(txt_norm)):
+        return
+    n_keys = captions.shape[0]
+    args = (tau_value, gamma, label_smoothing, n_keys)
+    largest = largest_intermediate(*args, img_norm, txt_norm, n_rows, tau_grad=tau_grad)
+    if margin != "text":  # the margin γ·v·x: covered by the bound with the two norms swapped
+        largest = max(largest, largest_intermediate(*args, txt_norm, img_norm, n_rows, tau_grad=tau_grad))
+    if largest >= finite_limit(img.dtype):
+        raise ValueError(
+            f"with normalize=False, img (row norms up to {img_norm:.3g}) and the captions and negatives "
+            f"(up to {txt_norm:.3g}) at tau = {tau_value:g} give logit gaps up to {largest:.3g}, beyond "
+            f"{'float64' if img.dtype == torch.float64 else 'float32'} range; pass normalize=True or "
+            "scale the features down"
+        )
+
+
+def check_family_directional(m: int, n: int, mask_query, mask_key, query_groups, key_groups) -> None:
+    """The family keywords of a directional op (M query rows, N key columns): mask captions
+    (M, D) and (N, D), passed together; group ids (M,) and (K,), K ≤ N, passed together."""
+    if (mask_query is None) != (mask_key is None):
+        raise ValueError("mask_query and mask_key must be passed together (the captions whose cosine is masked)")
+    if mask_query is not None and (mask_query.shape[0] != m or mask_key.shape[0] != n):
+        raise ValueError(
+            f"mask_query must have the M = {m} query rows and mask_key the N = {n} key columns, "
+            f"got {mask_query.shape[0]} and {mask_key.shape[0]}"
+        )
+    if (query_groups is None) != (key_groups is None):
+        raise ValueError("query_groups and key_groups must be passed together (the ids of rows and columns)")
+    if query_groups is not None and (
+        query_groups.dim() != 1 or query_groups.shape[0] != m or key_groups.dim() != 1 or key_groups.shape[0] > n
+    ):
+        raise ValueError(
+            f"query_groups must be (M,) = ({m},) and key_groups (K,) with K <= N = {n}, got "
+            f"{tuple(query_groups.shape)} and {tuple(key_groups.shape)}"
+        )

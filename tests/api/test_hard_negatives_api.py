@@ -1,0 +1,143 @@
+"""The hard-negative family's public surface: named errors, the backend policy (torch only for
+now; the fused backends and world_size > 1 raise NotImplementedError, "auto" runs torch), and
+the bit-identity of every call without the new arguments on every backend (torch, cpp, Triton
+in its interpreter). Bound: a few seconds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cases import ALL_BACKENDS
+from hnclip_kernels import HNClipLoss, hn_clip_loss
+
+N, D = 5, 6
+
+
+def pair(seed=0, dtype=torch.float32, n=N, d=D):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(n, d, generator=gen).to(dtype) for _ in range(2))
+
+
+def negs(m=3, seed=1, dtype=torch.float32, d=D):
+    return torch.randn(m, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(negatives=torch.randn(3)), ValueError, r"negatives must be 2-D \(M, D\)"),
+        (dict(negatives=torch.randn(2, 3, D)), ValueError, r"negatives must be 2-D.*reshape\(-1, D\)"),
+        (dict(negatives=torch.randn(3, D + 1)), ValueError, r"negatives has D = 7 but txt has D = 6"),
+        (dict(negatives=torch.randn(3, D, dtype=torch.float64)), TypeError, r"negatives \(torch.float64\) and txt"),
+        (dict(negatives=torch.ones(3, D, dtype=torch.long)), TypeError, r"negatives has dtype torch.int64"),
+        (dict(negatives=[[0.0] * D]), TypeError, r"negatives must be None or a torch.Tensor"),
+        (dict(negatives=torch.randn(3, D, device="meta")), ValueError, r"negatives \(meta\) and txt \(cpu\)"),
+        (dict(group_ids=torch.zeros(N, dtype=torch.bool)), TypeError, r"group_ids must be an integer tensor"),
+        (dict(group_ids=torch.zeros(N)), TypeError, r"group_ids must be an integer tensor.*\.long\(\)"),
+        (dict(group_ids=torch.zeros(N + 1, dtype=torch.long)), ValueError, r"group_ids must be 1-D of length N = 5"),
+        (dict(group_ids=torch.zeros(N, 1, dtype=torch.long)), ValueError, r"group_ids must be 1-D"),
+        (dict(group_ids=[0] * N), TypeError, r"group_ids must be None or a 1-D integer torch.Tensor"),
+        (dict(group_ids=torch.zeros(N, dtype=torch.long, device="meta")), ValueError, r"group_ids \(meta\)"),
+        (dict(margin="image"), ValueError, r"margin must be one of \('text', 'image_text'\)"),
+        (dict(margin=None), TypeError, r"margin must be a string"),
+    ],
+)
+def test_named_errors(kwargs, error, match):
+    img, txt = pair()
+    with pytest.raises(error, match=match):
+        hn_clip_loss(img, txt, 0.1, backend="torch", **kwargs)
+
+
+def test_module_errors():
+    img, txt = pair()
+    with pytest.raises(ValueError, match="margin must be one of"):
+        HNClipLoss(margin="txt")
+    module = HNClipLoss(backend="torch")
+    with pytest.raises(ValueError, match="margin must be one of"):
+        module.margin = "bad"
+    assert module.margin == "text"
+    with pytest.raises(ValueError, match=r"negatives has D = 7 but text_features has D = 6"):
+        module(img, txt, 10.0, negatives=torch.randn(2, D + 1))
+    with pytest.raises(TypeError, match="group_ids must be an integer tensor"):
+        module(img, txt, 10.0, group_ids=torch.zeros(N))
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        (dict(negatives=negs()), r"negatives \(M > 0\)"),
+        (dict(group_ids=torch.arange(N)), "group_ids"),
+        (dict(margin="image_text"), "margin='image_text'"),
+    ],
+)
+def test_fused_backends_raise_not_implemented(backend, kwargs, named):
+    if backend not in ALL_BACKENDS:
+        pytest.skip(f"{backend} cannot run here")
+    img, txt = pair()
+    with pytest.raises(NotImplementedError, match=f"{named}.*backend='{backend}'.*use backend='torch'"):
+        hn_clip_loss(img, txt, 0.1, backend=backend, **kwargs)
+    with pytest.raises(NotImplementedError, match=named):
+        HNClipLoss(backend=backend, margin=kwargs.get("margin", "text"))(
+            img, txt, 10.0, negatives=kwargs.get("negatives"), group_ids=kwargs.get("group_ids")
+        )
+
+
+def test_world_size_above_one_raises_not_implemented():
+    img, txt = pair()
+    module = HNClipLoss(backend="torch", rank=0, world_size=2)
+    with pytest.raises(NotImplementedError, match=r"negatives \(M > 0\).*world_size > 1"):
+        module(img, txt, 10.0, negatives=negs())
+
+
+def test_empty_negatives_are_none_on_every_backend():
+    # M = 0 equals None: today's call, so the fused backends run it too
+    img, txt = pair(3)
+    for backend in ALL_BACKENDS:
+        a = hn_clip_loss(img, txt, 0.1, backend=backend)
+        b = hn_clip_loss(img, txt, 0.1, backend=backend, negatives=torch.empty(0, D))
+        assert torch.equal(a, b), backend
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(false_negative_threshold=0.3, label_smoothing=0.1), dict(reduction="none", normalize=False)],
+    ids=["plain", "masked-smoothed", "none-unnormalized"],
+)
+def test_no_new_arguments_is_bit_identical(backend, options):
+    img, txt = (torch.nn.functional.normalize(x, dim=1) for x in pair(4))  # near-unit: no normalize=False warning
+    upstream = torch.linspace(0.5, 1.5, N) if options.get("reduction") == "none" else torch.tensor(1.0)
+    results = []
+    for extra in (dict(), dict(negatives=None, group_ids=None, margin="text")):
+        leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
+        tau = torch.tensor(0.07, requires_grad=True)
+        loss = hn_clip_loss(*leaves, tau, backend=backend, **options, **extra)
+        grads = torch.autograd.grad((loss * upstream).sum(), [*leaves, tau])
+        results.append((loss, *grads))
+    for a, b in zip(*results):
+        assert torch.equal(a, b), backend
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_module_without_new_arguments_is_bit_identical(backend):
+    img, txt = pair(5)
+    results = []
+    for extra in (dict(), dict(negatives=None, group_ids=None)):
+        module = HNClipLoss(backend=backend, return_stats=True, **({"margin": "text"} if extra else {}))
+        leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
+        scale = torch.tensor(14.0, requires_grad=True)
+        loss = module(*leaves, scale, **extra)
+        results.append((loss, *torch.autograd.grad(loss, [*leaves, scale]), module.last_stats))
+    assert results[0][-1] == results[1][-1]
+    for a, b in zip(results[0][:-1], results[1][:-1]):
+        assert torch.equal(a, b), backend
+
+
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+def test_unnormalized_negatives_that_overflow_are_named(margin):
+    img, txt = (torch.nn.functional.normalize(x, dim=1) for x in pair(6))
+    huge = negs() * 1e36  # finite, but their products with the images overflow float32
+    with pytest.raises(ValueError, match=r"normalize=False.*captions and negatives.*pass normalize=True"):
+        hn_clip_loss(img, txt, 0.1, negatives=huge, normalize=False, margin=margin, backend="torch")
