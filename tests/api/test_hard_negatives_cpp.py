@@ -274,3 +274,21 @@ def test_work_count_adds_the_negative_columns_only():
     assert count() == 2 * d * 3 * (n * (n + m) + n * n)
     assert count(group_ids=GROUPS["random"].new_tensor(list(range(n)))) == 2 * d * 3 * (n * (n + m) + n * n)
     assert count(false_negative_threshold=0.5) == 2 * d * 4 * (n * (n + m) + n * n)
+
+
+def test_torch_func_grad_and_vmap():
+    # the family operator under torch.func as the other C++ operators: grad equals autograd's,
+    # vmap runs the kernels once per batch entry
+    img, txt, neg = features(N, D, 36), features(N, D, 37), features(3, D, 38)
+    kw = dict(group_ids=GROUPS["random"], margin="image_text", false_negative_threshold=0.5, backend="cpp")
+
+    def loss(a, b, c):
+        return hn_clip_loss(a, b, 0.1, negatives=c, **kw)
+
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(img, txt, neg)
+    leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    batched = torch.func.vmap(loss, in_dims=(0, None, None))(torch.stack([img, 2 * img]), txt, neg)
+    assert torch.equal(batched, torch.stack([loss(img, txt, neg), loss(2 * img, txt, neg)]))

@@ -12,6 +12,11 @@ already normalised and scaled; no autograd):
   gradient ``g`` (a rescale of the forward's shares when ``g`` is the same for every row,
   as for ``mean``/``sum``; otherwise a column sweep that recomputes the tiles).
 
+* Both directional kernels take the hard-negative family's masking as optional trailing inputs
+  (:class:`FamilyMasks`): mask captions ``ma``, ``mb`` (the threshold's cosine, with their norms
+  ``ca``, ``cb``) and int64 group ids ``qg`` (M,), ``kg`` (K ≤ N,). Group ids turn the masking on
+  as a threshold does; with ids a threshold of +inf (or none) forms no caption tile.
+
 * ``torch.ops.hnclip.cpp_raw_symmetric_fwd`` / ``cpp_raw_symmetric_bwd``: the single-process loss (N images
   against N texts, positives on the diagonal). Each logit tile Z = (v̂ + γ t̂) t̂ᵀ / τ is
   computed once for both directions: its rows give the i2t statistics and its columns the
