@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from test_hard_negatives import GROUPS, D, N, check, features, run_both
+from test_hard_negatives import GROUPS, D, N, check, family_f64, features, run_both
 
 from cases import ALL_BACKENDS
 from helpers import rel_err
@@ -292,3 +292,50 @@ def test_torch_func_grad_and_vmap():
         assert torch.equal(g, w)
     batched = torch.func.vmap(loss, in_dims=(0, None, None))(torch.stack([img, 2 * img]), txt, neg)
     assert torch.equal(batched, torch.stack([loss(img, txt, neg), loss(2 * img, txt, neg)]))
+
+
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+def test_many_tiles_match_the_oracle_per_row(margin):
+    # N = 600 captions and M = 200 negatives: the ids' last column (K = 600) falls inside the
+    # second 512-column tile, the rows span several strips; float64, 40 ids (15 pairs per id).
+    # (The torch reference's float64 gradient rows are off the oracle by ~5e-9 here, the kernels'
+    # by ~1e-14: the comparison is with the oracle.)
+    n, m, d = 600, 200, 8
+    img, txt, neg = (features(r, d, s, torch.float64) for r, s in ((n, 39), (n, 40), (m, 41)))
+    ids = torch.randint(0, 40, (n,), generator=torch.Generator().manual_seed(5))
+    kw = dict(group_ids=ids, margin=margin, label_smoothing=0.1)
+    upstream = torch.linspace(0.5, 1.5, n, dtype=torch.float64)
+    out = []
+    for backend in ("oracle", "cpp"):
+        leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
+        if backend == "oracle":
+            rows = family_f64(
+                leaves[0], leaves[1], torch.tensor(0.05, dtype=torch.float64), leaves[2], threshold=0.6, **kw
+            )
+        else:
+            rows = hn_clip_loss(leaves[0], leaves[1], 0.05, negatives=leaves[2], false_negative_threshold=0.6,
+                                reduction="none", backend="cpp", **kw)  # fmt: skip
+        grads = torch.autograd.grad((rows * upstream).sum(), leaves)
+        out.append((rows.detach(), dict(zip(("img", "txt", "negatives"), grads))))
+    _rows_agree(out[1][0], out[0][0], out[1][1], out[0][1], 1e-10)  # float64's LOSS_TOL (the oracle's own rounding)
+
+
+def test_thread_counts_agree():
+    # 1 and 3 threads (three groups of strips, their key accumulators summed in order)
+    n, m, d = 300, 100, 16
+    img, txt, neg = (features(r, d, s) for r, s in ((n, 42), (n, 43), (m, 44)))
+    ids = torch.randint(0, 30, (n,), generator=torch.Generator().manual_seed(6))
+    upstream = torch.rand(n, generator=torch.Generator().manual_seed(7))
+    before = torch.get_num_threads()
+    out = []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
+            rows = hn_clip_loss(leaves[0], leaves[1], 0.05, negatives=leaves[2], group_ids=ids, reduction="none",
+                                false_negative_threshold=0.5, backend="cpp")  # fmt: skip
+            out.append((rows.detach(), *torch.autograd.grad((rows * upstream).sum(), leaves)))
+    finally:
+        torch.set_num_threads(before)
+    for name, a, b in zip(("rows", "d img", "d txt", "d neg"), *out):
+        assert rel_err(a, b) <= 1e-6, name
