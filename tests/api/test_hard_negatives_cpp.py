@@ -339,3 +339,12 @@ def test_thread_counts_agree():
         torch.set_num_threads(before)
     for name, a, b in zip(("rows", "d img", "d txt", "d neg"), *out):
         assert rel_err(a, b) <= 1e-6, name
+
+
+def test_return_stats_match_torch():
+    img, txt, neg = features(N, D, 12), features(N, D, 13), features(4, D, 14)
+    kw = dict(negatives=neg, group_ids=GROUPS["random"], return_stats=True, label_smoothing=0.1)
+    (loss_t, rep_t), (loss_c, rep_c) = (hn_clip_loss(img, txt, 0.1, backend=b, **kw) for b in ("torch", "cpp"))
+    assert rel_err(loss_c, loss_t) <= 1e-6
+    assert (rep_c.rows, rep_c.masked_pairs) == (rep_t.rows, rep_t.masked_pairs) == (2 * N, 4)
+    assert abs(rep_c.effective_negatives - rep_t.effective_negatives) <= 1e-5 * rep_t.effective_negatives
