@@ -6,6 +6,9 @@
 
 #include <ATen/Dispatch.h>
 
+#include <cmath>
+#include <limits>
+
 namespace hnclip {
 namespace {
 
@@ -26,17 +29,30 @@ RowSweep<T, kMode> row_sweep(const Tensor& qh, const Tensor& kh, const Tensor& a
   return sw;
 }
 
-// False-negative masking on a sweep: the captions' normalised factors (with the caption norms
-// ca, cb when given, else ra, rb) and the threshold
+// False-negative masking on a sweep: the captions' normalised factors (the mask captions ma, mb
+// when given, else the margin factors a, b; normalised with the caption norms ca, cb when given,
+// else ra, rb) and the threshold; the group ids qg (M,), kg (K,) when given. With ids, a threshold
+// of +inf (or none) forms no caption tile. Off (no threshold, no ids): the sweep as it was.
 template <typename T, Sweep kMode>
 void mask_sweep(RowSweep<T, kMode>& sw, const Tensor& a, const Tensor& b, const Tensor& ra, const Tensor& rb,
                 const c10::optional<double>& threshold, const c10::optional<Tensor>& ca,
-                const c10::optional<Tensor>& cb, const at::TensorOptions& opts) {
-  if (!threshold.has_value()) return;
+                const c10::optional<Tensor>& cb, const at::TensorOptions& opts, const Masks& mk) {
+  if (!threshold.has_value() && !mk.qg.has_value()) return;
   sw.masked = true;
-  sw.GL = scaled_rows<T>(a, ca.has_value() ? *ca : ra, opts);
-  sw.GR = scaled_rows<T>(b, cb.has_value() ? *cb : rb, opts);
-  sw.thr = static_cast<T>(*threshold);
+  const bool ids_alone = mk.qg.has_value() && (!threshold.has_value() || *threshold == std::numeric_limits<double>::infinity());
+  const bool cos = threshold.has_value() && !ids_alone;
+  if (cos) {
+    sw.GL = scaled_rows<T>(mk.ma.has_value() ? *mk.ma : a, ca.has_value() ? *ca : ra, opts);
+    sw.GR = scaled_rows<T>(mk.mb.has_value() ? *mk.mb : b, cb.has_value() ? *cb : rb, opts);
+  }
+  sw.thr = cos ? static_cast<T>(*threshold) : std::numeric_limits<T>::infinity();
+  if (mk.qg.has_value()) {
+    sw.has_groups = true;
+    sw.groups.q = mk.qg->data_ptr<int64_t>();
+    sw.groups.k = mk.kg->data_ptr<int64_t>();
+    sw.groups.K = mk.kg->numel();
+    sw.groups.cos = cos;
+  }
 }
 
 // The forward's sweep: statistics into (delta, mean_neg, dsum), shares into the accumulators
@@ -59,7 +75,8 @@ void forward_sweep(RowSweep<T, kMode> sw, Tensor& delta, Tensor& mean_neg, Tenso
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd(
     const Tensor& q_hat, const Tensor& k_hat, const Tensor& a, const Tensor& b, const Tensor& ra,
     const Tensor& rb, const Tensor& pos, const Tensor& inv_tau, int64_t offset, double gamma, bool need_grad,
-    c10::optional<double> threshold, double eps, const c10::optional<Tensor>& ca, const c10::optional<Tensor>& cb) {
+    c10::optional<double> threshold, double eps, const c10::optional<Tensor>& ca, const c10::optional<Tensor>& cb,
+    const Masks& mk) {
   at::NoGradGuard no_grad;  // kernel scratch only; autograd lives in hnclip_kernels/backends/cpp/ops.py
   const auto dt = q_hat.scalar_type();
   const int64_t M = q_hat.size(0), N = k_hat.size(0), D = q_hat.size(1);
@@ -67,18 +84,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd(
   const Tensor qh = q_hat.contiguous(), kh = k_hat.contiguous();
   const Tensor pos_c = pos.to(dt).contiguous();
   Tensor delta = at::empty({M}, opts), mean_neg = at::empty({M}, opts), dsum = at::empty({M}, opts);
-  Tensor kept = at::empty({threshold.has_value() ? M : 0}, opts);
+  Tensor kept = at::empty({threshold.has_value() || mk.qg.has_value() ? M : 0}, opts);
   Tensor row_acc = at::empty({need_grad ? M : 0, D}, opts);
   Tensor col_acc = at::empty({need_grad ? N : 0, D}, opts);
   AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_directional_fwd", [&] {
     if (need_grad) {
       auto sw = row_sweep<scalar_t, Sweep::kShares>(qh, kh, a, b, ra, rb, pos_c, inv_tau, offset, gamma);
-      mask_sweep(sw, a, b, ra, rb, threshold, ca, cb, opts);
+      mask_sweep(sw, a, b, ra, rb, threshold, ca, cb, opts, mk);
       sw.eps = static_cast<scalar_t>(eps);
       forward_sweep(sw, delta, mean_neg, dsum, kept, row_acc, col_acc);
     } else {
       auto sw = row_sweep<scalar_t, Sweep::kStats>(qh, kh, a, b, ra, rb, pos_c, inv_tau, offset, gamma);
-      mask_sweep(sw, a, b, ra, rb, threshold, ca, cb, opts);
+      mask_sweep(sw, a, b, ra, rb, threshold, ca, cb, opts, mk);
       forward_sweep(sw, delta, mean_neg, dsum, kept, row_acc, col_acc);
     }
   });
@@ -91,9 +108,11 @@ std::tuple<Tensor, Tensor> directional_bwd(const Tensor& q_hat, const Tensor& k_
                                            const Tensor& inv_tau, const Tensor& delta, const Tensor& row_acc,
                                            const Tensor& col_acc, const Tensor& g, int64_t offset, double gamma,
                                            c10::optional<double> threshold, const Tensor& shift,
-                                           const c10::optional<Tensor>& ca, const c10::optional<Tensor>& cb) {
+                                           const c10::optional<Tensor>& ca, const c10::optional<Tensor>& cb,
+                                           const Masks& mk) {
   at::NoGradGuard no_grad;
   const auto dt = q_hat.scalar_type();
+  const bool masked = threshold.has_value() || mk.qg.has_value();
   const int64_t M = q_hat.size(0), N = k_hat.size(0), D = q_hat.size(1);
   const auto opts = q_hat.options();
   const Tensor gc = g.to(dt).contiguous();
@@ -104,9 +123,9 @@ std::tuple<Tensor, Tensor> directional_bwd(const Tensor& q_hat, const Tensor& k_
     const scalar_t* gp = gc.data_ptr<scalar_t>();
     // each row's (lse, weight): w_i P_ik = e^(d_ik − lse_i)·weight_i (row_factor: rows whose
     // probabilities are float32 subnormals take the softmax over their negatives times g·σ(δ))
-    const Tensor shift_c = threshold.has_value() ? shift.to(dt).contiguous() : shift;
+    const Tensor shift_c = masked ? shift.to(dt).contiguous() : shift;
     bool shifted = false;
-    if (threshold.has_value()) {
+    if (masked) {
       const scalar_t* sp = shift_c.data_ptr<scalar_t>();
       for (int64_t i = 0; i < M && !shifted; ++i) shifted = sp[i] != scalar_t(0);
     }
@@ -135,8 +154,8 @@ std::tuple<Tensor, Tensor> directional_bwd(const Tensor& q_hat, const Tensor& k_
     // statistics came from; strips of w_i P_ik into the key gradient (per-group accumulators) and,
     // when the forward kept no shares, into the query gradient too
     auto sw = row_sweep<scalar_t, Sweep::kBackward>(qh, kh, a, b, ra, rb, pos_c, inv_tau, offset, gamma);
-    mask_sweep(sw, a, b, ra, rb, threshold, ca, cb, opts);
-    if (threshold.has_value()) sw.shift = shift_c.data_ptr<scalar_t>();
+    mask_sweep(sw, a, b, ra, rb, threshold, ca, cb, opts, mk);
+    if (masked) sw.shift = shift_c.data_ptr<scalar_t>();
     sw.nll_in = nll.data_ptr<scalar_t>();
     sw.weight = weight.data_ptr<scalar_t>();
     if (!d_q.defined()) {

@@ -51,11 +51,21 @@ namespace hnclip {
 // The forwards then also count each row's kept negatives (``kept``, else an empty tensor) and
 // with label smoothing ``eps`` put P − ε/n_i into the shares; the backwards take that
 // ε/n_i per row (``shift``, per column ``shift_c``) and apply it on the kept entries only.
+// The hard-negative family's masking of the directional operators (all absent: today's call).
+// ma (M, D), mb (N, D): the captions whose cosine the threshold compares when they are not the
+// margin factors a, b (ca, cb are then their inverse norms, required); qg (M,), kg (K ≤ N,)
+// int64 group ids: column k < K is no negative of row i when qg[i] == kg[k] (the columns from K
+// on carry no id). Either turns the masking on (kept counts, ε over the kept classes) like the
+// threshold; with ids a threshold of +inf (or none) is no cosine test.
+struct Masks {
+  c10::optional<at::Tensor> ma, mb, qg, kg;
+};
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> directional_fwd(
     const at::Tensor& q_hat, const at::Tensor& k_hat, const at::Tensor& a, const at::Tensor& b,
     const at::Tensor& ra, const at::Tensor& rb, const at::Tensor& pos, const at::Tensor& inv_tau, int64_t offset,
     double gamma, bool need_grad, c10::optional<double> threshold, double eps, const c10::optional<at::Tensor>& ca,
-    const c10::optional<at::Tensor>& cb);
+    const c10::optional<at::Tensor>& cb, const Masks& mk);
 
 std::tuple<at::Tensor, at::Tensor> directional_bwd(const at::Tensor& q_hat, const at::Tensor& k_hat,
                                                    const at::Tensor& a, const at::Tensor& b, const at::Tensor& ra,
@@ -65,7 +75,7 @@ std::tuple<at::Tensor, at::Tensor> directional_bwd(const at::Tensor& q_hat, cons
                                                    const at::Tensor& g, int64_t offset, double gamma,
                                                    c10::optional<double> threshold, const at::Tensor& shift,
                                                    const c10::optional<at::Tensor>& ca,
-                                                   const c10::optional<at::Tensor>& cb);
+                                                   const c10::optional<at::Tensor>& cb, const Masks& mk);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 symmetric_fwd(const at::Tensor& v_hat, const at::Tensor& t_hat, const at::Tensor& pos, const at::Tensor& inv_tau,

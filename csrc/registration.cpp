@@ -48,15 +48,45 @@ void check_caption_norms(const c10::optional<Tensor>& ca, const c10::optional<Te
   TORCH_CHECK(!cb.has_value() || cb->numel() == b.size(0), "hnclip: cb needs one entry per row of b");
 }
 
+// The family's masking inputs (optional): mask captions (M, D) and (N, D) with their norms,
+// int64 group ids (M,) and (K ≤ N,), passed in pairs; made contiguous
+Masks check_masks(const c10::optional<Tensor>& ma, const c10::optional<Tensor>& mb, const c10::optional<Tensor>& qg,
+                  const c10::optional<Tensor>& kg, const c10::optional<Tensor>& ca, const c10::optional<Tensor>& cb,
+                  const Tensor& a, const Tensor& b) {
+  TORCH_CHECK(ma.has_value() == mb.has_value(), "hnclip: ma and mb are passed together");
+  TORCH_CHECK(qg.has_value() == kg.has_value(), "hnclip: qg and kg are passed together");
+  Masks mk;
+  if (ma.has_value()) {
+    TORCH_CHECK(ca.has_value() && cb.has_value(), "hnclip: ma and mb need their norms ca and cb");
+    TORCH_CHECK(ma->dim() == 2 && mb->dim() == 2 && ma->sizes() == a.sizes() && mb->sizes() == b.sizes(),
+                "hnclip: ma must be (M, D) and mb (N, D)");
+    TORCH_CHECK(ma->device().is_cpu() && mb->device().is_cpu(), "hnclip: ma and mb must be CPU tensors");
+    mk.ma = ma;
+    mk.mb = mb;
+  }
+  if (qg.has_value()) {
+    TORCH_CHECK(qg->scalar_type() == at::kLong && kg->scalar_type() == at::kLong, "hnclip: qg and kg must be int64");
+    TORCH_CHECK(qg->device().is_cpu() && kg->device().is_cpu(), "hnclip: qg and kg must be CPU tensors");
+    TORCH_CHECK(qg->dim() == 1 && kg->dim() == 1 && qg->numel() == a.size(0) && kg->numel() <= b.size(0),
+                "hnclip: qg must be (M,) and kg (K,) with K <= N");
+    mk.qg = qg->contiguous();
+    mk.kg = kg->contiguous();
+  }
+  return mk;
+}
+
 // The registered entry points: check, then run the kernel.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd_op(
     const Tensor& q_hat, const Tensor& k_hat, const Tensor& a, const Tensor& b, const Tensor& ra,
     const Tensor& rb, const Tensor& pos, const Tensor& inv_tau, int64_t offset, double gamma, bool need_grad,
-    c10::optional<double> threshold, double eps, const c10::optional<Tensor>& ca, const c10::optional<Tensor>& cb) {
+    c10::optional<double> threshold, double eps, const c10::optional<Tensor>& ca, const c10::optional<Tensor>& cb,
+    const c10::optional<Tensor>& ma, const c10::optional<Tensor>& mb, const c10::optional<Tensor>& qg,
+    const c10::optional<Tensor>& kg) {
   check_inputs(q_hat, k_hat, a, b, ra, rb, pos, offset);
   check_caption_norms(ca, cb, a, b);
+  const Masks mk = check_masks(ma, mb, qg, kg, ca, cb, a, b);
   return directional_fwd(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, eps, ca,
-                         cb);
+                         cb, mk);
 }
 
 std::tuple<Tensor, Tensor> directional_bwd_op(const Tensor& q_hat, const Tensor& k_hat, const Tensor& a,
@@ -64,14 +94,18 @@ std::tuple<Tensor, Tensor> directional_bwd_op(const Tensor& q_hat, const Tensor&
                                               const Tensor& inv_tau, const Tensor& delta, const Tensor& row_acc,
                                               const Tensor& col_acc, const Tensor& g, int64_t offset, double gamma,
                                               c10::optional<double> threshold, const Tensor& shift,
-                                              const c10::optional<Tensor>& ca, const c10::optional<Tensor>& cb) {
+                                              const c10::optional<Tensor>& ca, const c10::optional<Tensor>& cb,
+                                              const c10::optional<Tensor>& ma, const c10::optional<Tensor>& mb,
+                                              const c10::optional<Tensor>& qg, const c10::optional<Tensor>& kg) {
   check_inputs(q_hat, k_hat, a, b, ra, rb, pos, offset);
   check_caption_norms(ca, cb, a, b);
+  const Masks mk = check_masks(ma, mb, qg, kg, ca, cb, a, b);
   const int64_t M = q_hat.size(0);
   TORCH_CHECK(delta.numel() == M && g.numel() == M, "hnclip: delta and g need M entries");
-  TORCH_CHECK(!threshold.has_value() || shift.numel() == M, "hnclip: shift needs M entries with a threshold");
+  TORCH_CHECK(!(threshold.has_value() || qg.has_value()) || shift.numel() == M,
+              "hnclip: shift needs M entries with a threshold or group ids");
   return directional_bwd(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma,
-                         threshold, shift, ca, cb);
+                         threshold, shift, ca, cb, mk);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symmetric_fwd_op(
@@ -103,12 +137,13 @@ TORCH_LIBRARY(hnclip, m) {
   m.def(
       "cpp_raw_directional_fwd(Tensor q_hat, Tensor k_hat, Tensor a, Tensor b, Tensor ra, Tensor rb, Tensor pos, "
       "Tensor inv_tau, int offset, float gamma, bool need_grad, float? threshold, float eps, Tensor? ca=None, "
-      "Tensor? cb=None) "
+      "Tensor? cb=None, Tensor? ma=None, Tensor? mb=None, Tensor? qg=None, Tensor? kg=None) "
       "-> (Tensor delta, Tensor mean_neg, Tensor dsum, Tensor kept, Tensor row_acc, Tensor col_acc)");
   m.def(
       "cpp_raw_directional_bwd(Tensor q_hat, Tensor k_hat, Tensor a, Tensor b, Tensor ra, Tensor rb, Tensor pos, "
       "Tensor inv_tau, Tensor delta, Tensor row_acc, Tensor col_acc, Tensor g, int offset, float gamma, "
-      "float? threshold, Tensor shift, Tensor? ca=None, Tensor? cb=None) -> (Tensor d_q_neg, Tensor d_k_neg)");
+      "float? threshold, Tensor shift, Tensor? ca=None, Tensor? cb=None, Tensor? ma=None, Tensor? mb=None, "
+      "Tensor? qg=None, Tensor? kg=None) -> (Tensor d_q_neg, Tensor d_k_neg)");
   m.def(
       "cpp_raw_symmetric_fwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, float gamma, float? threshold, "
       "Tensor? rc=None) "

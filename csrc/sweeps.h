@@ -65,6 +65,9 @@ struct RowSweep {
   T thr = T(0), eps = T(0);
   T* kept = nullptr;
   const T* shift = nullptr;
+  // group-id masking (masked sweeps; has_groups false: the caption tiles as formed)
+  bool has_groups = false;
+  GroupMask groups;
 
   void run() {  // the one point where the runtime masking flag becomes the compile-time kMasked
     MASK_SWITCH(masked, [&] { sweep<kMasked>(); });
@@ -118,7 +121,7 @@ struct RowSweep {
         const T s = kMasked ? shift[i] : T(0);
         seg_prob<T, kMasked>(z, g, bp + r * N + n0, nb, pos[i], nll_in[i], weight[i], s, thr);
       }
-    });
+    }, has_groups ? &groups : nullptr);
     if constexpr (kForward) {
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;

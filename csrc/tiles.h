@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <thread>
 #include <vector>
 
@@ -61,14 +62,40 @@ inline void form_tile(const Tensor& L, const Tensor& R, int64_t i0, int64_t rows
   at::mm_out(tile, L.narrow(0, i0, rows), R.narrow(0, n0, nb).t());
 }
 
+// Group-id masking of a directional sweep (the hard-negative family's group_ids): row i's id
+// q[i] (M,), column j's id k[j] for j < K (the columns from K on carry none). It writes +inf,
+// at or above any threshold, into the caption tile where the ids agree, so the loops of loops.h
+// drop those entries exactly as the threshold does (one predicate, keep()). Without a cosine
+// test (cos false: ids alone, threshold +inf) the tile is not formed but set to 0 (kept).
+struct GroupMask {
+  const int64_t* q = nullptr;
+  const int64_t* k = nullptr;
+  int64_t K = 0;
+  bool cos = true;
+
+  // the caption tile g (rows × nb, leading dimension ld) of rows [i0, i0 + rows), columns [n0, n0 + nb)
+  template <typename T>
+  void apply(int64_t i0, int64_t rows, int64_t n0, int64_t nb, int64_t ld, T* g) const {
+    const int64_t j1 = std::min(n0 + nb, K);
+    for (int64_t r = 0; r < rows; ++r) {
+      T* gr = g + r * ld;
+      if (!cos) std::fill(gr, gr + nb, T(0));
+      const int64_t id = q[i0 + r];
+      for (int64_t j = n0; j < j1; ++j)
+        if (k[j] == id) gr[j - n0] = std::numeric_limits<T>::infinity();
+    }
+  }
+};
+
 // Rows [i0, i0 + rows) (whole tile-rows) against every column tile, each tile formed once into
 // scratch: row_fn(r, i, n0, nb, z, g) for each row r of the strip (i = i0 + r), z its nb logits.
 // With false-negative masking (kMasked) each logit tile's caption-cosine tile G = GL GRᵀ (the
 // normalised captions' product) is formed beside it on the same grid and g is its row; without,
-// GL and GR are not read and g is z (see loops.h).
+// GL and GR are not read and g is z (see loops.h). groups (masked sweeps only; null: none, the
+// caption tile as formed) adds the group-id masking to each caption tile.
 template <typename T, bool kMasked, typename RowFn>
 inline void sweep_strip(const TileGrid& grid, const Tensor& L, const Tensor& R, const Tensor& GL, const Tensor& GR,
-                        int64_t i0, int64_t rows, Tensor& scratch, RowFn&& row_fn) {
+                        int64_t i0, int64_t rows, Tensor& scratch, RowFn&& row_fn, const GroupMask* groups = nullptr) {
   Tensor gscratch = kMasked ? grid.scratch(scratch.options()) : scratch;
   const T* sp = scratch.data_ptr<T>();
   const T* gp = gscratch.data_ptr<T>();
@@ -77,7 +104,10 @@ inline void sweep_strip(const TileGrid& grid, const Tensor& L, const Tensor& R, 
     for (int64_t n0 = 0; n0 < grid.N; n0 += grid.bn) {
       const int64_t nb = std::min(grid.bn, grid.N - n0);
       form_tile(L, R, i0 + r0, tr, n0, nb, scratch);
-      if constexpr (kMasked) form_tile(GL, GR, i0 + r0, tr, n0, nb, gscratch);
+      if constexpr (kMasked) {
+        if (groups == nullptr || groups->cos) form_tile(GL, GR, i0 + r0, tr, n0, nb, gscratch);
+        if (groups != nullptr) groups->apply<T>(i0 + r0, tr, n0, nb, grid.bn, gscratch.data_ptr<T>());
+      }
       for (int64_t r = r0; r < r0 + tr; ++r) {
         row_fn(r, i0 + r, n0, nb, sp + (r - r0) * grid.bn, gp + (r - r0) * grid.bn);
       }

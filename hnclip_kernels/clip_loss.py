@@ -101,8 +101,8 @@ class HNClipLoss(nn.Module):
         margin: "text" (default, the paper's sg(t_i·x)) or "image_text" (sg(v_i·x), LLaVE-style
             hardness); see :func:`hnclip_kernels.hn_clip_loss` and ``docs/hard_negatives.md``.
             With ``forward``'s ``negatives``/``group_ids``: the hard-negative family, backend="torch"
-            on one process for now ("auto" runs it; "cpp", "triton", ``world_size > 1`` raise
-            ``NotImplementedError``: the fused kernels of these options are in progress).
+            or "cpp" on one process ("auto" runs "cpp" on CPU when built, else "torch"; "triton"
+            and ``world_size > 1`` raise ``NotImplementedError``: their kernels are in progress).
 
     ``gamma``, ``label_smoothing``, ``backend``, ``normalize``, ``precision`` and
     ``false_negative_threshold`` (and ``margin``) are checked at

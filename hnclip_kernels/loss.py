@@ -8,7 +8,7 @@ from typing import Optional, Union
 import torch
 
 from . import validation, validation_family
-from .backends import family_losses, symmetric_losses
+from .backends import family_losses, resolve_backend, symmetric_losses
 from .numerics import autocast_disabled
 from .options import LossOptions, as_tau_tensor
 from .plausibility import warn_if_tau_looks_like_logit_scale
@@ -103,9 +103,10 @@ def hn_clip_loss(
         margin: "text" (default: sg(t_i·x), the paper's) or "image_text" (sg(v_i·x) in i2t and
             sg(v_i·t_k) in t2i: the detached image-text score, LLaVE-style hardness).
             ``negatives``, ``group_ids`` and ``margin="image_text"`` are the hard-negative family
-            (``docs/hard_negatives.md``): backend="torch" only for now (the fused kernels of
-            these options are in progress): "auto" then resolves to "torch", and "cpp"/"triton"
-            raise ``NotImplementedError``. Without them nothing changes, bit for bit.
+            (``docs/hard_negatives.md``): backends "torch" and "cpp" (fused, O((N + M)·D) extra
+            memory); "auto" resolves to "cpp" on CPU (float16/bfloat16/float32, when built),
+            else "torch"; "triton" raises ``NotImplementedError`` (its kernels are in progress).
+            Without them nothing changes, bit for bit.
 
     Returns:
         float32 loss (float64 for float64 inputs): a scalar, or shape (N,) for "none";
@@ -139,7 +140,7 @@ def hn_clip_loss(
             (non-integer: ``TypeError``); ``margin`` not "text"/"image_text". Under
             ``torch.compile`` value checks are skipped (no graph breaks).
         NotImplementedError: ``negatives`` (M > 0), ``group_ids`` or ``margin="image_text"`` with
-            backend="cpp" or "triton" (their fused kernels are in progress): use backend="torch".
+            backend="triton" (its fused kernels are in progress): use backend="cpp" or "torch".
     """
     tau = validation.plain_number(tau)
     options = LossOptions(
@@ -179,10 +180,12 @@ def family_call(
 ):
     """The hard-negative family's per-pair rows (N,) on one process and, with ``return_stats``,
     its report (else None): ``options`` unbound, ``negatives`` (M > 0) and ``group_ids`` checked
-    or None. "auto" runs backend="torch" (the fused kernels of these options are in progress)."""
+    or None. "auto" runs backend="cpp" where today's "auto" would (CPU, not float64, built), else
+    "torch" (the Triton kernels of these options are in progress)."""
     validation_family.check_fused_support(options.backend, negatives, group_ids, options.margin)
     if options.backend == "auto":
-        options = dataclasses.replace(options, backend="torch")
+        backend = "cpp" if resolve_backend("auto", img) == "cpp" else "torch"
+        options = dataclasses.replace(options, backend=backend)
     n_keys = img.shape[0] + (0 if negatives is None else negatives.shape[0])
     bound = options.bind(img, txt, tau, tau_value=tau_value, names=names, n_keys=n_keys)
     if not bound.normalize:

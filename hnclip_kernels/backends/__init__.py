@@ -154,24 +154,24 @@ def family_losses(
     rows over the N captions and the M ``negatives`` (M, D) (None: M = 0), t2i rows over the N
     images; the margin's score from ``options.margin``; pairs with equal ``group_ids`` (N,) masked
     (the negatives carry no id). Shape (N,); with ``return_stats`` also both directions'
-    ``RowStats`` (i2t's over its N + M columns). backend="torch" only, for now (the caller
-    raises ``NotImplementedError`` for the fused ones)."""
+    ``RowStats`` (i2t's over its N + M columns). backend "torch" (the reference) or "cpp" (the
+    fused directional operator ``hnclip::cpp_family_directional_nll``, the same two calls); the
+    caller raises ``NotImplementedError`` for Triton."""
     kwargs = _op_kwargs(tau, options, return_stats)
+    fn = directional_nll_torch
+    if options.backend == "cpp":
+        from .cpp.family import family_directional_nll_cpp as fn
     if img.dtype in (torch.float16, torch.bfloat16):  # as symmetric_losses: one float32 gradient sum per tensor
         img, txt = img.float(), txt.float()
         negatives = None if negatives is None else negatives.float()
     keys = txt if negatives is None else torch.cat([txt, negatives])
     groups = {} if group_ids is None else dict(query_groups=group_ids, key_groups=group_ids)
     if options.margin == "text":
-        i2t = directional_nll_torch(img, keys, query_txt=txt, key_txt=keys, offset=0, **groups, **kwargs)
-        t2i = directional_nll_torch(txt, img, query_txt=txt, key_txt=txt, offset=0, **groups, **kwargs)
+        i2t = fn(img, keys, query_txt=txt, key_txt=keys, offset=0, **groups, **kwargs)
+        t2i = fn(txt, img, query_txt=txt, key_txt=txt, offset=0, **groups, **kwargs)
     else:  # margin sg(v_i·x) in both directions; the mask still compares captions
-        i2t = directional_nll_torch(
-            img, keys, query_txt=img, key_txt=keys, mask_query=txt, mask_key=keys, offset=0, **groups, **kwargs
-        )
-        t2i = directional_nll_torch(
-            txt, img, query_txt=txt, key_txt=img, mask_query=txt, mask_key=txt, offset=0, **groups, **kwargs
-        )
+        i2t = fn(img, keys, query_txt=img, key_txt=keys, mask_query=txt, mask_key=keys, offset=0, **groups, **kwargs)
+        t2i = fn(txt, img, query_txt=txt, key_txt=img, mask_query=txt, mask_key=txt, offset=0, **groups, **kwargs)
     return _pair_average(i2t, t2i, return_stats)
 
 

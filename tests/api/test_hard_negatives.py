@@ -98,15 +98,15 @@ GRAD_TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 2.0**-7, t
 LOSS_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-5, torch.float16: 1e-5}
 
 
-def run_both(img, txt, neg, tau, *, reduction="mean", **kw):
-    """(loss, grads) of hn_clip_loss(backend="torch") and of the oracle on the same values."""
+def run_both(img, txt, neg, tau, *, reduction="mean", backend="torch", **kw):
+    """(loss, grads) of hn_clip_loss(backend=backend) and of the oracle on the same values."""
     leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt)]
     if neg is not None:
         leaves.append(neg.detach().clone().requires_grad_(True))
     tau_t = torch.tensor(tau, dtype=torch.float64 if img.dtype == torch.float64 else torch.float32, requires_grad=True)
     got = hn_clip_loss(
         leaves[0], leaves[1], tau_t, negatives=leaves[2] if neg is not None else None, reduction=reduction,
-        backend="torch", **_api(kw),
+        backend=backend, **_api(kw),
     )  # fmt: skip
     upstream = torch.linspace(0.5, 1.5, got.numel(), dtype=torch.float64).reshape(got.shape)
     # M = 0 is None: the empty negatives take no part (no gradient, not even zeros)
@@ -128,16 +128,16 @@ def _api(kw):
     return out
 
 
-def worst_errors(img, txt, neg, tau, **kw):
-    """{"loss": rel err, "d img": ..., ...} of backend="torch" against the oracle."""
-    got, want, gg, wg = run_both(img, txt, neg, tau, **kw)
+def worst_errors(img, txt, neg, tau, backend="torch", **kw):
+    """{"loss": rel err, "d img": ..., ...} of ``backend`` against the oracle."""
+    got, want, gg, wg = run_both(img, txt, neg, tau, backend=backend, **kw)
     errs = {"loss": rel_err(got, want)}
     errs.update({f"d {k}": rel_err(gg[k], wg[k]) for k in gg})
     return errs
 
 
-def check(img, txt, neg, tau, dtype=torch.float32, **kw):
-    errs = worst_errors(img, txt, neg, tau, **kw)
+def check(img, txt, neg, tau, dtype=torch.float32, backend="torch", **kw):
+    errs = worst_errors(img, txt, neg, tau, backend, **kw)
     for name, err in errs.items():
         tol = LOSS_TOL[dtype] if name == "loss" else GRAD_TOL[dtype]
         assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.1e} ({kw})"

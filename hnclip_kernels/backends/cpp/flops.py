@@ -16,7 +16,10 @@ f = 1 under false-negative masking (the captions' tile G formed beside each logi
   will follow (``need_grad``); backward 0 when those shares were kept and the upstream gradient is
   the same for every row (a rescale: ``mean``/``sum``), else (w + f) P recomputed, Pᵀ·q̂, and P·k̂
   unless the shares were kept;
-* a backward asked for dτ alone (no feature gradient) runs no kernel: 0.
+* a backward asked for dτ alone (no feature gradient) runs no kernel: 0;
+* the family's directional op (``cpp_family_directional_nll``, :mod:`.family`): the directional op's
+  counts over its N + M key columns (the negatives' products, no more), with f = 1 only when the
+  threshold's caption tile is formed (group ids alone, threshold +inf: no tile, f = 0).
 
 What depends on the data (w; a uniform upstream gradient) is read from real tensors, as the
 kernels decide it; on fake or meta tensors the formulas assume the distributed loss's case
@@ -25,6 +28,8 @@ products the kernels run (aten's matmuls recorded by ``torch.profiler``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -107,6 +112,25 @@ def directional_backward(grad, q, k, a, b, tau, gamma, eps, thr, rq, rk, ra, rb,
     return _directional_bwd(m, n, d, width, masked, have_acc, _uniform(grad, dt))
 
 
+# ---- the family's operator (family.py): the directional op's formulas with the caption tile's f
+def _cosine(masked: bool, thr, query_groups) -> bool:
+    """Is the caption tile formed: masking, and not by ids alone (threshold +inf)?"""
+    return masked and not (query_groups.numel() > 0 and math.isinf(_value(thr)))
+
+
+def family_forward(q, k, a, b, mq, mk, qg, kg, tau, gamma, eps, thr, offset, normalize, masked, need_grad, **kw):
+    f = _cosine(masked, thr, qg)
+    return directional_forward(q, k, a, b, tau, gamma, eps, thr, offset, normalize, f, need_grad, **kw)
+
+
+def family_backward(grad, q, k, a, b, mq, mk, qg, kg, tau, gamma, eps, thr, *rest, **kw):
+    *stats, offset, normalize, masked, need_grad, need_qk = rest
+    f = _cosine(masked, thr, qg)
+    return directional_backward(
+        grad, q, k, a, b, tau, gamma, eps, thr, *stats, offset, normalize, f, need_grad, need_qk, **kw
+    )
+
+
 def symmetric_forward(img, txt, tau, gamma, eps, thr, normalize, masked, **_):
     n, d = img.shape
     return 2 * n * n * d * (1 + int(masked))
@@ -119,19 +143,27 @@ def symmetric_backward(grad, img, txt, *rest, **_):
 
 
 # ---- the raw kernels (raw.py): inputs already normalised, γ and the threshold floats
-def raw_directional_fwd(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, *_, **__):
+def _raw_cosine(threshold, rest, kw, at: int) -> bool:
+    """Does a raw directional kernel form the caption tile: a threshold, unless the group ids
+    ``qg`` (argument ``at`` of ``rest``, or a keyword) mask alone (threshold +inf)?"""
+    qg = rest[at] if len(rest) > at else kw.get("qg")
+    return threshold is not None and not (qg is not None and math.isinf(threshold))
+
+
+def raw_directional_fwd(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, *rest, **kw):
     (m, d), n = q_hat.shape, k_hat.shape[0]
     width = _width(q_hat, k_hat, a, b, ra, rb, float(gamma))
-    return _directional_fwd(m, n, d, width, threshold is not None, need_grad)
+    return _directional_fwd(m, n, d, width, _raw_cosine(threshold, rest, kw, 5), need_grad)  # eps ca cb ma mb qg
 
 
 def raw_directional_bwd(
-    q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma, threshold, *_, **__
+    q_hat, k_hat, a, b, ra, rb, pos, inv_tau, delta, row_acc, col_acc, g, offset, gamma, threshold, *rest, **kw
 ):
     (m, d), n = q_hat.shape, k_hat.shape[0]
     width = _width(q_hat, k_hat, a, b, ra, rb, float(gamma))
     have_acc = _has_acc(row_acc, col_acc, m, n, d)
-    return _directional_bwd(m, n, d, width, threshold is not None, have_acc, _uniform(g, q_hat.dtype))
+    f = _raw_cosine(threshold, rest, kw, 5)  # shift ca cb ma mb qg
+    return _directional_bwd(m, n, d, width, f, have_acc, _uniform(g, q_hat.dtype))
 
 
 def raw_symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma, threshold, *_, **__):
@@ -154,6 +186,12 @@ FORMULAS = {
     "cpp_raw_symmetric_fwd": raw_symmetric_fwd,
     "cpp_raw_symmetric_bwd": raw_symmetric_bwd,
 }
+
+
+def register_family() -> None:
+    """Register the family operator's formulas (:mod:`.family`, once it exists)."""
+    glue.register_flops("cpp_family_directional_nll", family_forward)
+    glue.register_flops("cpp_family_directional_nll_backward", family_backward)
 
 
 def register() -> None:

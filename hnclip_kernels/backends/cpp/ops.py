@@ -59,6 +59,14 @@ def _directional_nll(
     """Per-row losses (M,) and what the backward needs (``CppDirectionalOut``); ``kept`` (M,) with
     false-negative masking (``masked``: a pair at caption cosine ≥ ``threshold`` is no negative),
     else empty."""
+    return directional_forward(q, k, a, b, tau, gamma, label_smoothing, threshold, offset, normalize, masked, need_grad)
+
+
+def directional_forward(
+    q, k, a, b, tau, gamma, label_smoothing, threshold, offset, normalize, masked, need_grad, family=None
+):  # fmt: skip
+    """The body of ``hnclip::cpp_directional_nll`` and, with ``family`` (a :class:`.raw.FamilyMasks`:
+    the hard-negative family's mask captions and group ids), ``hnclip::cpp_family_directional_nll``."""
     sc = scalars(q, tau, gamma, label_smoothing, threshold, masked)
     rq, rk, ra, rb = (epilogue.inv_norms(x, normalize, sc.dt) for x in (q, k, a, b))
     q_hat, k_hat = epilogue.scaled(q, rq, sc.dt), epilogue.scaled(k, rk, sc.dt)
@@ -77,10 +85,18 @@ def _directional_nll(
         need_grad,
         sc.threshold,
         sc.eps,
-        *caption_norms((a, b), normalize, masked, sc.dt),
+        *_mask_args(a, b, normalize, masked, sc.dt, family),
     )
     out = CppDirectionalOut(None, rq, rk, ra, rb, pos, *raw)
     return out._replace(loss=epilogue.row_losses(out.stats(masked), k.shape[0], sc.eps))
+
+
+def _mask_args(a, b, normalize: bool, masked: bool, dt, family) -> list:
+    """The raw kernels' masking arguments after ``eps``/``shift``: the caption norms (today's
+    call), then with ``family`` its mask captions and group ids."""
+    if family is None:
+        return caption_norms((a, b), normalize, masked, dt)
+    return family.raw_args(a, b, normalize, masked, dt)
 
 
 def _directional_nll_fake(q, k, a, b, tau, gamma, label_smoothing, threshold, offset, normalize, masked, need_grad):
@@ -115,6 +131,18 @@ def _directional_nll_backward(
     need_qk: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(dL/dq in q's dtype, dL/dk in k's dtype, dL/dτ in τ's dtype and shape)."""
+    return directional_backward(
+        grad, q, k, a, b, tau, gamma, label_smoothing, threshold, rq, rk, ra, rb, pos, delta, mean_neg, dsum, kept,
+        row_acc, col_acc, offset, normalize, masked, need_qk,
+    )  # fmt: skip
+
+
+def directional_backward(
+    grad, q, k, a, b, tau, gamma, label_smoothing, threshold, rq, rk, ra, rb, pos, delta, mean_neg, dsum, kept,
+    row_acc, col_acc, offset, normalize, masked, need_qk, family=None,
+):  # fmt: skip
+    """The body of ``hnclip::cpp_directional_nll_backward`` and, with ``family``, of
+    ``hnclip::cpp_family_directional_nll_backward`` (:func:`directional_forward`)."""
     sc = scalars(q, tau, gamma, label_smoothing, threshold, masked)
     g = grad.to(sc.dt).contiguous()
     stats = row_stats(pos, delta, mean_neg, dsum, kept, masked)
@@ -138,7 +166,7 @@ def _directional_nll_backward(
             sc.gamma,
             sc.threshold,
             shift,
-            *caption_norms((a, b), normalize, masked, sc.dt),
+            *_mask_args(a, b, normalize, masked, sc.dt, family),
         )
     else:  # only τ wants a gradient: it needs the row statistics alone
         d_q_neg, d_k_neg = torch.zeros_like(q_hat), torch.zeros_like(k_hat)

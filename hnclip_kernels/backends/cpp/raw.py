@@ -12,6 +12,11 @@ already normalised and scaled; no autograd):
   gradient ``g`` (a rescale of the forward's shares when ``g`` is the same for every row,
   as for ``mean``/``sum``; otherwise a column sweep that recomputes the tiles).
 
+* Both directional kernels take the hard-negative family's masking as optional trailing inputs
+  (:class:`FamilyMasks`): mask captions ``ma``, ``mb`` (the threshold's cosine, with their norms
+  ``ca``, ``cb``) and int64 group ids ``qg`` (M,), ``kg`` (K ≤ N,). Group ids turn the masking on
+  as a threshold does; with ids a threshold of +inf (or none) forms no caption tile.
+
 * ``torch.ops.hnclip.cpp_raw_symmetric_fwd`` / ``cpp_raw_symmetric_bwd``: the single-process loss (N images
   against N texts, positives on the diagonal). Each logit tile Z = (v̂ + γ t̂) t̂ᵀ / τ is
   computed once for both directions: its rows give the i2t statistics and its columns the
@@ -90,12 +95,37 @@ def shift_arg(stats: epilogue.RowStats, label_smoothing: float, masked: bool) ->
     return epilogue.smoothing_shift(stats, label_smoothing) if masked else stats.pos.new_empty((0,))
 
 
+class FamilyMasks(NamedTuple):
+    """The hard-negative family's masking inputs of ``hnclip::cpp_family_directional_nll``, each an
+    empty tensor when absent (an operator's inputs are tensors): the mask captions (M, D) and
+    (N, D) whose cosine the threshold compares in place of the margin factors (``margin="image_text"``),
+    and the int64 group ids (M,) and (K,), K ≤ N (the columns from K on carry none)."""
+
+    mask_query: Tensor
+    mask_key: Tensor
+    query_groups: Tensor
+    key_groups: Tensor
+
+    def raw_args(self, a: Tensor, b: Tensor, normalize: bool, masked: bool, dt) -> list:
+        """The raw kernels' ``ca, cb, ma, mb, qg, kg``: mask captions with their inverse norms (the
+        threshold a cosine whatever ``normalize`` says), else :func:`caption_norms` of a, b; ids."""
+        if self.mask_query.dim() == 2:
+            captions = [epilogue.inv_norms(x, True, dt) for x in (self.mask_query, self.mask_key)]
+            captions += [self.mask_query, self.mask_key]
+        else:
+            captions = [*caption_norms((a, b), normalize, masked, dt), None, None]
+        ids = [self.query_groups, self.key_groups] if self.query_groups.numel() > 0 else [None, None]
+        return captions + ids
+
+
 # ---- fakes of the raw C++ kernels (so they can be traced on their own too)
 @torch.library.register_fake("hnclip::cpp_raw_directional_fwd")
 def _directional_fwd_fake(
-    q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, eps, ca=None, cb=None
-):
-    return CppDirectionalOut.fake(q_hat, k_hat, threshold is not None, need_grad, q_hat.dtype)[DIRECTIONAL_STATS]
+    q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, eps, ca=None, cb=None, ma=None,
+    mb=None, qg=None, kg=None,
+):  # fmt: skip
+    masked = threshold is not None or qg is not None  # group ids mask too
+    return CppDirectionalOut.fake(q_hat, k_hat, masked, need_grad, q_hat.dtype)[DIRECTIONAL_STATS]
 
 
 @torch.library.register_fake("hnclip::cpp_raw_directional_bwd")
@@ -118,6 +148,10 @@ def _directional_bwd_fake(
     shift,
     ca=None,
     cb=None,
+    ma=None,
+    mb=None,
+    qg=None,
+    kg=None,
 ):
     return q_hat.new_empty(q_hat.shape), k_hat.new_empty(k_hat.shape)
 

@@ -1,0 +1,350 @@
+"""The hard-negative family on backend="cpp" (``hnclip::cpp_family_directional_nll``): the float64
+oracle of test_hard_negatives.py (loss and every gradient: img, txt, negatives, τ) on the fused C++
+kernels, per row where saturated; cpp against torch per row; the operator's composability
+(opcheck, gradcheck in float64, torch.compile(fullgraph=True)); its work count; and that the
+family operator without family inputs is the directional operator, bit for bit.
+
+Tolerances: those of test_hard_negatives.py. Bound: about 15 s on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from test_hard_negatives import GROUPS, D, N, check, family_f64, features, run_both
+
+from cases import ALL_BACKENDS
+from helpers import rel_err
+from hnclip_kernels import HNClipLoss, hn_clip_loss
+
+pytestmark = pytest.mark.skipif("cpp" not in ALL_BACKENDS, reason="the C++ extension is not built")
+
+
+@pytest.mark.parametrize("m", [0, 1, 7, N, 3 * N + 1])
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+def test_negatives_match_the_oracle(m, margin):
+    img, txt, neg = features(N, D, 1), features(N, D, 2), features(m, D, 3)
+    check(img, txt, neg, 0.07, backend="cpp", margin=margin)
+
+
+@pytest.mark.parametrize("groups", sorted(GROUPS))
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("m", [0, 7])
+def test_group_ids_match_the_oracle(groups, margin, m):
+    img, txt, neg = features(N, D, 4), features(N, D, 5), features(m, D, 6)
+    check(img, txt, neg if m else None, 0.1, backend="cpp", group_ids=GROUPS[groups], margin=margin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(threshold=0.3),
+        dict(label_smoothing=0.1),
+        dict(normalize=False),
+        dict(threshold=0.3, label_smoothing=0.1, normalize=False, group_ids=GROUPS["random"]),
+        dict(gamma=0.0, label_smoothing=0.2, group_ids=GROUPS["one"]),
+        dict(threshold=0.3, group_ids=GROUPS["distinct"]),
+    ],
+    ids=["threshold", "smoothing", "unnormalized", "all", "gamma0-one-group", "threshold-distinct"],
+)
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+def test_combinations_and_dtypes(dtype, options, margin):
+    img, txt, neg = (features(n, D, s, dtype) for n, s in ((N, 7), (N, 8), (5, 9)))
+    if options.get("normalize") is False:  # near-unit rows: dot products of the given features
+        img, txt, neg = (F.normalize(x.double(), dim=1).to(dtype) for x in (img, txt, neg))
+    if "threshold" in options:  # every caption cosine away from the threshold (float32 vs float64 compare)
+        xs = F.normalize(torch.cat([txt, neg]).double(), dim=1)
+        assert ((F.normalize(txt.double(), dim=1) @ xs.T - options["threshold"]).abs() > 1e-4).all()
+    check(img, txt, neg, 0.05, dtype, backend="cpp", margin=margin, **options)
+
+
+def _saturated_batch():
+    # as test_hard_negatives.py: τ = 0.01, pairs near their own centres (losses down to e^-100),
+    # pairs 0-2 near one centre (near-duplicates), hard negatives near the first centres
+    n, d, m = 12, 16, 9
+    centre_of = torch.tensor([0, 0, 0] + list(range(1, n - 2)))
+    centres = F.normalize(features(n, d, 10, torch.float64), dim=1)[centre_of]
+    img = (centres + 0.02 * features(n, d, 11, torch.float64)).float()
+    txt = (centres + 0.02 * features(n, d, 12, torch.float64)).float()
+    neg = (centres[3 : 3 + m] + 0.3 * features(m, d, 13, torch.float64)).float()
+    return img, txt, neg, centre_of
+
+
+def _rows_agree(got, want, gg, wg, tol):
+    for i in range(got.shape[0]):
+        assert rel_err(got[i], want[i]) <= tol, f"row {i}: {got[i].item():.6e} vs {want[i].item():.6e}"
+    for name in gg:
+        g, w = gg[name].double(), wg[name].double()
+        if g.dim() == 0:
+            assert rel_err(g, w) <= tol, name
+            continue
+        for i in range(g.shape[0]):
+            assert rel_err(g[i], w[i]) <= tol or (g[i] - w[i]).norm() <= 1e-30, f"d {name} row {i}"
+
+
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_saturated_near_duplicates_per_row(margin, with_ids):
+    img, txt, neg, centre_of = _saturated_batch()
+    ids = centre_of if with_ids else None
+    got, want, gg, wg = run_both(img, txt, neg, 0.01, reduction="none", backend="cpp", margin=margin, group_ids=ids)
+    assert want.min() < 1e-10 and want.max() > 1.0  # saturated and unsaturated rows in one batch
+    _rows_agree(got, want, gg, wg, 4 * (2 + 0.5) / 0.01 * 2.0**-24)  # test_hard_negatives.py's bound
+
+
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_matches_torch_per_row(margin, dtype):
+    # the same two directional calls on both backends: each row and each gradient row agree
+    img, txt, neg, centre_of = (x.to(dtype) if x.is_floating_point() else x for x in _saturated_batch())
+    kw = dict(negatives=neg, group_ids=centre_of, margin=margin, label_smoothing=0.1, false_negative_threshold=0.9)
+    out = []
+    for backend in ("torch", "cpp"):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt, neg)]
+        tau = torch.tensor(0.01, requires_grad=True)
+        rows = hn_clip_loss(leaves[0], leaves[1], tau, **{**kw, "negatives": leaves[2]}, reduction="none",
+                            backend=backend)  # fmt: skip
+        upstream = torch.linspace(0.5, 1.5, rows.numel())
+        grads = torch.autograd.grad((rows * upstream).sum(), [*leaves, tau])
+        out.append((rows.detach(), dict(zip(("img", "txt", "negatives", "tau"), grads))))
+    (got, gg), (want, wg) = out[1], out[0]
+    tol = 1e-4 if dtype == torch.float32 else 2.0**-7
+    _rows_agree(got, want, gg, wg, tol)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(
+    n=st.integers(1, 7),
+    d=st.integers(2, 6),
+    m=st.integers(0, 9),
+    tau=st.sampled_from([0.02, 0.07, 0.3, 1.0]),
+    gamma=st.sampled_from([0.0, 0.5, 2.0]),
+    eps=st.sampled_from([0.0, 0.1]),
+    n_groups=st.sampled_from([None, 1, 2, 4]),
+    margin=st.sampled_from(["text", "image_text"]),
+    threshold=st.sampled_from([None, 0.4]),
+    seed=st.integers(0, 2**16),
+)
+def test_hypothesis_draws_match_the_oracle(n, d, m, tau, gamma, eps, n_groups, margin, threshold, seed):
+    img, txt, neg = features(n, d, seed), features(n, d, seed + 1), features(m, d, seed + 2)
+    if threshold is not None:
+        xs = F.normalize(torch.cat([txt, neg]).double(), dim=1)
+        assume(((F.normalize(txt.double(), dim=1) @ xs.T - threshold).abs() > 1e-4).all())
+    ids = None if n_groups is None else torch.randint(0, n_groups, (n,), generator=torch.Generator().manual_seed(seed))
+    kw = dict(margin=margin, gamma=gamma, label_smoothing=eps, threshold=threshold, group_ids=ids)
+    check(img, txt, neg if m else None, tau, backend="cpp", **kw)
+
+
+def test_auto_runs_cpp_on_cpu_and_the_module_matches():
+    img, txt, neg = features(N, D, 15), features(N, D, 16), features(3, D, 17)
+    kw = dict(negatives=neg, group_ids=GROUPS["random"], margin="image_text")
+    cpp = hn_clip_loss(img, txt, 0.1, backend="cpp", **kw)
+    assert torch.equal(hn_clip_loss(img, txt, 0.1, **kw), cpp)  # "auto": float32 on CPU
+    module = HNClipLoss(backend="cpp", normalize=True, margin="image_text")
+    assert torch.equal(module(img, txt, 10.0, negatives=neg, group_ids=GROUPS["random"]), cpp)
+    # float64 on "auto" stays torch, as today's loss
+    img64, txt64, neg64 = (x.double() for x in (img, txt, neg))
+    auto64 = hn_clip_loss(img64, txt64, 0.1, **{**kw, "negatives": neg64})
+    assert torch.equal(auto64, hn_clip_loss(img64, txt64, 0.1, backend="torch", **{**kw, "negatives": neg64}))
+
+
+def _family_args(masked=True, m=4, n=9, d=5, ids=True, mask_captions=True):
+    gen = torch.Generator().manual_seed(3)
+    q, a = torch.randn(m, d, generator=gen), torch.randn(m, d, generator=gen)
+    k, b = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
+    mq, mk = (torch.randn(m, d, generator=gen), torch.randn(n, d, generator=gen)) if mask_captions else (
+        torch.empty(0), torch.empty(0))  # fmt: skip
+    qg, kg = (torch.tensor([0, 1, 1, 2]), torch.tensor([1, 0, 2, 1, 1, 0])) if ids else (
+        torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))  # fmt: skip
+    f64 = [torch.tensor(x, dtype=torch.float64) for x in (0.5, 0.1, 0.3 if masked else 0.0)]
+    return q, k, a, b, mq, mk, qg, kg, f64
+
+
+@pytest.mark.parametrize("case", ["threshold-ids-captions", "ids-alone", "none"])
+def test_opcheck_family_operator(case):
+    masked = case != "none"
+    q, k, a, b, mq, mk, qg, kg, (gamma, eps, thr) = _family_args(
+        ids=case != "none", mask_captions=case == "threshold-ids-captions"
+    )
+    if case == "ids-alone":
+        thr = torch.tensor(float("inf"), dtype=torch.float64)
+    q.requires_grad_(True)
+    tau = torch.tensor(0.1, requires_grad=True)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    args = (q, k, a, b, mq, mk, qg, kg, tau, gamma, eps, thr, 3, True, masked, True)  # offset 3
+    op = torch.ops.hnclip.cpp_family_directional_nll
+    torch.library.opcheck(op.default, args, test_utils=checks)
+    saved = [x.detach() for x in op(*args)[1:]]
+    grad = torch.linspace(0.5, 1.0, 4)
+    inputs = (q.detach(), k, a, b, mq, mk, qg, kg, tau.detach(), gamma, eps, thr)
+    bargs = (grad, *inputs, *saved, 3, True, masked, True, True)  # offset, normalize, masked, need_grad, need_qk
+    torch.library.opcheck(torch.ops.hnclip.cpp_family_directional_nll_backward.default, bargs, test_utils=checks)
+
+
+def test_family_operator_without_family_inputs_is_the_directional_operator():
+    # the same kernels and arguments: every output bit-identical, with and without a threshold
+    q, k, a, b, mq, mk, qg, kg, (gamma, eps, _) = _family_args(ids=False, mask_captions=False)
+    tau = torch.tensor(0.07)
+    for value, masked in ((0.0, False), (0.3, True)):
+        thr = torch.tensor(value, dtype=torch.float64)
+        base = torch.ops.hnclip.cpp_directional_nll(q, k, a, b, tau, gamma, eps, thr, 3, True, masked, True)
+        fam = torch.ops.hnclip.cpp_family_directional_nll(
+            q, k, a, b, mq, mk, qg, kg, tau, gamma, eps, thr, 3, True, masked, True
+        )
+        for x, y in zip(base, fam):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+def test_gradcheck_float64(margin):
+    # γ = 0: the margin is off, so finite differences see every input (img, txt, negatives, τ)
+    img, txt, neg = (features(n, 4, s, torch.float64).requires_grad_(True) for n, s in ((3, 24), (3, 25), (2, 26)))
+    tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([0, 1, 0])
+
+    def fn(a, b, c, s):
+        return hn_clip_loss(
+            a, b, s, negatives=c, group_ids=ids, gamma=0.0, label_smoothing=0.1, margin=margin,
+            reduction="none", backend="cpp",
+        )  # fmt: skip
+
+    assert torch.autograd.gradcheck(fn, (img, txt, neg, tau))
+
+
+def test_gradcheck_directional_with_mask_captions_and_groups():
+    # margin factors and mask captions constants: every input of a direction checkable with γ > 0
+    from hnclip_kernels.backends.cpp.family import family_directional_nll_cpp
+
+    q, k = features(3, 4, 27, torch.float64).requires_grad_(True), features(5, 4, 28, torch.float64)
+    k.requires_grad_(True)
+    a, b = features(3, 4, 29, torch.float64), features(5, 4, 30, torch.float64)
+    a2, b2 = features(3, 4, 31, torch.float64), features(5, 4, 32, torch.float64)
+    tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+
+    def fn(q_, k_, s):
+        return family_directional_nll_cpp(
+            q_, k_, query_txt=a2, key_txt=b2, mask_query=a, mask_key=b, tau=s, offset=1,
+            gamma=0.7, label_smoothing=0.1, normalize=True, false_negative_threshold=0.2,
+            query_groups=torch.tensor([0, 1, 1]), key_groups=torch.tensor([0, 1, 2, 1]),
+        )  # fmt: skip
+
+    assert torch.autograd.gradcheck(fn, (q, k, tau))
+
+
+def test_compile_fullgraph():
+    torch._dynamo.reset()
+    img, txt, neg = features(N, D, 21), features(N, D, 22), features(4, D, 23)
+    ids = GROUPS["random"]
+
+    def fn(a, b, c, tau):
+        return hn_clip_loss(
+            a, b, tau, negatives=c, group_ids=ids, margin="image_text", false_negative_threshold=0.5,
+            label_smoothing=0.1, backend="cpp",
+        )  # fmt: skip
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
+    out = []
+    for f in (fn, compiled):
+        leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
+        tau = torch.tensor(0.1, requires_grad=True)
+        loss = f(*leaves, tau)
+        out.append((loss.detach(), *torch.autograd.grad(loss, [*leaves, tau])))
+    for name, x, y in zip(("loss", "d img", "d txt", "d neg", "d tau"), *out):
+        assert torch.equal(x, y), name
+
+
+def test_work_count_adds_the_negative_columns_only():
+    # forward with a gradient to follow: (w + f + 2) products per direction, i2t over N + M
+    # columns; a mean's backward rescales the kept shares (0). Ids alone form no caption tile.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    n, m, d = 10, 7, 8
+    img, txt, neg = features(n, d, 33), features(n, d, 34), features(m, d, 35)
+
+    def count(**kw):
+        leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
+        with FlopCounterMode(display=False) as mode:
+            hn_clip_loss(leaves[0], leaves[1], 0.1, negatives=leaves[2], backend="cpp", **kw).backward()
+        return mode.get_total_flops()
+
+    assert count() == 2 * d * 3 * (n * (n + m) + n * n)
+    assert count(group_ids=GROUPS["random"].new_tensor(list(range(n)))) == 2 * d * 3 * (n * (n + m) + n * n)
+    assert count(false_negative_threshold=0.5) == 2 * d * 4 * (n * (n + m) + n * n)
+
+
+def test_torch_func_grad_and_vmap():
+    # the family operator under torch.func as the other C++ operators: grad equals autograd's,
+    # vmap runs the kernels once per batch entry
+    img, txt, neg = features(N, D, 36), features(N, D, 37), features(3, D, 38)
+    kw = dict(group_ids=GROUPS["random"], margin="image_text", false_negative_threshold=0.5, backend="cpp")
+
+    def loss(a, b, c):
+        return hn_clip_loss(a, b, 0.1, negatives=c, **kw)
+
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(img, txt, neg)
+    leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
+    want = torch.autograd.grad(loss(*leaves), leaves)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    batched = torch.func.vmap(loss, in_dims=(0, None, None))(torch.stack([img, 2 * img]), txt, neg)
+    assert torch.equal(batched, torch.stack([loss(img, txt, neg), loss(2 * img, txt, neg)]))
+
+
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+def test_many_tiles_match_the_oracle_per_row(margin):
+    # N = 600 captions and M = 200 negatives: the ids' last column (K = 600) falls inside the
+    # second 512-column tile, the rows span several strips; float64, 40 ids (15 pairs per id).
+    # (The torch reference's float64 gradient rows are off the oracle by ~5e-9 here, the kernels'
+    # by ~1e-14: the comparison is with the oracle.)
+    n, m, d = 600, 200, 8
+    img, txt, neg = (features(r, d, s, torch.float64) for r, s in ((n, 39), (n, 40), (m, 41)))
+    ids = torch.randint(0, 40, (n,), generator=torch.Generator().manual_seed(5))
+    kw = dict(group_ids=ids, margin=margin, label_smoothing=0.1)
+    upstream = torch.linspace(0.5, 1.5, n, dtype=torch.float64)
+    out = []
+    for backend in ("oracle", "cpp"):
+        leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
+        if backend == "oracle":
+            rows = family_f64(
+                leaves[0], leaves[1], torch.tensor(0.05, dtype=torch.float64), leaves[2], threshold=0.6, **kw
+            )
+        else:
+            rows = hn_clip_loss(leaves[0], leaves[1], 0.05, negatives=leaves[2], false_negative_threshold=0.6,
+                                reduction="none", backend="cpp", **kw)  # fmt: skip
+        grads = torch.autograd.grad((rows * upstream).sum(), leaves)
+        out.append((rows.detach(), dict(zip(("img", "txt", "negatives"), grads))))
+    _rows_agree(out[1][0], out[0][0], out[1][1], out[0][1], 1e-10)  # float64's LOSS_TOL (the oracle's own rounding)
+
+
+def test_thread_counts_agree():
+    # 1 and 3 threads (three groups of strips, their key accumulators summed in order)
+    n, m, d = 300, 100, 16
+    img, txt, neg = (features(r, d, s) for r, s in ((n, 42), (n, 43), (m, 44)))
+    ids = torch.randint(0, 30, (n,), generator=torch.Generator().manual_seed(6))
+    upstream = torch.rand(n, generator=torch.Generator().manual_seed(7))
+    before = torch.get_num_threads()
+    out = []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
+            rows = hn_clip_loss(leaves[0], leaves[1], 0.05, negatives=leaves[2], group_ids=ids, reduction="none",
+                                false_negative_threshold=0.5, backend="cpp")  # fmt: skip
+            out.append((rows.detach(), *torch.autograd.grad((rows * upstream).sum(), leaves)))
+    finally:
+        torch.set_num_threads(before)
+    for name, a, b in zip(("rows", "d img", "d txt", "d neg"), *out):
+        assert rel_err(a, b) <= 1e-6, name
+
+
+def test_return_stats_match_torch():
+    img, txt, neg = features(N, D, 12), features(N, D, 13), features(4, D, 14)
+    kw = dict(negatives=neg, group_ids=GROUPS["random"], return_stats=True, label_smoothing=0.1)
+    (loss_t, rep_t), (loss_c, rep_c) = (hn_clip_loss(img, txt, 0.1, backend=b, **kw) for b in ("torch", "cpp"))
+    assert rel_err(loss_c, loss_t) <= 1e-6
+    assert (rep_c.rows, rep_c.masked_pairs) == (rep_t.rows, rep_t.masked_pairs) == (2 * N, 4)
+    assert abs(rep_c.effective_negatives - rep_t.effective_negatives) <= 1e-5 * rep_t.effective_negatives
