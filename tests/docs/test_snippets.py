@@ -38,7 +38,6 @@ def _section(title, page):
 def test_smoke_run_commands_train(tmp_path):
     """The two commands of docs/train.md's "A smoke run on CPU", run in a scratch folder (about 20 s on 2 cores)."""
     import subprocess
-    import sys
 
     pytest.importorskip("open_clip_train.main")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,8 +61,6 @@ def test_transformers_snippets_run(tmp_path):
     """The Hugging Face section's two snippets, with a tiny CLIPModel and an in-memory dataset."""
     pytest.importorskip("transformers")
     import torch
-
-    sys.path.insert(0, os.path.join(ROOT, "tests", "integrations"))  # the tiny models' home
     from test_transformers import PairData, batch, tiny_model
     from transformers import TrainingArguments
 
@@ -93,10 +90,8 @@ def test_sharding_snippets_run(tmp_path):
     state dict being the bare model's; the saved logit_scale comes back 0-dim, bit for bit."""
     pytest.importorskip("transformers")
     import torch
-    from transformers import CLIPModel
-
-    sys.path.insert(0, os.path.join(ROOT, "tests", "integrations"))  # the tiny models' home
     from test_transformers import tiny_model
+    from transformers import CLIPModel
 
     unsqueeze, save = re.findall(
         r"```python\n(.*?)```", _section("## FSDP2 and DeepSpeed ZeRO", "distributed.md"), re.S

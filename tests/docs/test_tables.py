@@ -12,15 +12,9 @@ tests/tooling/test_sm90_compile.py, run after it, then finds in the same cache d
 is marked ``sm90`` like that test and skipped where the toolchain is missing.
 """
 
-import os
-import sys
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)  # tools/ is a folder of the repository, not an installed package
-
-from tools import docs_tables  # noqa: E402
+from tools import docs_tables
 
 CHEAP = ["workspace", "work-rank", "work-loss"]
 
