@@ -174,8 +174,10 @@ TABLES = {
 }
 
 
-def generate(name: str, jobs: int | None = None, timeout: float = 1800) -> str:
-    """The table ``name`` as its tool prints it now (a fresh process; RuntimeError on failure)."""
+def generate(name: str, jobs: int | None = None, timeout: float = 1800, progress=None) -> str:
+    """The table ``name`` as its tool prints it now (a fresh process; RuntimeError on failure).
+    ``progress``, if given, gets each line the tool writes to stderr as it comes (the sm_90a
+    compile logs a line per kernel there: minutes cold)."""
     cmd, interpret, _ = TABLES[name]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     for knob in ("TRITON_INTERPRET", "HNCLIP_AUTOTUNE", "HNCLIP_TRITON_LAUNCH"):  # the tools' own settings
@@ -184,7 +186,17 @@ def generate(name: str, jobs: int | None = None, timeout: float = 1800) -> str:
         env["TRITON_INTERPRET"] = "1"
     if jobs:
         cmd = cmd + ["--jobs", str(jobs)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if progress is None:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    else:  # stdout holds the table only (small): read after stderr's end, no pipe can fill up
+        err = []
+        with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+            for line in p.stderr:
+                err.append(line)
+                progress(line.rstrip("\n"))
+            out = p.stdout.read()
+            p.wait(timeout=timeout)
+        proc = subprocess.CompletedProcess(cmd, p.returncode, out, "".join(err))
     if proc.returncode != 0 or not proc.stdout.strip():
         raise RuntimeError(
             f"`{' '.join(cmd[1:])}` exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

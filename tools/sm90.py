@@ -380,16 +380,22 @@ def _importable(fn) -> bool:
     return "<locals>" not in kernel_id(fn) and _triton_jit_function_registry.get(kernel_id(fn)) is fn
 
 
-def compile_all(jobs, n_proc):
+def compile_all(jobs, n_proc, log=lambda msg: None):
     """{job key: analysis}: stored analyses of unchanged kernels, the rest compiled in n_proc
-    processes (spawned: they import the kernel modules; no fork of a threaded torch process)."""
+    processes (spawned: they import the kernel modules; no fork of a threaded torch process).
+    ``log`` gets a line per compiled kernel (a cold run takes minutes: the progress shows)."""
     results = {job.key: cached_result(job) for job in jobs}
     todo = [job for job in jobs if results[job.key] is None]
     n_proc = min(n_proc, len(todo))
+    t0 = time.perf_counter()
+
+    def done(i, job):
+        log(f"  compiled {i}/{len(todo)} {job.fn.__name__} ({time.perf_counter() - t0:.0f} s)")
+
     if n_proc > 1 and all(_importable(job.fn) for job in todo):
         with ProcessPoolExecutor(n_proc, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = {job.key: pool.submit(_compile_in_worker, job.payload()) for job in todo}
-            for key, fut in futures.items():
+            for i, (job, (key, fut)) in enumerate(zip(todo, futures.items()), 1):
                 try:
                     results[key] = fut.result()
                 except Exception as e:  # noqa: BLE001 - e.g. a compiler crash took the worker down
@@ -397,9 +403,11 @@ def compile_all(jobs, n_proc):
                         error=f"compile process failed ({type(e).__name__}: {e}); "
                         "rerun with --jobs 1 to see which kernel crashes"
                     )
+                done(i, job)
     else:
-        for job in todo:
+        for i, job in enumerate(todo, 1):
             results[job.key] = compile_kernel(job.fn, job.signature, job.constexprs, job.attrs, job.options)
+            done(i, job)
     return results, len(todo)
 
 
@@ -609,7 +617,7 @@ def run_check(
         f"{len(by_key)} distinct kernels (captured in {t_capture:.1f} s); compiling in {n_proc} process(es), "
         f"cache {cache_dir}"
     )
-    results, n_compiled = compile_all(list(by_key.values()), n_proc)
+    results, n_compiled = compile_all(list(by_key.values()), n_proc, log)
     rows = []
     for key, job in by_key.items():
         w = where[key]

@@ -12,15 +12,9 @@ tests/tooling/test_sm90_compile.py, run after it, then finds in the same cache d
 is marked ``sm90`` like that test and skipped where the toolchain is missing.
 """
 
-import os
-import sys
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)  # tools/ is a folder of the repository, not an installed package
-
-from tools import docs_tables  # noqa: E402
+from tools import docs_tables
 
 CHEAP = ["workspace", "work-rank", "work-loss"]
 
@@ -33,8 +27,8 @@ def test_every_table_has_a_region_and_every_region_a_table():
     )
 
 
-def _check(name):
-    table = docs_tables.generate(name)
+def _check(name, progress=None):
+    table = docs_tables.generate(name, progress=progress)
     problems = [d for page, old in docs_tables.regions()[name] if (d := docs_tables.diff(name, page, old, table))]
     if problems:
         pytest.fail(
@@ -48,13 +42,19 @@ def test_docs_table_is_what_its_tool_prints(name):
 
 
 @pytest.mark.sm90
-def test_docs_register_table_is_what_tools_sm90_prints():
+def test_docs_register_table_is_what_tools_sm90_prints(capsys):
     from tools.sm90 import missing_toolchain
 
     reason = missing_toolchain()
     if reason:
         pytest.skip(reason)
-    _check("sm90-registers")
+
+    def progress(line):  # the header and a line per compiled kernel, on the terminal as they come
+        if line.startswith(("triton ", "  compiled ")):
+            with capsys.disabled():
+                print(f"[sm90] {line.strip()}", flush=True)
+
+    _check("sm90-registers", progress)
 
 
 def test_a_changed_figure_fails_with_a_diff_and_the_fix():

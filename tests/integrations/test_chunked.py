@@ -565,30 +565,3 @@ def test_two_gloo_ranks_ddp_and_fsdp2(tmp_path):
     assert trained.item() != hf_model(dropout=False).logit_scale.item()
     back = CLIPModel.from_pretrained(str(saved)).logit_scale.detach()
     assert back.shape == () and back.numpy().tobytes() == trained.tobytes()
-
-
-def test_readme_snippets_run(tmp_path):
-    """ "Large batches on small GPUs": the HF and the custom-loop snippets, on the tiny models."""
-    import re
-
-    from transformers import TrainingArguments
-
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md"), encoding="utf-8").read()
-    start = readme.index("## Large batches on small GPUs")
-    section = readme[start : readme.index("\n## ", start + 1)]
-    hf_code, oc_code = re.findall(r"```python\n(.*?)```", section, re.S)
-    ids, pixels, mask = hf_batch()
-    scope = dict(
-        model=hf_model(dropout=False),
-        training_args=TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True),
-        dataset=_Pairs(),
-        input_ids=ids,
-        pixel_values=pixels,
-        attention_mask=mask,
-    )
-    exec(compile(hf_code, "README HF", "exec"), scope)
-    assert scope["trainer"].hn_options["chunk_size"] == 32 and scope["loss"].ndim == 0
-    images, texts = oc_batch(40)  # 32 + 8
-    scope = dict(model=oc_model(dropout=False), images=images, texts=texts)
-    exec(compile(oc_code, "README custom loop", "exec"), scope)
-    assert scope["model"].logit_scale.grad is not None and scope["txt"].shape == (40, 32)

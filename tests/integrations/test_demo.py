@@ -3,16 +3,13 @@ and two runs with the same seed give identical numbers."""
 
 import csv
 import math
-import os
-import sys
 
 import pytest
 
 pytest.importorskip("open_clip")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-import dense_caption_demo as demo  # noqa: E402
+import dense_caption_demo as demo
 
 TINY = [
     "--train-groups",

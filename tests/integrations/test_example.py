@@ -1,14 +1,11 @@
 """The main job end to end: a real open_clip model (random init) trains with hn_clip_loss."""
 
 import math
-import os
-import sys
 
 import pytest
 
 pytest.importorskip("open_clip")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-import open_clip_step  # noqa: E402
+import open_clip_step
 
 
 def test_open_clip_steps_with_hn_clip_loss():

@@ -3,16 +3,13 @@ the stage-1 checkpoint is reused, and the statistics helpers compute what they c
 
 import csv
 import math
-import os
-import sys
 
 import pytest
 
 pytest.importorskip("open_clip")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-import fine_tune_study as study  # noqa: E402
+import fine_tune_study as study
 
 
 def _rows(path):

@@ -7,10 +7,9 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)  # benchmarks/ is a folder of the repository, not an installed package
 
-from benchmarks.providers import PROVIDERS  # noqa: E402
-from benchmarks.report import COLUMNS, MEASURED_COLUMNS  # noqa: E402
+from benchmarks.providers import PROVIDERS
+from benchmarks.report import COLUMNS, MEASURED_COLUMNS
 
 
 def test_cpu_sweep_writes_complete_csv_and_plots(tmp_path):

@@ -14,8 +14,7 @@ import torch
 from cases import DTYPES
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests", "backends"))  # test_gpu.py, whichever tests pytest collected
-import test_gpu  # noqa: E402
+import test_gpu
 
 SCRIPTS = [os.path.join(REPO, "tools", name) for name in ("gpu_check.sh", "gpu_wheels.sh")]
 STEPS = ("wheels", "info", "imports", "tests", "compile", "bench", "work")

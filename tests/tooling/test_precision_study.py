@@ -7,7 +7,6 @@ them on random features. ``python -m tools.precision`` is the full study (4 seed
 """
 
 import os
-import sys
 
 import pytest
 
@@ -18,10 +17,8 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         "the precision study needs a session that interprets Triton (TRITON_INTERPRET=1)", allow_module_level=True
     )
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)  # benchmarks/ is a folder of the repository, not an installed package
 
-from tools import precision  # noqa: E402
+from tools import precision
 
 N = 40
 DIMS = {"random": 64, "saturated": 128}  # D = 64 does not saturate at τ = 0.01 (true loss ~1e-17)

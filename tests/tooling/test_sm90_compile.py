@@ -27,7 +27,6 @@ import types
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)  # benchmarks/ is a folder of the repository, not an installed package
 
 
 def _missing_toolchain():
@@ -44,8 +43,10 @@ def _missing_toolchain():
     return None
 
 
-def _run_sm90(tmp_path, *args):
-    """``python -m tools.sm90 --quick ARGS`` in a clean environment; its JSON report, checked clean."""
+def _run_sm90(tmp_path, capsys, *args):
+    """``python -m tools.sm90 --quick ARGS`` in a clean environment; its JSON report, checked clean.
+    Its progress (the capture, then a line per compiled kernel) goes to the terminal as it comes,
+    past pytest's capture: a cold run takes minutes."""
     reason = _missing_toolchain()
     if reason:
         pytest.skip(reason)
@@ -54,32 +55,37 @@ def _run_sm90(tmp_path, *args):
     for knob in ("HNCLIP_AUTOTUNE", "HNCLIP_TRITON_LAUNCH"):  # every autotune candidate, GPU launch config
         env.pop(knob, None)
     out = tmp_path / "sm90.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tools.sm90", "--quick", *args, "--json", str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert out.exists(), f"tools.sm90 exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    cmd = [sys.executable, "-m", "tools.sm90", "--quick", *args, "--json", str(out)]
+    lines = []
+    with capsys.disabled():
+        print(f"\n[sm90] python -m tools.sm90 --quick {' '.join(args)}".rstrip(), flush=True)
+        with subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as proc:
+            for line in proc.stdout:
+                lines.append(line)
+                if line.startswith(("triton ", "  compiled ")):  # the header and a line per kernel, not the table
+                    print(f"[sm90] {line.strip()}", flush=True)
+            proc.wait(timeout=1800)
+    stdout = "".join(lines)  # stdout and stderr
+    assert out.exists(), f"tools.sm90 exited {proc.returncode}:\n{stdout[-10000:]}"
     report = json.loads(out.read_text())
-    assert report["rows"], proc.stdout
+    assert report["rows"], stdout
     assert not report["problems"], (
-        f"{len(report['problems'])} problem(s) at sm_90a:\n  " + "\n  ".join(report["problems"]) + "\n\n" + proc.stdout
+        f"{len(report['problems'])} problem(s) at sm_90a:\n  " + "\n  ".join(report["problems"]) + "\n\n" + stdout
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert proc.returncode == 0, stdout[-10000:]
     return report
 
 
 @pytest.mark.sm90
-def test_kernels_compile_for_sm90_without_spills(tmp_path):
-    _run_sm90(tmp_path)
+def test_kernels_compile_for_sm90_without_spills(tmp_path, capsys):
+    _run_sm90(tmp_path, capsys)
 
 
 @pytest.mark.sm90
-def test_kernels_compile_for_sm90_with_inductor_scalar_types(tmp_path):
-    report = _run_sm90(tmp_path, "--wide-scalars")
+def test_kernels_compile_for_sm90_with_inductor_scalar_types(tmp_path, capsys):
+    report = _run_sm90(tmp_path, capsys, "--wide-scalars")
     assert report["config"]["wide_scalars"]
     types = {ty for row in report["rows"] for ty in row["scalars"].values()}
     # every scalar argument is an integer (γ and τ come through pointers)

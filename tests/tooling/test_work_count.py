@@ -3,7 +3,6 @@ the GPU launch configuration, plus torch's matmuls): the counter is exact on a k
 the loss stays within its budget of N×N×D products."""
 
 import os
-import sys
 
 import pytest
 import torch
@@ -13,13 +12,11 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     # interpreter on for every later test. Run `python -m tools.work` there instead.
     pytest.skip("the work counter needs a session that interprets Triton (TRITON_INTERPRET=1)", allow_module_level=True)
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)  # benchmarks/ is a folder of the repository, not an installed package
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
-from tools.work import count_matmul_flops, count_products  # noqa: E402
+from tools.work import count_matmul_flops, count_products
 
 
 @triton.jit
