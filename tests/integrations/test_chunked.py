@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 
 import pytest
 import torch
