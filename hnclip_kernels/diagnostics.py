@@ -46,6 +46,7 @@ from .numerics import NORM_EPS, compute_dtype
 from .options import LossOptions
 from .plausibility import warn_if_tau_looks_like_logit_scale
 from .reports import SaturationReport, check_threshold, report_from_row_stats, stats_fields
+from .validation_family import family_arguments
 
 __all__ = ["SaturationReport", "saturation_report", "report_from_row_stats"]
 
@@ -63,13 +64,24 @@ def _normalised(x: torch.Tensor, dtype: torch.dtype, normalize: bool) -> torch.T
     return F.normalize(x, dim=1, eps=NORM_EPS) if normalize else x
 
 
+def _features(img, txt, negatives, dtype, normalize) -> tuple:
+    """(v, t, captions [t; n]) detached in ``dtype``, L2-normalised when ``normalize``."""
+    v, t = _normalised(img, dtype, normalize), _normalised(txt, dtype, normalize)
+    return v, t, t if negatives is None else torch.cat([t, _normalised(negatives, dtype, normalize)])
+
+
+def _inv_norms(x: torch.Tensor) -> torch.Tensor:
+    """1 / max(‖x_i‖, eps) per row, the norm in float64, in x's dtype."""
+    return 1.0 / torch.linalg.vector_norm(x, dim=1, dtype=torch.float64).clamp_min(NORM_EPS).to(x.dtype)
+
+
 def _chunk_logits(
-    q: torch.Tensor, k: torch.Tensor, a: torch.Tensor, t_all: torch.Tensor, start: int, gamma: float, tau: float
+    q: torch.Tensor, k: torch.Tensor, a: torch.Tensor, b: torch.Tensor, start: int, gamma: float, tau: float
 ) -> tuple:
-    """(logits, margin) of query rows [start, start + m): (q kᵀ + γ·a tᵀ·[k ≠ pos]) / τ and a tᵀ
-    (the caption cosines, which false-negative masking compares with its threshold)."""
+    """(logits, margin) of query rows [start, start + m): (q kᵀ + γ·a bᵀ·[k ≠ pos]) / τ and a bᵀ
+    (with the paper's margin a, b are captions: the cosines false-negative masking compares)."""
     m = q.shape[0]
-    margin = a @ t_all.T
+    margin = a @ b.T
     rows = torch.arange(m, device=q.device)
     gm = margin.clone()
     gm[rows, rows + start] = 0.0  # the positive carries no margin
@@ -77,12 +89,20 @@ def _chunk_logits(
     return logits, margin
 
 
-def _false_negatives(margin: torch.Tensor, start: int, fn_threshold: Optional[float]):
-    """The masked entries of a chunk (caption cosine ≥ the threshold, off the positives), or None."""
-    if fn_threshold is None:
+def _false_negatives(cosine, start: int, fn_threshold: Optional[float], groups=None):
+    """The masked entries of a chunk, or None: caption cosine ≥ the threshold, or (``groups``:
+    the chunk's rows' ids and the key columns' ids, the columns past them, negative captions,
+    carry none) the same group id; never the positives."""
+    masked = None if fn_threshold is None else cosine >= fn_threshold
+    if groups is not None:
+        row_ids, key_ids, n_cols = groups
+        same = row_ids[:, None] == key_ids[None, :]
+        if same.shape[1] < n_cols:
+            same = torch.cat([same, same.new_zeros(same.shape[0], n_cols - same.shape[1])], dim=1)
+        masked = same if masked is None else masked | same
+    if masked is None:
         return None
-    rows = torch.arange(margin.shape[0], device=margin.device)
-    masked = margin >= fn_threshold
+    rows = torch.arange(masked.shape[0], device=masked.device)
     masked[rows, rows + start] = False
     return masked
 
@@ -141,6 +161,9 @@ def saturation_report(
     backend: str = "auto",
     chunk_rows: int = 1024,
     false_negative_threshold: Optional[float] = None,
+    negatives: Optional[torch.Tensor] = None,
+    group_ids: Optional[torch.Tensor] = None,
+    margin: str = "text",
 ) -> SaturationReport:
     """Measure how saturated a batch is and what naive cross-entropy makes of it.
 
@@ -160,6 +183,15 @@ def saturation_report(
             (the naive losses put the masked logits at −inf) and ``masked_pairs`` counts the
             entries removed (the float32 caption cosines of the chunked pass, float64 for
             float64 features, against the threshold).
+        negatives, group_ids, margin: the hard-negative family, as in
+            :func:`hnclip_kernels.hn_clip_loss` (``docs/hard_negatives.md``): (M, D) negative
+            captions, extra columns of the N image→text rows (the statistics of those rows, the
+            naive losses and the hardest negative then run over their N + M columns; the N
+            text→image rows are unchanged); (N,) integer ids, pairs with equal ids masked as
+            false negatives (``masked_pairs`` then counts them, with the threshold's, as the
+            loss's ``return_stats`` report does: ½ Σ over the 2N rows of the row's masked
+            entries); the margin's score "text" or "image_text" (``hardest_margin_*`` are then
+            γ·sg(v_r·x_h), the margin applied).
 
     Returns:
         A :class:`SaturationReport` with every field filled (formulas in its docstring;
@@ -174,12 +206,26 @@ def saturation_report(
     Raises:
         TypeError / ValueError naming the argument, as ``hn_clip_loss`` does, and for
         ``threshold`` ≤ 0 or non-finite, ``chunk_rows`` < 1 or not an int, N < 2, meta tensors,
-        ``false_negative_threshold`` not None or a float in (−1, 1].
+        ``false_negative_threshold`` not None or a float in (−1, 1]; ``negatives``, ``group_ids``
+        and ``margin`` as ``hn_clip_loss`` checks them (``NotImplementedError`` with
+        backend="triton", whose kernels of these options are in progress).
     """
     _validation.check_features(img, txt)
     LossOptions(
-        gamma=gamma, backend=backend, normalize=normalize, false_negative_threshold=false_negative_threshold
+        gamma=gamma,
+        backend=backend,
+        normalize=normalize,
+        false_negative_threshold=false_negative_threshold,
+        margin=margin,
     )  # raises for a bad option
+    negatives, group_ids = family_arguments(img, txt, negatives, group_ids)
+    family = {}  # only the keywords given: without them the loss call is today's
+    if negatives is not None:
+        family["negatives"] = negatives
+    if group_ids is not None:
+        family["group_ids"] = group_ids
+    if margin != "text":
+        family["margin"] = margin
     fn_thr = None if false_negative_threshold is None else float(false_negative_threshold)
     thr = check_threshold(threshold)
     chunk = _check_chunk_rows(chunk_rows)
@@ -195,31 +241,50 @@ def saturation_report(
     with torch.no_grad():
         loss = float(
             hn_clip_loss(
-                img, txt, tau_value, gamma=gamma, normalize=normalize, backend=backend, false_negative_threshold=fn_thr
+                img,
+                txt,
+                tau_value,
+                gamma=gamma,
+                normalize=normalize,
+                backend=backend,
+                false_negative_threshold=fn_thr,
+                **family,
             )
         )
 
         dt = compute_dtype(img.dtype)
-        v, t = _normalised(img, dt, normalize), _normalised(txt, dt, normalize)
-        if dt == torch.float32:
-            v32, t32 = v, t
-        else:  # the naive losses always see float32 logits from float32 features
-            v32, t32 = _normalised(img, torch.float32, normalize), _normalised(txt, torch.float32, normalize)
-
-        rho = 1.0 / torch.linalg.vector_norm(t, dim=1, dtype=torch.float64).clamp_min(NORM_EPS).to(dt)
+        feats = _features(img, txt, negatives, dt, normalize)
+        # the naive losses always see float32 logits from float32 features
+        feats32 = feats if dt == torch.float32 else _features(img, txt, negatives, torch.float32, normalize)
+        v, t, caps = feats
+        rho = _inv_norms(t)
+        rho_caps = rho if negatives is None else _inv_norms(caps)
+        text_margin = margin == "text"
         per_dir = {}
-        for name, (q, k, q32, k32) in (("i2t", (v, t, v32, t32)), ("t2i", (t, v, t32, v32))):
+        for name in ("i2t", "t2i"):
+            # (queries, keys, margin rows, margin keys) of the direction: i2t rows over the N + M captions
+            if name == "i2t":
+                roles = [(f[0], f[2], f[1] if text_margin else f[0], f[2]) for f in (feats, feats32)]
+                mask_keys, rho_keys = caps, rho_caps
+            else:
+                roles = [(f[1], f[0], f[1], f[1] if text_margin else f[0]) for f in (feats, feats32)]
+                mask_keys, rho_keys = t, rho
+            (q, k, a, b), (q32, k32, a32, b32) = roles
             parts = {key: [] for key in ("delta", "mean_neg", "dsum", "hard", "ce32", "ce16", "lost", "masked")}
             for start in range(0, n, chunk):
                 stop = min(start + chunk, n)
-                logits, margin = _chunk_logits(q[start:stop], k, t[start:stop], t, start, gamma, tau_value)
-                # the threshold is a cosine whatever normalize says: the raw product over the norms
-                cosine = margin if normalize or fn_thr is None else margin * rho[start:stop, None] * rho[None, :]
-                masked = _false_negatives(cosine, start, fn_thr)
-                delta, mean_neg, dsum, hard = _direction_chunk(logits, margin, start, gamma, masked)
-                del margin
+                logits, margin_chunk = _chunk_logits(q[start:stop], k, a[start:stop], b, start, gamma, tau_value)
+                cosine = None
+                if fn_thr is not None:  # the captions' product (the margin's own with margin="text")
+                    product = margin_chunk if text_margin else t[start:stop] @ mask_keys.T
+                    # the threshold is a cosine whatever normalize says: the raw product over the norms
+                    cosine = product if normalize else product * rho[start:stop, None] * rho_keys[None, :]
+                groups = None if group_ids is None else (group_ids[start:stop], group_ids, k.shape[0])
+                masked = _false_negatives(cosine, start, fn_thr, groups)
+                delta, mean_neg, dsum, hard = _direction_chunk(logits, margin_chunk, start, gamma, masked)
+                del margin_chunk, cosine
                 if dt != torch.float32:
-                    logits, _ = _chunk_logits(q32[start:stop], k32, t32[start:stop], t32, start, gamma, tau_value)
+                    logits, _ = _chunk_logits(q32[start:stop], k32, a32[start:stop], b32, start, gamma, tau_value)
                 ce32, ce16, lost = _naive_chunk(logits, start, masked)
                 del logits
                 n_masked = masked.sum(dim=1) if masked is not None else torch.zeros_like(delta)
@@ -246,7 +311,8 @@ def saturation_report(
                 0.5 * both["masked"].double().sum(),
             ]
         ).tolist()  # one sync
-        fields["masked_pairs"] = int(round(values[5])) if fn_thr is not None else None
+        masking = fn_thr is not None or group_ids is not None
+        fields["masked_pairs"] = int(round(values[5])) if masking else None
     return SaturationReport(
         naive_fp32_loss=values[0],
         naive_bf16_loss=values[1],

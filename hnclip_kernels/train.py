@@ -5,6 +5,7 @@ Usage (every argument but the ``--hn-*`` flags goes to ``open_clip_train.main`` 
     python -m hnclip_kernels.train [open_clip_train arguments] \\
         [--hn-gamma 0.5] [--hn-label-smoothing 0.0] [--hn-backend auto] [--hn-log-stats]
         [--hn-false-negative-threshold C] [--hn-chunk-size C]
+        [--hn-negatives-key COL] [--hn-group-key COL] [--hn-margin {text,image_text}]
     torchrun --nproc_per_node 8 -m hnclip_kernels.train -- --local-loss --gather-with-grad ...
 
 Flags:
@@ -23,6 +24,12 @@ Flags:
                             (:func:`hnclip_kernels.chunked_features`): ``--batch-size 1024
                             --hn-chunk-size 32`` contrasts 1024 × world size pairs in one loss while
                             the encoders hold the activations of 32 (default: no chunking)
+    --hn-negatives-key COL  a CSV column of hard-negative captions (NegCLIP's format: one per row,
+                            an empty cell for none): the batch's negatives, through the text tower,
+                            are the loss's ``negatives`` (extra image→text columns; docs/hard_negatives.md)
+    --hn-group-key COL      a CSV column of group ids (equal values: no negatives of each other)
+    --hn-margin M           "text" (default) or "image_text" (the margin from the image-text score)
+    The two column flags: :mod:`hnclip_kernels.train_negatives` (a CSV --train-data, no --torchcompile).
 
 open_clip's ``--accum-freq K`` (K > 1) is refused: its cached features give ``logit_scale`` K
 times its gradient (the loss runs K times a step) and its re-forward draws new dropout masks;
@@ -60,12 +67,14 @@ from __future__ import annotations
 import argparse
 import difflib
 import functools
+import importlib
 import logging
 import os
 import sys
 
 import torch
 
+from . import train_negatives
 from .backends import resolve_backend
 from .chunked import check_chunk_size, chunked_features
 from .clip_loss import HNClipLoss
@@ -113,6 +122,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run the encoders C pairs at a time, recomputed in the backward: --batch-size is then the "
         "contrastive batch, the activation memory that of C pairs (default: no chunking)",
     )
+    train_negatives.add_arguments(p)
     return p
 
 
@@ -228,6 +238,7 @@ def main(argv=None):
         label_smoothing=hn.hn_label_smoothing,
         backend=hn.hn_backend,
         false_negative_threshold=hn.hn_false_negative_threshold,
+        margin=hn.hn_margin,
     )
     for name, value in kwargs.items():  # each flag is checked before anything is built
         try:
@@ -248,6 +259,7 @@ def main(argv=None):
     _check_backend_device(parser, hn.hn_backend, oc_args)
     _check_csv_header(parser, oc_args)
     _check_chunking(parser, hn, oc_args)
+    train_negatives.check_columns(parser, hn, oc_args)
 
     original = oc_main.create_loss
 
@@ -280,15 +292,22 @@ def main(argv=None):
             super().__init__(module, device_ids, *args, **kw)
 
     oc_main.create_loss, torch.nn.parallel.DistributedDataParallel = create_loss, CpuDeviceIdsDDP
-    original_epoch = oc_main.train_one_epoch
-    if hn.hn_chunk_size is not None:
+    original_epoch, data_module = oc_main.train_one_epoch, importlib.import_module("open_clip_train.data")
+    original_csv = data_module.get_csv_dataset
+    if train_negatives.uses_columns(hn):  # packed CSV rows, unpacked by the epoch's forward
+        data_module.get_csv_dataset = train_negatives.patched_csv_dataset(original_csv, data_module, hn)
+        forward = functools.partial(
+            train_negatives.family_forward, chunk_size=hn.hn_chunk_size, groups=hn.hn_group_key is not None
+        )
+        oc_main.train_one_epoch = _epoch_with_forward(original_epoch, forward)
+    elif hn.hn_chunk_size is not None:
         oc_main.train_one_epoch = _chunked_epoch(original_epoch, hn.hn_chunk_size)
     torch_levels = {name: logging.getLogger(name).level for name in _torch_loggers()}
     try:
         return oc_main.main(rest)
     finally:
         oc_main.create_loss, torch.nn.parallel.DistributedDataParallel = original, ddp
-        oc_main.train_one_epoch = original_epoch
+        oc_main.train_one_epoch, data_module.get_csv_dataset = original_epoch, original_csv
         _restore_torch_logger_levels(torch_levels)
 
 
@@ -312,7 +331,15 @@ def _check_chunking(parser, hn, args) -> None:
 
 
 def _chunked_epoch(train_one_epoch, chunk_size: int):
-    """open_clip's ``train_one_epoch`` with the model's forward chunked for its duration.
+    """``train_one_epoch`` with the model's forward chunked (:func:`_epoch_with_forward`)."""
+    return _epoch_with_forward(
+        train_one_epoch, lambda model, image=None, text=None: _chunked_forward(model, chunk_size, image, text)
+    )
+
+
+def _epoch_with_forward(train_one_epoch, forward):
+    """open_clip's ``train_one_epoch`` with the model's forward replaced for its duration by
+    ``forward(model, image=, text=)`` (chunked, or unpacking the hard-negative columns).
 
     It calls ``model(images, texts)`` once a step, ``model`` being the CLIP model or DDP around
     it; an instance ``forward`` on the CLIP model makes that call run :func:`chunked_features`
@@ -322,7 +349,7 @@ def _chunked_epoch(train_one_epoch, chunk_size: int):
     def wrapped(model, *args, **kwargs):
         inner = getattr(model, "module", model)  # DDP's module, as open_clip_train's unwrap_model
         saved = inner.__dict__.get("forward")
-        inner.forward = functools.partial(_chunked_forward, inner, chunk_size)
+        inner.forward = functools.partial(forward, inner)
         try:
             return train_one_epoch(model, *args, **kwargs)
         finally:

@@ -67,7 +67,7 @@ FULL_TIER = (
     "tests/integrations/test_example.py",  # 26 s
     "tests/integrations/test_fine_tune_study.py",  # 42 s
     "tests/integrations/test_long_clip_example.py",  # 31 s
-    "tests/integrations/test_train.py",  # 9 s
+    "tests/integrations/test_train.py",  # 16 s
     # the tools: benchmark sweeps, the GPU check script, the precision study, the clean-tree runs
     "tests/tooling/test_benchmarks_smoke.py",  # 63 s
     "tests/tooling/test_chunked_memory_smoke.py",  # 26 s

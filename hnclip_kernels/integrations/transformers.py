@@ -32,8 +32,9 @@ from ..chunked import check_chunk_size, chunked_encode
 from ..clip_loss import HNClipLoss
 from ..distributed.gather import HAS_DISTRIBUTED, dist, gather_sizes
 from ..plausibility import warn_if_implausible_model_logit_scale
+from .transformers_negatives import NEGATIVE_KEYS, collate_hard_negatives, flat_negatives
 
-__all__ = ["clip_model_loss", "HNClipTrainer"]
+__all__ = ["clip_model_loss", "HNClipTrainer", "collate_hard_negatives"]
 
 _MISSING = object()
 
@@ -77,25 +78,33 @@ def _check_clip(clip) -> None:
         )
 
 
-def _features(clip, input_ids, pixel_values, attention_mask, chunk_size=None):
-    """(image embeddings, text embeddings, s = exp(logit_scale)), as ``CLIPModel.forward`` forms
-    them before its normalisation and N×N product; s in float32 or better (a bf16 model's
-    exp(logit_scale) in bf16 would be another temperature: s = 100 rounds to 100.5). With a
-    ``chunk_size`` each tower runs in recomputed chunks (:func:`hnclip_kernels.chunked_encode`)."""
+def _text(clip, input_ids, attention_mask, chunk_size):
+    if chunk_size is None:
+        return _pooled(clip.get_text_features(input_ids=input_ids, attention_mask=attention_mask))
+    return chunked_encode(
+        lambda **kw: _pooled(clip.get_text_features(**kw)),
+        dict(input_ids=input_ids, attention_mask=attention_mask),
+        chunk_size,
+    )
+
+
+def _features(clip, input_ids, pixel_values, attention_mask, chunk_size=None, negatives=None):
+    """(image embeddings, text embeddings, s = exp(logit_scale), negative embeddings or None), as
+    ``CLIPModel.forward`` forms them before its normalisation and N×N product; s in float32 or
+    better (a bf16 model's exp(logit_scale) in bf16 would be another temperature: s = 100 rounds
+    to 100.5). ``negatives``: None or (ids, mask) of the hard-negative captions, run through the
+    text tower after the captions. With a ``chunk_size`` each tower runs in recomputed chunks
+    (:func:`hnclip_kernels.chunked_encode`)."""
     if chunk_size is None:
         image = _pooled(clip.get_image_features(pixel_values=pixel_values))
-        text = _pooled(clip.get_text_features(input_ids=input_ids, attention_mask=attention_mask))
     else:
         image = chunked_encode(
             lambda pixel_values: _pooled(clip.get_image_features(pixel_values=pixel_values)), pixel_values, chunk_size
         )
-        text = chunked_encode(
-            lambda **kw: _pooled(clip.get_text_features(**kw)),
-            dict(input_ids=input_ids, attention_mask=attention_mask),
-            chunk_size,
-        )
+    text = _text(clip, input_ids, attention_mask, chunk_size)
+    negative = None if negatives is None else _text(clip, *negatives, chunk_size)
     scale = clip.logit_scale
-    return image, text, scale.to(torch.promote_types(scale.dtype, torch.float32)).exp()
+    return image, text, scale.to(torch.promote_types(scale.dtype, torch.float32)).exp(), negative
 
 
 def _is_fsdp2(module) -> bool:
@@ -108,18 +117,18 @@ def _is_fsdp2(module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def _embeddings(model, input_ids, pixel_values, attention_mask, chunk_size=None):
+def _embeddings(model, input_ids, pixel_values, attention_mask, chunk_size=None, negatives=None):
     clip = _unwrap(model)
     _check_clip(clip)
     if clip is model and not _is_fsdp2(clip):
-        return _features(clip, input_ids, pixel_values, attention_mask, chunk_size)
+        return _features(clip, input_ids, pixel_values, attention_mask, chunk_size, negatives)
     # A wrapper's own forward must run: DDP arms its gradient all-reduce there, FSDP gathers the
     # parameters there (FSDP2: in the root module's forward hooks). So the wrapped model's
     # forward is the embedding pass for this one call.
     saved = clip.__dict__.get("forward", _MISSING)  # accelerate may have set an instance forward
 
     def embedding_forward(input_ids, pixel_values, attention_mask=None):
-        return _features(clip, input_ids, pixel_values, attention_mask, chunk_size)
+        return _features(clip, input_ids, pixel_values, attention_mask, chunk_size, negatives)
 
     clip.forward = embedding_forward
     try:
@@ -146,11 +155,13 @@ class _ModelLoss(HNClipLoss):
     _scale_warning = staticmethod(warn_if_implausible_model_logit_scale)
 
 
-def _loss_module(gamma, label_smoothing, false_negative_threshold, backend) -> HNClipLoss:
+def _loss_module(gamma, label_smoothing, false_negative_threshold, backend, margin="text") -> HNClipLoss:
     rank, world_size = _distributed_layout()
     options = dict(gamma=gamma, label_smoothing=label_smoothing, backend=backend, normalize=True)
     if false_negative_threshold is not None:  # passed on only when set: the core validates it
         options["false_negative_threshold"] = false_negative_threshold
+    if margin != "text":  # likewise
+        options["margin"] = margin
     # local rows against the gathered batch, gradients through the gather: with DDP's averaging
     # every parameter's gradient is the single-process gradient on the global batch
     return _ModelLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world_size, **options)
@@ -168,6 +179,10 @@ def clip_model_loss(
     backend: str = "auto",
     return_outputs: bool = False,
     chunk_size: Optional[int] = None,
+    negative_input_ids: Optional[torch.Tensor] = None,
+    negative_attention_mask: Optional[torch.Tensor] = None,
+    group_ids: Optional[torch.Tensor] = None,
+    margin: str = "text",
 ):
     """HN-CLIP loss (arXiv 2608.18521, Eq. 2) of a ``transformers`` CLIP batch, never forming N×N logits.
 
@@ -203,6 +218,13 @@ def clip_model_loss(
             backward (:func:`hnclip_kernels.chunked_encode`, dropout masks replayed), then one loss
             over the whole batch: the same loss and gradients, with the encoders' activation
             memory of one chunk.
+        negative_input_ids, negative_attention_mask: None, or (M, L) token ids (and mask) of hard-
+            negative captions (NegCLIP's), run through ``get_text_features`` (chunked too) and
+            passed as the loss's ``negatives``: extra columns of every image→text row
+            (``docs/hard_negatives.md``); M = 0 is none. (B, K, L) slots per example are
+            flattened first (:func:`~hnclip_kernels.integrations.transformers_negatives.flat_negatives`).
+        group_ids: None or (N,) integer pair ids: equal ids are no negatives of each other.
+        margin: "text" (default) or "image_text" (LLaVE-style hardness), as ``hn_clip_loss``'s.
 
     FSDP2 and DeepSpeed ZeRO: ``fully_shard`` and ``deepspeed.initialize`` take no 0-dim parameter,
     and CLIPModel's ``logit_scale`` is one; make it (1,) before wrapping and 0-dim again in the
@@ -223,16 +245,21 @@ def clip_model_loss(
         ValueError: ``torch.nn.DataParallel``; ``chunk_size`` < 1; and every error of :class:`hnclip_kernels.HNClipLoss`
             (bad options at once, bad features or τ at the loss).
     """
-    loss_fn = _loss_module(gamma, label_smoothing, false_negative_threshold, backend)  # bad options fail first
+    loss_fn = _loss_module(gamma, label_smoothing, false_negative_threshold, backend, margin)  # bad options first
     chunk_size = check_chunk_size(chunk_size)
-    image, text, scale = _embeddings(model, input_ids, pixel_values, attention_mask, chunk_size)
-    loss = loss_fn(image, text, scale)
+    neg_ids, neg_mask = flat_negatives(negative_input_ids, negative_attention_mask)
+    negatives = None if neg_ids is None else (neg_ids, neg_mask)
+    image, text, scale, negative = _embeddings(model, input_ids, pixel_values, attention_mask, chunk_size, negatives)
+    family = {} if group_ids is None else {"group_ids": group_ids}  # only what is given: else today's call
+    if negative is not None:
+        family["negatives"] = negative
+    loss = loss_fn(image, text, scale, **family)
     if not return_outputs:
         return loss
     return loss, CLIPOutput(loss=loss, image_embeds=F.normalize(image, dim=-1), text_embeds=F.normalize(text, dim=-1))
 
 
-_BATCH_KEYS = ("input_ids", "pixel_values", "attention_mask")
+_BATCH_KEYS = ("input_ids", "pixel_values", "attention_mask", *NEGATIVE_KEYS)
 _IGNORED_KEYS = ("return_loss",)  # what a CLIP data collator may add for CLIPModel.forward
 
 
@@ -243,11 +270,14 @@ class HNClipTrainer(transformers.Trainer):
 
         trainer = HNClipTrainer(model=model, args=args, train_dataset=ds, data_collator=collate,
                                 gamma=0.5, label_smoothing=0.0, false_negative_threshold=None,
-                                backend="auto", chunk_size=None)
+                                backend="auto", chunk_size=None, margin="text")
 
-    Batches are dicts with ``input_ids``, ``pixel_values`` and optionally ``attention_mask``
-    (``return_loss`` is ignored; any other key raises ``ValueError``, it would be silently
-    unused). Under ``torchrun`` each rank's loss is its share of the global batch's
+    Batches are dicts with ``input_ids``, ``pixel_values`` and optionally ``attention_mask``,
+    ``negative_input_ids``, ``negative_attention_mask`` and ``group_ids`` (hard negatives: the
+    layout of :mod:`~hnclip_kernels.integrations.transformers_negatives`, which
+    ``data_collator=collate_hard_negatives`` builds from per-example lists; those columns survive
+    ``remove_unused_columns``). ``return_loss`` is ignored; any other key raises ``ValueError``
+    (it would be silently unused). Under ``torchrun`` each rank's loss is its share of the global batch's
     (:func:`clip_model_loss`), so DDP's averaged gradients are the global batch's. Evaluation
     reports the same loss; its predictions are the normalised ``(image_embeds, text_embeds)``
     and its labels the pairs' positions in the evaluation (int64: row i's caption is text row
@@ -280,10 +310,12 @@ class HNClipTrainer(transformers.Trainer):
         false_negative_threshold: Optional[float] = None,
         backend: str = "auto",
         chunk_size: Optional[int] = None,
+        margin: str = "text",
         **kwargs,
     ):
         # bad options fail here, where they are written, not at the first step
-        _loss_module(gamma, 0.0 if label_smoothing is None else label_smoothing, false_negative_threshold, backend)
+        eps = 0.0 if label_smoothing is None else label_smoothing
+        _loss_module(gamma, eps, false_negative_threshold, backend, margin)
         chunk_size = check_chunk_size(chunk_size)
         super().__init__(*args, **kwargs)
         factor = self.args.label_smoothing_factor
@@ -308,6 +340,13 @@ class HNClipTrainer(transformers.Trainer):
         self._eval_rows = 0
         if chunk_size is not None:  # passed on only when set: without it the call is today's
             self.hn_options["chunk_size"] = chunk_size
+        if margin != "text":
+            self.hn_options["margin"] = margin
+
+    def _set_signature_columns_if_needed(self):
+        # remove_unused_columns keeps the columns of model.forward: the hard-negative ones too
+        super()._set_signature_columns_if_needed()
+        self._signature_columns = [*self._signature_columns, *NEGATIVE_KEYS]
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         unknown = sorted(set(inputs) - set(_BATCH_KEYS) - set(_IGNORED_KEYS))
@@ -326,6 +365,7 @@ class HNClipTrainer(transformers.Trainer):
                 inputs["pixel_values"],
                 inputs.get("attention_mask"),
                 return_outputs=return_outputs,
+                **{key: inputs[key] for key in NEGATIVE_KEYS if inputs.get(key) is not None},
                 **self.hn_options,
             )
 

@@ -68,7 +68,16 @@ def _check_large_batches(scope, out):
     assert scope["model"].logit_scale.grad is not None and scope["txt"].shape == (8, 512)  # the open_clip model
 
 
+def _check_hard_negatives(scope, out):
+    import torch
+
+    assert scope["trainer"].state.global_step == 2 and scope["batch"]["negative_input_ids"].shape[:2] == (8, 2)
+    assert scope["neg"].shape == (24, 512) and torch.isfinite(scope["loss"])
+    assert out.rstrip().splitlines()[-1].startswith("24 negatives, loss ")
+
+
 CHECKS = {
+    "docs/hard_negatives.md": _check_hard_negatives,
     "README.md": _check_readme,
     "docs/transformers.md": _check_transformers,
     "docs/large_batches.md": _check_large_batches,

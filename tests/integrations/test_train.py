@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("open_clip")
 oc_main = pytest.importorskip("open_clip_train.main", reason='needs pip install "open_clip_torch[training]"')
@@ -267,6 +268,7 @@ def test_chunk_size_with_torchcompile_is_refused(monkeypatch, capsys):
             "1.5",
             "false_negative_threshold must be None or a caption cosine in (-1, 1]",
         ),
+        ("--hn-margin", "image", "margin must be one of"),
     ],
 )
 def test_bad_hn_flags_fail_before_training(monkeypatch, capsys, flag, value, words):
@@ -506,3 +508,96 @@ def test_chunked_epoch_runs_chunked_features_inside_ddp_and_restores_the_forward
         assert "forward" not in model.__dict__
         plain = model(images, texts)
         assert all(torch.allclose(out[k], plain[k], rtol=1e-5, atol=1e-6) for k in out)
+
+
+# ------------------------------------------------------------------ hard negatives and group ids
+
+
+@pytest.fixture(scope="module")
+def negatives_csv(data):
+    """The 16 rows with a NegCLIP-style column (a swapped colour; every third cell empty) and an
+    image id shared by pairs of rows."""
+    colors = ["red", "green", "blue", "yellow"]
+    lines = (data / "train.csv").read_text().splitlines()
+    rows = ["filepath,title,neg_caption,image_id"]
+    for i, line in enumerate(lines[1:]):
+        path, title = line.split(",")
+        color = colors[i % 4]
+        neg = "" if i % 3 == 1 else title.replace(color, colors[(i + 1) % 4])
+        rows.append(f"{path},{title},{neg},img{i // 2}")
+    path = data / "train_neg.csv"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def _run_recording_inputs(argv):
+    """Run hn_train.main in-process; per step: (loss, M, group ids, |d loss / d negatives|)."""
+    steps = []
+    original = oc_main.train_one_epoch
+
+    def train_one_epoch(model, data, loss, *args, **kwargs):
+        def recording(**inputs):
+            neg = inputs.get("negatives")
+            step = {"M": 0 if neg is None else neg.shape[0], "groups": inputs.get("group_ids")}
+            if neg is not None:
+                assert neg.requires_grad and neg.grad_fn is not None  # the text tower's output
+                neg.register_hook(lambda g: step.__setitem__("grad", float(g.abs().sum())))
+            out = loss(**inputs)
+            step["loss"] = float(out["contrastive_loss"].detach())
+            steps.append(step)
+            return out
+
+        return original(model, data, recording, *args, **kwargs)
+
+    handlers = list(logging.root.handlers)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(oc_main, "train_one_epoch", train_one_epoch)
+            assert hn_train.main(argv) is None
+    finally:
+        for h in logging.root.handlers[len(handlers) :]:
+            h.close()
+        logging.root.handlers[:] = handlers
+    return steps
+
+
+@pytest.mark.parametrize("extra", [[], ["--hn-chunk-size", "3", "--hn-margin", "image_text"]])
+def test_negatives_column_joins_the_batch_and_gets_gradient(data, negatives_csv, tmp_path, extra):
+    """--hn-negatives-key / --hn-group-key: each step's negatives are its rows' non-empty cells,
+    through the text tower (their gradient is not 0), the group ids one per pair; 4 steps."""
+    argv = _argv(data, tmp_path, "negatives") + [
+        "--train-data",
+        str(negatives_csv),
+        "--hn-negatives-key",
+        "neg_caption",
+        "--hn-group-key",
+        "image_id",
+        *extra,
+    ]
+    steps = _run_recording_inputs(argv)
+    assert len(steps) == STEPS  # open_clip reads the whole CSV: 16 rows, batches of 4
+    assert sum(s["M"] for s in steps) == 16 - 5  # rows 1, 4, 7, 10, 13 have no negative
+    for s in steps:
+        assert math.isfinite(s["loss"]) and s["groups"].shape == (4,) and s["groups"].dtype == torch.int64
+        if s["M"]:
+            assert s["grad"] > 0
+
+
+def test_negatives_column_missing_from_the_header_fails_before_training(data, monkeypatch, capsys):
+    monkeypatch.setattr(oc_main, "main", lambda argv: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as exc:
+        hn_train.main(_argv(data, data, "x") + ["--hn-negatives-key", "neg_caption"])
+    assert exc.value.code == 2
+    assert "argument --hn-negatives-key: " in capsys.readouterr().err
+
+
+def test_packed_rows_round_trip():
+    from hnclip_kernels.train_negatives import _unpack, pack
+
+    caption, negative = torch.arange(1, 6), torch.arange(6, 11)
+    rows = torch.stack([pack(caption, negative, 3), pack(caption, None, -2)])
+    cap, neg, has, ids = _unpack(rows, 5)
+    assert torch.equal(cap, torch.stack([caption, caption])) and torch.equal(neg[0], negative)
+    assert has.tolist() == [True, False] and ids.tolist() == [3, -2] and not neg[1].any()
+    with pytest.raises(ValueError, match="packed tokens"):
+        _unpack(rows[:, :-1], 5)

@@ -1,0 +1,170 @@
+"""Hard negatives in ``python -m hnclip_kernels.train``: the CSV columns and the model's forward.
+
+Split from :mod:`hnclip_kernels.train` by role. ``--hn-negatives-key COL`` reads a column of
+hard-negative captions (NegCLIP's format: one caption per row, an empty cell for none) and
+``--hn-group-key COL`` a column of group ids (any strings or numbers: equal values, one group;
+an empty cell, a group of its own). open_clip_train's loop unpacks each batch as
+``images, texts = batch`` and calls ``model(images, texts)`` then ``loss(**model_out)``, so:
+
+* the training CSV's dataset (open_clip's ``CsvDataset``, built by its ``get_csv_dataset`` for the
+  training data only, patched for the run) returns for each row the packed token tensor
+  ``[caption (L) | negative (L) | has_negative | group id]`` of length 2L + 2 in place of the
+  caption's L tokens (``pack``); the default collation stacks it as for captions;
+* during ``train_one_epoch`` the model's forward (an instance ``forward``, as for
+  ``--hn-chunk-size``) unpacks it, encodes the captions and, in a second ``encode_text`` call, the
+  batch's M non-empty negatives, and returns open_clip's output dict with ``negatives`` (M, D)
+  (absent when M = 0) and ``group_ids`` (B,) added, which ``loss(**model_out)`` hands to
+  :class:`hnclip_kernels.HNClipLoss`. Evaluation runs the model's own forward on unpacked data.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .chunked import chunked_encode, chunked_features
+
+__all__ = ["add_arguments", "uses_columns", "check_columns", "patched_csv_dataset", "family_forward", "pack"]
+
+
+def add_arguments(p) -> None:
+    p.add_argument(
+        "--hn-negatives-key",
+        default=None,
+        metavar="COL",
+        help="CSV column of hard-negative captions (one per row, empty for none): extra image→text columns",
+    )
+    p.add_argument(
+        "--hn-group-key",
+        default=None,
+        metavar="COL",
+        help="CSV column of group ids: pairs with equal values are no negatives of each other",
+    )
+    p.add_argument(
+        "--hn-margin",
+        default="text",
+        metavar="M",
+        help='the margin\'s score, "text" (default, HN-CLIP\'s) or "image_text" (LLaVE-style hardness)',
+    )
+
+
+def uses_columns(hn) -> bool:
+    return hn.hn_negatives_key is not None or hn.hn_group_key is not None
+
+
+def check_columns(parser, hn, args) -> None:
+    """The column flags need a CSV ``--train-data`` whose header has the columns, and no
+    ``--torchcompile`` (untested with the packed forward)."""
+    if not uses_columns(hn):
+        return
+    flag = "--hn-negatives-key" if hn.hn_negatives_key is not None else "--hn-group-key"
+    path = args.train_data
+    is_csv = args.dataset_type == "csv" or (args.dataset_type == "auto" and str(path).endswith((".csv", ".tsv")))
+    if not path or not is_csv:
+        parser.error(
+            f"argument {flag}: reads a column of a CSV --train-data (--dataset-type csv or a .csv/.tsv path), "
+            f"got --train-data {path!r} with --dataset-type {args.dataset_type}"
+        )
+    if args.torchcompile:
+        parser.error(f"argument {flag}: not supported with --torchcompile (untested); drop one of them")
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as fh:
+        header = fh.readline().rstrip("\r\n").split(args.csv_separator)
+    for key, name in ((hn.hn_negatives_key, "--hn-negatives-key"), (hn.hn_group_key, "--hn-group-key")):
+        if key is not None and key not in header:
+            parser.error(
+                f"argument {name}: {path}'s header, split on {args.csv_separator!r}, is {header}: no column {key!r}"
+            )
+
+
+def pack(caption: torch.Tensor, negative, group: int) -> torch.Tensor:
+    """[caption (L) | negative (L), zeros for None | has_negative | group id], int64."""
+    has = negative is not None
+    negative = negative if has else torch.zeros_like(caption)
+    return torch.cat([caption, negative, torch.tensor([int(has), group], dtype=caption.dtype)])
+
+
+def _unpack(text: torch.Tensor, context_length):
+    width = text.shape[-1]
+    length = (width - 2) // 2
+    if text.dim() != 2 or width % 2 or (context_length is not None and length != context_length):
+        raise ValueError(
+            f"the hard-negative forward expects packed tokens (B, 2L + 2) with L = {context_length}, got shape "
+            f"{tuple(text.shape)}: was the training CSV read without --hn-negatives-key/--hn-group-key?"
+        )
+    return text[:, :length], text[:, length : 2 * length], text[:, 2 * length].bool(), text[:, 2 * length + 1]
+
+
+class PackedCsvDataset(torch.utils.data.Dataset):
+    """open_clip's ``CsvDataset`` (``base``) whose items' texts are :func:`pack`'s tensors."""
+
+    def __init__(self, input_filename, transforms, img_key, caption_key, sep="\t", tokenizer=None, **columns):
+        import pandas as pd  # an open_clip_train dependency
+
+        base, neg_key, group_key = columns["base"], columns["negatives_key"], columns["group_key"]
+        self.base = base(input_filename, transforms, img_key, caption_key, sep=sep, tokenizer=tokenizer)
+        keys = [k for k in (neg_key, group_key) if k is not None]
+        df = pd.read_csv(input_filename, sep=sep, usecols=keys, dtype=str, keep_default_na=False)
+        self.negatives = [s if s.strip() else None for s in df[neg_key]] if neg_key else [None] * len(df)
+        index = {}
+        if group_key is None:
+            self.groups = [0] * len(df)
+        else:  # equal values, equal ids; an empty cell, an id of its own (negative: no value maps there)
+            self.groups = [
+                index.setdefault(v, len(index)) if v.strip() else -1 - i for i, v in enumerate(df[group_key])
+            ]
+        self.tokenize = tokenizer
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, idx):
+        image, caption = self.base[idx]
+        neg = self.negatives[idx]
+        return image, pack(caption, None if neg is None else self.tokenize([neg])[0], self.groups[idx])
+
+
+def patched_csv_dataset(get_csv_dataset, data_module, hn):
+    """open_clip_train's ``get_csv_dataset`` building :class:`PackedCsvDataset` for the training data."""
+
+    @functools.wraps(get_csv_dataset)
+    def wrapped(args, preprocess_fn, is_train, epoch=0, tokenizer=None):
+        if not is_train:
+            return get_csv_dataset(args, preprocess_fn, is_train, epoch=epoch, tokenizer=tokenizer)
+        base = data_module.CsvDataset
+        columns = dict(base=base, negatives_key=hn.hn_negatives_key, group_key=hn.hn_group_key)
+        data_module.CsvDataset = functools.partial(PackedCsvDataset, **columns)
+        try:
+            return get_csv_dataset(args, preprocess_fn, is_train, epoch=epoch, tokenizer=tokenizer)
+        finally:
+            data_module.CsvDataset = base
+
+    return wrapped
+
+
+def family_forward(model, image=None, text=None, *, chunk_size=None, groups: bool = False):
+    """open_clip ``CLIP.forward``'s output dict on packed tokens, plus ``negatives`` (M, D), the
+    batch's non-empty negative captions through ``encode_text`` (L2-normalised; absent for M = 0)
+    and, with ``groups``, ``group_ids`` (B,); the towers chunked with a ``chunk_size``."""
+    if image is None or text is None:  # not what train_one_epoch calls: the model's own forward
+        return type(model).forward(model, image, text)
+    captions, neg_tokens, has_negative, group_ids = _unpack(text, getattr(model, "context_length", None))
+    if chunk_size is None:
+        out = type(model).forward(model, image, captions)
+    else:
+        image_features, text_features, logit_scale = chunked_features(model, image, captions, chunk_size)
+        out = {"image_features": image_features, "text_features": text_features, "logit_scale": logit_scale}
+    if not isinstance(out, dict):
+        raise TypeError(
+            "the hard-negative forward needs open_clip's output dict (output_dict=True, as open_clip_train)"
+        )
+    negatives = neg_tokens[has_negative]
+    if negatives.shape[0] > 0:
+        encode = functools.partial(model.encode_text, normalize=True)
+        out["negatives"] = encode(negatives) if chunk_size is None else chunked_encode(encode, negatives, chunk_size)
+    if groups:
+        out["group_ids"] = group_ids
+    return out
