@@ -44,4 +44,8 @@ smaller N), so the slowest cells cost about 3 calls each.
 Outputs under --out (default benchmarks/out): DEVICE_results.csv, DEVICE_time_vs_n.png,
 DEVICE_memory_vs_n.png, and the table (with time ratios against hnclip-triton on a GPU,
 hnclip-cpp on a CPU, falling back to hnclip-torch) on stdout.
+
+The hard-negative loss against the number of negative captions M (with NegCLIP's plain
+N × (N + M) logits as a provider) has its own command: ``python -m benchmarks.negatives``
+(``benchmarks/negatives.py``).
 """

@@ -71,6 +71,7 @@ FULL_TIER = (
     # the tools: benchmark sweeps, the GPU check script, the precision study, the clean-tree runs
     "tests/tooling/test_benchmarks_smoke.py",  # 63 s
     "tests/tooling/test_chunked_memory_smoke.py",  # 26 s
+    "tests/tooling/test_negatives_benchmark_smoke.py::test_quick_cpu_sweep_writes_csv_plot_and_table",  # 23 s
     "tests/tooling/test_clean_tree.py",  # 43 s
     "tests/tooling/test_gpu_check.py",  # 14 s
     "tests/tooling/test_precision_study.py",  # 8 s
