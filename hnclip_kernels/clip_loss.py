@@ -293,7 +293,7 @@ class HNClipLoss(nn.Module):
         if self.world_size == 1 and (negatives is not None or group_ids is not None or self.options.margin != "text"):
             family = module_family_loss(
                 image_features, text_features, tau, self.options, negatives, group_ids,
-                world_size=self.world_size, return_stats=self.return_stats, tau_value=tau_value, problem=problem,
+                return_stats=self.return_stats, tau_value=tau_value, problem=problem,
             )  # fmt: skip
             if family is not None:  # None: M = 0 and no other family option, today's loss below
                 loss, self.last_stats = family
