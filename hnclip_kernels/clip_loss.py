@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import numbers
 from typing import Union
 
 import torch
@@ -13,6 +12,7 @@ from . import validation
 from .backends import symmetric_losses
 from .distributed import rank_loss
 from .loss import module_family_loss
+from .module_checks import check_horovod, check_layout, check_positional_flags, checked_attribute
 from .numerics import autocast_disabled
 from .options import LossOptions, as_tau_tensor, option_attribute, tau_from_scale
 from .plausibility import warn_if_implausible_logit_scale
@@ -101,8 +101,9 @@ class HNClipLoss(nn.Module):
         margin: "text" (default, the paper's sg(t_i·x)) or "image_text" (sg(v_i·x), LLaVE-style
             hardness); see :func:`hnclip_kernels.hn_clip_loss` and ``docs/hard_negatives.md``.
             With ``forward``'s ``negatives``/``group_ids``: the hard-negative family, backend="torch"
-            or "cpp" on one process ("auto" runs "cpp" on CPU when built, else "torch"; "triton"
-            and ``world_size > 1`` raise ``NotImplementedError``: their kernels are in progress).
+            or "cpp" ("auto" runs "cpp" on CPU when built, else "torch"; "triton" raises
+            ``NotImplementedError``: its kernels are in progress), also with ``world_size > 1``
+            (each rank's negatives and ids gathered like its captions, M_r may differ and be 0).
 
     ``gamma``, ``label_smoothing``, ``backend``, ``normalize``, ``precision`` and
     ``false_negative_threshold`` (and ``margin``) are checked at
@@ -152,7 +153,7 @@ class HNClipLoss(nn.Module):
         margin: str = "text",
     ):
         super().__init__()
-        _check_positional_flags(
+        check_positional_flags(
             local_loss=local_loss,
             gather_with_grad=gather_with_grad,
             cache_labels=cache_labels,
@@ -160,8 +161,8 @@ class HNClipLoss(nn.Module):
             rank=rank,
             world_size=world_size,
         )
-        _check_horovod(use_horovod)
-        _check_layout(rank, world_size)
+        check_horovod(use_horovod)
+        check_layout(rank, world_size)
         # bad options fail here, where they are written, not at the first forward; the option
         # attributes (gamma, ...) read and write this one object (options.option_attribute)
         self.options = LossOptions(
@@ -264,6 +265,10 @@ class HNClipLoss(nn.Module):
             output_dict: return ``{"contrastive_loss": loss}`` instead of the scalar.
             negatives, group_ids: None, or (M, D) hard-negative caption embeddings (extra i2t
                 columns) and (n,) integer pair ids, as in :func:`hnclip_kernels.hn_clip_loss`.
+                With ``world_size > 1`` this rank's (M may differ across ranks and be 0; ids on
+                every rank or none): gathered like the captions, so the loss is the family loss
+                of the concatenated global batch in each mode above
+                (:func:`hnclip_kernels.distributed_hn_clip_loss`).
 
         Returns:
             A float32 scalar (float64 for float64 features), or the dict; as ``ClipLoss``.
@@ -285,10 +290,10 @@ class HNClipLoss(nn.Module):
             tau, tau_value = float("nan"), None
         else:
             tau = tau_from_scale(logit_scale, image_features)
-        if negatives is not None or group_ids is not None or self.options.margin != "text":
+        if self.world_size == 1 and (negatives is not None or group_ids is not None or self.options.margin != "text"):
             family = module_family_loss(
                 image_features, text_features, tau, self.options, negatives, group_ids,
-                world_size=self.world_size, return_stats=self.return_stats, tau_value=tau_value, problem=problem,
+                return_stats=self.return_stats, tau_value=tau_value, problem=problem,
             )  # fmt: skip
             if family is not None:  # None: M = 0 and no other family option, today's loss below
                 loss, self.last_stats = family
@@ -314,6 +319,8 @@ class HNClipLoss(nn.Module):
                     group=self.group,
                     return_stats=self.return_stats,
                     tau_value=tau_value,
+                    negatives=negatives,  # gathered like the captions (distributed.family); None: today's path
+                    group_ids=group_ids,
                 )
             except (TypeError, ValueError) as exc:
                 if problem is not None:
@@ -327,67 +334,8 @@ class HNClipLoss(nn.Module):
         return {"contrastive_loss": loss} if output_dict else loss
 
 
-def _check_positional_flags(*, rank, world_size, **flags) -> None:
-    """ClipLoss's constructor arguments are positional: ``HNClipLoss(0.0)`` would mean
-    ``local_loss=0.0`` with the default γ, not γ = 0. Flags must be bools, rank and size ints."""
-    for name, value in flags.items():
-        _check_flag(name, value)
-    for name, value in (("rank", rank), ("world_size", world_size)):
-        _check_int(name, value)
-
-
-def _check_flag(name, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"{name} must be True or False, got {value!r}; the options of the loss are "
-            f"keyword-only (HNClipLoss(gamma=0.0), not HNClipLoss(0.0))"
-        )
-
-
-def _check_int(name, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-
-
-def _check_layout(rank, world_size) -> None:
-    if int(world_size) < 1 or not 0 <= int(rank) < int(world_size):
-        raise ValueError(f"need world_size >= 1 and 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-
-
-def _check_horovod(value) -> None:
-    _check_flag("use_horovod", value)
-    if value:
-        raise ValueError(
-            "HNClipLoss does not support horovod (use_horovod=True); launch with "
-            "torchrun / torch.distributed (NCCL on GPUs, gloo on CPU) instead"
-        )
-
-
-def _checked_attribute(name: str) -> property:
-    """A constructor argument kept as a plain instance attribute (``self.__dict__[name]``, its one
-    copy: pickles and deep copies carry it as before), checked on assignment as the constructor
-    checks it."""
-
-    def set_(self, value):
-        if name == "use_horovod":
-            _check_horovod(value)
-        elif name == "return_stats":
-            if not isinstance(value, bool):
-                raise TypeError(f"return_stats must be True or False, got {value!r}")
-        elif name in ("rank", "world_size"):
-            _check_int(name, value)
-            layout = {"rank": self.__dict__.get("rank", 0), "world_size": self.__dict__.get("world_size", 1)}
-            _check_layout(**{**layout, name: value})
-            value = int(value)
-        else:
-            _check_flag(name, value)
-        self.__dict__[name] = value
-
-    return property(lambda self: self.__dict__[name], set_)
-
-
 for _name in ("local_loss", "gather_with_grad", "cache_labels", "use_horovod", "return_stats", "rank", "world_size"):
-    setattr(HNClipLoss, _name, _checked_attribute(_name))
+    setattr(HNClipLoss, _name, checked_attribute(_name))
 
 
 def _is_default_group(group) -> bool:

@@ -206,9 +206,10 @@ def family_call(
 
 
 def module_family_loss(
-    img, txt, tau, options, negatives, group_ids, *, world_size, return_stats, tau_value, problem
+    img, txt, tau, options, negatives, group_ids, *, return_stats, tau_value, problem
 ):  # fmt: skip
-    """``HNClipLoss.forward`` with a family option: (mean loss, report or None), or None where
+    """``HNClipLoss.forward`` with a family option on one process (``world_size > 1`` goes to
+    :func:`hnclip_kernels.distributed.rank_loss`): (mean loss, report or None), or None where
     the checked options turn out to be today's (M = 0, no ids, margin "text"). ``problem``: the
     error of an invalid logit_scale, raised once the family arguments are checked."""
     names = ("image_features", "text_features")
@@ -216,9 +217,6 @@ def module_family_loss(
     negatives, group_ids = validation_family.family_arguments(img, txt, negatives, group_ids, names)
     if negatives is None and group_ids is None and options.margin == "text":
         return None
-    if world_size > 1:
-        where = "world_size > 1 (gathering negatives and ids across ranks)"
-        validation_family.check_fused_support(options.backend, negatives, group_ids, options.margin, where=where)
     if problem is not None:
         raise problem
     rows, report = family_call(

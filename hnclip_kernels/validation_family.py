@@ -96,9 +96,9 @@ def family_arguments(img, txt, negatives, group_ids, names=("img", "txt")):
     return check_negatives(negatives, txt, names[1]), check_group_ids(group_ids, txt, names[1])
 
 
-def check_fused_support(backend: str, negatives, group_ids, margin: str, where: str = "") -> None:
-    """The family's fused kernels exist on backend "cpp"; backend "triton" (and the distributed
-    loss, ``where``) with any family option raise ``NotImplementedError`` naming it."""
+def check_fused_support(backend: str, negatives, group_ids, margin: str) -> None:
+    """The family's fused kernels exist on backend "cpp"; backend "triton" with any family option
+    raises ``NotImplementedError`` naming it (on one process and, collectively, across ranks)."""
     used = [
         name
         for name, on in (
@@ -108,11 +108,10 @@ def check_fused_support(backend: str, negatives, group_ids, margin: str, where: 
         )
         if on
     ]
-    if used and (backend == "triton" or where):
-        what = where or f"backend={backend!r}"
+    if used and backend == "triton":
         raise NotImplementedError(
-            f"{' and '.join(used)}: not implemented yet for {what} (the fused kernels of these options are "
-            "in progress); use backend='torch' or 'cpp' on one process"
+            f"{' and '.join(used)}: not implemented yet for backend='triton' (the fused kernels of these options are "
+            "in progress); use backend='torch' or 'cpp'"
         )
 
 

@@ -175,6 +175,40 @@ def family_losses(
     return _pair_average(i2t, t2i, return_stats)
 
 
+def rank_family_losses(
+    img: torch.Tensor,
+    txt: torch.Tensor,
+    all_img: torch.Tensor,
+    all_txt: torch.Tensor,
+    all_negatives: Optional[torch.Tensor],
+    group_ids: Optional[torch.Tensor],
+    all_group_ids: Optional[torch.Tensor],
+    tau: torch.Tensor,
+    offset: int,
+    options,
+    return_stats: bool = False,
+):
+    """:func:`rank_losses` of the hard-negative family (:func:`family_losses` across ranks): this
+    rank's M local rows, shape (M,). i2t rows of the local images over the keys [all N captions;
+    all negatives (K, D), None: K = 0], t2i rows of the local captions over the N images, local
+    row i's positive at column ``offset + i``; ``group_ids`` (M,) the local rows' ids against
+    ``all_group_ids`` (N,) (the negatives carry none). backend "torch" or "cpp" (two directional
+    calls of :func:`family_losses`'s ops); with ``return_stats`` also both ``RowStats``."""
+    kwargs = _op_kwargs(tau, options, return_stats, offset=int(offset))
+    fn = directional_nll_torch
+    if options.backend == "cpp":
+        from .cpp.family import family_directional_nll_cpp as fn
+    keys = all_txt if all_negatives is None else torch.cat([all_txt, all_negatives])
+    groups = {} if group_ids is None else dict(query_groups=group_ids, key_groups=all_group_ids)
+    if options.margin == "text":
+        i2t = fn(img, keys, query_txt=txt, key_txt=keys, **groups, **kwargs)
+        t2i = fn(txt, all_img, query_txt=txt, key_txt=all_txt, **groups, **kwargs)
+    else:  # margin sg(v_i·x) in both directions; the mask still compares captions
+        i2t = fn(img, keys, query_txt=img, key_txt=keys, mask_query=txt, mask_key=keys, **groups, **kwargs)
+        t2i = fn(txt, all_img, query_txt=txt, key_txt=all_img, mask_query=txt, mask_key=all_txt, **groups, **kwargs)
+    return _pair_average(i2t, t2i, return_stats)
+
+
 def rank_losses(
     img: torch.Tensor,
     txt: torch.Tensor,

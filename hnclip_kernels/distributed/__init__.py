@@ -39,7 +39,9 @@ import torch
 from .. import validation
 from ..numerics import autocast_disabled
 from ..options import LossOptions
-from .consensus import collective_check, local_checks
+from ..validation_family import check_fused_support
+from .consensus import collective_check, family_backend, family_checks, local_checks
+from .family import family_rank_loss
 from .gather import AUTOGRAD_GATHER, HAS_DISTRIBUTED, dist, gather_features, gather_sizes, require_distributed
 from .per_rank import rank_hn_clip_loss
 
@@ -69,6 +71,9 @@ def distributed_hn_clip_loss(
     precision: Optional[str] = None,
     return_stats: bool = False,
     false_negative_threshold: Optional[float] = None,
+    negatives: Optional[torch.Tensor] = None,
+    group_ids: Optional[torch.Tensor] = None,
+    margin: str = "text",
 ) -> torch.Tensor:
     """HN-CLIP loss of this rank's share of the global batch (a collective: call on every rank).
 
@@ -87,6 +92,15 @@ def distributed_hn_clip_loss(
     ``false_negative_threshold``: false-negative masking as in :func:`hnclip_kernels.hn_clip_loss`,
     each rank's captions against all gathered captions (a duplicate on another rank is masked
     too); it must be the same on every rank (checked with the other options).
+    ``negatives``, ``group_ids``, ``margin``: the hard-negative family (``docs/hard_negatives.md``)
+    across ranks, backend "torch" or "cpp" ("auto": "cpp" on CPU when built, else "torch";
+    "triton" raises ``NotImplementedError`` on every rank). ``negatives``: this rank's (M_r, D)
+    hard-negative captions, or None (M_r may differ across ranks and be 0); ``group_ids``: this
+    rank's (n_r,) integer pair ids, on every rank or on none. They are gathered like the captions
+    (:mod:`hnclip_kernels.distributed.family`): the loss is the single-process family loss of the
+    concatenated batch (pairs, negatives and ids in rank order), rows and gradients as in the
+    modes above. ``margin`` must be the same on every rank. Where no rank passes negatives
+    (M_r > 0) or ids and ``margin="text"``, the call is today's, bit for bit.
     """
 
     def options():  # built inside the checks, so a bad option on one rank raises on every rank
@@ -97,6 +111,7 @@ def distributed_hn_clip_loss(
             backend=backend,
             precision=precision,
             false_negative_threshold=false_negative_threshold,
+            margin=margin,
         )
 
     tau = validation.plain_number(tau)
@@ -111,6 +126,8 @@ def distributed_hn_clip_loss(
         world_size=world_size,
         group=group,
         return_stats=return_stats,
+        negatives=negatives,
+        group_ids=group_ids,
     )
 
 
@@ -127,10 +144,15 @@ def rank_loss(
     group=None,
     return_stats: bool = False,
     tau_value: Optional[float] = None,
+    negatives: Optional[torch.Tensor] = None,
+    group_ids: Optional[torch.Tensor] = None,
 ):
     """:func:`distributed_hn_clip_loss` with its options as a :class:`LossOptions` (or a function
     building one, whose error then raises on every rank), and ``tau_value``, τ already read by
-    the caller (:class:`hnclip_kernels.HNClipLoss` reads ``logit_scale`` once)."""
+    the caller (:class:`hnclip_kernels.HNClipLoss` reads ``logit_scale`` once). ``negatives`` and
+    ``group_ids``: this rank's (see :func:`distributed_hn_clip_loss`); where no rank passes any
+    (and the margin is "text") the call is today's, on today's path."""
+    family = (negatives, group_ids) if negatives is not None or group_ids is not None else None
     if world_size is None:
         world_size = dist.get_world_size(group=group) if HAS_DISTRIBUTED and dist.is_initialized() else 1
     if rank is None:
@@ -138,16 +160,19 @@ def rank_loss(
     if world_size > 1:
         require_distributed()
         flags = int(bool(local_loss)) | (int(bool(gather_with_grad)) << 1)  # normalize: bit 2, added with the options
-        sizes, bound = collective_check(
-            image_features, text_features, tau, options, flags, rank, world_size, group, tau_value
+        sizes, bound, family = collective_check(
+            image_features, text_features, tau, options, flags, rank, world_size, group, tau_value, family=family
         )
     else:
-        status, exc, _, bound = local_checks(
-            image_features, text_features, tau, options, rank, world_size, group, tau_value
+        sizes, bound, family = _single_checks(
+            image_features, text_features, tau, options, rank, group, tau_value, family
         )
-        if exc is not None:
-            raise exc
-        sizes = [image_features.shape[0]]
+    if family is not None:
+        return family_rank_loss(
+            image_features, text_features, tau, bound, sizes, family, local_loss=local_loss,
+            gather_with_grad=gather_with_grad, rank=rank, world_size=world_size, group=group,
+            return_stats=return_stats,
+        )  # fmt: skip
     all_img, all_txt = gather_features(
         image_features, text_features, local_loss, gather_with_grad, rank, world_size, sizes=sizes, group=group
     )
@@ -165,3 +190,19 @@ def rank_loss(
             world_size=world_size,
             return_stats=return_stats,
         )
+
+
+def _single_checks(image_features, text_features, tau, options, rank, group, tau_value, family):
+    """:func:`collective_check`'s result on one process, raising here."""
+    status, exc, requested, bound = local_checks(image_features, text_features, tau, options, rank, 1, group, tau_value)
+    negatives = group_ids = None
+    if exc is None and family is not None:
+        status, exc, negatives, group_ids = family_checks(image_features, text_features, *family, bound, tau)
+    if exc is not None:
+        raise exc
+    sizes = [image_features.shape[0]]
+    if negatives is None and group_ids is None and bound.margin == "text":
+        return sizes, bound, None
+    check_fused_support(requested.backend, negatives, group_ids, bound.margin)
+    m = 0 if negatives is None else negatives.shape[0]
+    return sizes, family_backend(requested.backend, bound), ([m], negatives, group_ids)

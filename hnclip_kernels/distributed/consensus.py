@@ -10,6 +10,7 @@ others a ``ValueError`` naming the offending rank.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from typing import List, Optional, Tuple
 
@@ -18,12 +19,14 @@ import torch
 from .. import validation
 from ..options import LossOptions
 from ..plausibility import warn_if_not_unit_norm
+from ..validation_family import check_family_range, family_arguments
 from .gather import dist, group_rank_world, meta_device
 
 # metadata vector layout, one int64 row per rank
 _STATUS, _N_IMG, _N_TXT, _DIM, _DTYPE, _FLAGS, _GAMMA, _EPS, _WORLD, _PREC, _TAU, _IMG_NORM, _TXT_NORM = range(13)
 _THRESHOLD = 13  # the false-negative threshold's float64 bits, NO_THRESHOLD for None
-_META_LEN = 14
+_N_NEG, _FAMILY = 14, 15  # the hard-negative family: M_r (0 for None), bit 0 group_ids given, bit 1 margin
+_META_LEN = 16
 NO_THRESHOLD = -(1 << 63)  # -0.0's bits: a threshold is sent as float(c) + 0.0, which is +0.0 for -0.0
 _STATUS_TEXT = {
     0: "ok",
@@ -31,6 +34,7 @@ _STATUS_TEXT = {
     2: "invalid logit scale / temperature",
     3: "invalid options or backend",
     4: "rank / world_size do not match the process group",
+    5: "invalid negatives or group_ids",
 }
 
 
@@ -152,14 +156,50 @@ def _global_range_problem(meta, gamma, label_smoothing, dtype_index) -> Optional
     )
 
 
+def family_checks(image_features, text_features, negatives, group_ids, bound, tau):
+    """This rank's hard-negative arguments checked without raising: (status, exception or None,
+    negatives or None (M = 0 is None), group_ids or None). With ``normalize=False`` the negatives'
+    norms enter this rank's overflow bound (the local batch's; the global bound covers img/txt)."""
+    try:
+        negatives, group_ids = family_arguments(
+            image_features, text_features, negatives, group_ids, ("image_features", "text_features")
+        )
+    except (TypeError, ValueError) as exc:
+        return 5, exc, None, None
+    if not bound.normalize and (negatives is not None or bound.margin != "text"):
+        tau_grad = validation.tau_requires_grad(tau)
+        try:
+            check_family_range(
+                image_features, text_features, negatives, bound.margin, bound.tau_value, bound.gamma,
+                bound.label_smoothing, image_features.shape[0], tau_grad,
+            )  # fmt: skip
+        except ValueError as exc:
+            return 2, exc, None, None
+    return 0, None, negatives, group_ids
+
+
+def family_backend(requested: str, bound: LossOptions) -> LossOptions:
+    """The family's backend: "auto" runs "cpp" where today's "auto" would, else "torch" (as
+    :func:`hnclip_kernels.loss.family_call`: the Triton kernels of these options are in progress)."""
+    if requested == "auto" and bound.backend == "triton":
+        return dataclasses.replace(bound, backend="torch", precision=None)
+    return bound
+
+
 def collective_check(
-    image_features, text_features, tau, options, flags, rank, world_size, group, tau_value=None
-) -> Tuple[List[int], LossOptions]:
-    """Check inputs on every rank at once; return (sizes, bound options) or raise on every rank.
-    ``options``/``tau_value`` as :func:`local_checks`."""
+    image_features, text_features, tau, options, flags, rank, world_size, group, tau_value=None, family=None
+) -> Tuple[List[int], LossOptions, Optional[Tuple[List[int], Optional[torch.Tensor], Optional[torch.Tensor]]]]:
+    """Check inputs on every rank at once; return (sizes, bound options, family) or raise on every
+    rank. ``options``/``tau_value`` as :func:`local_checks`. ``family``: this rank's
+    ``(negatives, group_ids)`` (each may be None) or None; the returned ``family`` is None where no
+    rank uses the hard-negative family (no negatives anywhere, no ids, margin "text": today's
+    loss), else ``(every rank's M_r, this rank's negatives or None, its group_ids or None)``."""
     status, exc, requested, bound = local_checks(
         image_features, text_features, tau, options, rank, world_size, group, tau_value
     )
+    negatives = group_ids = None
+    if status == 0 and family is not None:
+        status, exc, negatives, group_ids = family_checks(image_features, text_features, *family, bound, tau)
     like = image_features if isinstance(image_features, torch.Tensor) else None
     if requested is not None:
         flags |= int(bool(requested.normalize)) << 2
@@ -179,6 +219,9 @@ def collective_check(
         row = _meta_row(status, image_features, text_features, flags, 0.0, 0.0, world_size)
     if status == 0:
         _range_fields(row, bound.tau_value, image_features, text_features, bound.normalize)
+        row[_N_NEG] = 0 if negatives is None else negatives.shape[0]
+        row[_FAMILY] = int(group_ids is not None) | int(bound.margin != "text") << 1
+        row[_FAMILY] |= int(requested.backend == "triton") << 2  # the family has no Triton kernels yet
     mine = torch.tensor(row, dtype=torch.int64, device=meta_device(group, like))
     rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group=group))]
     dist.all_gather(rows, mine, group=group)
@@ -206,6 +249,14 @@ def collective_check(
     if len({m[_THRESHOLD] for m in meta}) > 1:
         values = [None if m[_THRESHOLD] == NO_THRESHOLD else _bits_float(m[_THRESHOLD]) for m in meta]
         problems.append(f"false_negative_threshold values differ across ranks: {values}")
+    if len({m[_FAMILY] >> 1 & 1 for m in meta}) > 1:
+        margins = ["image_text" if m[_FAMILY] >> 1 & 1 else "text" for m in meta]
+        problems.append(f"margin differs across ranks: {margins}")
+    if len({m[_FAMILY] & 1 for m in meta}) > 1:
+        problems.append(
+            f"group_ids were given on ranks {[r for r, m in enumerate(meta) if m[_FAMILY] & 1]} only: pass them on "
+            "every rank or on none"
+        )
     if problems:
         raise ValueError(
             "HN-CLIP distributed loss: inconsistent inputs across ranks: "
@@ -215,4 +266,15 @@ def collective_check(
     problem = _global_range_problem(meta, bound.gamma, bound.label_smoothing, meta[0][_DTYPE])
     if problem is not None:
         raise ValueError(f"HN-CLIP distributed loss: {problem}. Every rank raised this error.")
-    return [m[_N_IMG] for m in meta], bound
+    sizes, neg_sizes = [m[_N_IMG] for m in meta], [m[_N_NEG] for m in meta]
+    if not any(neg_sizes) and not any(m[_FAMILY] & 0b11 for m in meta):
+        return sizes, bound, None
+    triton = [r for r, m in enumerate(meta) if m[_FAMILY] >> 2 & 1]
+    if triton:
+        raise NotImplementedError(
+            f"negatives, group_ids or margin='image_text' across ranks: not implemented yet for backend='triton' "
+            f"(requested on ranks {triton}; the fused kernels of these options are in progress); use "
+            "backend='torch' or 'cpp' (every rank raised this error)"
+        )
+    bound = family_backend(requested.backend, bound)
+    return sizes, bound, (neg_sizes, negatives, group_ids)

@@ -86,6 +86,8 @@ def _all_gather_one(
     autograd, and ``keep_local`` puts this rank's own (differentiable) tensor in its slot.
     """
     max_n = max(sizes)
+    if max_n == 0:  # nothing on any rank (hard negatives: M_r = 0 everywhere): no collective
+        return x[:0]
     if with_grad:
         parts = _autograd_all_gather(_pad_rows(x, max_n), group)
     else:
@@ -141,3 +143,41 @@ def gather_features(
     all_img = _all_gather_one(image_features, sizes, rank, gather_with_grad, keep_local, group)
     all_txt = _all_gather_one(text_features, sizes, rank, gather_with_grad, keep_local, group)
     return all_img, all_txt
+
+
+def gather_rows(
+    x: Optional[torch.Tensor],
+    sizes: Sequence[int],
+    rank: int,
+    *,
+    with_grad: bool,
+    keep_local: bool,
+    like: torch.Tensor,
+    group=None,
+) -> torch.Tensor:
+    """Every rank's ``x`` (sizes[r] rows, sizes may differ and be 0), concatenated in rank order.
+
+    ``x``: this rank's (sizes[rank], ...) tensor, or None for zero rows (a ``like``-typed (0, D)
+    then takes its place: ``like`` gives dtype, device and trailing shape). Padded to the largest
+    size, all-gathered and stripped; no collective when every size is 0. ``with_grad`` and
+    ``keep_local`` as :func:`gather_features` (gradients through the gather summed into the owner;
+    or this rank's own differentiable tensor in its slot); with ``with_grad`` (and grad mode on)
+    the result requires grad on every rank, so that every rank runs the backward's collective.
+    Every rank of ``group`` must call it.
+    """
+    if x is None:
+        x = like.new_zeros((0,) + tuple(like.shape[1:]))
+    if with_grad and torch.is_grad_enabled() and not x.requires_grad:
+        # the gather's backward is a collective (a reduce-scatter): every rank must run it, also
+        # one whose rows need no gradient (none, or constants), else the ranks' backwards mismatch
+        x = x.detach().requires_grad_()
+    return _all_gather_one(x, [int(s) for s in sizes], rank, with_grad, keep_local, group)
+
+
+def gather_ids(ids: torch.Tensor, sizes: Sequence[int], group=None) -> torch.Tensor:
+    """Every rank's integer ids (sizes[r] each), concatenated in rank order, as int64 (ranks may
+    hold different integer dtypes). No gradient."""
+    ids = ids.to(torch.int64)
+    if len(sizes) == 1:
+        return ids
+    return _all_gather_one(ids, [int(s) for s in sizes], 0, False, False, group)

@@ -1,5 +1,5 @@
 """The hard-negative family's public surface: named errors, the backend policy (torch and cpp;
-Triton and world_size > 1 raise NotImplementedError, "auto" runs cpp on CPU), and
+Triton raises NotImplementedError, "auto" runs cpp on CPU; world_size > 1: tests/distributed/), and
 the bit-identity of every call without the new arguments on every backend (torch, cpp, Triton
 in its interpreter). Bound: a few seconds."""
 
@@ -84,10 +84,12 @@ def test_fused_backends_raise_not_implemented(backend, kwargs, named):
         )
 
 
-def test_world_size_above_one_raises_not_implemented():
+def test_world_size_above_one_takes_the_distributed_path():
+    # the family across ranks (tests/distributed/test_family_distributed.py): without a process
+    # group it raises as today's distributed loss does
     img, txt = pair()
     module = HNClipLoss(backend="torch", rank=0, world_size=2)
-    with pytest.raises(NotImplementedError, match=r"negatives \(M > 0\).*world_size > 1"):
+    with pytest.raises(ValueError, match="not initialised"):
         module(img, txt, 10.0, negatives=negs())
 
 

@@ -1,0 +1,80 @@
+"""The hard-negative family across ranks (``negatives``, ``group_ids``, ``margin``; see
+``docs/hard_negatives.md``): each rank's negatives and ids are gathered like its captions.
+
+Rank r holds n_r pairs and m_r negatives (m_r may differ across ranks and be 0). The global
+batch is the concatenation in rank order of the pairs (N = Σ n_r), of the negatives
+(K = Σ m_r) and of the ids, so every image sees every rank's negatives, and the loss is the
+single-process family loss of that batch. ``local_loss=True``: this rank's rows only, i2t of its
+images over [all captions; all negatives], t2i of its captions over all images, scaled as
+today's rank loss (``(W/N)·Σ_{i on r} ℓ_i``). Negatives follow the captions' gather semantics:
+through the gather with ``gather_with_grad`` (gradients summed into the owner), else this rank's
+own (differentiable) negatives in its slot when ``local_loss=False``, and constants with
+``local_loss=True`` (the key side is dropped, as for the captions).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from ..backends import family_losses, rank_family_losses
+from ..numerics import autocast_disabled
+from ..options import LossOptions, as_tau_tensor
+from .gather import gather_features, gather_ids, gather_rows
+
+
+def family_rank_loss(
+    image_features: torch.Tensor,
+    text_features: torch.Tensor,
+    tau,
+    bound: LossOptions,
+    sizes: List[int],
+    family: Tuple[List[int], Optional[torch.Tensor], Optional[torch.Tensor]],
+    *,
+    local_loss: bool,
+    gather_with_grad: bool,
+    rank: int,
+    world_size: int,
+    group=None,
+    return_stats: bool = False,
+):
+    """This rank's family loss: a float32 scalar (float64 for float64 features); with
+    ``return_stats`` ``(loss, (i2t, t2i, (N + K, N)))``, the detached ``RowStats`` of this rank's
+    rows (all N rows with ``local_loss=False``) and the key columns of each direction.
+
+    ``sizes``: every rank's n_r; ``family``: ``(every rank's m_r, this rank's negatives (m_r, D) or
+    None, its group_ids (n_r,) or None)``, checked on every rank (``consensus.collective_check``);
+    ``bound``: the options bound to these tensors, backend "torch" or "cpp"."""
+    neg_sizes, negatives, group_ids = family
+    all_img, all_txt = gather_features(
+        image_features, text_features, local_loss, gather_with_grad, rank, world_size, sizes=sizes, group=group
+    )
+    all_neg, all_ids = negatives, group_ids
+    if world_size > 1:
+        if any(neg_sizes):
+            keep_local = not local_loss
+            all_neg = gather_rows(
+                negatives, neg_sizes, rank, with_grad=gather_with_grad, keep_local=keep_local, like=text_features,
+                group=group,
+            )  # fmt: skip
+        if group_ids is not None:
+            all_ids = gather_ids(group_ids, sizes, group)
+    tau_t = as_tau_tensor(tau, all_img)
+    n_total = all_img.shape[0]
+    n_keys = (n_total + (0 if all_neg is None else all_neg.shape[0]), n_total)
+    with autocast_disabled(image_features.device):
+        if not local_loss or world_size == 1:  # the whole global batch: the single-process family loss
+            out = family_losses(all_img, all_txt, all_neg, all_ids, tau_t, bound, return_stats)
+        else:
+            offset = sum(sizes[:rank])
+            out = rank_family_losses(
+                image_features, text_features, all_img, all_txt, all_neg, group_ids, all_ids, tau_t, offset, bound,
+                return_stats,
+            )  # fmt: skip
+    rows, stats = out if return_stats else (out, None)
+    if not local_loss or world_size == 1 or n_total == world_size * image_features.shape[0]:
+        loss = rows.mean()  # equal sizes: the mean of the local rows, as today's rank loss
+    else:
+        loss = rows.sum() / (n_total / world_size)
+    return (loss, (*stats, n_keys)) if return_stats else loss

@@ -1,0 +1,303 @@
+"""The hard-negative family across 2 gloo ranks (``negatives``, ``group_ids``, ``margin``).
+
+Rank 0 holds 5 pairs, rank 1 holds 3; negatives per rank M = (4, 0), (0, 0) and (2, 7) (a rank's
+M = 0 passed as None or as a (0, D) tensor); group ids repeat within and across ranks; caption 7
+duplicates caption 0 and negative 0 duplicates caption 3 (what the threshold masks). Every case
+runs on backends torch and cpp, in the four modes (local_loss × gather_with_grad), through
+``HNClipLoss`` (grad of ``logit_scale``) and ``distributed_hn_clip_loss`` (grad of τ) alternately;
+each rank scales its loss by w_r = 1 + r before backward (a symmetric weight would hide summation
+bugs). The parent compares each rank's loss and gradients (images, captions, its negatives, the
+scale) with the single-process family loss of the concatenated batch (pairs, negatives, ids in
+rank order), ``hn_clip_loss(backend="torch")`` in float64:
+
+* local_loss, gather_with_grad:     L_r = (W/N)·Σ_{i on r} ℓ_i; grads of Σ_r' w_r' L_r';
+* local_loss, no gather_with_grad:  same L_r; only the query-side gradient (gathered keys, the
+  negatives included, are constants: the dense float64 oracle below, with separate query and key
+  copies, checked against hn_clip_loss on the value);
+* full batch, no gather_with_grad:  L_r = L; grads w_r·dL/d(own features and negatives);
+* full batch, gather_with_grad:     L_r = L; grads (Σ w)·dL/d(own features and negatives).
+
+Tolerance (relative, float64 norms; ``helpers.rel_err``): everything in float64, 1e-10 for the
+losses; gradients 1e-12 on torch (the same ops as the reference, another order of sums) and
+5e-9 on cpp: the fused family operator's float64 gradients differ from the torch reference by up
+to 6e-10 on these batches on one process already (tests/api/test_hard_negatives.py bounds them by
+1e-9), and the distributed paths add nothing measurable to that.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import rel_err, spawn_gloo_ranks
+from hnclip_kernels import HNClipLoss, hn_clip_loss
+from hnclip_kernels.backends import cpp_directional
+from hnclip_kernels.distributed import distributed_hn_clip_loss
+
+N_SIZES = (5, 3)
+D = 8
+IDS = [0, 1, 1, 2, 3, 2, 4, 0]  # 1 twice on rank 0; 2 and 0 on both ranks
+MODES = [(True, True), (True, False), (False, False), (False, True)]  # (local_loss, gather_with_grad)
+M_SIZES = [(4, 0), (0, 0), (2, 7)]
+OPTIONS = [dict(threshold=None, eps=0.0), dict(threshold=0.99, eps=0.0), dict(threshold=0.99, eps=0.1)]
+LOSS_TOL, GRAD_TOL = 1e-10, {"torch": 1e-12, "cpp": 5e-9}
+S0 = 1 / 0.07
+
+
+def _backends():
+    return ["torch"] + (["cpp"] if cpp_directional() is not None else [])
+
+
+def cases():
+    """Every case: sizes of negatives, margin, backend, mode, options, ids on/off, API, M = 0 as None."""
+    out = []
+    for m_sizes in M_SIZES:
+        for margin in ("text", "image_text"):
+            for backend in _backends():
+                for mode in MODES:
+                    k = len(out)
+                    out.append(
+                        dict(
+                            m_sizes=m_sizes, margin=margin, backend=backend, mode=mode, **OPTIONS[k % 3],
+                            ids=k % 4 != 3, module=k % 2 == 0, empty_as_none=k % 5 < 3, gamma=0.5,
+                        )
+                    )  # fmt: skip
+    return out
+
+
+def global_data(m_total, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(N_SIZES)
+    v = torch.randn(n, D, generator=g, dtype=torch.float64)
+    t = 0.6 * v + torch.randn(n, D, generator=g, dtype=torch.float64)
+    t[n - 1] = t[0]  # a duplicate caption across ranks
+    neg = 0.5 * t[torch.arange(m_total) % n] + torch.randn(m_total, D, generator=g, dtype=torch.float64)
+    if m_total:
+        neg[0] = 1.5 * t[3]  # a negative that is caption 3 (same cosine): masked by the threshold
+    scale = lambda x: x * torch.rand(x.shape[0], 1, generator=g, dtype=torch.float64).add(0.5)  # noqa: E731
+    return scale(v), scale(t), scale(neg)
+
+
+def _slices(sizes):
+    offs = [sum(sizes[:r]) for r in range(len(sizes))]
+    return [slice(o, o + s) for o, s in zip(offs, sizes)]
+
+
+# ----------------------------------------------------------------------------- the ranks
+
+
+def _rank(rank, world, all_cases):
+    """Every case on this rank: {case index: loss, grads (numpy)}; errors of the collective checks."""
+    out = {}
+    for k, case in enumerate(all_cases):
+        v, t, neg = global_data(sum(case["m_sizes"]), seed=k)
+        rows, negs = _slices(N_SIZES)[rank], _slices(case["m_sizes"])[rank]
+        img = v[rows].clone().requires_grad_()
+        txt = t[rows].clone().requires_grad_()
+        mine = neg[negs].clone().requires_grad_()
+        negatives = None if mine.shape[0] == 0 and case["empty_as_none"] else mine
+        ids = torch.tensor(IDS)[rows] if case["ids"] else None
+        local_loss, gather_with_grad = case["mode"]
+        common = dict(gamma=case["gamma"], label_smoothing=case["eps"], backend=case["backend"], normalize=True)
+        common.update(false_negative_threshold=case["threshold"], margin=case["margin"])
+        if case["module"]:
+            p = torch.tensor(S0, dtype=torch.float64, requires_grad=True)  # logit_scale
+            loss_fn = HNClipLoss(local_loss, gather_with_grad, False, rank, world, **common)
+            loss = loss_fn(img, txt, p, negatives=negatives, group_ids=ids)
+        else:
+            p = torch.tensor(1 / S0, dtype=torch.float64, requires_grad=True)  # τ
+            loss = distributed_hn_clip_loss(
+                img, txt, p, local_loss=local_loss, gather_with_grad=gather_with_grad, negatives=negatives,
+                group_ids=ids, **common,
+            )  # fmt: skip
+        ((1 + rank) * loss).backward()
+        grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in (img, txt, mine, p)]
+        out[k] = (loss.item(), *(x.detach().numpy() for x in grads))
+    return dict(cases=out, errors=_errors(rank, world), today=_today_unchanged(rank, world))
+
+
+def _errors(rank, world):
+    """The collective checks: each raises on every rank (type and message head)."""
+    v, t, _ = global_data(0)
+    img, txt = v[_slices(N_SIZES)[rank]], t[_slices(N_SIZES)[rank]]
+    got = {}
+    tries = {
+        "ids on rank 0 only": lambda: HNClipLoss(rank=rank, world_size=world, backend="torch", normalize=True)(
+            img, txt, S0, group_ids=torch.arange(img.shape[0]) if rank == 0 else None
+        ),
+        "triton with negatives on rank 1": lambda: HNClipLoss(
+            rank=rank, world_size=world, backend="triton", normalize=True
+        )(img.float(), txt.float(), S0, negatives=txt.float()[:2] if rank == 1 else None),
+        "margins differ": lambda: distributed_hn_clip_loss(
+            img, txt, 0.07, margin="image_text" if rank else "text", backend="torch"
+        ),
+        "negatives of another D on rank 1": lambda: distributed_hn_clip_loss(
+            img, txt, 0.07, negatives=torch.zeros(2, D + (rank == 1), dtype=img.dtype), backend="torch"
+        ),
+    }
+    for name, call in tries.items():
+        try:
+            call()
+            got[name] = None
+        except (TypeError, ValueError, NotImplementedError) as exc:
+            got[name] = (type(exc).__name__, str(exc)[:400])
+    return got
+
+
+def _today_unchanged(rank, world):
+    """Without the new arguments (or with None / M = 0 on every rank and margin "text") the
+    distributed loss is today's, bit for bit (it takes today's path)."""
+    v, t, _ = global_data(0)
+    img, txt = v[_slices(N_SIZES)[rank]].float(), t[_slices(N_SIZES)[rank]].float()
+    loss = HNClipLoss(True, True, False, rank, world, backend="cpp" if cpp_directional() else "torch", normalize=True)
+    today = loss(img, txt, S0)
+    return [
+        torch.equal(today, loss(img, txt, S0, negatives=None, group_ids=None)),
+        torch.equal(today, loss(img, txt, S0, negatives=txt[:0])),
+    ]
+
+
+# ----------------------------------------------------------------------------- the truth
+
+
+def rows_f64(vq, tq, vk, tk, nk, tau, margin, gamma, eps, threshold, ids):
+    """Per-pair rows ½(CE_i2t + CE_t2i) of the family formula, float64, dense, with the query side
+    (vq, tq) and the key side (vk, tk, nk) as separate tensors of equal values (normalised here)."""
+    vq, tq, vk, tk, nk = (F.normalize(x, dim=1) for x in (vq, tq, vk, tk, nk))
+    n, m = vq.shape[0], nk.shape[0]
+    x = torch.cat([tk, nk])
+    eye_x = torch.zeros(n, n + m, dtype=torch.bool)
+    eye_x[:, :n] = torch.eye(n, dtype=torch.bool)
+    eye = torch.eye(n, dtype=torch.bool)
+    h_i2t = ((tq if margin == "text" else vq) @ x.T).detach().masked_fill(eye_x, 0.0)
+    h_t2i = (tq @ (tk if margin == "text" else vk).T).detach().masked_fill(eye, 0.0)
+    z_i2t = (vq @ x.T + gamma * h_i2t) / tau
+    z_t2i = (tq @ vk.T + gamma * h_t2i) / tau
+    drop_i2t, drop_t2i = eye_x.clone(), eye.clone()
+    if threshold is not None:
+        drop_i2t |= tq.detach() @ x.detach().T >= threshold
+        drop_t2i |= tq.detach() @ tk.detach().T >= threshold
+    if ids is not None:
+        same = ids[:, None] == ids[None, :]
+        drop_i2t[:, :n] |= same
+        drop_t2i |= same
+    out = []
+    for z, drop in ((z_i2t, drop_i2t), (z_t2i, drop_t2i)):
+        pos = z.diagonal()
+        lse = torch.logsumexp((z - pos[:, None]).masked_fill(drop, float("-inf")), dim=1)
+        nll = torch.logaddexp(torch.zeros_like(pos), lse)
+        kept_mean = (z.masked_fill(drop, 0.0).sum(dim=1) + pos) / ((~drop).sum(dim=1) + 1)
+        out.append(nll + eps * (pos - kept_mean))
+    return 0.5 * (out[0] + out[1])
+
+
+def expected(case, k, rank):
+    """Float64 (loss, d img, d txt, d negatives, d scale) of ``rank`` in ``case``."""
+    v0, t0, n0 = global_data(sum(case["m_sizes"]), seed=k)
+    v, t, n = (x.clone().requires_grad_() for x in (v0, t0, n0))
+    p = torch.tensor(S0 if case["module"] else 1 / S0, dtype=torch.float64, requires_grad=True)
+    tau = 1 / p if case["module"] else p
+    ids = torch.tensor(IDS) if case["ids"] else None
+    world, n_total = len(N_SIZES), sum(N_SIZES)
+    w = [1.0 + r for r in range(world)]
+    sl, nsl = _slices(N_SIZES), _slices(case["m_sizes"])
+    rows = hn_clip_loss(
+        v, t, tau, negatives=n if n.shape[0] else None, group_ids=ids, margin=case["margin"], gamma=case["gamma"],
+        label_smoothing=case["eps"], false_negative_threshold=case["threshold"], reduction="none", backend="torch",
+    )  # fmt: skip
+    local_loss, with_grad = case["mode"]
+    args = (tau, case["margin"], case["gamma"], case["eps"], case["threshold"], ids)
+    if local_loss and not with_grad:  # the query side only: keys are constants
+        q_rows = rows_f64(v, t, v.detach(), t.detach(), n.detach(), *args)
+        assert rel_err(q_rows, rows) < 1e-12, "the dense oracle disagrees with hn_clip_loss"
+        loss_r = (world / n_total) * q_rows[sl[rank]].sum()
+        obj = w[rank] * loss_r
+    elif local_loss:
+        loss_r = (world / n_total) * rows[sl[rank]].sum()
+        obj = sum(w[r] * (world / n_total) * rows[sl[r]].sum() for r in range(world))
+    else:
+        loss_r = rows.mean()
+        obj = (sum(w) if with_grad else w[rank]) * rows.mean()
+    (dp,) = torch.autograd.grad(w[rank] * loss_r, [p], retain_graph=True)
+    gv, gt, gn = torch.autograd.grad(obj, [v, t, n], allow_unused=True)
+    gn = torch.zeros_like(n) if gn is None else gn
+    return loss_r.item(), gv[sl[rank]], gt[sl[rank]], gn[nsl[rank]], dp
+
+
+# ----------------------------------------------------------------------------- the tests
+
+
+def _name(case):
+    mode = {(True, True): "local+gwg", (True, False): "local", (False, False): "full", (False, True): "full+gwg"}
+    return f"M={case['m_sizes']} {case['margin']} {case['backend']} {mode[case['mode']]}"
+
+
+def test_two_ranks_unequal_n_and_m_equal_the_concatenated_batch(tmp_path):
+    """Loss and every gradient of each rank, every case, against the float64 single-process family
+    loss of the concatenated batch; the collective checks raise on every rank; today's path kept."""
+    all_cases = cases()
+    reports = spawn_gloo_ranks(_rank, tmp_path, all_cases, timeout=300)
+    failures, worst = [], {}
+    for rank, report in reports.items():
+        for k, case in enumerate(all_cases):
+            got = report["cases"][k]
+            want = expected(case, k, rank)
+            errs = [abs(got[0] - want[0]) / abs(want[0])]
+            errs += [rel_err(torch.from_numpy(np.asarray(g)), w) for g, w in zip(got[1:], want[1:])]
+            key = _name(case)
+            worst[key] = max(worst.get(key, 0.0), *errs)
+            tol = [LOSS_TOL] + [GRAD_TOL[case["backend"]]] * 4
+            for what, e, tl in zip(("loss", "d img", "d txt", "d negatives", "d scale"), errs, tol):
+                if not e <= tl:
+                    failures.append(f"rank {rank} case {k} ({key}, {case}): {what} rel err {e:.3e} > {tl:g}")
+        assert report["today"] == [True, True], f"rank {rank}: today's loss changed: {report['today']}"
+    print("\n".join(f"{k}: worst rel err {e:.2e}" for k, e in worst.items()))
+    assert not failures, "\n".join(failures)
+    for name, kind in (
+        ("ids on rank 0 only", "ValueError"),
+        ("triton with negatives on rank 1", "NotImplementedError"),
+        ("margins differ", "ValueError"),
+        ("negatives of another D on rank 1", "ValueError"),
+    ):
+        for rank, report in reports.items():
+            err = report["errors"][name]
+            assert err is not None and err[0] == kind, f"rank {rank}, {name}: {err}"
+    for report in reports.values():
+        assert "backend='torch' or 'cpp'" in report["errors"]["triton with negatives on rank 1"][1]
+
+
+def test_gather_rows_without_peers(tmp_path):
+    """The variable-length gather on a 1-rank gloo group (no spawn): zero rows everywhere start no
+    collective and keep ``like``'s dtype and width; rows come back in order, differentiable;
+    ids come back as int64."""
+    import torch.distributed as dist
+
+    from hnclip_kernels.distributed.gather import gather_ids, gather_rows
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        like = torch.zeros(3, 5, dtype=torch.float64)
+        empty = gather_rows(None, [0], 0, with_grad=True, keep_local=False, like=like)
+        assert empty.shape == (0, 5) and empty.dtype == torch.float64
+        x = torch.randn(4, 5, requires_grad=True)
+        for with_grad, keep_local in ((True, False), (False, True)):
+            got = gather_rows(x, [4], 0, with_grad=with_grad, keep_local=keep_local, like=like)
+            assert torch.equal(got, x)
+            (g,) = torch.autograd.grad(got.sum(), [x])
+            assert torch.equal(g, torch.ones_like(x))
+        ids = gather_ids(torch.tensor([3, 1], dtype=torch.int32), [2])
+        assert ids.dtype == torch.int64 and ids.tolist() == [3, 1]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+def test_one_process_function_takes_the_family(margin):
+    """``distributed_hn_clip_loss`` with ``world_size=1`` is the single-process family loss."""
+    v, t, n = global_data(3)
+    ids = torch.tensor(IDS)
+    kw = dict(negatives=n, group_ids=ids, margin=margin, backend="torch")
+    got = distributed_hn_clip_loss(v, t, 0.07, world_size=1, **kw)
+    assert torch.equal(got, hn_clip_loss(v, t, 0.07, **kw))
