@@ -79,13 +79,15 @@ std::tuple<at::Tensor, at::Tensor> directional_bwd(const at::Tensor& q_hat, cons
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 symmetric_fwd(const at::Tensor& v_hat, const at::Tensor& t_hat, const at::Tensor& pos, const at::Tensor& inv_tau,
-              double gamma, c10::optional<double> threshold, const c10::optional<at::Tensor>& rc);
+              double gamma, c10::optional<double> threshold, const c10::optional<at::Tensor>& rc,
+              const c10::optional<at::Tensor>& groups, bool image_text);
 
 std::tuple<at::Tensor, at::Tensor> symmetric_bwd(const at::Tensor& v_hat, const at::Tensor& t_hat,
                                                  const at::Tensor& pos, const at::Tensor& inv_tau,
                                                  const at::Tensor& delta_r, const at::Tensor& delta_c,
                                                  const at::Tensor& g, double gamma, c10::optional<double> threshold,
                                                  const at::Tensor& shift_r, const at::Tensor& shift_c,
-                                                 const c10::optional<at::Tensor>& rc);
+                                                 const c10::optional<at::Tensor>& rc,
+                                                 const c10::optional<at::Tensor>& groups, bool image_text);
 
 }  // namespace hnclip

@@ -187,6 +187,10 @@ struct SymMask {
   const T* s_r = nullptr;
   const T* s_c = nullptr;
   Tensor captions;  // undefined: the caption tile is formed from R = t̂
+  // the hard-negative family's group ids (null: none): pairs whose ids agree are no negatives in
+  // either direction (the ids mask is symmetric, as the threshold's); cos false: ids alone, no
+  // caption tile formed (threshold +inf)
+  const GroupMask* groups = nullptr;
   const Tensor& factor(const Tensor& R) const { return captions.defined() ? captions : R; }
 };
 
@@ -221,7 +225,11 @@ void symmetric_stats(const Tensor& L, const Tensor& R, const T* pos, T* delta_r,
           for (int64_t n0 = 0; n0 < N; n0 += bn) {
             const int64_t nb = std::min(bn, N - n0);
             form_tile(L, R, i0, rows, n0, nb, scratch);
-            if constexpr (kMasked) form_tile(mask->factor(R), mask->factor(R), i0, rows, n0, nb, gscratch);
+            if constexpr (kMasked) {
+              if (mask->groups == nullptr || mask->groups->cos)
+                form_tile(mask->factor(R), mask->factor(R), i0, rows, n0, nb, gscratch);
+              if (mask->groups != nullptr) mask->groups->template apply<T>(i0, rows, n0, nb, bn, gscratch.data_ptr<T>());
+            }
             for (int64_t r = 0; r < rows; ++r) {
               update_row<T, kMasked>(sp + r * bn, gp + r * bn, nb, i0 + r - n0, pos[i0 + r], thr, st[r]);
             }
@@ -278,7 +286,7 @@ void symmetric_grads(const Tensor& L, const Tensor& R, const Tensor& vh, const T
         const T* s_c = kMasked ? mask->s_c + n0 : nullptr;
         sym_prob<T, kMasked>(z, gt, bp + r * N + n0, nb, pos[i], nll_r[i], w_r[i], s_i, pos + n0, nll_c + n0,
                              w_c + n0, s_c, thr);
-      });
+      }, kMasked ? mask->groups : nullptr);
       for (int64_t r = 0; r < rows; ++r) bp[r * N + i0 + r] = T(0);
       const Tensor ds = strip.narrow(0, 0, rows);
       Tensor dv = d_v.narrow(0, i0, rows);

@@ -136,3 +136,31 @@ class CppDirectionalOut(
 
 # the raw C++ directional kernel's outputs: CppDirectionalOut's fields from delta on
 DIRECTIONAL_STATS = slice(CppDirectionalOut._fields.index("delta"), None)
+
+
+class FamilyOut(NamedTuple):
+    """``hnclip::cpp_family_nll``'s outputs: :class:`SymmetricOut`'s, with the negatives' inverse
+    norms ``rn`` (M,) after ``rt``; the i2t statistics are over the N + M columns (the symmetric
+    tile's and the negative block's, merged)."""
+
+    pairs: Tensor
+    rv: Tensor
+    rt: Tensor
+    rn: Tensor  # 1/‖n_j‖ (M,)
+    pos: Tensor
+    delta_i2t: Tensor
+    mean_neg_i2t: Tensor
+    dsum_i2t: Tensor
+    kept_i2t: Tensor
+    delta_t2i: Tensor
+    mean_neg_t2i: Tensor
+    dsum_t2i: Tensor
+    kept_t2i: Tensor
+
+    i2t = SymmetricOut.i2t
+    t2i = SymmetricOut.t2i
+
+    @classmethod
+    def fake(cls, img: Tensor, negatives: Tensor, masked: bool, dtype: torch.dtype) -> "FamilyOut":
+        n = img.shape[0]
+        return fake(cls, img, dtype, n, rn=negatives.shape[0], kept_i2t=n if masked else 0, kept_t2i=n if masked else 0)

@@ -16,6 +16,10 @@ f = 1 under false-negative masking (the captions' tile G formed beside each logi
   will follow (``need_grad``); backward 0 when those shares were kept and the upstream gradient is
   the same for every row (a rescale: ``mean``/``sum``), else (w + f) P recomputed, Pᵀ·q̂, and P·k̂
   unless the shares were kept;
+* the family's single-process op (``cpp_family_nll``, :mod:`.family_sym`): the loss's counts over
+  the N×N block plus the same per column over the N×M negative block (i2t rows only; its margin
+  folds into the left factor for either margin): forward (1 + f)·(N² + N·M)·D, backward
+  (3 + f)·(N² + N·M)·D, f = 1 only when the threshold's caption tile is formed (ids alone: 0);
 * a backward asked for dτ alone (no feature gradient) runs no kernel: 0;
 * the family's directional op (``cpp_family_directional_nll``, :mod:`.family`): the directional op's
   counts over its N + M key columns (the negatives' products, no more), with f = 1 only when the
@@ -131,6 +135,19 @@ def family_backward(grad, q, k, a, b, mq, mk, qg, kg, tau, gamma, eps, thr, *res
     )
 
 
+# ---- the family's single-process operator (family_sym.py): the symmetric op's counts over the N×N
+# block plus the negative block's N×M, at the same factor per column (width 1: b̂ = n̂ folds in)
+def family_symmetric_forward(img, txt, neg, groups, tau, gamma, eps, thr, normalize, masked, image_text, **_):
+    (n, d), m = img.shape, neg.shape[0]
+    return 2 * n * (n + m) * d * (1 + int(_cosine(masked, thr, groups)))
+
+
+def family_symmetric_backward(grad, img, txt, neg, groups, tau, gamma, eps, thr, *rest, **_):
+    masked, _image_text, need = rest[-3:]
+    (n, d), m = img.shape, neg.shape[0]
+    return 2 * n * (n + m) * d * (3 + int(_cosine(masked, thr, groups))) if need else 0
+
+
 def symmetric_forward(img, txt, tau, gamma, eps, thr, normalize, masked, **_):
     n, d = img.shape
     return 2 * n * n * d * (1 + int(masked))
@@ -192,6 +209,12 @@ def register_family() -> None:
     """Register the family operator's formulas (:mod:`.family`, once it exists)."""
     glue.register_flops("cpp_family_directional_nll", family_forward)
     glue.register_flops("cpp_family_directional_nll_backward", family_backward)
+
+
+def register_family_symmetric() -> None:
+    """Register the family's single-process operator's formulas (:mod:`.family_sym`)."""
+    glue.register_flops("cpp_family_nll", family_symmetric_forward)
+    glue.register_flops("cpp_family_nll_backward", family_symmetric_backward)
 
 
 def register() -> None:
