@@ -92,12 +92,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd_op(
     const Tensor& rb, const Tensor& pos, const Tensor& inv_tau, int64_t offset, double gamma, bool need_grad,
     c10::optional<double> threshold, double eps, const c10::optional<Tensor>& ca, const c10::optional<Tensor>& cb,
     const c10::optional<Tensor>& ma, const c10::optional<Tensor>& mb, const c10::optional<Tensor>& qg,
-    const c10::optional<Tensor>& kg) {
+    const c10::optional<Tensor>& kg, const c10::optional<Tensor>& prior) {
   check_inputs(q_hat, k_hat, a, b, ra, rb, pos, offset);
   check_caption_norms(ca, cb, a, b);
   const Masks mk = check_masks(ma, mb, qg, kg, ca, cb, a, b);
+  TORCH_CHECK(!prior.has_value() || (prior->dim() == 2 && prior->size(0) == 4 && prior->size(1) == q_hat.size(0) &&
+                                     prior->device().is_cpu()),
+              "hnclip: prior must be a (4, M) CPU tensor");
   return directional_fwd(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, eps, ca,
-                         cb, mk);
+                         cb, mk, prior);
 }
 
 std::tuple<Tensor, Tensor> directional_bwd_op(const Tensor& q_hat, const Tensor& k_hat, const Tensor& a,
@@ -153,7 +156,7 @@ TORCH_LIBRARY(hnclip, m) {
   m.def(
       "cpp_raw_directional_fwd(Tensor q_hat, Tensor k_hat, Tensor a, Tensor b, Tensor ra, Tensor rb, Tensor pos, "
       "Tensor inv_tau, int offset, float gamma, bool need_grad, float? threshold, float eps, Tensor? ca=None, "
-      "Tensor? cb=None, Tensor? ma=None, Tensor? mb=None, Tensor? qg=None, Tensor? kg=None) "
+      "Tensor? cb=None, Tensor? ma=None, Tensor? mb=None, Tensor? qg=None, Tensor? kg=None, Tensor? prior=None) "
       "-> (Tensor delta, Tensor mean_neg, Tensor dsum, Tensor kept, Tensor row_acc, Tensor col_acc)");
   m.def(
       "cpp_raw_directional_bwd(Tensor q_hat, Tensor k_hat, Tensor a, Tensor b, Tensor ra, Tensor rb, Tensor pos, "

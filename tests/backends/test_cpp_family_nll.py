@@ -31,23 +31,29 @@ def features(*rows, seed=0, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("weights", ["uniform", "per row"])
 @pytest.mark.parametrize(
     "m, ids, threshold, f",
     [(M, False, None, 0), (M, True, None, 0), (M, True, 0.3, 1), (M, False, 0.3, 1), (0, True, None, 0)],
 )
-def test_formula_states_the_kernels_products(margin, m, ids, threshold, f):
-    # forward (1 + f)·(N² + N·M)·D, backward (3 + f)·(N² + N·M)·D multiply-adds: the symmetric op's
-    # per column, over N + M columns; f = 1 where the threshold's caption tile is formed
+def test_formula_states_the_kernels_products(margin, weights, m, ids, threshold, f):
+    # the symmetric op's (1 + f) forward and (3 + f) backward products over N×N; the N×M block:
+    # forward (1 + f + 2) (logits, the shares P·n̂ and Pᵀ·v̂), backward 0 for a uniform upstream
+    # gradient (the shares rescaled), else (2 + f) (recompute, Pᵀ·v̂; P·n̂ rescaled per row).
+    # f = 1 where the threshold's caption tile is formed; the margin folds in for either margin
     img, txt, neg = features(N, N, m)
+    w = torch.ones(N) if weights == "uniform" else torch.linspace(0.5, 1.5, N)
 
     def step():
         tau = torch.tensor(0.07, requires_grad=True)
-        family_sym.family_pairs_cpp(
+        loss = family_sym.family_pairs_cpp(
             img, txt, neg, IDS if ids else None, tau=tau, gamma=0.5, label_smoothing=0.1, normalize=True,
             margin=margin, false_negative_threshold=threshold,
-        ).mean().backward()  # fmt: skip
+        )  # fmt: skip
+        (loss * w).sum().backward()
 
-    assert stated(step) == counted(step) == 2 * (4 + 2 * f) * (N * N + N * m) * D
+    block = (3 + f) + (0 if weights == "uniform" else 2 + f)
+    assert stated(step) == counted(step) == 2 * D * ((4 + 2 * f) * N * N + block * N * m)
 
 
 @pytest.mark.parametrize("threshold", [None, 0.3])
@@ -87,11 +93,11 @@ def test_opcheck(case):
     image_text = "image_text" in case
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     op = torch.ops.hnclip.cpp_family_nll
-    torch.library.opcheck(op.default, (*inputs, True, masked, image_text), test_utils=checks)
-    saved = [x.detach() for x in op(*inputs, True, masked, image_text)[1:]]
+    torch.library.opcheck(op.default, (*inputs, True, masked, image_text, True), test_utils=checks)
+    saved = [x.detach() for x in op(*inputs, True, masked, image_text, True)[1:]]
     grad = torch.linspace(0.5, 1.0, 7)
     detached = [x.detach() for x in inputs]
-    bargs = (grad, *detached, *saved, True, masked, image_text, True)
+    bargs = (grad, *detached, *saved, True, masked, image_text, True, True)  # need_grad, need_features
     torch.library.opcheck(torch.ops.hnclip.cpp_family_nll_backward.default, bargs, test_utils=checks)
 
 

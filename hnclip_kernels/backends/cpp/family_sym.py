@@ -4,15 +4,18 @@
 symmetric kernel of :mod:`.ops` over the N×N block (both directions from one logit tile), with
 the family's group ids and ``margin="image_text"`` (the margin γ·sg(v̂_i·t̂_k) is the logit tile's
 own score: L = (v̂ + γ v̂)/τ, no extra product), plus one directional pass over the N×M block of
-the negative captions for the i2t rows only (no positive in it: ``offset`` = M). That block's
-row statistics merge into the symmetric kernel's i2t statistics (:func:`merge_rows`), so the
-i2t softmax runs over all N + M columns; the backward runs the symmetric backward with the merged
-statistics and the block's backward (recomputed, the merged LSE) for dv̂ and dn̂.
+the negative captions for the i2t rows only (no positive in it: ``offset`` = M). That pass
+starts from the symmetric kernel's i2t statistics (the raw kernel's ``prior``) and returns them
+merged over all N + M columns, with (when a gradient follows) the block's gradient shares of P
+normalised over all N + M columns, as the directional operator keeps them. The backward runs
+the symmetric backward with the merged statistics and takes the block's part from those shares
+(a rescale for a uniform upstream gradient; else the directional backward's recompute).
 
-Products (N×N×D and N×M×D multiply-adds, f = 1 when the threshold's caption tile is formed):
-forward (1 + f)·N²·D + (1 + f)·N·M·D, backward (3 + f)·N²·D + (3 + f)·N·M·D (:mod:`.flops`). The
-block's margin factor is the keys' own row (b̂ = n̂), so it folds into the left factor (width 1)
-for either margin. The distributed loss keeps its two directional calls (:mod:`.family`).
+Products (multiply-adds, f = 1 when the threshold's caption tile is formed): forward
+(1 + f)·N²·D + (1 + f + 2)·N·M·D (the shares P·n̂, Pᵀ·v̂ only when a gradient follows), backward
+(3 + f)·N²·D + 0 (uniform upstream gradient, as for mean/sum) or (2 + f)·N·M·D (:mod:`.flops`).
+The block's margin factor is the keys' own row (b̂ = n̂), so it folds into the left factor (width
+1) for either margin. The distributed loss keeps its two directional calls (:mod:`.family`).
 """
 
 from __future__ import annotations
@@ -25,20 +28,9 @@ from torch import Tensor
 
 from ...numerics import compute_dtype
 from .. import epilogue, glue
-from ..outputs import FamilyOut, kept_output, schema
+from ..outputs import FamilyOut, row_stats, schema
 from . import flops
 from .raw import RAW, caption_norms, scalars, shift_arg
-
-
-def merge_rows(a: epilogue.RowStats, b: epilogue.RowStats) -> epilogue.RowStats:
-    """Row statistics over the union of two column sets (same rows, same ``pos``): delta =
-    logaddexp, mean_neg the softmax-weighted mean of both, dsum and kept added. A row with no
-    negative in either part (delta −inf) keeps mean_neg 0."""
-    delta = torch.logaddexp(a.delta, b.delta)
-    mean = torch.exp(a.delta - delta) * a.mean_neg + torch.exp(b.delta - delta) * b.mean_neg
-    mean = torch.where(delta == -math.inf, torch.zeros_like(mean), mean)
-    kept = None if a.kept is None else a.kept + b.kept
-    return epilogue.RowStats(a.pos, delta, mean, a.dsum + b.dsum, kept)
 
 
 class _Setup:
@@ -51,8 +43,6 @@ class _Setup:
         self.cosine = masked and not (self.ids is not None and math.isinf(sc.threshold))
         self.rc = caption_norms((txt,), normalize, self.cosine, sc.dt)[0]
         self.a = img if image_text else txt  # the block's margin factor rows (sg), keys' factor = n
-        self.image_text = image_text
-        self.masked = masked
         self.m = neg.shape[0]
 
     def block_mask_args(self, txt, neg) -> list:
@@ -81,9 +71,11 @@ def _family_nll(
     normalize: bool,
     masked: bool,
     image_text: bool,
+    need_grad: bool,
 ) -> schema(FamilyOut):
     """Per-pair losses ½(i2t_k + t2i_k) (N,), i2t over the N + M columns, and what the backward
-    needs (``FamilyOut``; ``kept``: empty without masking, a threshold or ids)."""
+    needs (``FamilyOut``; ``kept``: empty without masking, a threshold or ids; the block's shares
+    with ``need_grad`` and M > 0, else (0, D))."""
     s = _Setup(img, txt, negatives, groups, tau, gamma, label_smoothing, threshold, normalize, masked, image_text)
     sc = s.sc
     rv, rt, rn = (epilogue.inv_norms(x, normalize, sc.dt) for x in (img, txt, negatives))
@@ -92,25 +84,29 @@ def _family_nll(
     raw = RAW.cpp_raw_symmetric_fwd(
         v_hat, t_hat, pos, sc.inv_tau, sc.gamma, sc.threshold, s.rc, s.ids, image_text
     )  # fmt: skip
-    n = img.shape[0]
-    out = FamilyOut(None, rv, rt, rn, pos, *raw)
-    i2t, t2i = out.i2t(masked), out.t2i(masked)
-    if s.m > 0:
+    (n, d), m = img.shape, s.m
+    out = FamilyOut(None, rv, rt, rn, pos, *raw, v_hat.new_empty((0, d)), v_hat.new_empty((0, d)))
+    if m > 0:  # the negative block, from the symmetric tile's i2t statistics: merged ones out
+        stats = out.i2t(masked)
+        prior = torch.stack([*stats[1:4], stats.kept if masked else torch.zeros_like(stats.delta)])
         n_hat = epilogue.scaled(negatives, rn, sc.dt)
         block = RAW.cpp_raw_directional_fwd(
-            v_hat, n_hat, s.a, negatives, rv if image_text else rt, rn, pos, sc.inv_tau, s.m, sc.gamma, False,
-            sc.threshold, sc.eps, *s.block_mask_args(txt, negatives),
+            v_hat, n_hat, s.a, negatives, rv if image_text else rt, rn, pos, sc.inv_tau, m, sc.gamma, need_grad,
+            sc.threshold, sc.eps, *s.block_mask_args(txt, negatives), prior=prior,
         )  # fmt: skip
-        i2t = merge_rows(i2t, epilogue.RowStats(pos, *block[:3], block[3] if masked else None))
-        out = out._replace(delta_i2t=i2t.delta, mean_neg_i2t=i2t.mean_neg, dsum_i2t=i2t.dsum, kept_i2t=kept_output(i2t))
+        out = out._replace(
+            delta_i2t=block[0], mean_neg_i2t=block[1], dsum_i2t=block[2], kept_i2t=block[3] if masked else
+            out.kept_i2t, row_acc=block[4], col_acc=block[5],
+        )  # fmt: skip
+    i2t, t2i = out.i2t(masked), out.t2i(masked)
     pairs = 0.5 * (
-        epilogue.row_losses(i2t, n + s.m, sc.eps) + epilogue.row_losses(t2i, n, sc.eps)
+        epilogue.row_losses(i2t, n + m, sc.eps) + epilogue.row_losses(t2i, n, sc.eps)
     )  # fmt: skip
     return out._replace(pairs=pairs)
 
 
-def _family_nll_fake(img, txt, negatives, groups, tau, gamma, eps, thr, normalize, masked, image_text):
-    return FamilyOut.fake(img, negatives, masked, compute_dtype(img.dtype))
+def _family_nll_fake(img, txt, negatives, groups, tau, gamma, eps, thr, normalize, masked, image_text, need_grad):
+    return FamilyOut.fake(img, negatives, masked, need_grad, compute_dtype(img.dtype))
 
 
 def _family_nll_backward(
@@ -135,17 +131,19 @@ def _family_nll_backward(
     mean_neg_t2i: Tensor,
     dsum_t2i: Tensor,
     kept_t2i: Tensor,
+    row_acc: Tensor,
+    col_acc: Tensor,
     normalize: bool,
     masked: bool,
     image_text: bool,
+    need_grad: bool,
     need_features: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dL/dimg, dL/dtxt, dL/dnegatives in their dtypes, dL/dτ in τ's dtype and shape)."""
     s = _Setup(img, txt, negatives, groups, tau, gamma, label_smoothing, threshold, normalize, masked, image_text)
     sc = s.sc
-    out = FamilyOut(None, rv, rt, rn, pos, delta_i2t, mean_neg_i2t, dsum_i2t, kept_i2t, delta_t2i, mean_neg_t2i,
-                    dsum_t2i, kept_t2i)  # fmt: skip
-    i2t, t2i = out.i2t(masked), out.t2i(masked)
+    i2t = row_stats(pos, delta_i2t, mean_neg_i2t, dsum_i2t, kept_i2t, masked)
+    t2i = row_stats(pos, delta_t2i, mean_neg_t2i, dsum_t2i, kept_t2i, masked)
     g = 0.5 * grad.to(sc.dt).contiguous()  # each direction's row k gets half of pair k's gradient
     n, m = img.shape[0], s.m
     v_hat, t_hat = epilogue.scaled(img, rv, sc.dt), epilogue.scaled(txt, rt, sc.dt)
@@ -157,11 +155,10 @@ def _family_nll_backward(
             v_hat, t_hat, pos, sc.inv_tau, delta_i2t, delta_t2i, g, sc.gamma, sc.threshold, shift_r,
             shift_arg(t2i, sc.eps, masked), s.rc, s.ids, image_text,
         )  # fmt: skip
-        if m > 0:  # the block against the merged LSE: no shares kept (row_acc, col_acc empty)
-            none = v_hat.new_empty((0, v_hat.shape[1]))
+        if m > 0:  # the block: its forward's shares (P over all N + M columns), or a recompute
             d_v_block, d_keys[n:] = RAW.cpp_raw_directional_bwd(
-                v_hat, n_hat, s.a, negatives, rv if image_text else rt, rn, pos, sc.inv_tau, delta_i2t, none, none,
-                g, m, sc.gamma, sc.threshold, shift_r, *s.block_mask_args(txt, negatives),
+                v_hat, n_hat, s.a, negatives, rv if image_text else rt, rn, pos, sc.inv_tau, delta_i2t, row_acc,
+                col_acc, g, m, sc.gamma, sc.threshold, shift_r, *s.block_mask_args(txt, negatives),
             )  # fmt: skip
             d_v.add_(d_v_block)
     else:  # only τ wants a gradient: it needs the statistics alone
@@ -224,6 +221,8 @@ def family_pairs_cpp(
     """
     if negatives is None:
         negatives = img.new_empty((0, img.shape[1]))
+    # the forward also keeps the negative block's shares only when a backward can follow
+    need_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (img, txt, negatives))
     ids = group_ids is not None
     # masking by ids alone: threshold +inf (no cosine reaches it), the kernels form no caption tile
     threshold = false_negative_threshold if false_negative_threshold is not None else (math.inf if ids else None)
@@ -244,6 +243,7 @@ def family_pairs_cpp(
             bool(normalize),
             masked,
             margin == "image_text",
+            need_grad,
         )
     )
     return (out.pairs, (out.i2t(masked), out.t2i(masked))) if return_stats else out.pairs

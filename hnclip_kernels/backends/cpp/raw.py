@@ -17,6 +17,9 @@ already normalised and scaled; no autograd):
   ``ca``, ``cb``) and int64 group ids ``qg`` (M,), ``kg`` (K ≤ N,). Group ids turn the masking on
   as a threshold does; with ids a threshold of +inf (or none) forms no caption tile. ``offset`` = N
   (the key count): no column is a positive (the family's negative columns, every one a negative).
+  The forward's ``prior`` (4, M) (optional): the rows' delta, mean_neg, dsum, kept over other
+  columns (the family's symmetric tile); its outputs are then merged over both column sets and
+  its shares hold P normalised over both.
 
 * ``torch.ops.hnclip.cpp_raw_symmetric_fwd`` / ``cpp_raw_symmetric_bwd``: the single-process loss (N images
   against N texts, positives on the diagonal). Each logit tile Z = (v̂ + γ t̂) t̂ᵀ / τ is
@@ -125,7 +128,7 @@ class FamilyMasks(NamedTuple):
 @torch.library.register_fake("hnclip::cpp_raw_directional_fwd")
 def _directional_fwd_fake(
     q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, eps, ca=None, cb=None, ma=None,
-    mb=None, qg=None, kg=None,
+    mb=None, qg=None, kg=None, prior=None,
 ):  # fmt: skip
     masked = threshold is not None or qg is not None  # group ids mask too
     return CppDirectionalOut.fake(q_hat, k_hat, masked, need_grad, q_hat.dtype)[DIRECTIONAL_STATS]
