@@ -58,7 +58,8 @@ void mask_sweep(RowSweep<T, kMode>& sw, const Tensor& a, const Tensor& b, const 
 // The forward's sweep: statistics into (delta, mean_neg, dsum), shares into the accumulators
 template <typename T, Sweep kMode>
 void forward_sweep(RowSweep<T, kMode> sw, Tensor& delta, Tensor& mean_neg, Tensor& dsum, Tensor& kept,
-                   const Tensor& row_acc, const Tensor& col_acc) {
+                   const Tensor& row_acc, const Tensor& col_acc, const c10::optional<Tensor>& prior) {
+  if (prior.has_value()) sw.prior = prior->data_ptr<T>();
   sw.delta = delta.data_ptr<T>();
   sw.mean_neg = mean_neg.data_ptr<T>();
   sw.dsum = dsum.data_ptr<T>();
@@ -76,8 +77,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd(
     const Tensor& q_hat, const Tensor& k_hat, const Tensor& a, const Tensor& b, const Tensor& ra,
     const Tensor& rb, const Tensor& pos, const Tensor& inv_tau, int64_t offset, double gamma, bool need_grad,
     c10::optional<double> threshold, double eps, const c10::optional<Tensor>& ca, const c10::optional<Tensor>& cb,
-    const Masks& mk) {
+    const Masks& mk, const c10::optional<Tensor>& prior) {
   at::NoGradGuard no_grad;  // kernel scratch only; autograd lives in hnclip_kernels/backends/cpp/ops.py
+  const c10::optional<Tensor> prior_c =
+      prior.has_value() ? c10::optional<Tensor>(prior->to(q_hat.scalar_type()).contiguous()) : c10::nullopt;
   const auto dt = q_hat.scalar_type();
   const int64_t M = q_hat.size(0), N = k_hat.size(0), D = q_hat.size(1);
   const auto opts = q_hat.options();
@@ -92,11 +95,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd(
       auto sw = row_sweep<scalar_t, Sweep::kShares>(qh, kh, a, b, ra, rb, pos_c, inv_tau, offset, gamma);
       mask_sweep(sw, a, b, ra, rb, threshold, ca, cb, opts, mk);
       sw.eps = static_cast<scalar_t>(eps);
-      forward_sweep(sw, delta, mean_neg, dsum, kept, row_acc, col_acc);
+      forward_sweep(sw, delta, mean_neg, dsum, kept, row_acc, col_acc, prior_c);
     } else {
       auto sw = row_sweep<scalar_t, Sweep::kStats>(qh, kh, a, b, ra, rb, pos_c, inv_tau, offset, gamma);
       mask_sweep(sw, a, b, ra, rb, threshold, ca, cb, opts, mk);
-      forward_sweep(sw, delta, mean_neg, dsum, kept, row_acc, col_acc);
+      forward_sweep(sw, delta, mean_neg, dsum, kept, row_acc, col_acc, prior_c);
     }
   });
   return {delta, mean_neg, dsum, kept, row_acc, col_acc};

@@ -56,7 +56,10 @@ namespace hnclip {
 // margin factors a, b (ca, cb are then their inverse norms, required); qg (M,), kg (K ≤ N,)
 // int64 group ids: column k < K is no negative of row i when qg[i] == kg[k] (the columns from K
 // on carry no id). Either turns the masking on (kept counts, ε over the kept classes) like the
-// threshold; with ids a threshold of +inf (or none) is no cosine test.
+// threshold; with ids a threshold of +inf (or none) is no cosine test. directional_fwd's ``prior``
+// (4, M) (optional): the rows' delta, mean_neg, dsum, kept over other columns (the family's
+// symmetric tile), merged into the outputs; the shares then hold P over both column sets
+// (RowSweep::prior in sweeps.h).
 struct Masks {
   c10::optional<at::Tensor> ma, mb, qg, kg;
 };
@@ -65,7 +68,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& q_hat, const at::Tensor& k_hat, const at::Tensor& a, const at::Tensor& b,
     const at::Tensor& ra, const at::Tensor& rb, const at::Tensor& pos, const at::Tensor& inv_tau, int64_t offset,
     double gamma, bool need_grad, c10::optional<double> threshold, double eps, const c10::optional<at::Tensor>& ca,
-    const c10::optional<at::Tensor>& cb, const Masks& mk);
+    const c10::optional<at::Tensor>& cb, const Masks& mk,
+    const c10::optional<at::Tensor>& prior = c10::nullopt);
 
 std::tuple<at::Tensor, at::Tensor> directional_bwd(const at::Tensor& q_hat, const at::Tensor& k_hat,
                                                    const at::Tensor& a, const at::Tensor& b, const at::Tensor& ra,
@@ -79,13 +83,15 @@ std::tuple<at::Tensor, at::Tensor> directional_bwd(const at::Tensor& q_hat, cons
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 symmetric_fwd(const at::Tensor& v_hat, const at::Tensor& t_hat, const at::Tensor& pos, const at::Tensor& inv_tau,
-              double gamma, c10::optional<double> threshold, const c10::optional<at::Tensor>& rc);
+              double gamma, c10::optional<double> threshold, const c10::optional<at::Tensor>& rc,
+              const c10::optional<at::Tensor>& groups, bool image_text);
 
 std::tuple<at::Tensor, at::Tensor> symmetric_bwd(const at::Tensor& v_hat, const at::Tensor& t_hat,
                                                  const at::Tensor& pos, const at::Tensor& inv_tau,
                                                  const at::Tensor& delta_r, const at::Tensor& delta_c,
                                                  const at::Tensor& g, double gamma, c10::optional<double> threshold,
                                                  const at::Tensor& shift_r, const at::Tensor& shift_c,
-                                                 const c10::optional<at::Tensor>& rc);
+                                                 const c10::optional<at::Tensor>& rc,
+                                                 const c10::optional<at::Tensor>& groups, bool image_text);
 
 }  // namespace hnclip

@@ -27,7 +27,9 @@ void check_inputs(const Tensor& qh, const Tensor& kh, const Tensor& a, const Ten
   TORCH_CHECK(kh.size(1) == D && a.size(1) == D && b.size(1) == D, "hnclip: feature dims differ");
   TORCH_CHECK(a.size(0) == M && b.size(0) == N, "hnclip: a must have M rows and b N rows");
   TORCH_CHECK(ra.numel() == M && rb.numel() == N && pos.numel() == M, "hnclip: norm/positive sizes");
-  TORCH_CHECK(offset >= 0 && offset + M <= N, "hnclip: need 0 <= offset and offset + M <= N, got offset ",
+  // offset == N: no column is a positive (the family's negative columns, every one a negative)
+  TORCH_CHECK(offset >= 0 && (offset + M <= N || offset == N),
+              "hnclip: need 0 <= offset and offset + M <= N (or offset == N), got offset ",
               offset, ", M ", M, ", N ", N);
 }
 
@@ -75,18 +77,30 @@ Masks check_masks(const c10::optional<Tensor>& ma, const c10::optional<Tensor>& 
   return mk;
 }
 
+// The symmetric kernels' group ids (optional): int64 (N,) on the CPU, made contiguous
+c10::optional<Tensor> check_groups(const c10::optional<Tensor>& groups, const Tensor& vh) {
+  if (!groups.has_value()) return groups;
+  TORCH_CHECK(groups->scalar_type() == at::kLong && groups->device().is_cpu() && groups->dim() == 1 &&
+                  groups->numel() == vh.size(0),
+              "hnclip: groups must be an int64 CPU tensor of N entries");
+  return groups->contiguous();
+}
+
 // The registered entry points: check, then run the kernel.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd_op(
     const Tensor& q_hat, const Tensor& k_hat, const Tensor& a, const Tensor& b, const Tensor& ra,
     const Tensor& rb, const Tensor& pos, const Tensor& inv_tau, int64_t offset, double gamma, bool need_grad,
     c10::optional<double> threshold, double eps, const c10::optional<Tensor>& ca, const c10::optional<Tensor>& cb,
     const c10::optional<Tensor>& ma, const c10::optional<Tensor>& mb, const c10::optional<Tensor>& qg,
-    const c10::optional<Tensor>& kg) {
+    const c10::optional<Tensor>& kg, const c10::optional<Tensor>& prior) {
   check_inputs(q_hat, k_hat, a, b, ra, rb, pos, offset);
   check_caption_norms(ca, cb, a, b);
   const Masks mk = check_masks(ma, mb, qg, kg, ca, cb, a, b);
+  TORCH_CHECK(!prior.has_value() || (prior->dim() == 2 && prior->size(0) == 4 && prior->size(1) == q_hat.size(0) &&
+                                     prior->device().is_cpu()),
+              "hnclip: prior must be a (4, M) CPU tensor");
   return directional_fwd(q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, eps, ca,
-                         cb, mk);
+                         cb, mk, prior);
 }
 
 std::tuple<Tensor, Tensor> directional_bwd_op(const Tensor& q_hat, const Tensor& k_hat, const Tensor& a,
@@ -110,25 +124,30 @@ std::tuple<Tensor, Tensor> directional_bwd_op(const Tensor& q_hat, const Tensor&
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symmetric_fwd_op(
     const Tensor& v_hat, const Tensor& t_hat, const Tensor& pos, const Tensor& inv_tau, double gamma,
-    c10::optional<double> threshold, const c10::optional<Tensor>& rc) {
+    c10::optional<double> threshold, const c10::optional<Tensor>& rc, const c10::optional<Tensor>& groups,
+    bool image_text) {
   check_symmetric(v_hat, t_hat, pos);
   check_caption_norms(rc, rc, t_hat, t_hat);
-  return symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma, threshold, rc);
+  TORCH_CHECK(!groups.has_value() || threshold.has_value(), "hnclip: groups need a threshold (+inf: ids alone)");
+  return symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma, threshold, rc, check_groups(groups, v_hat), image_text);
 }
 
 std::tuple<Tensor, Tensor> symmetric_bwd_op(const Tensor& v_hat, const Tensor& t_hat, const Tensor& pos,
                                             const Tensor& inv_tau, const Tensor& delta_r, const Tensor& delta_c,
                                             const Tensor& g, double gamma, c10::optional<double> threshold,
                                             const Tensor& shift_r, const Tensor& shift_c,
-                                            const c10::optional<Tensor>& rc) {
+                                            const c10::optional<Tensor>& rc, const c10::optional<Tensor>& groups,
+                                            bool image_text) {
   check_symmetric(v_hat, t_hat, pos);
+  TORCH_CHECK(!groups.has_value() || threshold.has_value(), "hnclip: groups need a threshold (+inf: ids alone)");
   check_caption_norms(rc, rc, t_hat, t_hat);
   const int64_t N = v_hat.size(0);
   TORCH_CHECK(delta_r.numel() == N && delta_c.numel() == N && g.numel() == N,
               "hnclip: delta_r, delta_c and g need N entries");
   TORCH_CHECK(!threshold.has_value() || (shift_r.numel() == N && shift_c.numel() == N),
               "hnclip: shift_r and shift_c need N entries with a threshold");
-  return symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma, threshold, shift_r, shift_c, rc);
+  return symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma, threshold, shift_r, shift_c, rc,
+                       check_groups(groups, v_hat), image_text);
 }
 
 }  // namespace
@@ -137,7 +156,7 @@ TORCH_LIBRARY(hnclip, m) {
   m.def(
       "cpp_raw_directional_fwd(Tensor q_hat, Tensor k_hat, Tensor a, Tensor b, Tensor ra, Tensor rb, Tensor pos, "
       "Tensor inv_tau, int offset, float gamma, bool need_grad, float? threshold, float eps, Tensor? ca=None, "
-      "Tensor? cb=None, Tensor? ma=None, Tensor? mb=None, Tensor? qg=None, Tensor? kg=None) "
+      "Tensor? cb=None, Tensor? ma=None, Tensor? mb=None, Tensor? qg=None, Tensor? kg=None, Tensor? prior=None) "
       "-> (Tensor delta, Tensor mean_neg, Tensor dsum, Tensor kept, Tensor row_acc, Tensor col_acc)");
   m.def(
       "cpp_raw_directional_bwd(Tensor q_hat, Tensor k_hat, Tensor a, Tensor b, Tensor ra, Tensor rb, Tensor pos, "
@@ -146,12 +165,13 @@ TORCH_LIBRARY(hnclip, m) {
       "Tensor? qg=None, Tensor? kg=None) -> (Tensor d_q_neg, Tensor d_k_neg)");
   m.def(
       "cpp_raw_symmetric_fwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, float gamma, float? threshold, "
-      "Tensor? rc=None) "
+      "Tensor? rc=None, Tensor? groups=None, bool image_text=False) "
       "-> (Tensor delta_r, Tensor mean_neg_r, Tensor dsum_r, Tensor kept_r, Tensor delta_c, Tensor mean_neg_c, "
       "Tensor dsum_c, Tensor kept_c)");
   m.def(
       "cpp_raw_symmetric_bwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, Tensor delta_r, Tensor delta_c, "
-      "Tensor g, float gamma, float? threshold, Tensor shift_r, Tensor shift_c, Tensor? rc=None) "
+      "Tensor g, float gamma, float? threshold, Tensor shift_r, Tensor shift_c, Tensor? rc=None, Tensor? groups=None, "
+      "bool image_text=False) "
       "-> (Tensor d_v_neg, Tensor d_t_neg)");
 }
 

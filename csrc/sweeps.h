@@ -68,6 +68,31 @@ struct RowSweep {
   // group-id masking (masked sweeps; has_groups false: the caption tiles as formed)
   bool has_groups = false;
   GroupMask groups;
+  // kStats, kShares: the rows' statistics over columns outside this sweep (the family's symmetric
+  // tile), (4, M): delta, mean_neg, dsum, kept; null: none. The outputs are then the merged
+  // statistics over both column sets, and kShares' P is normalised over both (its merged LSE, ε
+  // over the merged kept classes), so the shares are the ones the merged loss needs.
+  const T* prior = nullptr;
+
+  // row i's statistics merged with the prior's: delta = logaddexp, mean_neg the softmax-weighted
+  // mean of both, dsum and (masked) kept added; no negative in either (delta −inf): mean_neg 0
+  template <bool kMasked>
+  void merge_prior(int64_t i, int64_t M) const {
+    const T d1 = prior[i], d2 = delta[i];
+    const T hi = d1 > d2 ? d1 : d2;
+    T d = hi;
+    if (d1 != d1 || d2 != d2) {
+      d = d1 + d2;  // NaN stays visible
+    } else if (hi != -std::numeric_limits<T>::infinity()) {
+      d = hi + std::log1p(std::exp(-std::abs(d1 - d2)));
+    }
+    mean_neg[i] = d == -std::numeric_limits<T>::infinity()
+                      ? T(0)
+                      : std::exp(d1 - d) * prior[M + i] + std::exp(d2 - d) * mean_neg[i];
+    delta[i] = d;
+    dsum[i] = prior[2 * M + i] + dsum[i];
+    if constexpr (kMasked) kept[i] = prior[3 * M + i] + kept[i];
+  }
 
   void run() {  // the one point where the runtime masking flag becomes the compile-time kMasked
     MASK_SWITCH(masked, [&] { sweep<kMasked>(); });
@@ -103,6 +128,7 @@ struct RowSweep {
   void block(const TileGrid& grid, int64_t i0, int64_t rows, Tensor* strip, Tensor& scratch, Tensor* part,
              bool first_in_group) {
     constexpr bool kForward = kMode != Sweep::kBackward;
+    [[maybe_unused]] const int64_t M = L.size(0);
     constexpr bool kKeepG = kMasked && kMode == Sweep::kShares;  // the strip's caption cosines, for P below
     const int64_t N = grid.N;
     T* bp = kMode != Sweep::kStats ? strip->data_ptr<T>() : nullptr;  // leading dimension N
@@ -127,6 +153,7 @@ struct RowSweep {
         const int64_t i = i0 + r;
         finish_row<T>(st[r], delta + i, mean_neg + i, dsum + i);
         if constexpr (kMasked) kept[i] = st[r].acc[3];
+        if (prior != nullptr) merge_prior<kMasked>(i, M);
         if constexpr (kMode == Sweep::kShares) {  // P_ik = w_i exp(d_ik − softplus(delta_i)), w = 1
           T* zr = bp + r * N;
           // masked: P_ik − ε/n_i on the kept columns
@@ -187,6 +214,10 @@ struct SymMask {
   const T* s_r = nullptr;
   const T* s_c = nullptr;
   Tensor captions;  // undefined: the caption tile is formed from R = t̂
+  // the hard-negative family's group ids (null: none): pairs whose ids agree are no negatives in
+  // either direction (the ids mask is symmetric, as the threshold's); cos false: ids alone, no
+  // caption tile formed (threshold +inf)
+  const GroupMask* groups = nullptr;
   const Tensor& factor(const Tensor& R) const { return captions.defined() ? captions : R; }
 };
 
@@ -221,7 +252,11 @@ void symmetric_stats(const Tensor& L, const Tensor& R, const T* pos, T* delta_r,
           for (int64_t n0 = 0; n0 < N; n0 += bn) {
             const int64_t nb = std::min(bn, N - n0);
             form_tile(L, R, i0, rows, n0, nb, scratch);
-            if constexpr (kMasked) form_tile(mask->factor(R), mask->factor(R), i0, rows, n0, nb, gscratch);
+            if constexpr (kMasked) {
+              if (mask->groups == nullptr || mask->groups->cos)
+                form_tile(mask->factor(R), mask->factor(R), i0, rows, n0, nb, gscratch);
+              if (mask->groups != nullptr) mask->groups->template apply<T>(i0, rows, n0, nb, bn, gscratch.data_ptr<T>());
+            }
             for (int64_t r = 0; r < rows; ++r) {
               update_row<T, kMasked>(sp + r * bn, gp + r * bn, nb, i0 + r - n0, pos[i0 + r], thr, st[r]);
             }
@@ -278,7 +313,7 @@ void symmetric_grads(const Tensor& L, const Tensor& R, const Tensor& vh, const T
         const T* s_c = kMasked ? mask->s_c + n0 : nullptr;
         sym_prob<T, kMasked>(z, gt, bp + r * N + n0, nb, pos[i], nll_r[i], w_r[i], s_i, pos + n0, nll_c + n0,
                              w_c + n0, s_c, thr);
-      });
+      }, kMasked ? mask->groups : nullptr);
       for (int64_t r = 0; r < rows; ++r) bp[r * N + i0 + r] = T(0);
       const Tensor ds = strip.narrow(0, 0, rows);
       Tensor dv = d_v.narrow(0, i0, rows);

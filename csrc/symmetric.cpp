@@ -6,12 +6,32 @@
 
 #include <ATen/Dispatch.h>
 
-namespace hnclip {
+#include <limits>
 
-// Row (i2t) and column (t2i) statistics of the single-process loss from one product.
+namespace hnclip {
+namespace {
+
+// The family's group ids (N,) as a symmetric GroupMask: every column carries an id; a threshold of
+// +inf (ids alone) forms no caption tile. Unused (and empty) without ids.
+GroupMask group_mask(const c10::optional<Tensor>& groups, const c10::optional<double>& threshold) {
+  GroupMask gm;
+  if (!groups.has_value()) return gm;
+  gm.q = groups->data_ptr<int64_t>();
+  gm.k = gm.q;
+  gm.K = groups->numel();
+  gm.cos = !(threshold.has_value() && *threshold == std::numeric_limits<double>::infinity());
+  return gm;
+}
+
+}  // namespace
+
+// Row (i2t) and column (t2i) statistics of the single-process loss from one product. The family's
+// inputs: group ids (N,) int64 (pairs with equal ids masked in both directions) and image_text (the
+// margin γ·sg(v̂_i·t̂_k) of margin="image_text": L = (v̂ + γ v̂)/τ, the same tile, no extra product).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symmetric_fwd(
     const Tensor& v_hat, const Tensor& t_hat, const Tensor& pos, const Tensor& inv_tau, double gamma,
-    c10::optional<double> threshold, const c10::optional<Tensor>& rc) {
+    c10::optional<double> threshold, const c10::optional<Tensor>& rc, const c10::optional<Tensor>& groups,
+    bool image_text) {
   at::NoGradGuard no_grad;
   const auto dt = v_hat.scalar_type();
   const int64_t N = v_hat.size(0);
@@ -23,10 +43,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symme
   const int64_t K = threshold.has_value() ? N : 0;
   Tensor kr = at::empty({K}, opts), kc = at::empty({K}, opts);
   AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_symmetric_fwd", [&] {
-    const Tensor L = margin_left<scalar_t>(vh, th, gamma, inv_tau.to(dt).item<scalar_t>());
+    const Tensor L = margin_left<scalar_t>(vh, image_text ? vh : th, gamma, inv_tau.to(dt).item<scalar_t>());
     SymMask<scalar_t> mask{static_cast<scalar_t>(threshold.value_or(0.0)), kr.data_ptr<scalar_t>(),
                            kc.data_ptr<scalar_t>()};
     if (threshold.has_value() && rc.has_value()) mask.captions = scaled_rows<scalar_t>(th, *rc, opts);
+    const GroupMask gm = group_mask(groups, threshold);
+    if (groups.has_value()) mask.groups = &gm;
     symmetric_stats<scalar_t>(L, th, pos_c.data_ptr<scalar_t>(), dr.data_ptr<scalar_t>(), mr.data_ptr<scalar_t>(),
                               sr.data_ptr<scalar_t>(), dc.data_ptr<scalar_t>(), mc.data_ptr<scalar_t>(),
                               sc.data_ptr<scalar_t>(), threshold.has_value() ? &mask : nullptr);
@@ -39,7 +61,8 @@ std::tuple<Tensor, Tensor> symmetric_bwd(const Tensor& v_hat, const Tensor& t_ha
                                          const Tensor& inv_tau, const Tensor& delta_r, const Tensor& delta_c,
                                          const Tensor& g, double gamma, c10::optional<double> threshold,
                                          const Tensor& shift_r, const Tensor& shift_c,
-                                         const c10::optional<Tensor>& rc) {
+                                         const c10::optional<Tensor>& rc, const c10::optional<Tensor>& groups,
+                                         bool image_text) {
   at::NoGradGuard no_grad;
   const auto dt = v_hat.scalar_type();
   const int64_t N = v_hat.size(0), D = v_hat.size(1);
@@ -65,7 +88,7 @@ std::tuple<Tensor, Tensor> symmetric_bwd(const Tensor& v_hat, const Tensor& t_ha
         row_factor<scalar_t>(dcp[i], gp[i], shifted, nll_c.data_ptr<scalar_t>() + i, w_c.data_ptr<scalar_t>() + i);
       }
     }
-    const Tensor L = margin_left<scalar_t>(vh, th, gamma, inv_tau.to(dt).item<scalar_t>());
+    const Tensor L = margin_left<scalar_t>(vh, image_text ? vh : th, gamma, inv_tau.to(dt).item<scalar_t>());
     SymMask<scalar_t> mask{static_cast<scalar_t>(threshold.value_or(0.0))};
     Tensor s_r, s_c;
     if (threshold.has_value()) {
@@ -75,6 +98,8 @@ std::tuple<Tensor, Tensor> symmetric_bwd(const Tensor& v_hat, const Tensor& t_ha
       mask.s_c = s_c.data_ptr<scalar_t>();
       if (rc.has_value()) mask.captions = scaled_rows<scalar_t>(th, *rc, opts);
     }
+    const GroupMask gm = group_mask(groups, threshold);
+    if (groups.has_value()) mask.groups = &gm;
     symmetric_grads<scalar_t>(L, th, vh, pos_c.data_ptr<scalar_t>(), nll_r.data_ptr<scalar_t>(),
                               nll_c.data_ptr<scalar_t>(), w_r.data_ptr<scalar_t>(), w_c.data_ptr<scalar_t>(), d_v, d_t,
                               threshold.has_value() ? &mask : nullptr);

@@ -154,16 +154,18 @@ def family_losses(
     rows over the N captions and the M ``negatives`` (M, D) (None: M = 0), t2i rows over the N
     images; the margin's score from ``options.margin``; pairs with equal ``group_ids`` (N,) masked
     (the negatives carry no id). Shape (N,); with ``return_stats`` also both directions'
-    ``RowStats`` (i2t's over its N + M columns). backend "torch" (the reference) or "cpp" (the
-    fused directional operator ``hnclip::cpp_family_directional_nll``, the same two calls); the
-    caller raises ``NotImplementedError`` for Triton."""
+    ``RowStats`` (i2t's over its N + M columns). backend "torch" (the reference, two directional
+    calls) or "cpp" (``hnclip::cpp_family_nll``: the symmetric tile for both directions plus one
+    pass over the N×M negative block); the caller raises ``NotImplementedError`` for Triton."""
     kwargs = _op_kwargs(tau, options, return_stats)
-    fn = directional_nll_torch
-    if options.backend == "cpp":
-        from .cpp.family import family_directional_nll_cpp as fn
     if img.dtype in (torch.float16, torch.bfloat16):  # as symmetric_losses: one float32 gradient sum per tensor
         img, txt = img.float(), txt.float()
         negatives = None if negatives is None else negatives.float()
+    if options.backend == "cpp":  # one operator: the symmetric tile plus the negatives' block
+        from .cpp.family_sym import family_pairs_cpp
+
+        return family_pairs_cpp(img, txt, negatives, group_ids, margin=options.margin, **kwargs)
+    fn = directional_nll_torch
     keys = txt if negatives is None else torch.cat([txt, negatives])
     groups = {} if group_ids is None else dict(query_groups=group_ids, key_groups=group_ids)
     if options.margin == "text":

@@ -136,3 +136,37 @@ class CppDirectionalOut(
 
 # the raw C++ directional kernel's outputs: CppDirectionalOut's fields from delta on
 DIRECTIONAL_STATS = slice(CppDirectionalOut._fields.index("delta"), None)
+
+
+class FamilyOut(NamedTuple):
+    """``hnclip::cpp_family_nll``'s outputs: :class:`SymmetricOut`'s, with the negatives' inverse
+    norms ``rn`` (M,) after ``rt``; the i2t statistics are over the N + M columns (the symmetric
+    tile's and the negative block's, merged); then the block's gradient shares (as
+    :class:`CppDirectionalOut`'s, P normalised over all N + M columns)."""
+
+    pairs: Tensor
+    rv: Tensor
+    rt: Tensor
+    rn: Tensor  # 1/‖n_j‖ (M,)
+    pos: Tensor
+    delta_i2t: Tensor
+    mean_neg_i2t: Tensor
+    dsum_i2t: Tensor
+    kept_i2t: Tensor
+    delta_t2i: Tensor
+    mean_neg_t2i: Tensor
+    dsum_t2i: Tensor
+    kept_t2i: Tensor
+    row_acc: Tensor  # the negative block's shares (need_grad and M > 0: (N, D), (M, D); else (0, D))
+    col_acc: Tensor
+
+    i2t = SymmetricOut.i2t
+    t2i = SymmetricOut.t2i
+
+    @classmethod
+    def fake(cls, img: Tensor, negatives: Tensor, masked: bool, need_grad: bool, dtype: torch.dtype) -> "FamilyOut":
+        (n, d), m = img.shape, negatives.shape[0]
+        shares = need_grad and m > 0
+        acc = {"row_acc": (n if shares else 0, d), "col_acc": (m if shares else 0, d)}
+        kept = n if masked else 0
+        return fake(cls, img, dtype, n, rn=m, kept_i2t=kept, kept_t2i=kept, **acc)

@@ -1,4 +1,5 @@
-"""The hard-negative family on backend="cpp" (``hnclip::cpp_family_directional_nll``): the float64
+"""The hard-negative family on backend="cpp" (``hnclip::cpp_family_nll``, the single-process loss;
+``hnclip::cpp_family_directional_nll``, the distributed loss's direction): the float64
 oracle of test_hard_negatives.py (loss and every gradient: img, txt, negatives, τ) on the fused C++
 kernels, per row where saturated; cpp against torch per row; the operator's composability
 (opcheck, gradcheck in float64, torch.compile(fullgraph=True)); its work count; and that the
@@ -258,8 +259,10 @@ def test_compile_fullgraph():
 
 
 def test_work_count_adds_the_negative_columns_only():
-    # forward with a gradient to follow: (w + f + 2) products per direction, i2t over N + M
-    # columns; a mean's backward rescales the kept shares (0). Ids alone form no caption tile.
+    # hnclip::cpp_family_nll: the symmetric op's (1 + f) forward and (3 + f) backward products over
+    # the N×N block; the N×M negative block (1 + f + 2) in the forward (logits and kept shares) and
+    # 0 in a mean's backward (a rescale): 2·D·((4 + 2f)·N² + (3 + f)·N·M), against today's
+    # symmetric 2·D·(4 + 2f)·N². Ids alone form no caption tile (f = 0).
     from torch.utils.flop_counter import FlopCounterMode
 
     n, m, d = 10, 7, 8
@@ -271,9 +274,10 @@ def test_work_count_adds_the_negative_columns_only():
             hn_clip_loss(leaves[0], leaves[1], 0.1, negatives=leaves[2], backend="cpp", **kw).backward()
         return mode.get_total_flops()
 
-    assert count() == 2 * d * 3 * (n * (n + m) + n * n)
-    assert count(group_ids=GROUPS["random"].new_tensor(list(range(n)))) == 2 * d * 3 * (n * (n + m) + n * n)
-    assert count(false_negative_threshold=0.5) == 2 * d * 4 * (n * (n + m) + n * n)
+    assert count() == 2 * d * (4 * n * n + 3 * n * m)
+    assert count(margin="image_text") == 2 * d * (4 * n * n + 3 * n * m)
+    assert count(group_ids=GROUPS["random"].new_tensor(list(range(n)))) == 2 * d * (4 * n * n + 3 * n * m)
+    assert count(false_negative_threshold=0.5) == 2 * d * (6 * n * n + 4 * n * m)
 
 
 def test_torch_func_grad_and_vmap():

@@ -16,6 +16,12 @@ f = 1 under false-negative masking (the captions' tile G formed beside each logi
   will follow (``need_grad``); backward 0 when those shares were kept and the upstream gradient is
   the same for every row (a rescale: ``mean``/``sum``), else (w + f) P recomputed, Pᵀ·q̂, and P·k̂
   unless the shares were kept;
+* the family's single-process op (``cpp_family_nll``, :mod:`.family_sym`): the loss's counts over
+  the N×N block plus the directional op's over the N×M negative block (i2t rows only, w = 1: its
+  margin folds into the left factor for either margin): forward (1 + f)·N²·D + (1 + f + 2)·N·M·D
+  (the shares only with ``need_grad``), backward (3 + f)·N²·D plus the block's 0 (shares kept,
+  uniform upstream gradient) or (2 + f)·N·M·D; f = 1 only when the threshold's caption tile is
+  formed (ids alone: 0);
 * a backward asked for dτ alone (no feature gradient) runs no kernel: 0;
 * the family's directional op (``cpp_family_directional_nll``, :mod:`.family`): the directional op's
   counts over its N + M key columns (the negatives' products, no more), with f = 1 only when the
@@ -131,6 +137,29 @@ def family_backward(grad, q, k, a, b, mq, mk, qg, kg, tau, gamma, eps, thr, *res
     )
 
 
+# ---- the family's single-process operator (family_sym.py): the symmetric op's counts over the N×N
+# block plus the negative block's N×M, at the same factor per column (width 1: b̂ = n̂ folds in)
+def family_symmetric_forward(
+    img, txt, neg, groups, tau, gamma, eps, thr, normalize, masked, image_text, need_grad, **_
+):
+    (n, d), m = img.shape, neg.shape[0]
+    f = _cosine(masked, thr, groups)
+    return 2 * n * n * d * (1 + int(f)) + (_directional_fwd(n, m, d, 1, f, need_grad) if m > 0 else 0)
+
+
+def family_symmetric_backward(grad, img, txt, neg, groups, tau, gamma, eps, thr, *rest, **_):
+    *_stats, row_acc, col_acc, _normalize, masked, _image_text, _need_grad, need = rest
+    if not need:
+        return 0
+    (n, d), m = img.shape, neg.shape[0]
+    f = _cosine(masked, thr, groups)
+    block = 0
+    if m > 0:
+        uniform = _uniform(grad, compute_dtype(img.dtype))
+        block = _directional_bwd(n, m, d, 1, f, _has_acc(row_acc, col_acc, n, m, d), uniform)
+    return 2 * n * n * d * (3 + int(f)) + block
+
+
 def symmetric_forward(img, txt, tau, gamma, eps, thr, normalize, masked, **_):
     n, d = img.shape
     return 2 * n * n * d * (1 + int(masked))
@@ -192,6 +221,12 @@ def register_family() -> None:
     """Register the family operator's formulas (:mod:`.family`, once it exists)."""
     glue.register_flops("cpp_family_directional_nll", family_forward)
     glue.register_flops("cpp_family_directional_nll_backward", family_backward)
+
+
+def register_family_symmetric() -> None:
+    """Register the family's single-process operator's formulas (:mod:`.family_sym`)."""
+    glue.register_flops("cpp_family_nll", family_symmetric_forward)
+    glue.register_flops("cpp_family_nll_backward", family_symmetric_backward)
 
 
 def register() -> None:

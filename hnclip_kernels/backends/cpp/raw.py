@@ -15,14 +15,20 @@ already normalised and scaled; no autograd):
 * Both directional kernels take the hard-negative family's masking as optional trailing inputs
   (:class:`FamilyMasks`): mask captions ``ma``, ``mb`` (the threshold's cosine, with their norms
   ``ca``, ``cb``) and int64 group ids ``qg`` (M,), ``kg`` (K ≤ N,). Group ids turn the masking on
-  as a threshold does; with ids a threshold of +inf (or none) forms no caption tile.
+  as a threshold does; with ids a threshold of +inf (or none) forms no caption tile. ``offset`` = N
+  (the key count): no column is a positive (the family's negative columns, every one a negative).
+  The forward's ``prior`` (4, M) (optional): the rows' delta, mean_neg, dsum, kept over other
+  columns (the family's symmetric tile); its outputs are then merged over both column sets and
+  its shares hold P normalised over both.
 
 * ``torch.ops.hnclip.cpp_raw_symmetric_fwd`` / ``cpp_raw_symmetric_bwd``: the single-process loss (N images
   against N texts, positives on the diagonal). Each logit tile Z = (v̂ + γ t̂) t̂ᵀ / τ is
   computed once for both directions: its rows give the i2t statistics and its columns the
   t2i ones (Zᵀ holds the t2i logits): one product in the forward. The backward recomputes
   a strip of tiles (one product), forms ds_ij = g_i P_ij + g_j P'_ji and applies it to t̂ and
-  v̂ (two products). Four N×N×D
+  v̂ (two products). The family's inputs (optional): ``groups`` (N,) int64 ids (pairs with equal
+  ids masked in both directions; with ids a threshold of +inf forms no caption tile) and
+  ``image_text`` (the margin γ·sg(v̂·t̂ᵀ): L = (v̂ + γ v̂)/τ, the same one product). Four N×N×D
   products for forward + backward, against six for two directional calls (ten when the
   upstream gradient differs per row).
 
@@ -122,7 +128,7 @@ class FamilyMasks(NamedTuple):
 @torch.library.register_fake("hnclip::cpp_raw_directional_fwd")
 def _directional_fwd_fake(
     q_hat, k_hat, a, b, ra, rb, pos, inv_tau, offset, gamma, need_grad, threshold, eps, ca=None, cb=None, ma=None,
-    mb=None, qg=None, kg=None,
+    mb=None, qg=None, kg=None, prior=None,
 ):  # fmt: skip
     masked = threshold is not None or qg is not None  # group ids mask too
     return CppDirectionalOut.fake(q_hat, k_hat, masked, need_grad, q_hat.dtype)[DIRECTIONAL_STATS]
@@ -157,10 +163,13 @@ def _directional_bwd_fake(
 
 
 @torch.library.register_fake("hnclip::cpp_raw_symmetric_fwd")
-def _symmetric_fwd_fake(v_hat, t_hat, pos, inv_tau, gamma, threshold, rc=None):
+def _symmetric_fwd_fake(v_hat, t_hat, pos, inv_tau, gamma, threshold, rc=None, groups=None, image_text=False):
     return SymmetricOut.fake(v_hat, threshold is not None, v_hat.dtype)[SYMMETRIC_STATS]
 
 
 @torch.library.register_fake("hnclip::cpp_raw_symmetric_bwd")
-def _symmetric_bwd_fake(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma, threshold, shift_r, shift_c, rc=None):
+def _symmetric_bwd_fake(
+    v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma, threshold, shift_r, shift_c, rc=None, groups=None,
+    image_text=False,
+):  # fmt: skip
     return v_hat.new_empty(v_hat.shape), t_hat.new_empty(t_hat.shape)

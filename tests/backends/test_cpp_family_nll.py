@@ -1,0 +1,118 @@
+"""``hnclip::cpp_family_nll`` (the hard-negative family's single-process loss on the C++ kernels):
+its formulas in ``FlopCounterMode`` against the products the kernels run (``torch.profiler``, as
+test_cpp_flops.py), opcheck of the operator and its backward, gradcheck in float64 with γ > 0
+(a margin the inputs do not see is still exercised through the other inputs), and that without
+the family's inputs it is today's symmetric operator, bit for bit.
+
+Shapes of a few dozen rows: the file runs in a few seconds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+try:
+    from hnclip_kernels.backends.cpp import family_sym
+except ImportError as exc:  # pragma: no cover - the extension was not built
+    pytest.skip(f"C++ extension unavailable: {exc}", allow_module_level=True)
+
+from test_cpp_flops import counted, one_thread, stated  # noqa: F401  (one_thread: an autouse fixture)
+
+N, M, D = 40, 16, 24
+IDS = torch.arange(N) % 13
+
+
+def features(*rows, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(r, D, generator=gen, dtype=dtype, requires_grad=True) for r in rows]
+
+
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("weights", ["uniform", "per row"])
+@pytest.mark.parametrize(
+    "m, ids, threshold, f",
+    [(M, False, None, 0), (M, True, None, 0), (M, True, 0.3, 1), (M, False, 0.3, 1), (0, True, None, 0)],
+)
+def test_formula_states_the_kernels_products(margin, weights, m, ids, threshold, f):
+    # the symmetric op's (1 + f) forward and (3 + f) backward products over N×N; the N×M block:
+    # forward (1 + f + 2) (logits, the shares P·n̂ and Pᵀ·v̂), backward 0 for a uniform upstream
+    # gradient (the shares rescaled), else (2 + f) (recompute, Pᵀ·v̂; P·n̂ rescaled per row).
+    # f = 1 where the threshold's caption tile is formed; the margin folds in for either margin
+    img, txt, neg = features(N, N, m)
+    w = torch.ones(N) if weights == "uniform" else torch.linspace(0.5, 1.5, N)
+
+    def step():
+        tau = torch.tensor(0.07, requires_grad=True)
+        loss = family_sym.family_pairs_cpp(
+            img, txt, neg, IDS if ids else None, tau=tau, gamma=0.5, label_smoothing=0.1, normalize=True,
+            margin=margin, false_negative_threshold=threshold,
+        )  # fmt: skip
+        (loss * w).sum().backward()
+
+    block = (3 + f) + (0 if weights == "uniform" else 2 + f)
+    assert stated(step) == counted(step) == 2 * D * ((4 + 2 * f) * N * N + block * N * m)
+
+
+@pytest.mark.parametrize("threshold", [None, 0.3])
+def test_without_family_inputs_it_is_the_symmetric_operator(threshold):
+    # M = 0, no ids, margin "text": the same kernels, every output and gradient bit-identical
+    img, txt = features(N, N, seed=1)
+    out = []
+    for fn in (family_sym.family_pairs_cpp, None):
+        tau = torch.tensor(0.07, requires_grad=True)
+        kw = dict(tau=tau, gamma=0.5, label_smoothing=0.1, normalize=True, false_negative_threshold=threshold)
+        if fn is None:
+            from hnclip_kernels.backends.cpp.ops import hn_clip_pairs_cpp
+
+            loss = hn_clip_pairs_cpp(img, txt, **kw)
+        else:
+            loss = fn(img, txt, **kw)
+        weights = torch.linspace(0.5, 1.5, N)
+        out.append((loss.detach(), *torch.autograd.grad((loss * weights).sum(), [img, txt, tau])))
+    for x, y in zip(*out):
+        assert torch.equal(x, y)
+
+
+def _args(case: str):
+    img, txt, neg = (x.detach() for x in features(7, 7, 3, seed=2))
+    img.requires_grad_(True)
+    groups = torch.tensor([0, 1, 1, 2, 0, 3, 4]) if "ids" in case else torch.empty(0, dtype=torch.long)
+    thr = 0.3 if "threshold" in case else (math.inf if "ids" in case else 0.0)
+    f64 = [torch.tensor(x, dtype=torch.float64) for x in (0.5, 0.1, thr)]
+    masked = "threshold" in case or "ids" in case
+    tau = torch.tensor(0.1, requires_grad=True)
+    return (img, txt, neg, groups, tau, *f64), masked
+
+
+@pytest.mark.parametrize("case", ["threshold-ids", "ids-alone", "none", "none-image_text", "threshold-image_text"])
+def test_opcheck(case):
+    inputs, masked = _args(case)
+    image_text = "image_text" in case
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    op = torch.ops.hnclip.cpp_family_nll
+    torch.library.opcheck(op.default, (*inputs, True, masked, image_text, True), test_utils=checks)
+    saved = [x.detach() for x in op(*inputs, True, masked, image_text, True)[1:]]
+    grad = torch.linspace(0.5, 1.0, 7)
+    detached = [x.detach() for x in inputs]
+    bargs = (grad, *detached, *saved, True, masked, image_text, True, True)  # need_grad, need_features
+    torch.library.opcheck(torch.ops.hnclip.cpp_family_nll_backward.default, bargs, test_utils=checks)
+
+
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_gradcheck_float64(margin, normalize):
+    # γ = 0: finite differences see every input (the margin is stop-gradient); ids, threshold, ε
+    img, txt, neg = features(4, 4, 3, seed=3, dtype=torch.float64)
+    tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([0, 1, 0, 2])
+
+    def fn(a, b, c, s):
+        return family_sym.family_pairs_cpp(
+            a, b, c, ids, tau=s, gamma=0.0, label_smoothing=0.1, normalize=normalize, margin=margin,
+            false_negative_threshold=0.9,
+        )  # fmt: skip
+
+    assert torch.autograd.gradcheck(fn, (img, txt, neg, tau))
