@@ -6,7 +6,7 @@ kernels, ``custom_op`` under the interpreter (and on a torch without ``triton_op
 ``triton_op`` must find every kernel of its operators in their source (torch hashes the
 kernels' code into its compile-cache keys): it reads the operator's code and follows the
 functions it calls *by name*, down to ``wrap_triton(<kernel>)``. So each kernel has one named
-launcher beside it (``forward_kernels.launch_fwd`` … ``dscore.launch_dscore_rank``) that hands
+launcher beside it (``forward_kernels.launch_fwd`` … ``dscore_launch.launch_dscore_rank``) that hands
 :func:`launch` a ``lambda tuned: wrap_triton(<twin>) if tuned else wrap_triton(<kernel>)``,
 and the host walks call the launchers by name (``tests/backends/test_triton_ops_kernels.py``
 holds that each operator finds exactly its kernels).
