@@ -97,8 +97,8 @@ def family_arguments(img, txt, negatives, group_ids, names=("img", "txt")):
 
 
 def check_fused_support(backend: str, negatives, group_ids, margin: str, where: str = "") -> None:
-    """The family's fused kernels exist on backend "cpp"; backend "triton" (and the distributed
-    loss, ``where``) with any family option raise ``NotImplementedError`` naming it."""
+    """The family's fused kernels exist on backends "cpp" and "triton" on one process; the
+    distributed loss (``where``) with any family option raises ``NotImplementedError`` naming it."""
     used = [
         name
         for name, on in (
@@ -108,11 +108,10 @@ def check_fused_support(backend: str, negatives, group_ids, margin: str, where: 
         )
         if on
     ]
-    if used and (backend == "triton" or where):
-        what = where or f"backend={backend!r}"
+    if used and where:
         raise NotImplementedError(
-            f"{' and '.join(used)}: not implemented yet for {what} (the fused kernels of these options are "
-            "in progress); use backend='torch' or 'cpp' on one process"
+            f"{' and '.join(used)}: not implemented yet for {where} (the fused kernels of these options are "
+            "in progress); use backend='torch', 'cpp' or 'triton' on one process"
         )
 
 

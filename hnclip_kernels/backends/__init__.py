@@ -154,13 +154,17 @@ def family_losses(
     rows over the N captions and the M ``negatives`` (M, D) (None: M = 0), t2i rows over the N
     images; the margin's score from ``options.margin``; pairs with equal ``group_ids`` (N,) masked
     (the negatives carry no id). Shape (N,); with ``return_stats`` also both directions'
-    ``RowStats`` (i2t's over its N + M columns). backend "torch" (the reference) or "cpp" (the
-    fused directional operator ``hnclip::cpp_family_directional_nll``, the same two calls); the
-    caller raises ``NotImplementedError`` for Triton."""
+    ``RowStats`` (i2t's over its N + M columns). backend "torch" (the reference), "cpp" (the
+    fused directional operator ``hnclip::cpp_family_directional_nll``, the same two calls) or
+    "triton" (``hnclip::triton_family_directional_nll``, the same two calls)."""
     kwargs = _op_kwargs(tau, options, return_stats)
     fn = directional_nll_torch
     if options.backend == "cpp":
         from .cpp.family import family_directional_nll_cpp as fn
+    elif options.backend == "triton":
+        from .triton.family import family_directional_nll_triton
+
+        fn = functools.partial(family_directional_nll_triton, precision=options.precision)
     if img.dtype in (torch.float16, torch.bfloat16):  # as symmetric_losses: one float32 gradient sum per tensor
         img, txt = img.float(), txt.float()
         negatives = None if negatives is None else negatives.float()

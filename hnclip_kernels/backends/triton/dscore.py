@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .family_tiles import _family_tile
 from .launch import derived
 from .params import Scalars
 from .tiles import _block, _kept, _load2, _load_scalars, _logits_tile, _pair_tiles, _rank_tiles
@@ -26,17 +27,18 @@ def _chunk_tile(row0, row_end, col0, col_end, BLOCK_M: tl.constexpr, BLOCK_N: tl
     return (offs_m, mask_m), (offs_n, mask_n), row_end - row0, col_end - col0
 
 
-@derived("MASK", "SHIFT", "ROUND16")
+@derived("MASK", "COSINE", "CAPTIONS", "GROUPS", "SHIFT", "ROUND16")
 @triton.jit
 def _dscore_kernel(
     q_ptr, k_ptr, mq_ptr, mk_ptr,
     stride_qm, stride_qd, stride_kn, stride_kd, stride_mqm, stride_mqd, stride_mkn, stride_mkd,
     rq_ptr, rk_ptr, r_mq_ptr, r_mk_ptr, pos_ptr, nll_ptr, g_ptr, a_ptr, b_ptr, s_ptr,
     inv_tau_ptr, gamma_ptr, thr_ptr,
+    cq_ptr, ck_ptr, gq_ptr, gk_ptr, K,
     w_ptr, stride_w, res_r_ptr, stride_rr, res_c_ptr, stride_rc,
     row0, row_end, col0, col_end, D, offset,
     HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr,
-    ROUND16: tl.constexpr,
+    ROUND16: tl.constexpr, COSINE: tl.constexpr, CAPTIONS: tl.constexpr, GROUPS: tl.constexpr,
     SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The directional op's W[i − row0, k − col0] = a_i · dS_ik · b_k over one chunk
@@ -53,6 +55,7 @@ def _dscore_kernel(
         dS_ik = g_i (P_ik − s_i) on the entries kept (caption cosine not ≥ thr: a NaN cosine is
         kept, ``tiles._caption_keep``), 0 on the masked ones.
     Scalars: inv_tau_ptr, gamma_ptr, thr_ptr as ``_fwd_kernel``'s (``params.Scalars.pointers``).
+    The family's masking: cq_ptr, ck_ptr, gq_ptr, gk_ptr, K as ``_fwd_kernel``'s (the same tile).
     Outputs, the chunk's R × C (R = row_end − row0, C = col_end − col0), row-major: w_ptr, W in
         float32; with ROUND16 |W|'s maxima over SLICE columns into res_r_ptr (⌈C / SLICE⌉, R) and
         over SLICE rows into res_c_ptr (⌈R / SLICE⌉, C) (None without ROUND16; :mod:`.round16`
@@ -63,17 +66,24 @@ def _dscore_kernel(
         offset (row i's positive is column offset + i).
     Constexprs: HAS_MARGIN (γ ≠ 0), PREC (``precision._dot``), SLICE (``cfg.RESIDUAL_SLICE``,
         dividing both tile sides), BLOCK_M × BLOCK_N tiles, BLOCK_K the reduction step (the
-        forward's: the same tiles to the bit). Derived (``launch.derived``): MASK (thr_ptr),
-        SHIFT (s_ptr), ROUND16 (res_r_ptr).
+        forward's: the same tiles to the bit). Derived (``launch.derived``): MASK (thr_ptr or
+        gk_ptr), COSINE (thr_ptr), CAPTIONS (cq_ptr), GROUPS (gk_ptr), SHIFT (s_ptr), ROUND16 (res_r_ptr).
     """
     (offs_m, mask_m), (offs_n, mask_n), _, _ = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
-    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
+    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, COSINE)
     rq, r_mq = _load2(rq_ptr, r_mq_ptr, offs_m, mask_m)
     rk, r_mk = _load2(rk_ptr, r_mk_ptr, offs_n, mask_n)
-    z = _logits_tile((q_ptr, stride_qm, stride_qd), (k_ptr, stride_kn, stride_kd),
-                     (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
-                     (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
-                     D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    if CAPTIONS or GROUPS:  # the family's masking (``family_tiles``)
+        z = _family_tile((q_ptr, stride_qm, stride_qd), (k_ptr, stride_kn, stride_kd),
+                         (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
+                         ((cq_ptr, D, 1), (ck_ptr, D, 1)), (gq_ptr, gk_ptr, K),
+                         (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk), D, gamma, inv_tau, thr,
+                         HAS_MARGIN, COSINE, CAPTIONS, GROUPS, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        z = _logits_tile((q_ptr, stride_qm, stride_qd), (k_ptr, stride_kn, stride_kd),
+                         (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
+                         (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
+                         D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, None, None,
                       a_ptr, b_ptr, False, s_ptr, None, MASK, SHIFT, ROUND16)
     _store_w(w, mask, (offs_m, mask_m, row0, row_end, tl.program_id(0) * (BLOCK_M // SLICE)),
@@ -294,7 +304,7 @@ def _dscore_rank_kernel(
 def dscore_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
     """``_dscore_kernel``'s arguments by name, group by group as its docstring lists them:
     ``features`` = (q, k, margin_q, margin_k); ``per_row`` = (rq, rk, r_mq, r_mk, pos, nll, g, a,
-    b, s); the scalars ``sc.pointers``; ``outputs`` = (w, res_r, res_c), the chunk's buffers
+    b, s); the scalars ``sc.pointers`` and ``sc.family``'s; ``outputs`` = (w, res_r, res_c), the chunk's buffers
     (their row strides follow from the bounds); ``shapes`` = (row0, row_end, col0, col_end, D, offset)."""
     q, k, mq, mk = features
     rq, rk, r_mq, r_mk, pos, nll, g, a, b, s = per_row
@@ -308,7 +318,7 @@ def dscore_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
         stride_mqm=mq.stride(0), stride_mqd=mq.stride(1), stride_mkn=mk.stride(0), stride_mkd=mk.stride(1),
         rq_ptr=rq, rk_ptr=rk, r_mq_ptr=r_mq, r_mk_ptr=r_mk, pos_ptr=pos, nll_ptr=nll, g_ptr=g,
         a_ptr=a, b_ptr=b, s_ptr=s,
-        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr,
+        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr, **sc.family.pointers(),
         w_ptr=w, stride_w=c, res_r_ptr=res_r, stride_rr=r, res_c_ptr=res_c, stride_rc=c,
         row0=row0, row_end=row_end, col0=col0, col_end=col_end, D=d, offset=offset,
     )
