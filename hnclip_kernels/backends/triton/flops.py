@@ -16,6 +16,9 @@ false-negative threshold: the mask reads G), else 0:
 * the directional op, M×N: forward (1 + g) P, backward (1 + g) P of dS plus 2 P of GEMMs (4 fp16);
 * a rank's op, both directions of M×N: forward (2 + g) P (v tᵀ_all, t v_allᵀ and the shared G),
   backward (2 + g) P plus each direction's 2 GEMMs, 4 P (8 fp16);
+* the family's directional op (``triton_family_directional_nll``): the directional op's with
+  its tile's products (``family_tiles``): 1 + g P, g = 1 for γ ≠ 0 or a threshold on the margin
+  factors' cosine, plus 1 P for a threshold on mask captions; group ids cost none;
 * a backward asked for dτ alone (no feature gradient) runs no kernel: 0.
 
 The kernels' products (not the GEMMs, IEEE float32 or 16-bit) count their tensor-core passes:
