@@ -188,3 +188,28 @@ def test_family_operator_finds_exactly_its_kernels():
         "_family_nll": ["_fwd_kernel", "_merge_kernel"],
         "_family_nll_backward": ["_dscore_kernel", "_round16_kernel"],
     }
+
+
+def test_work_count_adds_the_negative_columns_and_the_mask_captions_only():
+    # float32 "ieee": per direction forward (1 + g) P, backward (1 + g) P of dS + 2 P of GEMMs (g = 1: the
+    # margin's product); ids cost no product, a threshold with margin="image_text" one (the mask captions')
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import hnclip_kernels.backends.triton.family  # noqa: F401  (its formulas registered before a mode copies them)
+
+    n, m, d = 10, 7, 8
+    img, txt, neg = features(n, d, 33), features(n, d, 34), features(m, d, 35)
+
+    def count(**kw):
+        leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
+        with FlopCounterMode(display=False) as mode:
+            hn_clip_loss(leaves[0], leaves[1], 0.1, negatives=leaves[2], backend="triton", precision="ieee",
+                         **kw).backward()  # fmt: skip
+        return mode.get_total_flops()
+
+    entries = n * (n + m) + n * n
+    assert count() == 2 * d * 6 * entries
+    assert count(group_ids=torch.arange(n)) == 2 * d * 6 * entries
+    assert count(false_negative_threshold=0.5) == 2 * d * 6 * entries
+    assert count(false_negative_threshold=0.5, margin="image_text") == 2 * d * 8 * entries
+    assert count(gamma=0.0, group_ids=torch.arange(n)) == 2 * d * 4 * entries
