@@ -100,10 +100,10 @@ class HNClipLoss(nn.Module):
             of that dict into the total loss.
         margin: "text" (default, the paper's sg(t_i·x)) or "image_text" (sg(v_i·x), LLaVE-style
             hardness); see :func:`hnclip_kernels.hn_clip_loss` and ``docs/hard_negatives.md``.
-            With ``forward``'s ``negatives``/``group_ids``: the hard-negative family, backend="torch"
-            or "cpp" ("auto" runs "cpp" on CPU when built, else "torch"; "triton" raises
-            ``NotImplementedError``: its kernels are in progress), also with ``world_size > 1``
-            (each rank's negatives and ids gathered like its captions, M_r may differ and be 0).
+            With ``forward``'s ``negatives``/``group_ids``: the hard-negative family on every
+            backend ("auto" as for today's loss), also with ``world_size > 1`` on "torch" and
+            "cpp" (each rank's negatives and ids gathered like its captions, M_r may differ and
+            be 0; "triton" raises ``NotImplementedError`` there).
 
     ``gamma``, ``label_smoothing``, ``backend``, ``normalize``, ``precision`` and
     ``false_negative_threshold`` (and ``margin``) are checked at

@@ -207,8 +207,7 @@ def saturation_report(
         TypeError / ValueError naming the argument, as ``hn_clip_loss`` does, and for
         ``threshold`` ≤ 0 or non-finite, ``chunk_rows`` < 1 or not an int, N < 2, meta tensors,
         ``false_negative_threshold`` not None or a float in (−1, 1]; ``negatives``, ``group_ids``
-        and ``margin`` as ``hn_clip_loss`` checks them (``NotImplementedError`` with
-        backend="triton", whose kernels of these options are in progress).
+        and ``margin`` as ``hn_clip_loss`` checks them.
     """
     _validation.check_features(img, txt)
     LossOptions(

@@ -103,9 +103,8 @@ def hn_clip_loss(
         margin: "text" (default: sg(t_i·x), the paper's) or "image_text" (sg(v_i·x) in i2t and
             sg(v_i·t_k) in t2i: the detached image-text score, LLaVE-style hardness).
             ``negatives``, ``group_ids`` and ``margin="image_text"`` are the hard-negative family
-            (``docs/hard_negatives.md``): backends "torch" and "cpp" (fused, O((N + M)·D) extra
-            memory); "auto" resolves to "cpp" on CPU (float16/bfloat16/float32, when built),
-            else "torch"; "triton" raises ``NotImplementedError`` (its kernels are in progress).
+            (``docs/hard_negatives.md``): every backend ("cpp" and "triton" fused, O((N + M)·D)
+            extra memory); "auto" picks as for today's loss.
             Without them nothing changes, bit for bit.
 
     Returns:
@@ -139,8 +138,6 @@ def hn_clip_loss(
             or non-floating: ``TypeError``); ``group_ids`` not of shape (N,) or on another device
             (non-integer: ``TypeError``); ``margin`` not "text"/"image_text". Under
             ``torch.compile`` value checks are skipped (no graph breaks).
-        NotImplementedError: ``negatives`` (M > 0), ``group_ids`` or ``margin="image_text"`` with
-            backend="triton" (its fused kernels are in progress): use backend="cpp" or "torch".
     """
     tau = validation.plain_number(tau)
     options = LossOptions(
@@ -180,12 +177,9 @@ def family_call(
 ):
     """The hard-negative family's per-pair rows (N,) on one process and, with ``return_stats``,
     its report (else None): ``options`` unbound, ``negatives`` (M > 0) and ``group_ids`` checked
-    or None. "auto" runs backend="cpp" where today's "auto" would (CPU, not float64, built), else
-    "torch" (the Triton kernels of these options are in progress)."""
-    validation_family.check_fused_support(options.backend, negatives, group_ids, options.margin)
+    or None. "auto" runs the backend today's "auto" picks."""
     if options.backend == "auto":
-        backend = "cpp" if resolve_backend("auto", img) == "cpp" else "torch"
-        options = dataclasses.replace(options, backend=backend)
+        options = dataclasses.replace(options, backend=resolve_backend("auto", img))
     n_keys = img.shape[0] + (0 if negatives is None else negatives.shape[0])
     bound = options.bind(img, txt, tau, tau_value=tau_value, names=names, n_keys=n_keys)
     if not bound.normalize:

@@ -96,9 +96,10 @@ def family_arguments(img, txt, negatives, group_ids, names=("img", "txt")):
     return check_negatives(negatives, txt, names[1]), check_group_ids(group_ids, txt, names[1])
 
 
-def check_fused_support(backend: str, negatives, group_ids, margin: str) -> None:
-    """The family's fused kernels exist on backend "cpp"; backend "triton" with any family option
-    raises ``NotImplementedError`` naming it (on one process and, collectively, across ranks)."""
+def check_fused_support(backend: str, negatives, group_ids, margin: str, distributed: bool = False) -> None:
+    """The family's fused kernels exist on backends "cpp" and "triton" on one process, and on
+    "cpp" across ranks: backend "triton" in the ``distributed`` loss with any family option raises
+    ``NotImplementedError`` naming it (collectively, on every rank)."""
     used = [
         name
         for name, on in (
@@ -108,10 +109,10 @@ def check_fused_support(backend: str, negatives, group_ids, margin: str) -> None
         )
         if on
     ]
-    if used and backend == "triton":
+    if used and backend == "triton" and distributed:
         raise NotImplementedError(
-            f"{' and '.join(used)}: not implemented yet for backend='triton' (the fused kernels of these options are "
-            "in progress); use backend='torch' or 'cpp'"
+            f"{' and '.join(used)}: not implemented yet for backend='triton' across ranks (the fused kernels of "
+            "these options are in progress); use backend='torch' or 'cpp'"
         )
 
 

@@ -46,11 +46,13 @@ FULL_TIER = (
     "tests/backends/test_triton_rank.py::test_rank_op_equals_two_directional_ops_bitwise",  # 32 s
     "tests/backends/test_triton_rank.py::test_masked_rank_op_equals_two_directional_ops_bitwise",  # 18 s
     "tests/backends/test_triton_hostile.py::test_tile_edges_nonuniform_upstream",  # 15 s
+    "tests/api/test_hard_negatives_triton.py::test_combinations_and_dtypes",  # 14 s (72 cases)
     "tests/backends/test_triton_hostile.py::test_ragged_chunks_and_many_splits_gpu_launch",  # 11 s
     # torch.compile schedules and traces (many recompiles)
     "tests/backends/test_triton_library.py::test_compile_fullgraph_schedule_compiles_at_most_twice",  # 45 s
     "tests/backends/test_triton_library.py::test_traced_for_inductor_without_gpu",  # 11 s
     "tests/backends/test_triton_ops_kernels.py::test_each_operator_finds_exactly_its_kernels",  # 9 s
+    "tests/api/test_hard_negatives_triton.py::test_family_operator_finds_exactly_its_kernels",  # 9 s
     "tests/api/test_api.py::test_compile_fullgraph_with_changing_floats",  # 15 s
     "tests/api/test_composability.py::test_compile_schedule_compiles_at_most_twice",  # 10 s
     "tests/api/test_composability.py::test_masked_threshold_schedule_compiles_at_most_twice",  # 4 s

@@ -14,8 +14,10 @@ Run it with TRITON_INTERPRET unset. What it does:
    ``hnclip_kernels.backends.triton_directional()``) for one rank: M local query rows against N
    gathered keys, positives at offset M + i, and that rank's op for both directions
    (``rank_nll_triton``, what the distributed loss runs) (see ``drive_single`` /
-   ``drive_directional`` / ``drive_rank``). The operators themselves take CPU tensors (only
-   ``backend="triton"``'s dispatch refuses them when Triton is not interpreting), and the
+   ``drive_directional`` / ``drive_rank``), and the hard-negative family's operator as
+   ``backends.family_losses`` runs it (``drive_family``: group ids, the threshold's cosine, the
+   mask captions of margin="image_text", and margin="text" as src "family-text"). The operators
+   themselves take CPU tensors (only ``backend="triton"``'s dispatch refuses them when Triton is not interpreting), and the
    launchers' own choices (tiles, precision, autotune candidates) see real ``JITFunction`` /
    ``Autotuner`` objects, i.e. the GPU configuration.
 2. Captures launches instead of running them: ``JITFunction.run`` records the kernel and
@@ -53,7 +55,8 @@ A launcher that raises on CPU tensors, or launches nothing, is a problem too.
 Table (one line per distinct compiled kernel; --json has everything, constexprs included):
 kernel; cfg (i/k: autotune candidate i of the k left after pruning); flags (bool constexprs
 that are True); ints=1 (int arguments specialised to the constant 1, e.g. a unit stride);
-from (single: the operator of hn_clip_loss, dir: the directional op, rank: a rank's two directions); the input dtype, D and gamma values that
+from (single: the operator of hn_clip_loss, dir: the directional op, rank: a rank's two directions,
+family / family-text: the hard-negative family's op); the input dtype, D and gamma values that
 led to it; blocks (BLOCK_* constexprs); prec (*PREC constexprs); warps/stages; registers per
 thread; spill store/load bytes; shared memory bytes; MMA instructions (shape.operand type);
 tf32 (a tf32 MMA is present); status; key (the bind key, to find the kernel in --json).
@@ -180,6 +183,34 @@ def drive_rank(m, n, d, dtype, gamma, eps, offset, threshold=None):
         false_negative_threshold=threshold,
     )
     rows.sum().backward()
+
+
+def drive_family(n, d, dtype, gamma, eps, threshold=None, margin="image_text"):
+    """The hard-negative family as ``backends.family_losses`` runs it on Triton: two calls of
+    ``hnclip::triton_family_directional_nll``, i2t over the keys [t; negatives] (n/4 negatives) and
+    t2i over the images, with group ids (GROUPS); with a threshold also its cosine (COSINE), of the
+    mask captions with margin="image_text" (CAPTIONS)."""
+    from hnclip_kernels.backends.triton.family import family_directional_nll_triton
+
+    img, txt = _features(n, d, dtype)
+    neg = _features(max(n // 4, 1), d, dtype, seed=1)[0]
+    keys = torch.cat([txt, neg])
+    ids = torch.arange(n) // 2
+    tau = torch.tensor(0.07, requires_grad=True)
+    kw = dict(tau=tau, offset=0, gamma=gamma, label_smoothing=eps, normalize=True, false_negative_threshold=threshold)
+    ids_kw = dict(query_groups=ids, key_groups=ids)
+    img, keys, txt_q = img.requires_grad_(), keys.requires_grad_(), txt.clone().requires_grad_()
+    if margin == "text":
+        i2t = family_directional_nll_triton(img, keys, query_txt=txt, key_txt=keys, **ids_kw, **kw)
+        t2i = family_directional_nll_triton(txt_q, img, query_txt=txt, key_txt=txt, **ids_kw, **kw)
+    else:
+        i2t = family_directional_nll_triton(
+            img, keys, query_txt=img, key_txt=keys, mask_query=txt, mask_key=keys, **ids_kw, **kw
+        )
+        t2i = family_directional_nll_triton(
+            txt_q, img, query_txt=txt, key_txt=img, mask_query=txt, mask_key=txt, **ids_kw, **kw
+        )
+    (0.5 * (i2t + t2i)).mean().backward()
 
 
 # ------------------------------------------------------------------ 2. capture launches
@@ -561,6 +592,8 @@ def capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars=False, 
             ("single", lambda d=d, dtype=dtype, a=args: drive_single(n, d, dtype, **a)),
             ("dir", lambda d=d, dtype=dtype, a=args: drive_directional(local_m, n, d, dtype, offset=local_m, **a)),
             ("rank", lambda d=d, dtype=dtype, a=args: drive_rank(local_m, n, d, dtype, offset=local_m, **a)),
+            ("family", lambda d=d, dtype=dtype, a=args: drive_family(n, d, dtype, **a)),
+            ("family-text", lambda d=d, dtype=dtype, a=args: drive_family(n, d, dtype, margin="text", **a)),
         ):
             case = f"{src} {dt} D={d} gamma={gm} label_smoothing={eps} false_negative_threshold={thr}"
             try:

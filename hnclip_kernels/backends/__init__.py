@@ -155,8 +155,9 @@ def family_losses(
     images; the margin's score from ``options.margin``; pairs with equal ``group_ids`` (N,) masked
     (the negatives carry no id). Shape (N,); with ``return_stats`` also both directions'
     ``RowStats`` (i2t's over its N + M columns). backend "torch" (the reference, two directional
-    calls) or "cpp" (``hnclip::cpp_family_nll``: the symmetric tile for both directions plus one
-    pass over the N×M negative block); the caller raises ``NotImplementedError`` for Triton."""
+    calls), "cpp" (``hnclip::cpp_family_nll``: the symmetric tile for both directions plus one
+    pass over the N×M negative block) or "triton" (``hnclip::triton_family_directional_nll``, two
+    directional calls)."""
     kwargs = _op_kwargs(tau, options, return_stats)
     if img.dtype in (torch.float16, torch.bfloat16):  # as symmetric_losses: one float32 gradient sum per tensor
         img, txt = img.float(), txt.float()
@@ -166,6 +167,10 @@ def family_losses(
 
         return family_pairs_cpp(img, txt, negatives, group_ids, margin=options.margin, **kwargs)
     fn = directional_nll_torch
+    if options.backend == "triton":
+        from .triton.family import family_directional_nll_triton
+
+        fn = functools.partial(family_directional_nll_triton, precision=options.precision)
     keys = txt if negatives is None else torch.cat([txt, negatives])
     groups = {} if group_ids is None else dict(query_groups=group_ids, key_groups=group_ids)
     if options.margin == "text":

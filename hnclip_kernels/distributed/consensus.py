@@ -180,7 +180,7 @@ def family_checks(image_features, text_features, negatives, group_ids, bound, ta
 
 def family_backend(requested: str, bound: LossOptions) -> LossOptions:
     """The family's backend: "auto" runs "cpp" where today's "auto" would, else "torch" (as
-    :func:`hnclip_kernels.loss.family_call`: the Triton kernels of these options are in progress)."""
+    :func:`hnclip_kernels.loss.family_call`; the family's Triton kernels run on one process only)."""
     if requested == "auto" and bound.backend == "triton":
         return dataclasses.replace(bound, backend="torch", precision=None)
     return bound

@@ -87,7 +87,6 @@ def test_group_ids_alone_count_masked_pairs():
         (dict(group_ids=torch.zeros(N)), TypeError, "group_ids must be an integer"),
         (dict(group_ids=torch.zeros(N + 1, dtype=torch.long)), ValueError, "group_ids must be 1-D of length"),
         (dict(margin="image"), ValueError, "margin must be one of"),
-        (dict(margin="image_text", backend="triton"), NotImplementedError, "margin='image_text'"),
     ],
 )
 def test_family_arguments_are_checked(kwargs, exc, match):

@@ -30,7 +30,7 @@ import triton
 from ...numerics import autocast_disabled, ieee_float32
 from .. import epilogue
 from . import config as cfg
-from .dscore import launch_dscore, launch_dscore_pair, launch_dscore_rank
+from .dscore_launch import launch_dscore, launch_dscore_pair, launch_dscore_rank
 from .params import Scalars
 from .round16 import launch_round16
 from .scales import fit16, to_f16, w_scales

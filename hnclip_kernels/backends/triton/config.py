@@ -154,6 +154,14 @@ assert all(c.kwargs["BLOCK_M"] == FWD_BLOCK_M[w] for w, cs in CANDIDATES["dscore
 # warps (255 registers without it; bf16 fits), so the autotuner drops that candidate there
 # (compile_sm90.py --override MASK=True,SHIFT=True shows the spill). By feature dtype.
 SHIFT_SPILLS = {"dscore": {torch.float16: [_cfg(4, 4, BLOCK_M=128, BLOCK_N=64)]}}
+# The hard-negative family's mask captions (CAPTIONS, from ``cq_ptr``: a threshold with
+# margin="image_text"; ``family_tiles``) with group ids and the margin: sm_90a (tools.sm90 --quick
+# --thresholds none,0.9) spills 200-224 B for the 16-bit dS at 128x64 / 4 warps and 68-76 B for
+# the float32 forward at 64x64 / 8 warps; the first candidates are clean (the "gpu" launch's).
+CAPTION_SPILLS = {
+    "dscore": {dt: [_cfg(4, 4, BLOCK_M=128, BLOCK_N=64)] for dt in (torch.float16, torch.bfloat16)},
+    "fwd": {torch.float32: [_cfg(8, 2, BLOCK_N=64)]},
+}
 
 
 def all_candidates(kernel: str) -> list:
@@ -168,7 +176,7 @@ def pruner(kernel: str, width_arg: str):
     """``early_config_prune`` for ``triton.autotune``: keep the configs that are candidates of
     the operand width found in the launch's argument ``width_arg`` (a tensor), less those that
     spill with SHIFT (``SHIFT_SPILLS``; SHIFT derives from ``s_ptr``, see ``dscore``: the pruner
-    runs before the kernel's heuristics). The configs are matched by their tiles, warps and
+    runs before the kernel's heuristics) or with the family's CAPTIONS (``CAPTION_SPILLS``, ``cq_ptr``). The configs are matched by their tiles, warps and
     stages, not by identity: traced, torch hands the pruner copies that also carry the derived
     flags."""
 
@@ -177,6 +185,9 @@ def pruner(kernel: str, width_arg: str):
         allowed = candidates(kernel, x.element_size())
         if named_args.get("s_ptr", kwargs.get("s_ptr")) is not None:
             spills = SHIFT_SPILLS.get(kernel, {}).get(x.dtype, [])
+            allowed = [c for c in allowed if not any(_same(c, bad) for bad in spills)] or allowed
+        if named_args.get("cq_ptr", kwargs.get("cq_ptr")) is not None:
+            spills = CAPTION_SPILLS.get(kernel, {}).get(x.dtype, [])
             allowed = [c for c in allowed if not any(_same(c, bad) for bad in spills)] or allowed
         return [c for c in configs if any(_same(c, a) for a in allowed)]
 

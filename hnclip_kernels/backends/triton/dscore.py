@@ -2,7 +2,8 @@
 the W the GEMMs read for float32 features, a staging W with |W|'s slice maxima for 16-bit ones
 (:mod:`.round16` rounds it per line). ``_dscore_kernel``: the directional op; ``_dscore_pair_kernel``:
 the single-process loss, W_ab and W_ba from the same tile pairs; ``_dscore_rank_kernel``: a rank's
-two directions. Each with its launcher and arguments' builder; the walks: :mod:`.backward`.
+two directions. ``dscore_args`` builds ``_dscore_kernel``'s arguments; the launchers, the autotuned
+twins and the other builders are in :mod:`.dscore_launch`, the walks in :mod:`.backward`.
 Design, measurements and the rounding compensation: docs/triton.md ("Backward").
 """
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import config as cfg
-from .launch import derived, launch, wrap_triton
+from .family_tiles import _family_tile
+from .launch import derived
 from .params import Scalars
 from .tiles import _block, _kept, _load2, _load_scalars, _logits_tile, _pair_tiles, _rank_tiles
 
@@ -26,17 +27,18 @@ def _chunk_tile(row0, row_end, col0, col_end, BLOCK_M: tl.constexpr, BLOCK_N: tl
     return (offs_m, mask_m), (offs_n, mask_n), row_end - row0, col_end - col0
 
 
-@derived("MASK", "SHIFT", "ROUND16")
+@derived("MASK", "COSINE", "CAPTIONS", "GROUPS", "SHIFT", "ROUND16")
 @triton.jit
 def _dscore_kernel(
     q_ptr, k_ptr, mq_ptr, mk_ptr,
     stride_qm, stride_qd, stride_kn, stride_kd, stride_mqm, stride_mqd, stride_mkn, stride_mkd,
     rq_ptr, rk_ptr, r_mq_ptr, r_mk_ptr, pos_ptr, nll_ptr, g_ptr, a_ptr, b_ptr, s_ptr,
     inv_tau_ptr, gamma_ptr, thr_ptr,
+    cq_ptr, ck_ptr, gq_ptr, gk_ptr, K,
     w_ptr, stride_w, res_r_ptr, stride_rr, res_c_ptr, stride_rc,
     row0, row_end, col0, col_end, D, offset,
     HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr,
-    ROUND16: tl.constexpr,
+    ROUND16: tl.constexpr, COSINE: tl.constexpr, CAPTIONS: tl.constexpr, GROUPS: tl.constexpr,
     SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The directional op's W[i − row0, k − col0] = a_i · dS_ik · b_k over one chunk
@@ -53,6 +55,7 @@ def _dscore_kernel(
         dS_ik = g_i (P_ik − s_i) on the entries kept (caption cosine not ≥ thr: a NaN cosine is
         kept, ``tiles._caption_keep``), 0 on the masked ones.
     Scalars: inv_tau_ptr, gamma_ptr, thr_ptr as ``_fwd_kernel``'s (``params.Scalars.pointers``).
+    The family's masking: cq_ptr, ck_ptr, gq_ptr, gk_ptr, K as ``_fwd_kernel``'s (the same tile).
     Outputs, the chunk's R × C (R = row_end − row0, C = col_end − col0), row-major: w_ptr, W in
         float32; with ROUND16 |W|'s maxima over SLICE columns into res_r_ptr (⌈C / SLICE⌉, R) and
         over SLICE rows into res_c_ptr (⌈R / SLICE⌉, C) (None without ROUND16; :mod:`.round16`
@@ -63,17 +66,24 @@ def _dscore_kernel(
         offset (row i's positive is column offset + i).
     Constexprs: HAS_MARGIN (γ ≠ 0), PREC (``precision._dot``), SLICE (``cfg.RESIDUAL_SLICE``,
         dividing both tile sides), BLOCK_M × BLOCK_N tiles, BLOCK_K the reduction step (the
-        forward's: the same tiles to the bit). Derived (``launch.derived``): MASK (thr_ptr),
-        SHIFT (s_ptr), ROUND16 (res_r_ptr).
+        forward's: the same tiles to the bit). Derived (``launch.derived``): MASK (thr_ptr or
+        gk_ptr), COSINE (thr_ptr), CAPTIONS (cq_ptr), GROUPS (gk_ptr), SHIFT (s_ptr), ROUND16 (res_r_ptr).
     """
     (offs_m, mask_m), (offs_n, mask_n), _, _ = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
-    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
+    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, COSINE)
     rq, r_mq = _load2(rq_ptr, r_mq_ptr, offs_m, mask_m)
     rk, r_mk = _load2(rk_ptr, r_mk_ptr, offs_n, mask_n)
-    z = _logits_tile((q_ptr, stride_qm, stride_qd), (k_ptr, stride_kn, stride_kd),
-                     (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
-                     (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
-                     D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    if CAPTIONS or GROUPS:  # the family's masking (``family_tiles``)
+        z = _family_tile((q_ptr, stride_qm, stride_qd), (k_ptr, stride_kn, stride_kd),
+                         (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
+                         ((cq_ptr, D, 1), (ck_ptr, D, 1)), (gq_ptr, gk_ptr, K),
+                         (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk), D, gamma, inv_tau, thr,
+                         HAS_MARGIN, COSINE, CAPTIONS, GROUPS, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        z = _logits_tile((q_ptr, stride_qm, stride_qd), (k_ptr, stride_kn, stride_kd),
+                         (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
+                         (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
+                         D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, None, None,
                       a_ptr, b_ptr, False, s_ptr, None, MASK, SHIFT, ROUND16)
     _store_w(w, mask, (offs_m, mask_m, row0, row_end, tl.program_id(0) * (BLOCK_M // SLICE)),
@@ -291,34 +301,10 @@ def _dscore_rank_kernel(
              second_c, cols_c, ROUND16, SLICE, BLOCK_M, BLOCK_N)
 
 
-# autotuned twins (GPU only; the interpreter and HNCLIP_AUTOTUNE=0 use cfg.heuristic). Key: D,
-# HAS_MARGIN, PREC (MASK, SHIFT and ROUND16 derive from their pointers: ``launch.derived``);
-# the pruner keeps the operand width's candidates, less those SHIFT spills with
-_KEY = ["D", "HAS_MARGIN", "PREC"]
-_dscore_tuned = triton.autotune(cfg.all_candidates("dscore"), key=_KEY,
-                                prune_configs_by={"early_config_prune": cfg.pruner("dscore", "q_ptr")})(_dscore_kernel)
-_dscore_pair_tuned = triton.autotune(cfg.all_candidates("dscore_pair"), key=_KEY,
-                                     prune_configs_by={"early_config_prune": cfg.pruner("dscore_pair", "v_ptr")}
-                                     )(_dscore_pair_kernel)
-_dscore_rank_tuned = triton.autotune(cfg.all_candidates("dscore_rank"), key=_KEY,
-                                     prune_configs_by={"early_config_prune": cfg.pruner("dscore_rank", "v_ptr")}
-                                     )(_dscore_rank_kernel)
-
-
-def _chunk_grid(args: dict):
-    """The launch grid of a chunk [row0, row_end) × [col0, col_end) for the chosen tiles."""
-    rows, cols = args["row_end"] - args["row0"], args["col_end"] - args["col0"]
-    return lambda tiles: (triton.cdiv(rows, tiles["BLOCK_M"]), triton.cdiv(cols, tiles["BLOCK_N"]))
-
-
-def _constexprs(sc: Scalars, width: int) -> dict:  # the dS kernels' explicit constexprs
-    return dict(HAS_MARGIN=sc.has_margin, PREC=sc.prec, SLICE=cfg.RESIDUAL_SLICE, BLOCK_K=cfg.score_block_k(width))
-
-
 def dscore_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
     """``_dscore_kernel``'s arguments by name, group by group as its docstring lists them:
     ``features`` = (q, k, margin_q, margin_k); ``per_row`` = (rq, rk, r_mq, r_mk, pos, nll, g, a,
-    b, s); the scalars ``sc.pointers``; ``outputs`` = (w, res_r, res_c), the chunk's buffers
+    b, s); the scalars ``sc.pointers`` and ``sc.family``'s; ``outputs`` = (w, res_r, res_c), the chunk's buffers
     (their row strides follow from the bounds); ``shapes`` = (row0, row_end, col0, col_end, D, offset)."""
     q, k, mq, mk = features
     rq, rk, r_mq, r_mk, pos, nll, g, a, b, s = per_row
@@ -332,69 +318,7 @@ def dscore_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
         stride_mqm=mq.stride(0), stride_mqd=mq.stride(1), stride_mkn=mk.stride(0), stride_mkd=mk.stride(1),
         rq_ptr=rq, rk_ptr=rk, r_mq_ptr=r_mq, r_mk_ptr=r_mk, pos_ptr=pos, nll_ptr=nll, g_ptr=g,
         a_ptr=a, b_ptr=b, s_ptr=s,
-        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr,
+        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr, **sc.family.pointers(),
         w_ptr=w, stride_w=c, res_r_ptr=res_r, stride_rr=r, res_c_ptr=res_c, stride_rc=c,
         row0=row0, row_end=row_end, col0=col0, col_end=col_end, D=d, offset=offset,
     )
-
-
-def dscore_pair_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
-    """``_dscore_pair_kernel``'s arguments by name (as :func:`dscore_args`): ``features`` = (v, t);
-    ``per_row`` = (rv, rt, pos, nll, g, nll_c, g_c, a, b, s, s_c); ``outputs`` = (w, res_r, res_c,
-    (W_ba's offset, its row maxima's, its column maxima's)); ``shapes`` = (row0, row_end, col0, col_end, D)."""
-    v, t = features
-    rv, rt, pos, nll, g, nll_c, g_c, a, b, s, s_c = per_row
-    inv_tau, gamma, thr = sc.pointers
-    w, res_r, res_c, (mirror_w, mirror_r, mirror_c) = outputs
-    row0, row_end, col0, col_end, d = shapes
-    return dict(
-        v_ptr=v, t_ptr=t, stride_vm=v.stride(0), stride_vd=v.stride(1), stride_tm=t.stride(0), stride_td=t.stride(1),
-        rv_ptr=rv, rt_ptr=rt, pos_ptr=pos, nll_ptr=nll, g_ptr=g, nll_c_ptr=nll_c, g_c_ptr=g_c,
-        a_ptr=a, b_ptr=b, s_ptr=s, s_c_ptr=s_c,
-        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr,
-        w_ptr=w, res_r_ptr=res_r, res_c_ptr=res_c, mirror_w=mirror_w, mirror_r=mirror_r, mirror_c=mirror_c,
-        row0=row0, row_end=row_end, col0=col0, col_end=col_end, D=d,
-    )
-
-
-def dscore_rank_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
-    """``_dscore_rank_kernel``'s arguments by name (as :func:`dscore_args`): ``features`` = (v, t,
-    v_all, t_all); ``per_row`` = (rv, rt, rv_all, rt_all, pos, nll, g, a, b, s); ``outputs`` = (w,
-    res_r, res_c, (the t2i W's offset, its row maxima's, its column maxima's)); ``shapes`` = (M, N,
-    row0, row_end, col0, col_end, D, offset)."""
-    v, t, va, ta = features
-    rv, rt, rva, rta, pos, nll, g, a, b, s = per_row
-    inv_tau, gamma, thr = sc.pointers
-    w, res_r, res_c, (second_w, second_r, second_c) = outputs
-    m, n, row0, row_end, col0, col_end, d, offset = shapes
-    return dict(
-        v_ptr=v, t_ptr=t, va_ptr=va, ta_ptr=ta,
-        stride_vm=v.stride(0), stride_vd=v.stride(1), stride_tm=t.stride(0), stride_td=t.stride(1),
-        stride_van=va.stride(0), stride_vad=va.stride(1), stride_tan=ta.stride(0), stride_tad=ta.stride(1),
-        rv_ptr=rv, rt_ptr=rt, rva_ptr=rva, rta_ptr=rta, pos_ptr=pos, nll_ptr=nll, g_ptr=g, a_ptr=a, b_ptr=b, s_ptr=s,
-        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr,
-        w_ptr=w, res_r_ptr=res_r, res_c_ptr=res_c, second_w=second_w, second_r=second_r, second_c=second_c,
-        M=m, N=n, row0=row0, row_end=row_end, col0=col0, col_end=col_end, D=d, offset=offset,
-    )
-
-
-def launch_dscore(sc: Scalars, features, per_row, outputs, shapes):
-    """Launch ``_dscore_kernel`` over one chunk (arguments: :func:`dscore_args`; autotuned, or
-    ``cfg.heuristic``, see :func:`.launch.launch`)."""
-    args, width = dscore_args(features, per_row, sc, outputs, shapes), features[0].element_size()
-    launch(lambda tuned: wrap_triton(_dscore_tuned) if tuned else wrap_triton(_dscore_kernel), "dscore", width,
-           _chunk_grid(args), args, **_constexprs(sc, width))
-
-
-def launch_dscore_pair(sc: Scalars, features, per_row, outputs, shapes):
-    """Launch ``_dscore_pair_kernel`` over a chunk pair (arguments: :func:`dscore_pair_args`)."""
-    args, width = dscore_pair_args(features, per_row, sc, outputs, shapes), features[0].element_size()
-    launch(lambda tuned: wrap_triton(_dscore_pair_tuned) if tuned else wrap_triton(_dscore_pair_kernel),
-           "dscore_pair", width, _chunk_grid(args), args, **_constexprs(sc, width))
-
-
-def launch_dscore_rank(sc: Scalars, features, per_row, outputs, shapes):
-    """Launch ``_dscore_rank_kernel`` over one chunk (arguments: :func:`dscore_rank_args`)."""
-    args, width = dscore_rank_args(features, per_row, sc, outputs, shapes), features[0].element_size()
-    launch(lambda tuned: wrap_triton(_dscore_rank_tuned) if tuned else wrap_triton(_dscore_rank_kernel),
-           "dscore_rank", width, _chunk_grid(args), args, **_constexprs(sc, width))

@@ -16,6 +16,9 @@ false-negative threshold: the mask reads G), else 0:
 * the directional op, M×N: forward (1 + g) P, backward (1 + g) P of dS plus 2 P of GEMMs (4 fp16);
 * a rank's op, both directions of M×N: forward (2 + g) P (v tᵀ_all, t v_allᵀ and the shared G),
   backward (2 + g) P plus each direction's 2 GEMMs, 4 P (8 fp16);
+* the family's directional op (``triton_family_directional_nll``): the directional op's with
+  its tile's products (``family_tiles``): 1 + g P, g = 1 for γ ≠ 0 or a threshold on the margin
+  factors' cosine, plus 1 P for a threshold on mask captions; group ids cost none;
 * a backward asked for dτ alone (no feature gradient) runs no kernel: 0.
 
 The kernels' products (not the GEMMs, IEEE float32 or 16-bit) count their tensor-core passes:
@@ -101,6 +104,27 @@ def rank_backward(grad, img, txt, all_img, *rest, **_):
     return 2 * m * n * d * (_passes(img, precision) * (2 + _margin(has_margin, masked)) + 4 * _gemms(img))
 
 
+def _family_products(has_margin, masked: bool, mask_query) -> int:
+    """The family tile's products (``family_tiles``): q kᵀ, the margin's (γ ≠ 0, or a threshold on
+    the margin factors' cosine), the mask captions' (a threshold with mask captions). Ids: none."""
+    captions = bool(masked) and mask_query.dim() == 2
+    return 1 + _margin(has_margin, bool(masked) and not captions) + int(captions)
+
+
+def family_forward(q, k, a, b, mq, mk, qg, kg, tau, gamma, eps, thr, offset, normalize, masked, has_margin, *rest,
+                   **_):  # fmt: skip
+    (m, d), n = q.shape, k.shape[0]
+    return 2 * _passes(q, precision=rest[-1]) * _family_products(has_margin, masked, mq) * m * n * d
+
+
+def family_backward(grad, q, k, a, b, mq, *rest, **_):
+    _normalize, masked, has_margin, _smoothing, precision, need_qk = rest[-6:]
+    if not need_qk:
+        return 0
+    (m, d), n = q.shape, k.shape[0]
+    return 2 * m * n * d * (_passes(q, precision) * _family_products(has_margin, masked, mq) + 2 * _gemms(q))
+
+
 FORMULAS = {
     "triton_symmetric_nll": symmetric_forward,
     "triton_symmetric_nll_backward": symmetric_backward,
@@ -109,6 +133,12 @@ FORMULAS = {
     "triton_rank_nll": rank_forward,
     "triton_rank_nll_backward": rank_backward,
 }
+
+
+def register_family() -> None:
+    """Register the family operator's formulas (:mod:`.family`, once it exists)."""
+    glue.register_flops("triton_family_directional_nll", family_forward)
+    glue.register_flops("triton_family_directional_nll_backward", family_backward)
 
 
 def register() -> None:

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from . import config as cfg
+from .family_tiles import _family_tile
 from .launch import derived, launch, wrap_triton
 from .params import Scalars
 from .tiles import (
@@ -33,15 +34,17 @@ from .tiles import (
 )
 
 
-@derived("MASK")
+@derived("MASK", "COSINE", "CAPTIONS", "GROUPS")
 @triton.jit
 def _fwd_kernel(
     q_ptr, k_ptr, mq_ptr, mk_ptr,
     stride_qm, stride_qd, stride_kn, stride_kd, stride_mqm, stride_mqd, stride_mkn, stride_mkd,
     rq_ptr, rk_ptr, r_mq_ptr, r_mk_ptr, pos_ptr, inv_tau_ptr, gamma_ptr, thr_ptr,
+    cq_ptr, ck_ptr, gq_ptr, gk_ptr, K,
     row_part_ptr,
     M, N, D, offset, cols_per_split, N_BUCKET,
     SMOOTHING: tl.constexpr, HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
+    COSINE: tl.constexpr, CAPTIONS: tl.constexpr, GROUPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One direction's walk over the tiles of Z (a rank's directional op): row statistics.
@@ -58,7 +61,11 @@ def _fwd_kernel(
         pos_ptr (M): the positive logit Z[i, offset + i].
     Scalars (``params.Scalars``): inv_tau_ptr 1-element 1/τ; gamma_ptr 1-element γ (None without
         HAS_MARGIN); thr_ptr the false-negative masking block (``params.threshold_block``; None
-        without masking, and MASK derives from it).
+        without a threshold, and COSINE derives from it).
+    The hard-negative family's masking (``family_tiles._family_tile``; ``params.Family``): cq_ptr
+        (M, D), ck_ptr (N, D) the contiguous masking captions (None: the margin factors'
+        product is the cosine; CAPTIONS derives from cq_ptr); gq_ptr (M,), gk_ptr (K,) group ids
+        of the rows and of the first K columns (None: none; GROUPS derives from gk_ptr).
     Outputs (float32, planes = 3 + SMOOTHING + MASK: max, Σexp, Σexp·d[, Σd][, #kept]):
         row_part_ptr (splits, planes, M): each split's summary of each row (with MASK over the
         kept negatives only, and their count).
@@ -67,12 +74,14 @@ def _fwd_kernel(
         a multiple of BLOCK_N); N_BUCKET (``config.n_bucket(N)``: read by nothing, a key of the
         autotuner).
     Constexprs: SMOOTHING (label smoothing: also Σd), HAS_MARGIN (γ ≠ 0), MASK (derived:
-        false-negative masking, an entry whose caption cosine m̂_q·m̂_k ≥ thr is no negative), PREC
-        (``precision._dot``), BLOCK_M × BLOCK_N tiles, BLOCK_K the reduction step over D.
+        false-negative masking, an entry whose caption cosine m̂_q·m̂_k ≥ thr, COSINE, or whose
+        group ids agree, GROUPS, is no negative), PREC (``precision._dot``), BLOCK_M × BLOCK_N
+        tiles, BLOCK_K the reduction step over D. Without CAPTIONS and GROUPS the tile is
+        ``_logits_tile``'s (today's kernel).
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
-    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
+    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, COSINE)
     q = (q_ptr, stride_qm, stride_qd)
     k = (k_ptr, stride_kn, stride_kd)
     margin_q = (mq_ptr, stride_mqm, stride_mqd)
@@ -90,8 +99,13 @@ def _fwd_kernel(
     for n0 in range(n_start, n_end, BLOCK_N):
         offs_n, mask_n = _block(n0, n_end, BLOCK_N)
         rk, r_mk = _load2(rk_ptr, r_mk_ptr, offs_n, mask_n)
-        z = _logits_tile(q, k, margin_q, margin_k, (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
-                                D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        if CAPTIONS or GROUPS:
+            z = _family_tile(q, k, margin_q, margin_k, ((cq_ptr, D, 1), (ck_ptr, D, 1)), (gq_ptr, gk_ptr, K),
+                             (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk), D, gamma, inv_tau, thr,
+                             HAS_MARGIN, COSINE, CAPTIONS, GROUPS, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            z = _logits_tile(q, k, margin_q, margin_k, (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
+                             D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
         if MASK:
             neg = neg & _kept(z)
@@ -289,7 +303,8 @@ def _constexprs(sc: Scalars, width: int) -> dict:
 def fwd_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
     """``_fwd_kernel``'s arguments by name, group by group as its docstring lists them: ``features``
     = (q, k, margin_q, margin_k); ``per_row`` = (rq, rk, r_mq, r_mk, pos); the scalars
-    ``sc.pointers``; ``outputs`` = (row_part,); ``shapes`` = (M, N, D, offset, cols_per_split, N_BUCKET)."""
+    ``sc.pointers`` and ``sc.family``'s; ``outputs`` = (row_part,); ``shapes`` = (M, N, D, offset,
+    cols_per_split, N_BUCKET)."""
     q, k, mq, mk = features
     rq, rk, r_mq, r_mk, pos = per_row
     inv_tau, gamma, thr = sc.pointers
@@ -300,7 +315,7 @@ def fwd_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
         stride_qm=q.stride(0), stride_qd=q.stride(1), stride_kn=k.stride(0), stride_kd=k.stride(1),
         stride_mqm=mq.stride(0), stride_mqd=mq.stride(1), stride_mkn=mk.stride(0), stride_mkd=mk.stride(1),
         rq_ptr=rq, rk_ptr=rk, r_mq_ptr=r_mq, r_mk_ptr=r_mk, pos_ptr=pos,
-        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr,
+        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr, **sc.family.pointers(),
         row_part_ptr=row_part,
         M=m, N=n, D=d, offset=offset, cols_per_split=cols_per_split, N_BUCKET=n_bucket,
     )

@@ -6,7 +6,7 @@ kernels, ``custom_op`` under the interpreter (and on a torch without ``triton_op
 ``triton_op`` must find every kernel of its operators in their source (torch hashes the
 kernels' code into its compile-cache keys): it reads the operator's code and follows the
 functions it calls *by name*, down to ``wrap_triton(<kernel>)``. So each kernel has one named
-launcher beside it (``forward_kernels.launch_fwd`` … ``dscore.launch_dscore_rank``) that hands
+launcher beside it (``forward_kernels.launch_fwd`` … ``dscore_launch.launch_dscore_rank``) that hands
 :func:`launch` a ``lambda tuned: wrap_triton(<twin>) if tuned else wrap_triton(<kernel>)``,
 and the host walks call the launchers by name (``tests/backends/test_triton_ops_kernels.py``
 holds that each operator finds exactly its kernels).
@@ -77,7 +77,11 @@ def launch(kernel, name: str, width: int, grid, args, **constexprs):
 # tensor arguments in order, so a None pointer already keys apart (HAS_MARGIN, whose γ pointer
 # is None without it too, stays explicit: γ and the threshold are both float32 and would not).
 _DERIVED = {
-    "MASK": lambda args: args["thr_ptr"] is not None,  # false-negative masking: the threshold block
+    # false-negative masking: the threshold block, or (the directional kernels) the family's group ids
+    "MASK": lambda args: args["thr_ptr"] is not None or args.get("gk_ptr") is not None,
+    "COSINE": lambda args: args["thr_ptr"] is not None,  # masking by the captions' cosine (the threshold)
+    "CAPTIONS": lambda args: args["cq_ptr"] is not None,  # the family's masking captions (margin="image_text")
+    "GROUPS": lambda args: args["gk_ptr"] is not None,  # the family's group ids
     "SHIFT": lambda args: args["s_ptr"] is not None,  # masking with label smoothing: each row's ε/n_i
     "ROUND16": lambda args: args["res_r_ptr"] is not None,  # 16-bit W: staged in float32, its slice maxima
     "TAIL": lambda args: args["lo_ptr"] is not None,  # fp16: the rounded W's float16 tail (round16)
@@ -85,5 +89,6 @@ _DERIVED = {
 
 
 def derived(*flags: str):
-    """``triton.heuristics`` deriving ``flags`` (MASK, SHIFT, ROUND16, TAIL) from their pointers."""
+    """``triton.heuristics`` deriving ``flags`` (MASK, COSINE, CAPTIONS, GROUPS, SHIFT, ROUND16, TAIL)
+    from their pointers."""
     return triton.heuristics({flag: _DERIVED[flag] for flag in flags})

@@ -1,5 +1,6 @@
 """The Triton backend as operators, ``hnclip::triton_symmetric_nll``, ``hnclip::triton_directional_nll``
-and ``hnclip::triton_rank_nll`` with their ``*_backward`` operators, and their public wrappers.
+and ``hnclip::triton_rank_nll`` with their ``*_backward`` operators, and their public wrappers
+(importing it also registers the hard-negative family's operator, :mod:`.family`).
 
 The bodies are :mod:`.symmetric_op` and :mod:`.distributed_ops`, their outputs by name
 :class:`..outputs.SymmetricOut`, :class:`..outputs.DirectionalOut` and :class:`.outputs.RankOut`;
@@ -63,6 +64,8 @@ HNClipRankTriton = glue.fused_op(
 )
 
 flops.register()  # FlopCounterMode's formulas of the six operators
+# the hard-negative family's operator (hnclip::triton_family_directional_nll) registers with these
+from . import family  # noqa: E402, F401
 
 
 # ------------------------------------------------------------------ public wrappers

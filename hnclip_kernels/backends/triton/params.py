@@ -12,7 +12,7 @@ it (``triton.heuristics``).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,25 @@ from torch import Tensor
 
 from .. import epilogue
 from . import config as cfg
+
+
+class Family(NamedTuple):
+    """The hard-negative family's masking inputs of the directional kernels (``family_tiles``), each
+    None when absent (its flag derives from that): ``captions`` = (c_q (M, D), c_k (N, D)), the
+    contiguous masking captions the threshold compares (CAPTIONS); ``groups`` = (ids (M,), ids (K,)),
+    K ≤ N, in one integer dtype (GROUPS: also turns the masking on)."""
+
+    captions: Optional[Tuple[Tensor, Tensor]] = None
+    groups: Optional[Tuple[Tensor, Tensor]] = None
+
+    def pointers(self) -> dict:
+        """The kernels' ``cq_ptr, ck_ptr, gq_ptr, gk_ptr, K`` by name (None, 0 where absent)."""
+        cq, ck = self.captions if self.captions is not None else (None, None)
+        gq, gk = self.groups if self.groups is not None else (None, None)
+        return dict(cq_ptr=cq, ck_ptr=ck, gq_ptr=gq, gk_ptr=gk, K=0 if gk is None else gk.shape[0])
+
+
+NO_FAMILY = Family()
 
 
 class Scalars(NamedTuple):
@@ -30,6 +49,7 @@ class Scalars(NamedTuple):
     thr: the false-negative masking block (:func:`threshold_block`), or None (``thr_ptr``; MASK).
     has_margin: γ ≠ 0, the kernels' HAS_MARGIN. smoothing: ε ≠ 0, the forward's SMOOTHING.
     prec: the score products' ``input_precision`` for the features' dtype (``cfg.dot_precision``).
+    family: the directional kernels' family masking inputs (:class:`Family`; none by default).
     """
 
     inv_tau: Tensor
@@ -38,11 +58,12 @@ class Scalars(NamedTuple):
     has_margin: bool
     smoothing: bool
     prec: str
+    family: Family = NO_FAMILY
 
     @property
     def masked(self) -> bool:
-        """False-negative masking (the kernels' MASK)."""
-        return self.thr is not None
+        """False-negative masking (the kernels' MASK): a threshold, or the family's group ids."""
+        return self.thr is not None or self.family.groups is not None
 
     @property
     def pointers(self) -> tuple:
@@ -63,10 +84,12 @@ def scalars(
     smoothing: bool,
     precision: str,
     thr: Optional[Tensor] = None,
+    family: Family = NO_FAMILY,
 ) -> Scalars:
     """The :class:`Scalars` of an operator body on features ``like``: 1/τ in float32 (one
     division, on the host), γ (None without ``has_margin``), the masking block ``thr`` (None:
-    no masking), the flags, and ``precision`` (a resolved mode) for ``like``'s dtype."""
+    no masking), the flags, ``precision`` (a resolved mode) for ``like``'s dtype and the directional
+    kernels' ``family`` masking inputs."""
     return Scalars(
         1.0 / scalar32(tau, like),
         scalar32(gamma, like) if has_margin else None,
@@ -74,6 +97,7 @@ def scalars(
         has_margin,
         smoothing,
         cfg.dot_precision(like.dtype, precision),
+        family,
     )
 
 

@@ -1,0 +1,215 @@
+"""The hard-negative family on backend="triton" (``hnclip::triton_family_directional_nll``): the float64
+oracle of test_hard_negatives.py (loss and every gradient: img, txt, negatives, τ) on the Triton
+kernels in both launch modes of the interpreter (its own small tiles, and the GPU's), per row where
+saturated; triton against cpp per row; the operator's opcheck; and that the family operator
+without family inputs is today's directional operator, bit for bit.
+
+Tolerances: those of test_hard_negatives.py. Sizes: N = 6 (test_hard_negatives.N), the
+interpreter is slow; the sweeps over options × dtypes × margins are in the full tier
+(tests/conftest.py), one case of each kind stays in the default tier.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_hard_negatives import GROUPS, D, N, check, features, run_both
+from test_hard_negatives_cpp import _rows_agree, _saturated_batch
+
+from cases import ALL_BACKENDS
+from hnclip_kernels import hn_clip_loss
+
+pytestmark = pytest.mark.skipif("triton" not in ALL_BACKENDS, reason="triton cannot run here")
+
+OPTIONS = {
+    "threshold": dict(threshold=0.3),
+    "smoothing": dict(label_smoothing=0.1),
+    "unnormalized": dict(normalize=False),
+    "all": dict(threshold=0.3, label_smoothing=0.1, normalize=False, group_ids=GROUPS["random"]),
+    "gamma0-one-group": dict(gamma=0.0, label_smoothing=0.2, group_ids=GROUPS["one"]),
+    "threshold-distinct": dict(threshold=0.3, group_ids=GROUPS["distinct"]),
+}
+
+
+@pytest.mark.parametrize("m", [0, 1, 7, N, 3 * N + 1])
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+def test_negatives_match_the_oracle(m, margin, launch):
+    img, txt, neg = features(N, D, 1), features(N, D, 2), features(m, D, 3)
+    check(img, txt, neg, 0.07, backend="triton", margin=margin)
+
+
+@pytest.mark.parametrize("groups", sorted(GROUPS))
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("m", [0, 7])
+def test_group_ids_match_the_oracle(groups, margin, m, launch):
+    img, txt, neg = features(N, D, 4), features(N, D, 5), features(m, D, 6)
+    check(img, txt, neg if m else None, 0.1, backend="triton", group_ids=GROUPS[groups], margin=margin)
+
+
+def _combination(dtype, options, margin):
+    img, txt, neg = (features(n, D, s, dtype) for n, s in ((N, 7), (N, 8), (5, 9)))
+    if options.get("normalize") is False:  # near-unit rows: dot products of the given features
+        img, txt, neg = (F.normalize(x.double(), dim=1).to(dtype) for x in (img, txt, neg))
+    if "threshold" in options:  # every caption cosine away from the threshold (float32 vs float64 compare)
+        xs = F.normalize(torch.cat([txt, neg]).double(), dim=1)
+        assert ((F.normalize(txt.double(), dim=1) @ xs.T - options["threshold"]).abs() > 1e-4).all()
+    return check(img, txt, neg, 0.05, dtype, backend="triton", margin=margin, **options)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("options", sorted(OPTIONS))
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+def test_combinations_and_dtypes(dtype, options, margin, launch):
+    _combination(dtype, OPTIONS[options], margin)
+
+
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+def test_all_options_float32(margin, launch):
+    # the default tier's case of the sweep above: threshold, ε, normalize=False and ids at once
+    _combination(torch.float32, OPTIONS["all"], margin)
+
+
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_saturated_near_duplicates_per_row(margin, with_ids, launch):
+    img, txt, neg, centre_of = _saturated_batch()
+    ids = centre_of if with_ids else None
+    got, want, gg, wg = run_both(
+        img, txt, neg, 0.01, reduction="none", backend="triton", margin=margin, group_ids=ids
+    )  # fmt: skip
+    assert want.min() < 1e-10 and want.max() > 1.0  # saturated and unsaturated rows in one batch
+    _rows_agree(got, want, gg, wg, 4 * (2 + 0.5) / 0.01 * 2.0**-24)  # test_hard_negatives.py's bound
+
+
+@pytest.mark.skipif("cpp" not in ALL_BACKENDS, reason="the C++ extension is not built")
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matches_cpp_per_row(margin, dtype, launch):
+    # the same two directional calls on both backends: each row and each gradient row agree
+    img, txt, neg, centre_of = (x.to(dtype) if x.is_floating_point() else x for x in _saturated_batch())
+    kw = dict(group_ids=centre_of, margin=margin, label_smoothing=0.1, false_negative_threshold=0.9)
+    out = []
+    for backend in ("cpp", "triton"):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt, neg)]
+        tau = torch.tensor(0.01, requires_grad=True)
+        rows = hn_clip_loss(leaves[0], leaves[1], tau, negatives=leaves[2], **kw, reduction="none", backend=backend)
+        upstream = torch.linspace(0.5, 1.5, rows.numel())
+        grads = torch.autograd.grad((rows * upstream).sum(), [*leaves, tau])
+        out.append((rows.detach(), dict(zip(("img", "txt", "negatives", "tau"), grads))))
+    (got, gg), (want, wg) = out[1], out[0]
+    _rows_agree(got, want, gg, wg, 1e-4 if dtype == torch.float32 else 2.0**-7)
+
+
+def _family_args(m=4, n=9, d=5, ids=True, mask_captions=True):
+    gen = torch.Generator().manual_seed(3)
+    q, a = torch.randn(m, d, generator=gen), torch.randn(m, d, generator=gen)
+    k, b = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
+    mq, mk = (torch.randn(m, d, generator=gen), torch.randn(n, d, generator=gen)) if mask_captions else (
+        torch.empty(0), torch.empty(0))  # fmt: skip
+    qg, kg = (torch.tensor([0, 1, 1, 2]), torch.tensor([1, 0, 2, 1, 1, 0])) if ids else (
+        torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))  # fmt: skip
+    return q, k, a, b, mq, mk, qg, kg
+
+
+@pytest.mark.parametrize("case", ["threshold-ids-captions", "ids-alone", "none"])
+def test_opcheck_family_operator(case):
+    import hnclip_kernels.backends.triton.family  # noqa: F401  (registers the operator)
+
+    masked = case == "threshold-ids-captions"
+    q, k, a, b, mq, mk, qg, kg = _family_args(ids=case != "none", mask_captions=masked)
+    q.requires_grad_(True)
+    tau = torch.tensor(0.1, requires_grad=True)
+    gamma, eps, thr = (torch.tensor(x, dtype=torch.float64) for x in (0.5, 0.1, 0.3 if masked else 0.0))
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    flags = (3, True, masked, True, True, "ieee")  # offset, normalize, masked, has_margin, smoothing, precision
+    args = (q, k, a, b, mq, mk, qg, kg, tau, gamma, eps, thr, *flags)
+    op = torch.ops.hnclip.triton_family_directional_nll
+    torch.library.opcheck(op.default, args, test_utils=checks)
+    saved = [x.detach() for x in op(*args)[1:]]
+    grad = torch.linspace(0.5, 1.0, 4)
+    bargs = (grad, q.detach(), k, a, b, mq, mk, qg, kg, tau.detach(), gamma, eps, thr, *saved, *flags, True)
+    torch.library.opcheck(torch.ops.hnclip.triton_family_directional_nll_backward.default, bargs, test_utils=checks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_family_operator_without_family_inputs_is_the_directional_operator(dtype, launch):
+    # the same kernels and arguments: every output and gradient bit-identical, with and without a threshold
+    from hnclip_kernels.backends.triton.family import family_directional_nll_triton
+    from hnclip_kernels.backends.triton.ops import directional_nll_triton
+
+    q, k, a, b, _, _, _, _ = (x.to(dtype) for x in _family_args(ids=False, mask_captions=False))
+    for threshold in (None, 0.3):
+        out = []
+        for fn in (directional_nll_triton, family_directional_nll_triton):
+            leaves = [x.clone().requires_grad_(True) for x in (q, k)]
+            tau = torch.tensor(0.07, requires_grad=True)
+            loss, stats = fn(leaves[0], leaves[1], query_txt=a, key_txt=b, tau=tau, offset=3, gamma=0.5,
+                             label_smoothing=0.1, normalize=True, return_stats=True,
+                             false_negative_threshold=threshold)  # fmt: skip
+            grads = torch.autograd.grad((loss * torch.linspace(0.5, 1.0, 4)).sum(), [*leaves, tau])
+            out.append((loss, *[x for x in stats if x is not None], *grads))
+        for x, y in zip(*out):
+            assert torch.equal(x, y), threshold
+
+
+def test_int32_ids_alone_match_torch(launch):
+    # int32 ids, no threshold (no caption product formed) and γ = 0: the rows as torch's
+    ids = torch.tensor([0, 1, 0, 2, 1, 3], dtype=torch.int32)
+    img, txt, neg = features(N, D, 50), features(N, D, 51), features(3, D, 52)
+    kw = dict(negatives=neg, gamma=0.0, label_smoothing=0.1, reduction="none")
+    got = hn_clip_loss(img, txt, 0.1, group_ids=ids, backend="triton", **kw)
+    want = hn_clip_loss(img, txt, 0.1, group_ids=ids.long(), backend="torch", **kw)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_family_operator_finds_exactly_its_kernels():
+    # as tests/backends/test_triton_ops_kernels.py: torch's triton_op follows the bodies' calls by name
+    import json
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import json\n"
+        "from torch._library.triton import get_inner_triton_kernels\n"
+        "from hnclip_kernels.backends.triton import family\n"
+        "def name(k):\n"
+        "    while type(k).__name__ != 'JITFunction' and hasattr(k, 'fn'):\n"
+        "        k = k.fn\n"
+        "    return getattr(k, '__name__', repr(k))\n"
+        "bodies = ('_family_nll', '_family_nll_backward')\n"
+        "print(json.dumps({b: sorted({name(k) for k in get_inner_triton_kernels(getattr(family, b))}) for b in bodies}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "_family_nll": ["_fwd_kernel", "_merge_kernel"],
+        "_family_nll_backward": ["_dscore_kernel", "_round16_kernel"],
+    }
+
+
+def test_work_count_adds_the_negative_columns_and_the_mask_captions_only():
+    # float32 "ieee": per direction forward (1 + g) P, backward (1 + g) P of dS + 2 P of GEMMs (g = 1: the
+    # margin's product); ids cost no product, a threshold with margin="image_text" one (the mask captions')
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import hnclip_kernels.backends.triton.family  # noqa: F401  (its formulas registered before a mode copies them)
+
+    n, m, d = 10, 7, 8
+    img, txt, neg = features(n, d, 33), features(n, d, 34), features(m, d, 35)
+
+    def count(**kw):
+        leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
+        with FlopCounterMode(display=False) as mode:
+            hn_clip_loss(leaves[0], leaves[1], 0.1, negatives=leaves[2], backend="triton", precision="ieee",
+                         **kw).backward()  # fmt: skip
+        return mode.get_total_flops()
+
+    entries = n * (n + m) + n * n
+    assert count() == 2 * d * 6 * entries
+    assert count(group_ids=torch.arange(n)) == 2 * d * 6 * entries
+    assert count(false_negative_threshold=0.5) == 2 * d * 6 * entries
+    assert count(false_negative_threshold=0.5, margin="image_text") == 2 * d * 8 * entries
+    assert count(gamma=0.0, group_ids=torch.arange(n)) == 2 * d * 4 * entries
