@@ -160,6 +160,7 @@ def family_losses(
     directional calls)."""
     kwargs = _op_kwargs(tau, options, return_stats)
     if img.dtype in (torch.float16, torch.bfloat16):  # as symmetric_losses: one float32 gradient sum per tensor
+        # (Triton too: its family is two directional calls, whose bf16 halves would be summed in bf16)
         img, txt = img.float(), txt.float()
         negatives = None if negatives is None else negatives.float()
     if options.backend == "cpp":  # one operator: the symmetric tile plus the negatives' block
