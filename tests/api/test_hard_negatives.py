@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from cases import ALL_BACKENDS
 from helpers import rel_err
 from hnclip_kernels import HNClipLoss, hn_clip_loss
 
@@ -291,9 +292,12 @@ def test_compile_fullgraph():
     assert torch.allclose(compiled(img, txt, neg, tau), fn(img, txt, neg, tau), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
 @pytest.mark.parametrize("margin", ["text", "image_text"])
-def test_gradcheck_float64(margin):
+def test_gradcheck_float64(margin, backend):
     # γ = 0: the margin is off, so finite differences see every input (img, txt, negatives, τ)
+    if backend not in ALL_BACKENDS:
+        pytest.skip(f"{backend} cannot run here")
     img, txt, neg = (features(n, 4, s, torch.float64).requires_grad_(True) for n, s in ((3, 24), (3, 25), (2, 26)))
     tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
     ids = torch.tensor([0, 1, 0])
@@ -301,16 +305,23 @@ def test_gradcheck_float64(margin):
     def fn(a, b, c, s):
         return hn_clip_loss(
             a, b, s, negatives=c, group_ids=ids, gamma=0.0, label_smoothing=0.1, margin=margin,
-            reduction="none", backend="torch",
+            reduction="none", backend=backend,
         )  # fmt: skip
 
     assert torch.autograd.gradcheck(fn, (img, txt, neg, tau))
 
 
-def test_gradcheck_directional_with_mask_captions_and_groups():
-    # the reference's family keywords: with the margin factors and mask captions constants,
-    # every input of a direction is checkable with γ > 0
-    from hnclip_kernels.backends.pytorch.reference import directional_nll_torch
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_gradcheck_directional_with_mask_captions_and_groups(backend):
+    # the directional protocol's family keywords (the reference's, and the C++ family operator's):
+    # with the margin factors and mask captions constants, every input of a direction is
+    # checkable with γ > 0
+    if backend not in ALL_BACKENDS:
+        pytest.skip(f"{backend} cannot run here")
+    if backend == "cpp":
+        from hnclip_kernels.backends.cpp.family import family_directional_nll_cpp as directional
+    else:
+        from hnclip_kernels.backends.pytorch.reference import directional_nll_torch as directional
 
     q, k = features(3, 4, 27, torch.float64).requires_grad_(True), features(5, 4, 28, torch.float64)
     k.requires_grad_(True)
@@ -319,7 +330,7 @@ def test_gradcheck_directional_with_mask_captions_and_groups():
     tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
 
     def fn(q_, k_, s):
-        return directional_nll_torch(
+        return directional(
             q_, k_, query_txt=a2, key_txt=b2, mask_query=a, mask_key=b, tau=s, offset=1,
             gamma=0.7, label_smoothing=0.1, normalize=True, false_negative_threshold=0.2,
             query_groups=torch.tensor([0, 1, 1]), key_groups=torch.tensor([0, 1, 2, 1]),
