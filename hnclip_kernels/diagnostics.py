@@ -307,7 +307,8 @@ def saturation_report(
                 both["lost"].double().mean(),
                 hard.mean(),
                 hard.max(),
-                0.5 * both["masked"].double().sum(),
+                # with negatives the N × (N + M) i2t logits' masked entries (as reports.stats_fields)
+                0.5 * both["masked"].double().sum() if negatives is None else i2t["masked"].double().sum(),
             ]
         ).tolist()  # one sync
         masking = fn_thr is not None or group_ids is not None

@@ -41,7 +41,9 @@ class SaturationReport:
     * ``masked_pairs``: with false-negative masking, the number of entries (i, j), i ≠ j, of the
       logits the mask removed, ½ Σ over the 2N directional rows of the row's masked negatives
       (each masked entry leaves one i2t and one t2i row: a pair of duplicate captions counts 2,
-      (i, j) and (j, i)); on a rank of a distributed job, its own rows' entries. None without
+      (i, j) and (j, i)); with hard negatives (M > 0), the masked entries of the N × (N + M)
+      image→text logits (a masked negative column counts once, a masked caption pair twice, as
+      without negatives); on a rank of a distributed job, its own rows' entries. None without
       masking.
 
     Only from :func:`saturation_report`'s materialising pass (``None`` from
@@ -92,6 +94,7 @@ def stats_fields(
     """loss, saturated_rows, effective_negatives, rows (and masked_pairs with false-negative
     masking, from the ``kept`` counts and ``n_keys``) from both directions' statistics."""
     delta = torch.cat([i2t.delta.reshape(-1), t2i.delta.reshape(-1)]).double()
+    with_negatives = isinstance(n_keys, tuple) and n_keys[0] != n_keys[1]
     if isinstance(n_keys, tuple):  # the hard-negative family: (N + M i2t columns, N t2i columns)
         n_keys = torch.cat(
             [torch.full_like(st.delta.reshape(-1), k, dtype=torch.float64) for st, k in zip((i2t, t2i), n_keys)]
@@ -109,7 +112,11 @@ def stats_fields(
     eff = torch.where(delta == float("-inf"), torch.zeros_like(entropy), entropy.exp())
     parts = [losses.mean(), (nll < threshold).double().mean(), eff.mean()]
     if masked:
-        parts.append(0.5 * (n_keys - 1.0 - kept).sum())
+        removed = n_keys - 1.0 - kept
+        if with_negatives:  # the negative columns are in the i2t rows only
+            parts.append(removed[: i2t.delta.numel()].sum())  # the N × (N + M) i2t logits' masked entries
+        else:
+            parts.append(0.5 * removed.sum())
     values = torch.stack(parts).tolist()  # one sync
     return dict(
         loss=values[0],

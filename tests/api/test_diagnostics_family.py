@@ -93,3 +93,27 @@ def test_family_arguments_are_checked(kwargs, exc, match):
     img, txt, _, _ = _batch()
     with pytest.raises(exc, match=match):
         saturation_report(img, txt, 0.2, **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_masked_negative_columns_count_once(backend, k):
+    # k negatives equal to captions t_0 … t_{k-1}: each is one masked entry of the N × (N + M) i2t
+    # logits (no t2i row sees it). Half-counting them, as the caption pairs' two directions are,
+    # gave 0, 1, 2 (round half to even) for k = 1, 2, 3.
+    from cases import ALL_BACKENDS
+
+    if backend not in ALL_BACKENDS:
+        pytest.skip(f"{backend} cannot run here")
+    g = torch.Generator().manual_seed(5)
+    img, txt = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
+    neg = torch.cat([txt[:k].clone(), torch.randn(2, 8, generator=g)])
+    kw = dict(negatives=neg, false_negative_threshold=0.9999)
+    _, report = hn_clip_loss(img, txt, 0.1, return_stats=True, backend=backend, **kw)
+    assert report.masked_pairs == k
+    assert saturation_report(img, txt, 0.1, **kw).masked_pairs == k
+    # a duplicated caption pair still counts its two entries (i, j) and (j, i), with or without negatives
+    txt2 = torch.cat([txt[:1], txt[:1], txt[2:]])
+    _, report = hn_clip_loss(img, txt2, 0.1, return_stats=True, backend=backend, **kw)
+    # (0, 1) and (1, 0); negative 0 = t_0 in rows 0 and 1; negative 1 (the old t_1) in none; negative 2 = t_2 in row 2
+    assert report.masked_pairs == 2 + 2 + (1 if k == 3 else 0)
