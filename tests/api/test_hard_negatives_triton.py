@@ -1,7 +1,7 @@
 """The hard-negative family on backend="triton" (``hnclip::triton_family_directional_nll``): the float64
 oracle of test_hard_negatives.py (loss and every gradient: img, txt, negatives, τ) on the Triton
 kernels in both launch modes of the interpreter (its own small tiles, and the GPU's), per row where
-saturated; triton against cpp per row; the operator's opcheck; and that the family operator
+saturated; triton against cpp per row; the operator's opcheck and torch.compile(fullgraph=True); and that the family operator
 without family inputs is today's directional operator, bit for bit.
 
 Tolerances: those of test_hard_negatives.py. Sizes: N = 6 (test_hard_negatives.N), the
@@ -213,3 +213,27 @@ def test_work_count_adds_the_negative_columns_and_the_mask_captions_only():
     assert count(false_negative_threshold=0.5) == 2 * d * 6 * entries
     assert count(false_negative_threshold=0.5, margin="image_text") == 2 * d * 8 * entries
     assert count(gamma=0.0, group_ids=torch.arange(n)) == 2 * d * 4 * entries
+
+
+def test_compile_fullgraph():
+    # the family's Triton operator under torch.compile: one opaque custom_op under the interpreter
+    # (aot_eager: Inductor cannot compile user Triton kernels for CPU tensors), no graph break
+    torch._dynamo.reset()
+    img, txt, neg = features(N, D, 21), features(N, D, 22), features(4, D, 23)
+    ids = GROUPS["random"]
+
+    def fn(a, b, c, tau):
+        return hn_clip_loss(
+            a, b, tau, negatives=c, group_ids=ids, margin="image_text", false_negative_threshold=0.5,
+            label_smoothing=0.1, backend="triton",
+        )  # fmt: skip
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
+    out = []
+    for f in (fn, compiled):
+        leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
+        tau = torch.tensor(0.1, requires_grad=True)
+        loss = f(*leaves, tau)
+        out.append((loss.detach(), *torch.autograd.grad(loss, [*leaves, tau])))
+    for name, x, y in zip(("loss", "d img", "d txt", "d neg", "d tau"), *out):
+        assert torch.equal(x, y), name
