@@ -29,7 +29,7 @@ from .backward import directional_shares
 from .forward import directional_stats
 from .launch import USE_TRITON_OP
 from .outputs import Grads, smoothing_shifts
-from .params import Family, scalars, threshold_block
+from .params import Family, scalar_args, scalars, threshold_block
 
 
 def _family_inputs(mask_query: Tensor, mask_key: Tensor, query_groups: Tensor, key_groups: Tensor, masked: bool):
@@ -186,11 +186,9 @@ def family_directional_nll_triton(
     formed. Without family inputs it is :func:`.ops.directional_nll_triton`'s call on this operator
     (the same kernels and results, bit for bit). Raises ``ValueError`` as
     :func:`hnclip_kernels.validation_family.check_family_directional` does."""
-    from .ops import _scalar_args
-
     check_directional(queries, keys, query_txt, key_txt, offset)
     check_family_directional(queries.shape[0], keys.shape[0], mask_query, mask_key, query_groups, key_groups)
-    gamma_t, eps_t, has_margin, smoothing, precision = _scalar_args(gamma, label_smoothing, precision, queries)
+    gamma_t, eps_t, has_margin, smoothing, precision = scalar_args(gamma, label_smoothing, precision, queries)
     thr_t, masked = glue.threshold_args(false_negative_threshold, queries)
     cosine = masked and mask_query is not None
     empty = queries.new_empty((0,))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ...validation import check_directional, resolve_precision
+from ...validation import check_directional
 from .. import glue
 from ..outputs import DirectionalOut, SymmetricOut
 from . import flops
@@ -29,6 +29,7 @@ from .distributed_ops import (
 )
 from .launch import USE_TRITON_OP
 from .outputs import RankOut
+from .params import scalar_args
 from .symmetric_op import _symmetric_grads_fake, _symmetric_nll, _symmetric_nll_backward, _symmetric_nll_fake
 
 HNClipTriton = glue.fused_op(
@@ -69,23 +70,6 @@ from . import family  # noqa: E402, F401
 
 
 # ------------------------------------------------------------------ public wrappers
-def _scalar_args(gamma, label_smoothing, precision, like: torch.Tensor):
-    """(γ, ε as :func:`glue.hyperparameter` tensors, has_margin, smoothing, precision string).
-
-    has_margin (γ ≠ 0) and smoothing (ε ≠ 0), the kernels' HAS_MARGIN and SMOOTHING, stay
-    bools: under ``torch.compile`` γ = 0 and γ ≠ 0 are two graphs, every other new γ reuses
-    the second (ε alike). A tensor γ or ε is taken to be non-zero."""
-    has_margin = True if isinstance(gamma, torch.Tensor) else gamma != 0.0
-    smoothing = True if isinstance(label_smoothing, torch.Tensor) else label_smoothing != 0.0
-    return (
-        glue.hyperparameter(gamma, like),
-        glue.hyperparameter(label_smoothing, like),
-        has_margin,
-        smoothing,
-        resolve_precision(precision),
-    )
-
-
 def directional_nll_triton(
     queries,
     keys,
@@ -114,7 +98,7 @@ def directional_nll_triton(
     tile times the captions' inverse norms whatever ``normalize`` says (``tiles._caption_keep``),
     with the threshold rounded to float32."""
     check_directional(queries, keys, query_txt, key_txt, offset)
-    gamma_t, eps_t, has_margin, smoothing, precision = _scalar_args(gamma, label_smoothing, precision, queries)
+    gamma_t, eps_t, has_margin, smoothing, precision = scalar_args(gamma, label_smoothing, precision, queries)
     thr_t, masked = glue.threshold_args(false_negative_threshold, queries)
     out = DirectionalOut._make(
         glue.call(
@@ -156,7 +140,7 @@ def hn_clip_pairs_triton(
     ``return_stats``: also ``(i2t, t2i)``, the detached ``epilogue.RowStats`` of both directions.
     ``false_negative_threshold``: as :func:`directional_nll_triton` (off the diagonal super-tiles
     one caption tile masks Z_IJ and Z_JIᵀ alike: the mask is symmetric to the bit there)."""
-    gamma_t, eps_t, has_margin, smoothing, precision = _scalar_args(gamma, label_smoothing, precision, img)
+    gamma_t, eps_t, has_margin, smoothing, precision = scalar_args(gamma, label_smoothing, precision, img)
     thr_t, masked = glue.threshold_args(false_negative_threshold, img)
     out = SymmetricOut._make(
         glue.call(
@@ -208,7 +192,7 @@ def rank_nll_triton(
     does for either direction."""
     check_directional(img, all_txt, txt, all_txt, offset)
     check_directional(txt, all_img, txt, all_txt, offset)
-    gamma_t, eps_t, has_margin, smoothing, precision = _scalar_args(gamma, label_smoothing, precision, img)
+    gamma_t, eps_t, has_margin, smoothing, precision = scalar_args(gamma, label_smoothing, precision, img)
     thr_t, masked = glue.threshold_args(false_negative_threshold, img)
     out = RankOut._make(
         glue.call(

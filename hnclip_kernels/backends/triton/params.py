@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import epilogue
+from ...validation import resolve_precision
+from .. import epilogue, glue
 from . import config as cfg
 
 
@@ -115,3 +116,21 @@ def threshold_block(threshold: Tensor, captions, norms, normalize: bool) -> Tens
     size = max(m, n)
     pairs = torch.stack((F.pad(rho_k, (0, size - n)), F.pad(rho_q, (0, size - m))), dim=1).reshape(-1)
     return torch.cat((scalar32(threshold, rho_q).expand(2), pairs))
+
+
+def scalar_args(gamma, label_smoothing, precision, like: torch.Tensor):
+    """The public wrappers' hyperparameters as the operators take them: (γ, ε as
+    :func:`..glue.hyperparameter` tensors, has_margin, smoothing, precision string).
+
+    has_margin (γ ≠ 0) and smoothing (ε ≠ 0), the kernels' HAS_MARGIN and SMOOTHING, stay
+    bools: under ``torch.compile`` γ = 0 and γ ≠ 0 are two graphs, every other new γ reuses
+    the second (ε alike). A tensor γ or ε is taken to be non-zero."""
+    has_margin = True if isinstance(gamma, torch.Tensor) else gamma != 0.0
+    smoothing = True if isinstance(label_smoothing, torch.Tensor) else label_smoothing != 0.0
+    return (
+        glue.hyperparameter(gamma, like),
+        glue.hyperparameter(label_smoothing, like),
+        has_margin,
+        smoothing,
+        resolve_precision(precision),
+    )
