@@ -254,8 +254,8 @@ def test_auto_runs_torch_and_inputs_are_not_mutated():
         assert torch.equal(x, c)
 
 
-@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(
+# the hypothesis draws of every backend's oracle test (test_hard_negatives_cpp.py draws the same)
+FAMILY_DRAWS = dict(
     n=st.integers(1, 7),
     d=st.integers(2, 6),
     m=st.integers(0, 9),
@@ -267,14 +267,24 @@ def test_auto_runs_torch_and_inputs_are_not_mutated():
     threshold=st.sampled_from([None, 0.4]),
     seed=st.integers(0, 2**16),
 )
-def test_hypothesis_draws_match_the_oracle(n, d, m, tau, gamma, eps, n_groups, margin, threshold, seed):
+
+
+def check_draw(backend, n, d, m, tau, gamma, eps, n_groups, margin, threshold, seed):
+    """One :data:`FAMILY_DRAWS` draw against the oracle on ``backend`` (pairs within 1e-4 of the
+    threshold are drawn again: their mask flips with rounding)."""
     img, txt, neg = features(n, d, seed), features(n, d, seed + 1), features(m, d, seed + 2)
     if threshold is not None:
         xs = F.normalize(torch.cat([txt, neg]).double(), dim=1)
         assume(((F.normalize(txt.double(), dim=1) @ xs.T - threshold).abs() > 1e-4).all())
     ids = None if n_groups is None else torch.randint(0, n_groups, (n,), generator=torch.Generator().manual_seed(seed))
     kw = dict(margin=margin, gamma=gamma, label_smoothing=eps, threshold=threshold, group_ids=ids)
-    check(img, txt, neg if m else None, tau, **kw)
+    check(img, txt, neg if m else None, tau, backend=backend, **kw)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(**FAMILY_DRAWS)
+def test_hypothesis_draws_match_the_oracle(**draw):
+    check_draw("torch", **draw)
 
 
 def test_compile_fullgraph():
@@ -337,3 +347,28 @@ def test_gradcheck_directional_with_mask_captions_and_groups(backend):
         )  # fmt: skip
 
     assert torch.autograd.gradcheck(fn, (q, k, tau))
+
+
+def assert_compiled_equals_eager(backend: str):
+    """``hn_clip_loss`` with every family option under ``torch.compile(fullgraph=True)``
+    (aot_eager: the fused operators are opaque custom ops on CPU; a graph break raises): loss and
+    every gradient equal to eager, to the bit."""
+    torch._dynamo.reset()
+    img, txt, neg = features(N, D, 21), features(N, D, 22), features(4, D, 23)
+    ids = GROUPS["random"]
+
+    def fn(a, b, c, tau):
+        return hn_clip_loss(
+            a, b, tau, negatives=c, group_ids=ids, margin="image_text", false_negative_threshold=0.5,
+            label_smoothing=0.1, backend=backend,
+        )  # fmt: skip
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    out = []
+    for f in (fn, compiled):
+        leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
+        tau = torch.tensor(0.1, requires_grad=True)
+        loss = f(*leaves, tau)
+        out.append((loss.detach(), *torch.autograd.grad(loss, [*leaves, tau])))
+    for name, x, y in zip(("loss", "d img", "d txt", "d neg", "d tau"), *out):
+        assert torch.equal(x, y), name

@@ -14,9 +14,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
-from test_hard_negatives import GROUPS, D, N, check, family_f64, features, run_both
+from hypothesis import HealthCheck, given, settings
+from test_hard_negatives import (
+    FAMILY_DRAWS,
+    GROUPS,
+    D,
+    N,
+    assert_compiled_equals_eager,
+    check,
+    check_draw,
+    family_f64,
+    features,
+    run_both,
+)
 
 from cases import ALL_BACKENDS
 from helpers import rel_err
@@ -119,26 +129,9 @@ def test_cpp_matches_torch_per_row(margin, dtype):
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(
-    n=st.integers(1, 7),
-    d=st.integers(2, 6),
-    m=st.integers(0, 9),
-    tau=st.sampled_from([0.02, 0.07, 0.3, 1.0]),
-    gamma=st.sampled_from([0.0, 0.5, 2.0]),
-    eps=st.sampled_from([0.0, 0.1]),
-    n_groups=st.sampled_from([None, 1, 2, 4]),
-    margin=st.sampled_from(["text", "image_text"]),
-    threshold=st.sampled_from([None, 0.4]),
-    seed=st.integers(0, 2**16),
-)
-def test_hypothesis_draws_match_the_oracle(n, d, m, tau, gamma, eps, n_groups, margin, threshold, seed):
-    img, txt, neg = features(n, d, seed), features(n, d, seed + 1), features(m, d, seed + 2)
-    if threshold is not None:
-        xs = F.normalize(torch.cat([txt, neg]).double(), dim=1)
-        assume(((F.normalize(txt.double(), dim=1) @ xs.T - threshold).abs() > 1e-4).all())
-    ids = None if n_groups is None else torch.randint(0, n_groups, (n,), generator=torch.Generator().manual_seed(seed))
-    kw = dict(margin=margin, gamma=gamma, label_smoothing=eps, threshold=threshold, group_ids=ids)
-    check(img, txt, neg if m else None, tau, backend="cpp", **kw)
+@given(**FAMILY_DRAWS)
+def test_hypothesis_draws_match_the_oracle(**draw):
+    check_draw("cpp", **draw)
 
 
 def test_auto_runs_cpp_on_cpu_and_the_module_matches():
@@ -202,25 +195,7 @@ def test_family_operator_without_family_inputs_is_the_directional_operator():
 
 
 def test_compile_fullgraph():
-    torch._dynamo.reset()
-    img, txt, neg = features(N, D, 21), features(N, D, 22), features(4, D, 23)
-    ids = GROUPS["random"]
-
-    def fn(a, b, c, tau):
-        return hn_clip_loss(
-            a, b, tau, negatives=c, group_ids=ids, margin="image_text", false_negative_threshold=0.5,
-            label_smoothing=0.1, backend="cpp",
-        )  # fmt: skip
-
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
-    out = []
-    for f in (fn, compiled):
-        leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
-        tau = torch.tensor(0.1, requires_grad=True)
-        loss = f(*leaves, tau)
-        out.append((loss.detach(), *torch.autograd.grad(loss, [*leaves, tau])))
-    for name, x, y in zip(("loss", "d img", "d txt", "d neg", "d tau"), *out):
-        assert torch.equal(x, y), name
+    assert_compiled_equals_eager("cpp")
 
 
 def test_work_count_adds_the_negative_columns_only():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_hard_negatives import GROUPS, D, N, check, features, run_both
+from test_hard_negatives import GROUPS, D, N, assert_compiled_equals_eager, check, features, run_both
 from test_hard_negatives_cpp import _rows_agree, _saturated_batch
 
 from cases import ALL_BACKENDS
@@ -216,24 +216,4 @@ def test_work_count_adds_the_negative_columns_and_the_mask_captions_only():
 
 
 def test_compile_fullgraph():
-    # the family's Triton operator under torch.compile: one opaque custom_op under the interpreter
-    # (aot_eager: Inductor cannot compile user Triton kernels for CPU tensors), no graph break
-    torch._dynamo.reset()
-    img, txt, neg = features(N, D, 21), features(N, D, 22), features(4, D, 23)
-    ids = GROUPS["random"]
-
-    def fn(a, b, c, tau):
-        return hn_clip_loss(
-            a, b, tau, negatives=c, group_ids=ids, margin="image_text", false_negative_threshold=0.5,
-            label_smoothing=0.1, backend="triton",
-        )  # fmt: skip
-
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
-    out = []
-    for f in (fn, compiled):
-        leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
-        tau = torch.tensor(0.1, requires_grad=True)
-        loss = f(*leaves, tau)
-        out.append((loss.detach(), *torch.autograd.grad(loss, [*leaves, tau])))
-    for name, x, y in zip(("loss", "d img", "d txt", "d neg", "d tau"), *out):
-        assert torch.equal(x, y), name
+    assert_compiled_equals_eager("triton")
