@@ -96,10 +96,10 @@ def family_arguments(img, txt, negatives, group_ids, names=("img", "txt")):
     return check_negatives(negatives, txt, names[1]), check_group_ids(group_ids, txt, names[1])
 
 
-def check_fused_support(backend: str, negatives, group_ids, margin: str, distributed: bool = False) -> None:
-    """The family's fused kernels exist on backends "cpp" and "triton" on one process, and on
-    "cpp" across ranks: backend "triton" in the ``distributed`` loss with any family option raises
-    ``NotImplementedError`` naming it (collectively, on every rank)."""
+def check_fused_support(backend: str, negatives, group_ids, margin: str) -> None:
+    """The distributed loss's family backends: "torch" and "cpp" (the family's Triton operator runs
+    on one process only); backend "triton" with any family option raises ``NotImplementedError``
+    naming it (across ranks collectively, on every rank: ``consensus``)."""
     used = [
         name
         for name, on in (
@@ -109,7 +109,7 @@ def check_fused_support(backend: str, negatives, group_ids, margin: str, distrib
         )
         if on
     ]
-    if used and backend == "triton" and distributed:
+    if used and backend == "triton":
         raise NotImplementedError(
             f"{' and '.join(used)}: not implemented yet for backend='triton' across ranks (the fused kernels of "
             "these options are in progress); use backend='torch' or 'cpp'"

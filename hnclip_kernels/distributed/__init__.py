@@ -203,6 +203,6 @@ def _single_checks(image_features, text_features, tau, options, rank, group, tau
     sizes = [image_features.shape[0]]
     if negatives is None and group_ids is None and bound.margin == "text":
         return sizes, bound, None
-    check_fused_support(requested.backend, negatives, group_ids, bound.margin, distributed=True)
+    check_fused_support(requested.backend, negatives, group_ids, bound.margin)
     m = 0 if negatives is None else negatives.shape[0]
     return sizes, family_backend(requested.backend, bound), ([m], negatives, group_ids)

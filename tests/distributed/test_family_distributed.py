@@ -301,3 +301,11 @@ def test_one_process_function_takes_the_family(margin):
     kw = dict(negatives=n, group_ids=ids, margin=margin, backend="torch")
     got = distributed_hn_clip_loss(v, t, 0.07, world_size=1, **kw)
     assert torch.equal(got, hn_clip_loss(v, t, 0.07, **kw))
+
+
+def test_one_process_function_refuses_triton_for_the_family():
+    """``distributed_hn_clip_loss`` has no Triton family path: even with ``world_size=1`` a family
+    option on backend="triton" raises, naming the backends that run it."""
+    v, t, n = (x.float() for x in global_data(3))  # Triton's dtypes
+    with pytest.raises(NotImplementedError, match=r"negatives \(M > 0\).*backend='torch' or 'cpp'"):
+        distributed_hn_clip_loss(v, t, 0.07, world_size=1, negatives=n, backend="triton")
