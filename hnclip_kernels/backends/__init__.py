@@ -156,11 +156,16 @@ def family_losses(
     (the negatives carry no id). Shape (N,); with ``return_stats`` also both directions'
     ``RowStats`` (i2t's over its N + M columns). backend "torch" (the reference, two directional
     calls), "cpp" (``hnclip::cpp_family_nll``: the symmetric tile for both directions plus one
-    pass over the N×M negative block) or "triton" (``hnclip::triton_family_directional_nll``, two
-    directional calls)."""
+    pass over the N×M negative block; 16-bit inputs upcast to float32 first, as
+    :func:`symmetric_losses`) or "triton" (``hnclip::triton_family_nll``: the same two walks, 16-bit
+    features as they are)."""
     kwargs = _op_kwargs(tau, options, return_stats)
+    if options.backend == "triton":  # one operator: the symmetric walk plus the negatives' block, 16-bit as it is
+        from .triton.family_sym import family_pairs_triton
+
+        return family_pairs_triton(img, txt, negatives, group_ids, margin=options.margin, precision=options.precision,
+                                   **kwargs)  # fmt: skip
     if img.dtype in (torch.float16, torch.bfloat16):  # as symmetric_losses: one float32 gradient sum per tensor
-        # (Triton too: its family is two directional calls, whose bf16 halves would be summed in bf16)
         img, txt = img.float(), txt.float()
         negatives = None if negatives is None else negatives.float()
     if options.backend == "cpp":  # one operator: the symmetric tile plus the negatives' block
@@ -168,10 +173,6 @@ def family_losses(
 
         return family_pairs_cpp(img, txt, negatives, group_ids, margin=options.margin, **kwargs)
     fn = directional_nll_torch
-    if options.backend == "triton":
-        from .triton.family import family_directional_nll_triton
-
-        fn = functools.partial(family_directional_nll_triton, precision=options.precision)
     keys = txt if negatives is None else torch.cat([txt, negatives])
     groups = {} if group_ids is None else dict(query_groups=group_ids, key_groups=group_ids)
     if options.margin == "text":

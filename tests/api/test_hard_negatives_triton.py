@@ -190,29 +190,39 @@ def test_family_operator_finds_exactly_its_kernels():
     }
 
 
-def test_work_count_adds_the_negative_columns_and_the_mask_captions_only():
-    # float32 "ieee": per direction forward (1 + g) P, backward (1 + g) P of dS + 2 P of GEMMs (g = 1: the
-    # margin's product); ids cost no product, a threshold with margin="image_text" one (the mask captions')
+@pytest.mark.parametrize("n", [10, 70])
+def test_work_count_is_todays_loss_plus_the_negative_block(n):
+    # float32 "ieee": the N×N walks are today's loss's (hnclip::triton_symmetric_nll, its tile pairs past
+    # BLOCK_M = 64 rows); the N×M block adds forward (1 + g) P, backward (1 + g) P of dS + 2 P of GEMMs,
+    # g = 1 for the text margin or a threshold (t̂·n̂), 0 for margin="image_text" (a logit scale) or γ = 0;
+    # ids cost no product
     from torch.utils.flop_counter import FlopCounterMode
 
-    import hnclip_kernels.backends.triton.family  # noqa: F401  (its formulas registered before a mode copies them)
+    import hnclip_kernels.backends.triton.ops  # noqa: F401  (the formulas registered before a mode copies them)
 
-    n, m, d = 10, 7, 8
+    m, d = 7, 8
     img, txt, neg = features(n, d, 33), features(n, d, 34), features(m, d, 35)
 
-    def count(**kw):
+    def count(family=True, **kw):
         leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
+        extra = dict(negatives=leaves[2]) if family else {}
         with FlopCounterMode(display=False) as mode:
-            hn_clip_loss(leaves[0], leaves[1], 0.1, negatives=leaves[2], backend="triton", precision="ieee",
-                         **kw).backward()  # fmt: skip
+            hn_clip_loss(leaves[0], leaves[1], 0.1, backend="triton", precision="ieee", **extra, **kw).backward()
         return mode.get_total_flops()
 
-    entries = n * (n + m) + n * n
-    assert count() == 2 * d * 6 * entries
-    assert count(group_ids=torch.arange(n)) == 2 * d * 6 * entries
-    assert count(false_negative_threshold=0.5) == 2 * d * 6 * entries
-    assert count(false_negative_threshold=0.5, margin="image_text") == 2 * d * 8 * entries
-    assert count(gamma=0.0, group_ids=torch.arange(n)) == 2 * d * 4 * entries
+    def block(g):
+        return 2 * d * n * m * (2 * (1 + g) + 2)
+
+    today, today_no_margin = count(False), count(False, gamma=0.0)
+    if n == 10:  # one diagonal super-tile: each logit formed alone, 2 products forward, 2 + 2 backward
+        assert today == 2 * d * 6 * n * n
+    assert count() == today + block(1)
+    assert count(group_ids=torch.arange(n) % 3) == today + block(1)
+    assert count(false_negative_threshold=0.5) == count(False, false_negative_threshold=0.5) + block(1)
+    assert count(margin="image_text") == today_no_margin + block(0)
+    assert count(false_negative_threshold=0.5, margin="image_text") == today + block(1)
+    assert count(gamma=0.0, group_ids=torch.arange(n)) == today_no_margin + block(0)
+    assert count(False, group_ids=torch.arange(n)) == today  # ids alone: the family operator at M = 0
 
 
 def test_compile_fullgraph():

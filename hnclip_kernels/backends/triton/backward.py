@@ -42,14 +42,16 @@ def _modes(x: torch.Tensor):
     return x.dtype in (torch.bfloat16, torch.float16), x.dtype == torch.float16
 
 
-def directional_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=None):
+def directional_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=None, positives=None):
     """Negatives' shares (times τ) of the directional op: dL/dq̂ (M, D) and dL/dk̂ (N, D), float32.
 
     ``ops`` = (q, k, margin_q, margin_k), ``norms`` their inverse norms, ``stats`` the forward's
     row statistics, ``g`` (M) each row's upstream gradient, ``sc`` the operator's scalars (with
     ``sc.thr`` the masked entries get no dS); ``shifts`` = (ε/n_i of the rows,) with masking
     and label smoothing (``epilogue.smoothing_shift``), else None: the kept entries get
-    dS_ik = g_i (P_ik − ε/n_i)."""
+    dS_ik = g_i (P_ik − ε/n_i). ``positives`` = (the rows' positive keys (M, D), their inverse
+    norms) where they are not among k (the family's negative block, ``offset`` past k): 16-bit
+    rounding compensation refers each row to them (the columns keep their error)."""
     q, k, _, _ = ops
     s = None if shifts is None else shifts[0]
     round16, tail = _modes(q)
@@ -60,7 +62,7 @@ def directional_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=No
     def launch_chunk(bounds, buffers):
         launch_dscore(sc, ops, per_row, buffers, (*bounds, q.shape[1], offset))
 
-    ((d_q, d_k),) = _walk(((q, k, norms[0], norms[1]),), [scale], offset, launch_chunk)
+    ((d_q, d_k),) = _walk(((q, k, norms[0], norms[1]),), [scale], offset, launch_chunk, positives)
     return d_q, d_k
 
 
@@ -95,14 +97,15 @@ def rank_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=None):
     return _walk(dirs, scales, offset, launch_chunk)
 
 
-def _walk(dirs, scales, offset: int, launch_chunk):
+def _walk(dirs, scales, offset: int, launch_chunk, positives=None):
     """The chunk walk of the directional op (one direction) and of a rank's pair (two): ``dirs``
     holds each direction's (rows q (M, D), columns k (N, D), their inverse norms), ``scales``
     each one's :func:`.scales.w_scales`; ``launch_chunk((row0, row_end, col0, col_end), (w, res_r,
     res_c))`` writes every direction's W of one chunk into its fresh buffers (direction i's at
     i·R·C, its slice maxima likewise). Chunks of ``cfg.chunk_shape(M, N)``, row blocks outer; per
     direction two GEMMs a chunk (four with fp16's tail), accumulated in chunk order. Returns each
-    direction's (d_q, d_k), scaled back, with the rounding compensation."""
+    direction's (d_q, d_k), scaled back, with the rounding compensation (``positives``: as
+    :func:`directional_shares`')."""
     q0 = dirs[0][0]
     m, n, dev = q0.shape[0], dirs[0][1].shape[0], q0.device
     round16, tail = _modes(q0)
@@ -152,7 +155,9 @@ def _walk(dirs, scales, offset: int, launch_chunk):
     for i, (q, k, r_q, r_k) in enumerate(dirs):
         d_q = _cat(d_q_parts[i]).div_(scales[i].rq[:, None])
         d_k = _cat(d_k_parts[i]).div_(scales[i].rk[:, None])
-        if round16:
+        if round16 and positives is not None:  # no positive among k: the rows' own positive keys
+            d_q.add_(_cat(rho_parts[i])[:, None] * epilogue.scaled(*positives))
+        elif round16:
             epilogue.add_rounding_compensation(
                 d_q, d_k, _cat(rho_parts[i]), _cat(sigma_parts[i]), q, k, r_q, r_k, offset
             )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .family_tiles import _family_tile
+from .family_tiles import _drop_same_group, _family_tile
 from .launch import derived
 from .params import Scalars
 from .tiles import _block, _kept, _load2, _load_scalars, _logits_tile, _pair_tiles, _rank_tiles
@@ -172,15 +172,16 @@ def _store_w(w, mask, rows, cols, w_ptr, w0, stride_w, res_r_ptr, r0, stride_rr,
              w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
-@derived("MASK", "SHIFT", "ROUND16")
+@derived("MASK", "COSINE", "GROUPS", "SHIFT", "ROUND16")
 @triton.jit
 def _dscore_pair_kernel(
     v_ptr, t_ptr, stride_vm, stride_vd, stride_tm, stride_td,
     rv_ptr, rt_ptr, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr, a_ptr, b_ptr, s_ptr, s_c_ptr,
-    inv_tau_ptr, gamma_ptr, thr_ptr,
+    inv_tau_ptr, gamma_ptr, thr_ptr, gk_ptr, K,
     w_ptr, res_r_ptr, res_c_ptr, mirror_w, mirror_r, mirror_c,
     row0, row_end, col0, col_end, D,
     HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr, ROUND16: tl.constexpr,
+    COSINE: tl.constexpr, GROUPS: tl.constexpr,
     SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The symmetric loss's dS over a chunk pair: chunk (a, b) = [row0, row_end) × [col0, col_end)
@@ -200,7 +201,9 @@ def _dscore_pair_kernel(
     Per-row inputs: rv_ptr, rt_ptr (N) inverse norms; pos_ptr, nll_ptr, g_ptr, a_ptr, b_ptr, s_ptr
         as ``_dscore_kernel``'s (q = v, k = t); nll_c_ptr, g_c_ptr (N) the columns' (t2i rows') LSE
         and upstream gradient, s_c_ptr their ε/n (None without SHIFT).
-    Scalars: as ``_dscore_kernel``'s. MASK: the pair tiles' one caption tile masks W_IJ and W_JI alike.
+    Scalars: as ``_dscore_kernel``'s. MASK (derived: COSINE or GROUPS): the pair tiles' one caption
+        tile masks W_IJ and W_JI alike; gk_ptr (K = N) the family's group ids as
+        ``forward_kernels._fwd_pair_kernel``'s (None without, GROUPS).
     Outputs: w_ptr, one flat buffer: W_ab (R × C, row-major) at 0, W_ba (C × R) at mirror_w;
         with ROUND16 res_r_ptr: ab's row slice maxima (⌈C / SLICE⌉, R)
         at 0, ba's (⌈R / SLICE⌉, C) at mirror_r; res_c_ptr: ab's column slice maxima
@@ -213,7 +216,7 @@ def _dscore_pair_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     (offs_m, mask_m), (offs_n, mask_n), rows_c, cols_c = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
-    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
+    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, COSINE)
     rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
     rv_n, rt_n = _load2(rv_ptr, rt_ptr, offs_n, mask_n)
     v = (v_ptr, stride_vm, stride_vd)
@@ -226,14 +229,19 @@ def _dscore_pair_kernel(
     if diagonal & (local_n >= local_m) & (local_n < local_m + BLOCK_M):
         # the diagonal super-tile: its tiles hold the positives and are formed alone, as the forward forms them
         z = _logits_tile(v, t, t, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
-                         D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+                         D, gamma, inv_tau, thr, HAS_MARGIN, COSINE, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        if GROUPS:
+            z = _drop_same_group(z, gk_ptr, K, offs_m, mask_m, offs_n)
         w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
                           a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT, ROUND16)
         _store_w(w, mask, rows, cols, w_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
                  ROUND16, SLICE, BLOCK_M, BLOCK_N)
     elif (row0 != col0) | (local_n >= local_m + BLOCK_M):
         z, zm = _pair_tiles(v, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
-                            D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+                            D, gamma, inv_tau, thr, HAS_MARGIN, COSINE, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        if GROUPS:  # as the forward: (i, j) and (j, i) alike
+            z = _drop_same_group(z, gk_ptr, K, offs_m, mask_m, offs_n)
+            zm = _drop_same_group(zm, gk_ptr, K, offs_m, mask_m, offs_n)
         w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
                           a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT, ROUND16)
         _store_w(w, mask, rows, cols, w_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,

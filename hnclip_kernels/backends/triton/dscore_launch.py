@@ -39,18 +39,20 @@ def _constexprs(sc: Scalars, width: int) -> dict:  # the dS kernels' explicit co
 
 def dscore_pair_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
     """``_dscore_pair_kernel``'s arguments by name (as :func:`dscore_args`): ``features`` = (v, t);
-    ``per_row`` = (rv, rt, pos, nll, g, nll_c, g_c, a, b, s, s_c); ``outputs`` = (w, res_r, res_c,
+    ``per_row`` = (rv, rt, pos, nll, g, nll_c, g_c, a, b, s, s_c); the scalars and ``sc.family``'s
+    group ids; ``outputs`` = (w, res_r, res_c,
     (W_ba's offset, its row maxima's, its column maxima's)); ``shapes`` = (row0, row_end, col0, col_end, D)."""
     v, t = features
     rv, rt, pos, nll, g, nll_c, g_c, a, b, s, s_c = per_row
     inv_tau, gamma, thr = sc.pointers
+    ids = sc.family.pair_ids()
     w, res_r, res_c, (mirror_w, mirror_r, mirror_c) = outputs
     row0, row_end, col0, col_end, d = shapes
     return dict(
         v_ptr=v, t_ptr=t, stride_vm=v.stride(0), stride_vd=v.stride(1), stride_tm=t.stride(0), stride_td=t.stride(1),
         rv_ptr=rv, rt_ptr=rt, pos_ptr=pos, nll_ptr=nll, g_ptr=g, nll_c_ptr=nll_c, g_c_ptr=g_c,
         a_ptr=a, b_ptr=b, s_ptr=s, s_c_ptr=s_c,
-        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr,
+        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr, gk_ptr=ids, K=0 if ids is None else ids.shape[0],
         w_ptr=w, res_r_ptr=res_r, res_c_ptr=res_c, mirror_w=mirror_w, mirror_r=mirror_r, mirror_c=mirror_c,
         row0=row0, row_end=row_end, col0=col0, col_end=col_end, D=d,
     )

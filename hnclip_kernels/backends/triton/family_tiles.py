@@ -12,7 +12,9 @@ Two masking inputs beyond the threshold's (each a flag derived from its pointer,
   is formed at all.
 
 A kernel calls this tile only with one of them; without both it calls ``_logits_tile`` itself, so
-today's kernels compile to the same code.
+today's kernels compile to the same code. The symmetric walk's tile pairs (``_fwd_pair_kernel``,
+``_dscore_pair_kernel``) take group ids alone (``_drop_same_group``): their margin is the captions'
+own G, and ``margin="image_text"`` reaches them as a logit scale (``triton.family_sym``).
 """
 from __future__ import annotations
 
@@ -73,3 +75,11 @@ def _same_group(groups, offs_m, mask_m, offs_n):
     gq = tl.load(row_ids + offs_m, mask=mask_m, other=0)
     gk = tl.load(col_ids + offs_n, mask=has_id, other=0)
     return (gq[:, None] == gk[None, :]) & has_id[None, :]
+
+
+@triton.jit
+def _drop_same_group(z, ids, n, offs_m, mask_m, offs_n):
+    """A tile of logits (rows ``offs_m``, columns ``offs_n`` of one N × N walk) with the entries whose
+    group ids agree at −inf: ``ids`` the N pairs' ids (any one integer dtype), ``n`` = N. The
+    positive's entry comes back −inf too (its ids agree): the kernels exclude it by index."""
+    return tl.where(_same_group((ids, ids, n), offs_m, mask_m, offs_n), float("-inf"), z)

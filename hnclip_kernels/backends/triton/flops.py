@@ -19,6 +19,10 @@ false-negative threshold: the mask reads G), else 0:
 * the family's directional op (``triton_family_directional_nll``): the directional op's with
   its tile's products (``family_tiles``): 1 + g P, g = 1 for γ ≠ 0 or a threshold on the margin
   factors' cosine, plus 1 P for a threshold on mask captions; group ids cost none;
+* the family's loss (``triton_family_nll``): the loss's N×N walks, with g = 1 for γ ≠ 0 under
+  ``margin="text"`` or a threshold (``margin="image_text"`` forms no margin product: it is a logit
+  scale), plus the N×M block of the negatives as the directional op's (1 + g) P forward and
+  (1 + g) P + 2 P (4 fp16) backward; group ids cost none;
 * a backward asked for dτ alone (no feature gradient) runs no kernel: 0.
 
 The kernels' products (not the GEMMs, IEEE float32 or 16-bit) count their tensor-core passes:
@@ -125,6 +129,29 @@ def family_backward(grad, q, k, a, b, mq, *rest, **_):
     return 2 * m * n * d * (_passes(q, precision) * _family_products(has_margin, masked, mq) + 2 * _gemms(q))
 
 
+def _family_g(has_margin, masked: bool, image_text: bool) -> int:
+    """The family loss's margin product (t̂ t̂ᵀ, t̂ n̂ᵀ): the text margin, or a threshold's cosine."""
+    return _margin(bool(has_margin) and not image_text, masked)
+
+
+def family_symmetric_forward(img, txt, negatives, groups, tau, gamma, eps, thr, normalize, masked, has_margin,
+                             smoothing, precision, image_text, **_):  # fmt: skip
+    (n, d), m = img.shape, negatives.shape[0]
+    g = _family_g(has_margin, masked, image_text)
+    macs = symmetric_score_macs(n, d, cfg.fwd_block_m(img.element_size()), g) + (1 + g) * n * m * d
+    return 2 * _passes(img, precision) * macs
+
+
+def family_symmetric_backward(grad, img, txt, negatives, *rest, **_):
+    _normalize, masked, has_margin, _smoothing, precision, image_text, need_features = rest[-7:]
+    if not need_features:
+        return 0
+    (n, d), m = img.shape, negatives.shape[0]
+    g = _family_g(has_margin, masked, image_text)
+    macs = symmetric_score_macs(n, d, cfg.fwd_block_m(img.element_size()), g) + (1 + g) * n * m * d
+    return 2 * (_passes(img, precision) * macs + 2 * _gemms(img) * (n * n + n * m) * d)
+
+
 FORMULAS = {
     "triton_symmetric_nll": symmetric_forward,
     "triton_symmetric_nll_backward": symmetric_backward,
@@ -145,3 +172,9 @@ def register() -> None:
     """Register every formula with ``FlopCounterMode`` (once; the operators must exist)."""
     for name, formula in FORMULAS.items():
         glue.register_flops(name, formula)
+
+
+def register_family_symmetric() -> None:
+    """Register the family loss's formulas (:mod:`.family_sym`, once it exists)."""
+    glue.register_flops("triton_family_nll", family_symmetric_forward)
+    glue.register_flops("triton_family_nll_backward", family_symmetric_backward)

@@ -30,7 +30,18 @@ def _planes(sc: Scalars) -> int:
 
 def symmetric_stats(ops, norms, pos, sc: Scalars):
     """(rows, columns) ``epilogue.RowStats`` of the symmetric loss (M = N, offset 0) from one
-    walk over the tile pairs.
+    walk over the tile pairs: :func:`symmetric_summaries` merged."""
+    n = ops[0].shape[0]
+    acc = symmetric_summaries(ops, norms, pos, sc)
+    return (
+        epilogue.RowStats(pos, *merge_stats(acc, sc.smoothing, n, n, sc.masked)),
+        epilogue.RowStats(pos, *merge_stats(acc, sc.smoothing, 0, n, sc.masked)),
+    )
+
+
+def symmetric_summaries(ops, norms, pos, sc: Scalars):
+    """The symmetric walk's running summaries (1, planes, 2N) float32, line c column c's (t2i row
+    c), line N + r row r's (i2t row r), before :func:`.merge.merge_stats`.
 
     ``ops`` = (v, t) (N, D), ``norms`` their float32 inverse row norms, ``pos`` the positives Z_ii,
     ``sc`` the operator's scalars (with ``sc.thr`` the masked entries leave both directions'
@@ -64,10 +75,7 @@ def symmetric_stats(ops, norms, pos, sc: Scalars):
         launch_fold(col_part, blocks, n, acc, n, 0, block0, block_m, block0 == 0, sc.smoothing, sc.masked)
         launch_fold(row_part, splits, slab_rows, acc, n, col0, 0, 0, False, sc.smoothing, sc.masked)
         del col_part, row_part
-    return (
-        epilogue.RowStats(pos, *merge_stats(acc, sc.smoothing, n, n, sc.masked)),
-        epilogue.RowStats(pos, *merge_stats(acc, sc.smoothing, 0, n, sc.masked)),
-    )
+    return acc
 
 
 def directional_stats(ops, norms, pos, sc: Scalars, offset: int):
@@ -78,14 +86,20 @@ def directional_stats(ops, norms, pos, sc: Scalars, offset: int):
     ``pos`` the positive logits, ``sc`` the operator's scalars (``sc.thr``: the entries whose
     caption cosine, ``tiles._caption_keep``, is ≥ the threshold are no negatives, and the
     statistics gain ``kept``). ``_fwd_kernel`` over (row blocks × column splits), row partials
-    (splits, planes, M) merged by ``_merge_kernel``."""
+    (splits, planes, M, :func:`directional_partials`) merged by ``_merge_kernel``."""
+    row_part = directional_partials(ops, norms, pos, sc, offset)
+    return epilogue.RowStats(pos, *merge_stats(row_part, sc.smoothing, masked=sc.masked))
+
+
+def directional_partials(ops, norms, pos, sc: Scalars, offset: int):
+    """:func:`directional_stats`'s row partials (splits, planes, M) float32, before the merge."""
     q = ops[0]
     m, n, width = q.shape[0], ops[3].shape[0], q.element_size()
     _, row_blocks, splits, per_split = cfg.fwd_grid(m, n, width, False, q.device)
     row_part = torch.empty(splits, _planes(sc), m, device=q.device, dtype=torch.float32)
     shapes = (m, n, q.shape[1], offset, per_split, cfg.n_bucket(n))
     launch_fwd(sc, lambda _: (row_blocks, splits), ops, (*norms, pos), (row_part,), shapes)
-    return epilogue.RowStats(pos, *merge_stats(row_part, sc.smoothing, masked=sc.masked))
+    return row_part
 
 
 def rank_stats(ops, norms, pos, sc: Scalars, offset: int):

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import config as cfg
-from .family_tiles import _family_tile
+from .family_tiles import _drop_same_group, _family_tile
 from .launch import derived, launch, wrap_triton
 from .params import Scalars
 from .tiles import (
@@ -182,14 +182,15 @@ def _fwd_rank_kernel(
         _store_count(part, 2 * M, M + offs_m, mask_m, run_kept, SMOOTHING)
 
 
-@derived("MASK")
+@derived("MASK", "COSINE", "GROUPS")
 @triton.jit
 def _fwd_pair_kernel(
     v_ptr, t_ptr, stride_vm, stride_vd, stride_tm, stride_td,
-    rv_ptr, rt_ptr, pos_ptr, inv_tau_ptr, gamma_ptr, thr_ptr,
+    rv_ptr, rt_ptr, pos_ptr, inv_tau_ptr, gamma_ptr, thr_ptr, gk_ptr,
     row_part_ptr, col_part_ptr,
     N, D, block0, col0, cols_per_split, slab_rows, N_BUCKET,
     SMOOTHING: tl.constexpr, HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
+    COSINE: tl.constexpr, GROUPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The symmetric loss's walk over tile pairs: Z = (v̂ t̂ᵀ + γ t̂ t̂ᵀ) / τ (N × N), the gaps
@@ -207,9 +208,10 @@ def _fwd_pair_kernel(
     Lines: line c < N stands for column c's statistics, line N + r for row r's.
     Inputs: v_ptr, t_ptr (N, D) features (strides ``stride_<v|t><m|d>``), rv_ptr, rt_ptr (N)
         float32 inverse norms, pos_ptr (N) the positives Z_ii, inv_tau_ptr/gamma_ptr as
-        ``_fwd_kernel``, thr_ptr the false-negative masking block (MASK: the entries whose caption cosine
-        is ≥ it leave their row's and their column's summaries, which then count their kept
-        entries in one more plane).
+        ``_fwd_kernel``, thr_ptr the false-negative masking block (COSINE: the entries whose caption
+        cosine is ≥ it leave their row's and their column's summaries, which then count their kept
+        entries in one more plane); gk_ptr (N) the hard-negative family's group ids (GROUPS: pairs
+        whose ids agree leave them alike, ``family_tiles._drop_same_group``), None without.
     Outputs (float32, planes = 3 + SMOOTHING + MASK):
         col_part_ptr (slab row blocks, planes, 2N): row block b's summary of the columns
         c ≥ (block0 + b)·BLOCK_M (lines c) and of the rows c ≥ (block0 + b + 1)·BLOCK_M (lines
@@ -220,13 +222,13 @@ def _fwd_pair_kernel(
         row and the first column its programs reach), cols_per_split (a multiple of BLOCK_N;
         split s walks columns col0 + s·cols_per_split on), slab_rows (the slab's rows, within N),
         N_BUCKET (an autotune key only).
-    Constexprs: as ``_fwd_kernel``; BLOCK_N divides BLOCK_M.
+    Constexprs: as ``_fwd_kernel`` (MASK derived: COSINE or GROUPS); BLOCK_N divides BLOCK_M.
     """
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
     planes = 3 + SMOOTHING + MASK
-    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
+    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, COSINE)
     v = (v_ptr, stride_vm, stride_vd)
     t = (t_ptr, stride_tm, stride_td)
     row0 = (block0 + pid_b) * BLOCK_M
@@ -247,7 +249,9 @@ def _fwd_pair_kernel(
         rt_n = tl.load(rt_ptr + offs_n, mask=mask_n, other=0.0)
         pos_n = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
         z = _logits_tile(v, t, t, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
-                                D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+                                D, gamma, inv_tau, thr, HAS_MARGIN, COSINE, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        if GROUPS:
+            z = _drop_same_group(z, gk_ptr, N, offs_m, mask_m, offs_n)
         neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None])
         if MASK:
             neg = neg & _kept(z)
@@ -261,7 +265,10 @@ def _fwd_pair_kernel(
         rv_n, rt_n = _load2(rv_ptr, rt_ptr, offs_n, mask_n)
         pos_n = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
         z, zm = _pair_tiles(v, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
-                                   D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+                                   D, gamma, inv_tau, thr, HAS_MARGIN, COSINE, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        if GROUPS:  # the ids agree for (i, j) and (j, i) alike: z and zm lose the same entries
+            z = _drop_same_group(z, gk_ptr, N, offs_m, mask_m, offs_n)
+            zm = _drop_same_group(zm, gk_ptr, N, offs_m, mask_m, offs_n)
         neg = mask_m[:, None] & mask_n[None, :]
         if MASK:  # one caption pair for z and zm: the same entries leave both
             neg = neg & _kept(z)
@@ -343,8 +350,8 @@ def fwd_rank_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
 
 def fwd_pair_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
     """``_fwd_pair_kernel``'s arguments by name (as :func:`fwd_args`): ``features`` = (v, t);
-    ``per_row`` = (rv, rt, pos); ``outputs`` = (row_part, col_part); ``shapes`` = (N, D, block0,
-    col0, cols_per_split, slab_rows, N_BUCKET)."""
+    ``per_row`` = (rv, rt, pos); the scalars and ``sc.family``'s group ids; ``outputs`` = (row_part,
+    col_part); ``shapes`` = (N, D, block0, col0, cols_per_split, slab_rows, N_BUCKET)."""
     v, t = features
     rv, rt, pos = per_row
     inv_tau, gamma, thr = sc.pointers
@@ -353,7 +360,7 @@ def fwd_pair_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
     return dict(
         v_ptr=v, t_ptr=t, stride_vm=v.stride(0), stride_vd=v.stride(1), stride_tm=t.stride(0), stride_td=t.stride(1),
         rv_ptr=rv, rt_ptr=rt, pos_ptr=pos,
-        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr,
+        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr, gk_ptr=sc.family.pair_ids(),
         row_part_ptr=row_part, col_part_ptr=col_part,
         N=n, D=d, block0=block0, col0=col0, cols_per_split=cols_per_split, slab_rows=slab_rows, N_BUCKET=n_bucket,
     )

@@ -65,8 +65,8 @@ HNClipRankTriton = glue.fused_op(
 )
 
 flops.register()  # FlopCounterMode's formulas of the six operators
-# the hard-negative family's operator (hnclip::triton_family_directional_nll) registers with these
-from . import family  # noqa: E402, F401
+# the hard-negative family's operators (hnclip::triton_family_directional_nll, ::triton_family_nll) register with these
+from . import family, family_sym  # noqa: E402, F401
 
 
 # ------------------------------------------------------------------ public wrappers

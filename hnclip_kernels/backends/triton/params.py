@@ -32,6 +32,11 @@ class Family(NamedTuple):
     captions: Optional[Tuple[Tensor, Tensor]] = None
     groups: Optional[Tuple[Tensor, Tensor]] = None
 
+    def pair_ids(self) -> Optional[Tensor]:
+        """The symmetric walk's group ids (``gk_ptr`` of the pair kernels): the N pairs' ids, the
+        same for rows and columns, or None."""
+        return None if self.groups is None else self.groups[1]
+
     def pointers(self) -> dict:
         """The kernels' ``cq_ptr, ck_ptr, gq_ptr, gk_ptr, K`` by name (None, 0 where absent)."""
         cq, ck = self.captions if self.captions is not None else (None, None)
