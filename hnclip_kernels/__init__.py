@@ -16,11 +16,23 @@ from .options import LossOptions
 
 
 def workspace_bytes(
-    n, d, dtype, *, gamma=0.5, label_smoothing=0.0, local_rows=None, device=None, false_negative_threshold=None
+    n,
+    d,
+    dtype,
+    *,
+    gamma=0.5,
+    label_smoothing=0.0,
+    local_rows=None,
+    device=None,
+    false_negative_threshold=None,
+    negatives=0,
+    group_ids=False,
 ) -> int:
     """Bytes the fused Triton path allocates beyond inputs and outputs (forward statistics plus
     the backward's dS chunk), GPU launch configuration; ``local_rows``: a rank's M for the
-    distributed loss's per-rank op (both directions of its M local rows against n gathered columns). See :func:`hnclip_kernels.backends.triton.workspace.workspace_bytes`
+    distributed loss's per-rank op (both directions of its M local rows against n gathered columns);
+    ``negatives`` (M hard-negative captions) and ``group_ids`` (bool): the hard-negative family's
+    loss. See :func:`hnclip_kernels.backends.triton.workspace.workspace_bytes`
     (imported on call: Triton is an optional dependency)."""
     from .backends.triton.workspace import workspace_bytes as _workspace_bytes
 
@@ -33,6 +45,8 @@ def workspace_bytes(
         local_rows=local_rows,
         device=device,
         false_negative_threshold=false_negative_threshold,
+        negatives=negatives,
+        group_ids=group_ids,
     )
 
 

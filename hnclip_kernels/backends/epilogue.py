@@ -133,12 +133,18 @@ def row_factors(stats: RowStats, g, shifted: bool):
     return torch.where(deep, stats.delta, nll), torch.where(deep, weighted_mass(stats, g), g)
 
 
-def add_positive_and_smoothing(stats: RowStats, g, q_hat, k_hat, d_q, d_k, offset: int, label_smoothing: float):
+def add_positive_and_smoothing(
+    stats: RowStats, g, q_hat, k_hat, d_q, d_k, offset: int, label_smoothing: float, more_keys=None
+):
     """Add, in place, the parts of dL/dq̂ and dL/dk̂ (times τ) that no kernel computes: the
     positive's gradient and the uniform label-smoothing term. Returns this direction's
     Σ_ik dZ_ik·Z_ik (a scalar), from which dL/dτ = −(that) / τ.
+
+    ``more_keys`` = (their k̂ (K, D), or None where unread; their dL/dk̂ (K, D)): columns after
+    k's with no positive among them (the family's negative captions), which share the uniform
+    smoothing term (k̂ read only for label smoothing without masking); None: none.
     """
-    m, n = q_hat.shape[0], k_hat.shape[0]
+    m, n = q_hat.shape[0], k_hat.shape[0] + (0 if more_keys is None else more_keys[1].shape[0])
     eps = label_smoothing
     q_prob = torch.sigmoid(stats.delta)  # Σ of the negatives' probabilities, stable when tiny
     g_q = weighted_mass(stats, g)  # g·q, also where q is a float32 subnormal
@@ -151,8 +157,12 @@ def add_positive_and_smoothing(stats: RowStats, g, q_hat, k_hat, d_q, d_k, offse
     d_k[offset : offset + m].add_(g_pos[:, None] * q_hat)
     if smooths(eps):
         # every column (positive included) gets −ε/N · g_i
-        d_q.sub_((eps / n) * g[:, None] * k_hat.sum(dim=0)[None, :])
-        d_k.sub_((eps / n) * (g[:, None] * q_hat).sum(dim=0)[None, :])
+        key_sum = k_hat.sum(dim=0) if more_keys is None else k_hat.sum(dim=0) + more_keys[0].sum(dim=0)
+        d_q.sub_((eps / n) * g[:, None] * key_sum[None, :])
+        column = (eps / n) * (g[:, None] * q_hat).sum(dim=0)[None, :]
+        d_k.sub_(column)
+        if more_keys is not None:
+            more_keys[1].sub_(column)
     # Σ_k dZ_ik Z_ik = Σ_{k≠pos} (P_ik − ε/N)(Z_ik − Z_pos), since each row of dZ sums to 0:
     # written with gaps, so there is no cancellation when the loss is tiny
     uniform = (eps / n) * stats.dsum

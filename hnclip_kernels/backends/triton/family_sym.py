@@ -119,12 +119,16 @@ def _family_nll(
     pos = epilogue.positive_logits(epilogue.scaled(img, norms[0]), epilogue.scaled(txt, norms[1]), 0, s.inv_tau)
     acc = symmetric_summaries((img, txt), norms[:2], pos, s.pair)
     t2i = epilogue.RowStats(pos, *merge_stats(acc, s.pair.smoothing, 0, n, s.masked))
-    rows = acc[:, :, n:]  # the i2t rows' summaries of the N×N walk
-    if m > 0:  # and the block's partials of the same rows (no positive among its M columns)
+    if m == 0:  # today's merge of the rows' summaries
+        i2t = epilogue.RowStats(pos, *merge_stats(acc, s.pair.smoothing, n, n, s.masked))
+    else:  # the block's partials of the same rows (no positive among its M columns), after the walk's summaries
         block = directional_partials((img, negatives, txt, negatives), (norms[0], norms[2], norms[1], norms[2]),
                                      pos, s.block, offset=m)  # fmt: skip
-        rows = torch.cat([rows, block])
-    i2t = epilogue.RowStats(pos, *merge_stats(rows.contiguous(), s.pair.smoothing, masked=s.masked))
+        rows = torch.empty((1 + block.shape[0], *block.shape[1:]), device=img.device, dtype=torch.float32)
+        rows[0].copy_(acc[0, :, n:])
+        rows[1:].copy_(block)
+        del acc, block
+        i2t = epilogue.RowStats(pos, *merge_stats(rows, s.pair.smoothing, masked=s.masked))
     eps = label_smoothing if smoothing else 0.0
     pairs = 0.5 * (epilogue.row_losses(i2t, n + m, eps) + epilogue.row_losses(t2i, n, eps))
     return FamilyPairsOut(pairs, *norms, pos, *i2t[1:4], kept_output(i2t), *t2i[1:4], kept_output(t2i))
@@ -173,7 +177,7 @@ def _family_nll_backward(
     eps = label_smoothing if smoothing else 0.0
     g = 0.5 * grad.float().contiguous()  # each direction's row k gets half of pair k's gradient
     (n, d), m = img.shape, negatives.shape[0]
-    d_n = torch.zeros((m, d), device=img.device, dtype=torch.float32)
+    d_n = torch.zeros((m, d), device=img.device, dtype=torch.float32)  # M = 0, or only dτ wanted
     if need_features:
         shifts = smoothing_shifts(s.pair, eps, i2t, t2i)
         d_v, d_t = symmetric_shares((img, txt), (rv, rt), (i2t, g), (t2i, g), s.pair, shifts)
@@ -187,18 +191,15 @@ def _family_nll_backward(
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (img, txt))
     v_hat, t_hat = epilogue.scaled(img, rv), epilogue.scaled(txt, rt)
-    keys_hat, d_keys = torch.cat([t_hat, epilogue.scaled(negatives, rn)]), torch.cat([d_t, d_n])
-    del d_t, d_n
-    dz_z = epilogue.add_positive_and_smoothing(i2t, g, v_hat, keys_hat, d_v, d_keys, 0, eps)
-    dz_z = dz_z + epilogue.add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_keys[:n], d_v, 0, eps)
-    del v_hat, t_hat, keys_hat
-    d_keys.mul_(s.inv_tau)
-    d_img = epilogue.unnormalize_grad(img, rv, d_v.mul_(s.inv_tau), normalize).to(img.dtype).contiguous()
-    d_txt = epilogue.unnormalize_grad(txt, rt, d_keys[:n], normalize).to(txt.dtype).contiguous()
-    d_neg = epilogue.unnormalize_grad(negatives, rn, d_keys[n:], normalize).to(negatives.dtype).contiguous()
-    if not normalize:  # the outputs may not alias each other
-        d_txt, d_neg = d_txt.clone(), d_neg.clone()
-    return d_img, d_txt, d_neg, epilogue.tau_grad(dz_z, s.inv_tau, tau.dtype, tau.shape)
+    # i2t's keys: the captions, then the negatives (their n̂ only for the uniform smoothing term)
+    n_hat = epilogue.scaled(negatives, rn) if m > 0 and epilogue.smooths(eps) and not s.masked else None
+    dz_z = epilogue.add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v, d_t, 0, eps, more_keys=(n_hat, d_n))
+    dz_z = dz_z + epilogue.add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_t, d_v, 0, eps)
+    del v_hat, t_hat, n_hat
+    grads = []
+    for x, r, d_x in ((img, rv, d_v), (txt, rt, d_t), (negatives, rn, d_n)):
+        grads.append(epilogue.unnormalize_grad(x, r, d_x.mul_(s.inv_tau), normalize).to(x.dtype).contiguous())
+    return (*grads, epilogue.tau_grad(dz_z, s.inv_tau, tau.dtype, tau.shape))
 
 
 def _family_grads_fake(grad, img, txt, negatives, groups, tau, *rest):

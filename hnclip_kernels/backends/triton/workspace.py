@@ -107,6 +107,20 @@ def _backward_bytes(m: int, n: int, d: int, dtype: torch.dtype, symmetric: bool,
     return _chunk_bytes(rows, cols, d, dtype, 1)
 
 
+def family_forward_bytes(n: int, m: int, elem_size: int, smoothing: bool, device=None, masked: bool = False) -> int:
+    """Bytes of the hard-negative family loss's forward (``family_sym``): the symmetric walk's
+    (:func:`forward_bytes`), then with M > 0 negatives its running summaries (planes, 2N) while
+    the block's row partials (splits, planes, N) and their copy after the walk's i2t summaries
+    (1 + splits, planes, N) are live; ``masked``: a threshold or group ids."""
+    walk = forward_bytes(n, n, elem_size, True, smoothing, device, masked)
+    if m == 0:
+        return walk
+    planes = (4 if smoothing else 3) + bool(masked)
+    with cfg.forced_launch("gpu"):
+        _, _, splits, _ = cfg.fwd_grid(n, m, elem_size, False, _device(device))
+    return max(walk, 4 * planes * n * (2 + splits + 1 + splits))
+
+
 def workspace_bytes(
     n: int,
     d: int,
@@ -117,6 +131,8 @@ def workspace_bytes(
     local_rows: int | None = None,
     device=None,
     false_negative_threshold=None,
+    negatives: int = 0,
+    group_ids: bool = False,
 ) -> int:
     """Bytes the fused Triton path allocates beyond its inputs and outputs for one forward and
     backward, in the GPU launch configuration: the forward's partial statistics plus the
@@ -128,14 +144,22 @@ def workspace_bytes(
     forward's tile height); ``label_smoothing``: ≠ 0 adds the Σd plane; ``device``: whose SM
     count sizes the grid (default: the current CUDA device, else an H100/H200's 132);
     ``false_negative_threshold``: not None adds the kept-count plane (the per-row ε/n shifts of
-    the backward are O(N) vectors, not workspace).
+    the backward are O(N) vectors, not workspace). The hard-negative family's loss
+    (``hnclip::triton_family_nll``, single process): ``negatives`` = M negative captions (the
+    block's row partials forward, its dS chunk backward after the pairs', never together),
+    ``group_ids`` True adds the kept-count plane.
+
+    E.g. the family at N = M = 262144, D = 768, bf16 on 132 SMs: 84.5 MiB forward + 483 MiB backward
+    (the N×N chunk pair; the N×M block's chunk is smaller).
 
     E.g. N = 262144, D = 768, bf16, γ = 0.5 on 132 SMs: 79 MiB of statistics + 483 MiB of backward
     (a chunk pair of 6656 × 6656: two 169 MiB float32 staging W's, one 84.5 MiB float16 rounding,
     21 MiB of slice sums, 39 MiB of float16 feature rows).
 
     Returns: bytes (an int): the sum of the two workspaces, a bound on the peak (they are never live together).
-    Raises: ValueError for a dtype other than float16/bfloat16/float32, or n, d, local_rows < 1.
+    Raises: ValueError for a dtype other than float16/bfloat16/float32, n, d, local_rows < 1,
+    negatives < 0, or ``negatives``/``group_ids`` with ``local_rows`` (the distributed family runs
+    two directional walks per rank: state them as two ``local_rows`` calls).
     Source: the allocations of :mod:`.forward` and :mod:`.backward`
     (``tests/backends/test_workspace.py`` counts them).
     """
@@ -143,6 +167,18 @@ def workspace_bytes(
         raise ValueError(f"workspace_bytes: dtype must be one of {sorted(map(str, _SIZES))}, got {dtype}")
     if n < 1 or d < 1 or (local_rows is not None and local_rows < 1):
         raise ValueError(f"workspace_bytes: n, d and local_rows must be positive, got {n}, {d}, {local_rows}")
+    if negatives < 0 or ((negatives or group_ids) and local_rows is not None):
+        raise ValueError(
+            f"workspace_bytes: negatives must be ≥ 0 and, with group_ids, given without local_rows (the "
+            f"single-process family loss), got negatives={negatives}, group_ids={group_ids}, local_rows={local_rows}"
+        )
+    if negatives or group_ids:
+        masked = false_negative_threshold is not None or group_ids
+        fwd = family_forward_bytes(n, negatives, _SIZES[dtype], label_smoothing != 0.0, device, masked)
+        bwd = backward_bytes(n, n, d, dtype, symmetric=True)
+        if negatives:
+            bwd = max(bwd, backward_bytes(n, negatives, d, dtype, rank=False))
+        return fwd + bwd
     columns = local_rows is None
     m = n if columns else int(local_rows)
     return forward_bytes(
