@@ -22,6 +22,10 @@ losses; gradients 1e-12 on torch (the same ops as the reference, another order o
 5e-9 on cpp: the fused family operator's float64 gradients differ from the torch reference by up
 to 6e-10 on these batches on one process already (tests/api/test_hard_negatives.py bounds them by
 1e-9), and the distributed paths add nothing measurable to that.
+
+backend="triton" (``test_two_ranks_triton_family_equal_the_concatenated_batch``): the same ranks,
+oracle and modes on float32, bfloat16 and float16 features with D = 16, fewer cases (the
+interpreter is slow), each gradient checked per row (``TRITON_TOL`` states the bounds).
 """
 
 from __future__ import annotations
