@@ -101,9 +101,9 @@ class HNClipLoss(nn.Module):
         margin: "text" (default, the paper's sg(t_i·x)) or "image_text" (sg(v_i·x), LLaVE-style
             hardness); see :func:`hnclip_kernels.hn_clip_loss` and ``docs/hard_negatives.md``.
             With ``forward``'s ``negatives``/``group_ids``: the hard-negative family on every
-            backend ("auto" as for today's loss), also with ``world_size > 1`` on "torch" and
-            "cpp" (each rank's negatives and ids gathered like its captions, M_r may differ and
-            be 0; "triton" raises ``NotImplementedError`` there).
+            backend ("auto" as for today's loss), also with ``world_size > 1`` (each rank's
+            negatives and ids gathered like its captions, M_r may differ and be 0; 16-bit
+            features upcast to float32 before the gather).
 
     ``gamma``, ``label_smoothing``, ``backend``, ``normalize``, ``precision`` and
     ``false_negative_threshold`` (and ``margin``) are checked at

@@ -3,7 +3,7 @@
 Split from :mod:`hnclip_kernels.validation` by role: these are the checks of the options that
 extend the loss beyond the paper's formula (see ``docs/hard_negatives.md``). Each raises
 ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, bad value) naming the
-argument and the fix; ``NotImplementedError`` where a backend has no kernel for them yet.
+argument and the fix. Every backend runs them, on one process and across ranks.
 """
 
 from __future__ import annotations
@@ -94,26 +94,6 @@ def check_group_ids(group_ids, txt: torch.Tensor, txt_name: str = "txt") -> Opti
 def family_arguments(img, txt, negatives, group_ids, names=("img", "txt")):
     """(negatives or None, group_ids or None), checked against the checked features."""
     return check_negatives(negatives, txt, names[1]), check_group_ids(group_ids, txt, names[1])
-
-
-def check_fused_support(backend: str, negatives, group_ids, margin: str) -> None:
-    """The distributed loss's family backends: "torch" and "cpp" (the family's Triton operator runs
-    on one process only); backend "triton" with any family option raises ``NotImplementedError``
-    naming it (across ranks collectively, on every rank: ``consensus``)."""
-    used = [
-        name
-        for name, on in (
-            ("negatives (M > 0)", negatives is not None),
-            ("group_ids", group_ids is not None),
-            ("margin='image_text'", margin != "text"),
-        )
-        if on
-    ]
-    if used and backend == "triton":
-        raise NotImplementedError(
-            f"{' and '.join(used)}: not implemented yet for backend='triton' across ranks (the fused kernels of "
-            "these options are in progress); use backend='torch' or 'cpp'"
-        )
 
 
 def check_family_range(img, txt, negatives, margin, tau_value, gamma, label_smoothing, n_rows, tau_grad) -> None:

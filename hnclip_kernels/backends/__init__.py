@@ -201,12 +201,28 @@ def rank_family_losses(
     rank's M local rows, shape (M,). i2t rows of the local images over the keys [all N captions;
     all negatives (K, D), None: K = 0], t2i rows of the local captions over the N images, local
     row i's positive at column ``offset + i``; ``group_ids`` (M,) the local rows' ids against
-    ``all_group_ids`` (N,) (the negatives carry none). backend "torch" or "cpp" (two directional
-    calls of :func:`family_losses`'s ops); with ``return_stats`` also both ``RowStats``."""
+    ``all_group_ids`` (N,) (the negatives carry none). Two directional calls on every backend:
+    "torch" (the reference), "cpp" (``hnclip::cpp_family_directional_nll``) or "triton"
+    (``hnclip::triton_family_directional_nll``, ``options.precision``); with ``return_stats`` also
+    both ``RowStats`` (i2t's over its N + K columns).
+
+    16-bit features (float16/bfloat16, all of one dtype) run in float32, as in
+    :func:`family_losses`: the result and the statistics are float32 and each input's gradient is
+    rounded to its dtype once. Inside one rank no tensor feeds both directions (the local images are
+    i2t's queries, the gathered ones t2i's keys); a feature's two gradient halves meet in the
+    gather's backward, which is why :func:`hnclip_kernels.distributed.family.family_rank_loss`
+    upcasts before gathering (so they are summed in float32 too); the upcast here is then a no-op."""
     kwargs = _op_kwargs(tau, options, return_stats, offset=int(offset))
+    if img.dtype in (torch.float16, torch.bfloat16):
+        img, txt, all_img, all_txt = (x.float() for x in (img, txt, all_img, all_txt))
+        all_negatives = None if all_negatives is None else all_negatives.float()
     fn = directional_nll_torch
     if options.backend == "cpp":
         from .cpp.family import family_directional_nll_cpp as fn
+    elif options.backend == "triton":
+        from .triton.family import family_directional_nll_triton
+
+        fn = functools.partial(family_directional_nll_triton, precision=options.precision)
     keys = all_txt if all_negatives is None else torch.cat([all_txt, all_negatives])
     groups = {} if group_ids is None else dict(query_groups=group_ids, key_groups=all_group_ids)
     if options.margin == "text":

@@ -39,8 +39,7 @@ import torch
 from .. import validation
 from ..numerics import autocast_disabled
 from ..options import LossOptions
-from ..validation_family import check_fused_support
-from .consensus import collective_check, family_backend, family_checks, local_checks
+from .consensus import collective_check, family_checks, local_checks
 from .family import family_rank_loss
 from .gather import AUTOGRAD_GATHER, HAS_DISTRIBUTED, dist, gather_features, gather_sizes, require_distributed
 from .per_rank import rank_hn_clip_loss
@@ -93,8 +92,8 @@ def distributed_hn_clip_loss(
     each rank's captions against all gathered captions (a duplicate on another rank is masked
     too); it must be the same on every rank (checked with the other options).
     ``negatives``, ``group_ids``, ``margin``: the hard-negative family (``docs/hard_negatives.md``)
-    across ranks, backend "torch" or "cpp" ("auto": "cpp" on CPU when built, else "torch";
-    "triton" raises ``NotImplementedError`` on every rank). ``negatives``: this rank's (M_r, D)
+    across ranks on every backend ("auto" as for today's loss; 16-bit features run in float32 from
+    the gather on, their gradients summed in float32). ``negatives``: this rank's (M_r, D)
     hard-negative captions, or None (M_r may differ across ranks and be 0); ``group_ids``: this
     rank's (n_r,) integer pair ids, on every rank or on none. They are gathered like the captions
     (:mod:`hnclip_kernels.distributed.family`): the loss is the single-process family loss of the
@@ -194,7 +193,7 @@ def rank_loss(
 
 def _single_checks(image_features, text_features, tau, options, rank, group, tau_value, family):
     """:func:`collective_check`'s result on one process, raising here."""
-    status, exc, requested, bound = local_checks(image_features, text_features, tau, options, rank, 1, group, tau_value)
+    status, exc, _, bound = local_checks(image_features, text_features, tau, options, rank, 1, group, tau_value)
     negatives = group_ids = None
     if exc is None and family is not None:
         status, exc, negatives, group_ids = family_checks(image_features, text_features, *family, bound, tau)
@@ -203,6 +202,5 @@ def _single_checks(image_features, text_features, tau, options, rank, group, tau
     sizes = [image_features.shape[0]]
     if negatives is None and group_ids is None and bound.margin == "text":
         return sizes, bound, None
-    check_fused_support(requested.backend, negatives, group_ids, bound.margin)
     m = 0 if negatives is None else negatives.shape[0]
-    return sizes, family_backend(requested.backend, bound), ([m], negatives, group_ids)
+    return sizes, bound, ([m], negatives, group_ids)

@@ -10,7 +10,6 @@ others a ``ValueError`` naming the offending rank.
 
 from __future__ import annotations
 
-import dataclasses
 import struct
 from typing import List, Optional, Tuple
 
@@ -178,14 +177,6 @@ def family_checks(image_features, text_features, negatives, group_ids, bound, ta
     return 0, None, negatives, group_ids
 
 
-def family_backend(requested: str, bound: LossOptions) -> LossOptions:
-    """The family's backend: "auto" runs "cpp" where today's "auto" would, else "torch" (as
-    :func:`hnclip_kernels.loss.family_call`; the family's Triton kernels run on one process only)."""
-    if requested == "auto" and bound.backend == "triton":
-        return dataclasses.replace(bound, backend="torch", precision=None)
-    return bound
-
-
 def collective_check(
     image_features, text_features, tau, options, flags, rank, world_size, group, tau_value=None, family=None
 ) -> Tuple[List[int], LossOptions, Optional[Tuple[List[int], Optional[torch.Tensor], Optional[torch.Tensor]]]]:
@@ -221,7 +212,6 @@ def collective_check(
         _range_fields(row, bound.tau_value, image_features, text_features, bound.normalize)
         row[_N_NEG] = 0 if negatives is None else negatives.shape[0]
         row[_FAMILY] = int(group_ids is not None) | int(bound.margin != "text") << 1
-        row[_FAMILY] |= int(requested.backend == "triton") << 2  # the family has no Triton kernels yet
     mine = torch.tensor(row, dtype=torch.int64, device=meta_device(group, like))
     rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group=group))]
     dist.all_gather(rows, mine, group=group)
@@ -269,12 +259,4 @@ def collective_check(
     sizes, neg_sizes = [m[_N_IMG] for m in meta], [m[_N_NEG] for m in meta]
     if not any(neg_sizes) and not any(m[_FAMILY] & 0b11 for m in meta):
         return sizes, bound, None
-    triton = [r for r, m in enumerate(meta) if m[_FAMILY] >> 2 & 1]
-    if triton:
-        raise NotImplementedError(
-            f"negatives, group_ids or margin='image_text' across ranks: not implemented yet for backend='triton' "
-            f"(requested on ranks {triton}; the fused kernels of these options are in progress); use "
-            "backend='torch' or 'cpp' (every rank raised this error)"
-        )
-    bound = family_backend(requested.backend, bound)
     return sizes, bound, (neg_sizes, negatives, group_ids)

@@ -10,6 +10,13 @@ today's rank loss (``(W/N)·Σ_{i on r} ℓ_i``). Negatives follow the captions'
 through the gather with ``gather_with_grad`` (gradients summed into the owner), else this rank's
 own (differentiable) negatives in its slot when ``local_loss=False``, and constants with
 ``local_loss=True`` (the key side is dropped, as for the captions).
+
+Backends "torch", "cpp" and "triton" (``backends.rank_family_losses``: two directional calls per
+rank). 16-bit features are upcast to float32 *before* the gather, as the one-process family
+upcasts them (``backends.family_losses``): a feature's query-side gradient and the key-side
+gradients of every rank meet in the gather's backward (a reduce-scatter), so the float32 gather
+sums them in float32 and each feature's gradient is rounded to its dtype once (a bf16 gather would
+sum bf16 halves). It costs twice the gathered bytes of the 16-bit features.
 """
 
 from __future__ import annotations
@@ -45,8 +52,13 @@ def family_rank_loss(
 
     ``sizes``: every rank's n_r; ``family``: ``(every rank's m_r, this rank's negatives (m_r, D) or
     None, its group_ids (n_r,) or None)``, checked on every rank (``consensus.collective_check``);
-    ``bound``: the options bound to these tensors, backend "torch" or "cpp"."""
+    ``bound``: the options bound to these tensors, backend "torch", "cpp" or "triton". float16 and
+    bfloat16 features (and negatives) run in float32 from the gather on (module docstring); their
+    gradients come back in their dtypes."""
     neg_sizes, negatives, group_ids = family
+    if image_features.dtype in (torch.float16, torch.bfloat16):  # one float32 gradient sum per feature
+        image_features, text_features = image_features.float(), text_features.float()
+        negatives = None if negatives is None else negatives.float()
     all_img, all_txt = gather_features(
         image_features, text_features, local_loss, gather_with_grad, rank, world_size, sizes=sizes, group=group
     )
