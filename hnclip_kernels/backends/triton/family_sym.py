@@ -193,7 +193,8 @@ def _family_nll_backward(
     v_hat, t_hat = epilogue.scaled(img, rv), epilogue.scaled(txt, rt)
     # i2t's keys: the captions, then the negatives (their n̂ only for the uniform smoothing term)
     n_hat = epilogue.scaled(negatives, rn) if m > 0 and epilogue.smooths(eps) and not s.masked else None
-    dz_z = epilogue.add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v, d_t, 0, eps, more_keys=(n_hat, d_n))
+    more = (n_hat, d_n) if m > 0 else None
+    dz_z = epilogue.add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v, d_t, 0, eps, more_keys=more)
     dz_z = dz_z + epilogue.add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_t, d_v, 0, eps)
     del v_hat, t_hat, n_hat
     grads = []
