@@ -53,11 +53,13 @@ FULL_TIER = (
     "tests/backends/test_triton_library.py::test_traced_for_inductor_without_gpu",  # 11 s
     "tests/backends/test_triton_ops_kernels.py::test_each_operator_finds_exactly_its_kernels",  # 9 s
     "tests/api/test_hard_negatives_triton.py::test_family_operator_finds_exactly_its_kernels",  # 9 s
+    "tests/backends/test_triton_family_nll.py::test_operator_finds_exactly_its_kernels",  # 24 s
     "tests/api/test_api.py::test_compile_fullgraph_with_changing_floats",  # 15 s
     "tests/api/test_composability.py::test_compile_schedule_compiles_at_most_twice",  # 10 s
     "tests/api/test_composability.py::test_masked_threshold_schedule_compiles_at_most_twice",  # 4 s
     # the workspace and work counts (figures, not correctness)
     "tests/backends/test_workspace.py::test_slabs_fold_columns_gpu_launch",  # 22 s
+    "tests/backends/test_triton_family_nll.py::test_family_workspace_counted",  # 52 s (4 cases)
     "tests/backends/test_workspace.py::test_symmetric_workspace_counted",  # 12 s
     "tests/backends/test_workspace.py::test_rank_workspace_counted",  # 8 s
     "tests/tooling/test_work_count.py",  # 54 s

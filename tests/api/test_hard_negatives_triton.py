@@ -1,4 +1,5 @@
-"""The hard-negative family on backend="triton" (``hnclip::triton_family_directional_nll``): the float64
+"""The hard-negative family on backend="triton" (``hnclip::triton_family_nll``, and the directional
+``hnclip::triton_family_directional_nll`` the distributed path calls): the float64
 oracle of test_hard_negatives.py (loss and every gradient: img, txt, negatives, τ) on the Triton
 kernels in both launch modes of the interpreter (its own small tiles, and the GPU's), per row where
 saturated; triton against cpp per row; the operator's opcheck and torch.compile(fullgraph=True); and that the family operator
@@ -86,7 +87,8 @@ def test_saturated_near_duplicates_per_row(margin, with_ids, launch):
 @pytest.mark.parametrize("margin", ["text", "image_text"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_matches_cpp_per_row(margin, dtype, launch):
-    # the same two directional calls on both backends: each row and each gradient row agree
+    # the same design on both backends (the symmetric walk plus the negative block; cpp upcasts 16-bit
+    # inputs, Triton keeps them): each row and each gradient row agree
     img, txt, neg, centre_of = (x.to(dtype) if x.is_floating_point() else x for x in _saturated_batch())
     kw = dict(group_ids=centre_of, margin=margin, label_smoothing=0.1, false_negative_threshold=0.9)
     out = []
