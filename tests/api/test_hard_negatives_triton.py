@@ -19,6 +19,7 @@ from test_hard_negatives import GROUPS, D, N, assert_compiled_equals_eager, chec
 from test_hard_negatives_cpp import _rows_agree, _saturated_batch
 
 from cases import ALL_BACKENDS
+from helpers import rel_err
 from hnclip_kernels import hn_clip_loss
 
 pytestmark = pytest.mark.skipif("triton" not in ALL_BACKENDS, reason="triton cannot run here")
@@ -229,3 +230,55 @@ def test_work_count_is_todays_loss_plus_the_negative_block(n):
 
 def test_compile_fullgraph():
     assert_compiled_equals_eager("triton")
+
+
+def _clustered_batch(n, m, dtype):
+    # τ = 0.01, N = 200: 20 clusters of 3 near-duplicate pairs at rows k, k + 70, k + 140 (other 128-row
+    # tiles: diagonal super-tiles and tile pairs, mirrors included), the other pairs distinct (saturated,
+    # losses down to e^-100); ids group rows k and k + 140, so k + 70 stays a negative of both (their rows
+    # unsaturated) and the masked entries sit in off-diagonal tile pairs; negatives near the clusters
+    clusters = torch.arange(20)
+    centre_of = torch.arange(n)
+    centre_of[clusters + 70] = clusters
+    centre_of[clusters + 140] = clusters
+    centres = F.normalize(features(n, 64, 20, torch.float64), dim=1)[centre_of]
+    img = (centres + 0.02 * features(n, 64, 21, torch.float64)).to(dtype)
+    txt = (centres + 0.02 * features(n, 64, 22, torch.float64)).to(dtype)
+    neg = (centres[torch.arange(m) % 20] + 0.1 * features(m, 64, 23, torch.float64)).to(dtype)
+    ids = torch.arange(n)
+    ids[clusters + 140] = clusters
+    return img, txt, neg, ids
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+def test_16bit_clustered_batch_per_row_gpu_tiles_many_chunks(dtype, margin, monkeypatch):
+    # the GPU's 16-bit tiles (BLOCK_M 128: diagonal super-tiles and tile pairs), 4 "SMs", a 1-byte dS budget
+    # (ragged chunks in both walks), ids and a threshold: each row's loss and each gradient row against the
+    # float64 oracle on the 16-bit values, relative to that row (half the batch saturated)
+    from hnclip_kernels.backends.triton import config as cfg
+
+    monkeypatch.setenv("HNCLIP_TRITON_LAUNCH", "gpu")
+    monkeypatch.setattr(cfg, "sm_count", lambda device: 4)
+    monkeypatch.setattr(cfg, "BWD_WORKSPACE_BYTES", 1)
+    img, txt, neg, ids = _clustered_batch(200, 150, dtype)
+    got, want, gg, wg = run_both(img, txt, neg, 0.01, reduction="none", backend="triton", margin=margin,
+                                 group_ids=ids, threshold=0.995)  # fmt: skip (no ε: it would lift every row)
+    assert (want < 1e-12).sum() > 100 and (want > 0.1).sum() > 30, want  # saturated and unsaturated rows
+    tol = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10  # test_hard_negatives.py's 16-bit gradient bounds
+    for i in range(got.shape[0]):  # a saturated row's loss e^δ moves with its float32 logits' rounding, |Z|·u
+        assert rel_err(got[i], want[i]) <= 4 * (2 + 0.5) / 0.01 * 2.0**-24, f"row {i}"
+    for name in gg:
+        g, w = gg[name].double(), wg[name].double()
+        if g.dim() == 0:
+            assert rel_err(g, w) <= tol, name
+            continue
+        # fp16 holds no gradient below its subnormal grid 2^-24 (a saturated row's ~1e-20): rounding each of
+        # the row's D entries to it errs by ≤ 2^-25, so fp16 rows also pass within that floor; bf16 has no floor
+        floor = g.shape[1] ** 0.5 * 2.0**-25 if dtype == torch.float16 else 0.0
+        errs = torch.tensor([rel_err(g[i], w[i]) for i in range(g.shape[0])])
+        absolute = (g - w).norm(dim=1) - tol * w.norm(dim=1)
+        bad = (errs > tol) & (absolute > floor)
+        assert not bad.any(), f"d {name}: rows {bad.nonzero().flatten().tolist()[:8]}, worst {errs.max():.3e} > {tol:.1e}"
+        if dtype == torch.bfloat16:  # the saturated rows' gradients are there, not flushed
+            assert (w.norm(dim=1) < 1e-12).sum() > 20 and (errs[w.norm(dim=1) < 1e-12] <= tol).all()
