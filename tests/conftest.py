@@ -52,8 +52,7 @@ FULL_TIER = (
     "tests/backends/test_triton_library.py::test_compile_fullgraph_schedule_compiles_at_most_twice",  # 45 s
     "tests/backends/test_triton_library.py::test_traced_for_inductor_without_gpu",  # 11 s
     "tests/backends/test_triton_ops_kernels.py::test_each_operator_finds_exactly_its_kernels",  # 9 s
-    "tests/api/test_hard_negatives_triton.py::test_family_operator_finds_exactly_its_kernels",  # 9 s
-    "tests/backends/test_triton_family_nll.py::test_operator_finds_exactly_its_kernels",  # 24 s
+    "tests/backends/test_triton_family_nll.py::test_operators_find_exactly_their_kernels",  # 24 s
     "tests/api/test_api.py::test_compile_fullgraph_with_changing_floats",  # 15 s
     "tests/api/test_composability.py::test_compile_schedule_compiles_at_most_twice",  # 10 s
     "tests/api/test_composability.py::test_masked_threshold_schedule_compiles_at_most_twice",  # 4 s

@@ -138,11 +138,11 @@ class CppDirectionalOut(
 DIRECTIONAL_STATS = slice(CppDirectionalOut._fields.index("delta"), None)
 
 
-class FamilyOut(NamedTuple):
-    """``hnclip::cpp_family_nll``'s outputs: :class:`SymmetricOut`'s, with the negatives' inverse
-    norms ``rn`` (M,) after ``rt``; the i2t statistics are over the N + M columns (the symmetric
-    tile's and the negative block's, merged); then the block's gradient shares (as
-    :class:`CppDirectionalOut`'s, P normalised over all N + M columns)."""
+class FamilyPairsOut(NamedTuple):
+    """The hard-negative family's single-process outputs (``hnclip::triton_family_nll``'s, and the
+    head of :class:`FamilyOut`): :class:`SymmetricOut`'s with the negatives' inverse norms ``rn``
+    (M,) after ``rt``; the i2t statistics are over the N + M columns (the symmetric walk's and the
+    negative block's, merged)."""
 
     pairs: Tensor
     rv: Tensor
@@ -157,8 +157,20 @@ class FamilyOut(NamedTuple):
     mean_neg_t2i: Tensor
     dsum_t2i: Tensor
     kept_t2i: Tensor
-    row_acc: Tensor  # the negative block's shares (need_grad and M > 0: (N, D), (M, D); else (0, D))
-    col_acc: Tensor
+
+    i2t = SymmetricOut.i2t
+    t2i = SymmetricOut.t2i
+
+    @classmethod
+    def fake(cls, img: Tensor, negatives: Tensor, masked: bool, dtype: torch.dtype) -> "FamilyPairsOut":
+        n, kept = img.shape[0], img.shape[0] if masked else 0
+        return fake(cls, img, dtype, n, rn=negatives.shape[0], kept_i2t=kept, kept_t2i=kept)
+
+
+class FamilyOut(NamedTuple("_FamilyOut", [(f, Tensor) for f in (*FamilyPairsOut._fields, "row_acc", "col_acc")])):
+    """``hnclip::cpp_family_nll``'s outputs: :class:`FamilyPairsOut`'s, then the negative block's
+    gradient shares (as :class:`CppDirectionalOut`'s, P normalised over all N + M columns; with
+    need_grad and M > 0 row_acc (N, D), col_acc (M, D), else (0, D))."""
 
     i2t = SymmetricOut.i2t
     t2i = SymmetricOut.t2i

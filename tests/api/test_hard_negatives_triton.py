@@ -166,33 +166,6 @@ def test_int32_ids_alone_match_torch(launch):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_family_operator_finds_exactly_its_kernels():
-    # as tests/backends/test_triton_ops_kernels.py: torch's triton_op follows the bodies' calls by name
-    import json
-    import os
-    import subprocess
-    import sys
-
-    probe = (
-        "import json\n"
-        "from torch._library.triton import get_inner_triton_kernels\n"
-        "from hnclip_kernels.backends.triton import family\n"
-        "def name(k):\n"
-        "    while type(k).__name__ != 'JITFunction' and hasattr(k, 'fn'):\n"
-        "        k = k.fn\n"
-        "    return getattr(k, '__name__', repr(k))\n"
-        "bodies = ('_family_nll', '_family_nll_backward')\n"
-        "print(json.dumps({b: sorted({name(k) for k in get_inner_triton_kernels(getattr(family, b))}) for b in bodies}))\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
-        "_family_nll": ["_fwd_kernel", "_merge_kernel"],
-        "_family_nll_backward": ["_dscore_kernel", "_round16_kernel"],
-    }
-
-
 @pytest.mark.parametrize("n", [10, 70])
 def test_work_count_is_todays_loss_plus_the_negative_block(n):
     # float32 "ieee": the N×N walks are today's loss's (hnclip::triton_symmetric_nll, its tile pairs past

@@ -105,31 +105,43 @@ def test_opcheck(case):
     torch.library.opcheck(torch.ops.hnclip.triton_family_nll_backward.default, bargs, test_utils=checks)
 
 
-def test_operator_finds_exactly_its_kernels():
+KERNELS = {  # each family operator's bodies and the kernels torch's triton_op must find in them
+    "family": {
+        "_family_nll": ["_fwd_kernel", "_merge_kernel"],
+        "_family_nll_backward": ["_dscore_kernel", "_round16_kernel"],
+    },
+    "family_sym": {
+        "_family_nll": ["_fold_kernel", "_fwd_kernel", "_fwd_pair_kernel", "_merge_kernel"],
+        "_family_nll_backward": ["_dscore_kernel", "_dscore_pair_kernel", "_round16_kernel"],
+    },
+}
+
+
+def test_operators_find_exactly_their_kernels():
     # as tests/backends/test_triton_ops_kernels.py: torch's triton_op follows the bodies' calls by name
+    # (compiled kernels: a subprocess without TRITON_INTERPRET)
     import json
     import os
     import subprocess
     import sys
 
     probe = (
-        "import json\n"
+        "import importlib, json\n"
         "from torch._library.triton import get_inner_triton_kernels\n"
-        "from hnclip_kernels.backends.triton import family_sym\n"
         "def name(k):\n"
         "    while type(k).__name__ != 'JITFunction' and hasattr(k, 'fn'):\n"
         "        k = k.fn\n"
         "    return getattr(k, '__name__', repr(k))\n"
-        "bodies = ('_family_nll', '_family_nll_backward')\n"
-        "print(json.dumps({b: sorted({name(k) for k in get_inner_triton_kernels(getattr(family_sym, b))}) for b in bodies}))\n"
+        "out = {}\n"
+        f"for mod, bodies in {json.dumps({m: sorted(b) for m, b in KERNELS.items()})}.items():\n"
+        "    module = importlib.import_module('hnclip_kernels.backends.triton.' + mod)\n"
+        "    out[mod] = {b: sorted({name(k) for k in get_inner_triton_kernels(getattr(module, b))}) for b in bodies}\n"
+        "print(json.dumps(out))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
-        "_family_nll": ["_fold_kernel", "_fwd_kernel", "_fwd_pair_kernel", "_merge_kernel"],
-        "_family_nll_backward": ["_dscore_kernel", "_dscore_pair_kernel", "_round16_kernel"],
-    }
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == KERNELS
 
 
 @pytest.fixture

@@ -258,26 +258,34 @@ def _name(case):
     return f"M={case['m_sizes']} {case['margin']} {case['backend']} {mode[case['mode']]}"
 
 
-def test_two_ranks_unequal_n_and_m_equal_the_concatenated_batch(tmp_path):
-    """Loss and every gradient of each rank, every case, against the float64 single-process family
-    loss of the concatenated batch; the collective checks raise on every rank; today's path kept."""
-    all_cases = cases()
-    reports = spawn_gloo_ranks(_rank, tmp_path, all_cases, timeout=300)
+def _compare(reports, all_cases, grad_error, tolerances, name):
+    """Each rank's (loss, d img, d txt, d negatives, d scale) of every case against :func:`expected`:
+    the failures (one line each), after printing each case's worst errors. ``grad_error(got, want)``
+    measures a gradient, ``tolerances(case)`` gives the five bounds, ``name(case)`` its label."""
     failures, worst = [], {}
     for rank, report in reports.items():
         for k, case in enumerate(all_cases):
             got = report["cases"][k]
             want = expected(case, k, rank)
             errs = [abs(got[0] - want[0]) / abs(want[0])]
-            errs += [rel_err(torch.from_numpy(np.asarray(g)), w) for g, w in zip(got[1:], want[1:])]
-            key = _name(case)
-            worst[key] = max(worst.get(key, 0.0), *errs)
-            tol = [LOSS_TOL] + [GRAD_TOL[case["backend"]]] * 4
-            for what, e, tl in zip(("loss", "d img", "d txt", "d negatives", "d scale"), errs, tol):
+            errs += [grad_error(torch.from_numpy(np.asarray(g)), w) for g, w in zip(got[1:], want[1:])]
+            key = name(case)
+            worst[key] = [max(a, b) for a, b in zip(worst.get(key, [0.0] * 5), errs)]
+            for what, e, tl in zip(("loss", "d img", "d txt", "d negatives", "d scale"), errs, tolerances(case)):
                 if not e <= tl:
                     failures.append(f"rank {rank} case {k} ({key}, {case}): {what} rel err {e:.3e} > {tl:g}")
+    print("\n".join(f"{k}: worst rel err (loss, d img, d txt, d neg, d scale) {e}" for k, e in worst.items()))
+    return failures
+
+
+def test_two_ranks_unequal_n_and_m_equal_the_concatenated_batch(tmp_path):
+    """Loss and every gradient of each rank, every case, against the float64 single-process family
+    loss of the concatenated batch; the collective checks raise on every rank; today's path kept."""
+    all_cases = cases()
+    reports = spawn_gloo_ranks(_rank, tmp_path, all_cases, timeout=300)
+    failures = _compare(reports, all_cases, rel_err, lambda c: [LOSS_TOL] + [GRAD_TOL[c["backend"]]] * 4, _name)
+    for rank, report in reports.items():
         assert report["today"] == [True, True], f"rank {rank}: today's loss changed: {report['today']}"
-    print("\n".join(f"{k}: worst rel err {e:.2e}" for k, e in worst.items()))
     assert not failures, "\n".join(failures)
     for name, kinds in (
         ("ids on rank 0 only", ("ValueError", "ValueError")),
@@ -329,20 +337,8 @@ def test_two_ranks_triton_family_equal_the_concatenated_batch(tmp_path):
     batch (the same oracle as the torch/cpp test, on the values the ranks hold)."""
     all_cases = triton_cases()
     reports = spawn_gloo_ranks(_rank, tmp_path, all_cases, False, timeout=300)
-    failures, worst = [], {}
-    for rank, report in reports.items():
-        for k, case in enumerate(all_cases):
-            got = report["cases"][k]
-            want = expected(case, k, rank)
-            errs = [abs(got[0] - want[0]) / abs(want[0])]
-            errs += [row_errors(torch.from_numpy(np.asarray(g)), w) for g, w in zip(got[1:], want[1:])]
-            key = f"{_name(case)} {case['dtype']}"
-            worst[key] = [max(a, b) for a, b in zip(worst.get(key, [0.0] * 5), errs)]
-            tol = TRITON_TOL[case["dtype"]]
-            for what, e, tl in zip(("loss", "d img", "d txt", "d negatives", "d scale"), errs, tol):
-                if not e <= tl:
-                    failures.append(f"rank {rank} case {k} ({key}, {case}): {what} rel err {e:.3e} > {tl:g}")
-    print("\n".join(f"{k}: worst rel err (loss, d img, d txt, d neg, d scale) {e}" for k, e in worst.items()))
+    failures = _compare(reports, all_cases, row_errors, lambda c: TRITON_TOL[c["dtype"]],
+                        lambda c: f"{_name(c)} {c['dtype']}")  # fmt: skip
     assert not failures, "\n".join(failures)
 
 

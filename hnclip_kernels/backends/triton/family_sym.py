@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import epilogue, glue
-from ..outputs import fake, kept_output, row_stats, schema
+from ..outputs import FamilyPairsOut, kept_output, row_stats, schema
 from . import flops
 from .backward import directional_shares, symmetric_shares
 from .forward import directional_partials, symmetric_summaries
@@ -36,31 +36,6 @@ from .launch import USE_TRITON_OP
 from .merge import merge_stats
 from .outputs import smoothing_shifts
 from .params import Family, scalar_args, scalars, threshold_block
-
-
-class FamilyPairsOut(NamedTuple):
-    """``hnclip::triton_family_nll``'s outputs, float32: ``SymmetricOut``'s with the negatives'
-    inverse norms ``rn`` (M,) after ``rt``; the i2t statistics cover the N + M columns."""
-
-    pairs: Tensor
-    rv: Tensor
-    rt: Tensor
-    rn: Tensor
-    pos: Tensor
-    delta_i2t: Tensor
-    mean_neg_i2t: Tensor
-    dsum_i2t: Tensor
-    kept_i2t: Tensor
-    delta_t2i: Tensor
-    mean_neg_t2i: Tensor
-    dsum_t2i: Tensor
-    kept_t2i: Tensor
-
-    def i2t(self, masked: bool) -> epilogue.RowStats:
-        return row_stats(self.pos, self.delta_i2t, self.mean_neg_i2t, self.dsum_i2t, self.kept_i2t, masked)
-
-    def t2i(self, masked: bool) -> epilogue.RowStats:
-        return row_stats(self.pos, self.delta_t2i, self.mean_neg_t2i, self.dsum_t2i, self.kept_t2i, masked)
 
 
 class _Setup(NamedTuple):
@@ -135,8 +110,7 @@ def _family_nll(
 
 
 def _family_nll_fake(img, txt, negatives, groups, tau, gamma, eps, thr, normalize, masked, *rest):
-    n, kept = img.shape[0], img.shape[0] if masked or groups.shape[0] > 0 else 0
-    return fake(FamilyPairsOut, img, torch.float32, n, rn=negatives.shape[0], kept_i2t=kept, kept_t2i=kept)
+    return FamilyPairsOut.fake(img, negatives, masked or groups.shape[0] > 0, torch.float32)
 
 
 def _family_nll_backward(
