@@ -36,8 +36,8 @@ def launch(request, monkeypatch):
 # Seconds: `--durations=0` on 2 cores at a load of 4-5 (about 1.6× an idle machine's); the tiers'
 # times: docs/testing.md. An entry that names a collected file but matches no test is an error.
 FULL_TIER = (
-    # the docs: the counted tables regenerated (work-loss, work-rank, workspace: 175 s), the site (4 s),
-    # the open_clip_train smoke run (5 s)
+    # the docs: the counted tables regenerated (work-loss, work-rank, workspace: 175 s; work-family: 138 s),
+    # the site (4 s), the open_clip_train smoke run (5 s)
     "tests/docs/test_tables.py::test_docs_table_is_what_its_tool_prints",
     "tests/docs/test_site.py",
     "tests/docs/test_snippets.py::test_smoke_run_commands_train",
@@ -61,7 +61,7 @@ FULL_TIER = (
     "tests/backends/test_triton_family_nll.py::test_family_workspace_counted",  # 52 s (4 cases)
     "tests/backends/test_workspace.py::test_symmetric_workspace_counted",  # 12 s
     "tests/backends/test_workspace.py::test_rank_workspace_counted",  # 8 s
-    "tests/tooling/test_work_count.py",  # 54 s
+    "tests/tooling/test_work_count.py",  # 54 s, and 29 s for the family's 7 formula cases
     # spawned process groups (gloo), training runs and the examples
     "tests/distributed/test_distributed.py",  # 64 s
     "tests/distributed/test_family_distributed.py::test_two_ranks_unequal_n_and_m_equal_the_concatenated_batch",  # 11 s

@@ -14,8 +14,8 @@ A generated region in a page is the text between two HTML comments (invisible on
 Tables (:data:`TABLES`), each printed by a fresh process, since the tools need different
 interpreters (``tools.work`` TRITON_INTERPRET=1, ``tools.sm90`` unset):
 
-* ``work-loss``, ``work-rank``: matmul work of one forward + backward in N×N×D (M×N×D)
-  products, ``tools.work.count_products`` (tl.dot under the interpreter with the GPU launch
+* ``work-loss``, ``work-rank``, ``work-family``: matmul work of one forward + backward in
+  N×N×D (M×N×D) products, ``tools.work.count_products`` (tl.dot under the interpreter with the GPU launch
   configuration, plus torch's matmuls); the cases of :data:`WORK_ROWS`. Cost: about 4.5
   CPU-minutes, 2.7 of them the two N = 1024 loss cases; the cases run in ``--jobs`` processes.
 * ``workspace``: ``hnclip_kernels.workspace_bytes`` (and the backward's part,
@@ -65,8 +65,9 @@ def md_table(header, rows) -> str:
 
 
 # ------------------------------------------------------------------ matmul work (tools.work)
-# (table, row label, cases): one case is (kind, n, m, d); a cell shows each distinct result of
-# the row's cases (" / " between them), so a row that claims "alike" shows where they differ
+# (table, row label, cases): one case is (kind, n, m, d) or, for the family, (kind, n, m, d,
+# margin); a cell shows each distinct result of the row's cases (" / " between them), so a row
+# that claims "alike" shows where they differ
 WORK_ROWS = [
     (
         "work-loss",
@@ -86,6 +87,13 @@ WORK_ROWS = [
         "M = 128, N = 512 and M = 256, N = 1024, D = 512",
         [("rank", 512, 128, 512), ("rank", 1024, 256, 512)],
     ),
+    (
+        "work-family",
+        "margin text, M = N = 256, D = 512 and 768",
+        [("family", 256, 256, 512), ("family", 256, 256, 768)],
+    ),
+    ("work-family", "margin text, M = 3N = 768, N = 256, D = 512", [("family", 256, 768, 512)]),
+    ("work-family", "margin image_text, M = N = 256, D = 512", [("family", 256, 256, 512, "image_text")]),
 ]
 WORK_GAMMAS = (0.0, 0.5)
 
@@ -93,8 +101,8 @@ WORK_GAMMAS = (0.0, 0.5)
 def _count(case):
     from tools.work import count_products  # in the worker: tools.work switches the interpreter on
 
-    kind, n, m, d, gamma = case
-    return count_products(n=n, d=d, dtype="bfloat16", gamma=gamma, kind=kind, m=m)
+    kind, n, m, d, *margin, gamma = case
+    return count_products(n=n, d=d, dtype="bfloat16", gamma=gamma, kind=kind, m=m, margin=(margin or ["text"])[0])
 
 
 def _work_cell(r) -> str:
@@ -165,6 +173,7 @@ def _emit(name):
 TABLES = {
     "work-loss": (_emit("work-loss"), True, "`tools.work.count_products`"),
     "work-rank": (_emit("work-rank"), True, "`tools.work.count_products`"),
+    "work-family": (_emit("work-family"), True, "`tools.work.count_products`"),
     "workspace": (_emit("workspace"), False, "`hnclip_kernels.workspace_bytes`"),
     "sm90-registers": (
         [sys.executable, "-m", "tools.sm90", "--quick", "--markdown"],

@@ -3,7 +3,7 @@
     python -m tools.sm90 [--quick] [--dtypes bf16,fp16,fp32] [--d 64,768] [--gammas 0,0.5]
                               [--smoothings 0,0.1] [--n 4096] [--local-m 512] [--jobs J]
                               [--wide-scalars] [--i64-ints] [--thresholds none,0.9] [--json out.json]
-                              [--cache-dir DIR] [--markdown]
+                              [--cache-dir DIR] [--markdown] [--sources family-sym,...]
 
 Run it with TRITON_INTERPRET unset. What it does:
 
@@ -16,7 +16,10 @@ Run it with TRITON_INTERPRET unset. What it does:
    (``rank_nll_triton``, what the distributed loss runs) (see ``drive_single`` /
    ``drive_directional`` / ``drive_rank``), and the hard-negative family's operator as
    ``backends.family_losses`` runs it (``drive_family``: group ids, the threshold's cosine, the
-   mask captions of margin="image_text", and margin="text" as src "family-text"). The operators
+   mask captions of margin="image_text", and margin="text" as src "family-text") and the family's
+   single-process loss, ``hnclip::triton_family_nll`` (``drive_family_sym``: the pair kernels with
+   group ids, GROUPS, and the N×M block's directional kernels with ids against an empty id set;
+   src "family-sym", margin="image_text" as "family-sym-it", no ids as "family-sym-noids"). The operators
    themselves take CPU tensors (only ``backend="triton"``'s dispatch refuses them when Triton is not interpreting), and the
    launchers' own choices (tiles, precision, autotune candidates) see real ``JITFunction`` /
    ``Autotuner`` objects, i.e. the GPU configuration.
@@ -56,7 +59,8 @@ Table (one line per distinct compiled kernel; --json has everything, constexprs 
 kernel; cfg (i/k: autotune candidate i of the k left after pruning); flags (bool constexprs
 that are True); ints=1 (int arguments specialised to the constant 1, e.g. a unit stride);
 from (single: the operator of hn_clip_loss, dir: the directional op, rank: a rank's two directions,
-family / family-text: the hard-negative family's op); the input dtype, D and gamma values that
+family / family-text: the hard-negative family's directional op, family-sym / family-sym-it /
+family-sym-noids: its single-process loss); the input dtype, D and gamma values that
 led to it; blocks (BLOCK_* constexprs); prec (*PREC constexprs); warps/stages; registers per
 thread; spill store/load bytes; shared memory bytes; MMA instructions (shape.operand type);
 tf32 (a tf32 MMA is present); status; key (the bind key, to find the kernel in --json).
@@ -211,6 +215,32 @@ def drive_family(n, d, dtype, gamma, eps, threshold=None, margin="image_text"):
             txt_q, img, query_txt=txt, key_txt=img, mask_query=txt, mask_key=txt, **ids_kw, **kw
         )
     (0.5 * (i2t + t2i)).mean().backward()
+
+
+def drive_family_sym(n, d, dtype, gamma, eps, threshold=None, margin="text", ids=True):
+    """The hard-negative family's single-process loss as ``backends.family_losses`` runs it on
+    Triton: ``hnclip::triton_family_nll`` (``family_pairs_triton``), the symmetric walk's pair
+    kernels (group ids as their ``gk_ptr``: GROUPS; a threshold: COSINE) plus the directional walk
+    over the N×M block of n/4 negatives (offset M; group ids against an empty K = 0 id set:
+    GROUPS), forward + backward; ``margin="image_text"`` a logit scale, no margin product."""
+    from hnclip_kernels.backends.triton.family_sym import family_pairs_triton
+
+    img, txt = _features(n, d, dtype)
+    neg = _features(max(n // 4, 1), d, dtype, seed=1)[0]
+    tau = torch.tensor(0.07, requires_grad=True)
+    pairs = family_pairs_triton(
+        img.requires_grad_(),
+        txt.requires_grad_(),
+        neg.requires_grad_(),
+        torch.arange(n) // 2 if ids else None,
+        tau=tau,
+        gamma=gamma,
+        label_smoothing=eps,
+        normalize=True,
+        margin=margin,
+        false_negative_threshold=threshold,
+    )
+    pairs.mean().backward()
 
 
 # ------------------------------------------------------------------ 2. capture launches
@@ -581,8 +611,13 @@ def fmt_kib(b: int) -> str:
     return f"{b / 1024:.2f}".rstrip("0").rstrip(".")
 
 
-def capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars=False, i64_ints=False, thresholds=(None,)):
-    """Drive every combination; returns ({key: Job}, {key: where it was launched from}, problems, launches)."""
+SOURCES = ("single", "dir", "rank", "family", "family-text", "family-sym", "family-sym-it", "family-sym-noids")
+
+
+def capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars=False, i64_ints=False, thresholds=(None,),
+                sources=SOURCES):  # fmt: skip
+    """Drive every combination (of the drives named in ``sources``, :data:`SOURCES`); returns
+    ({key: Job}, {key: where it was launched from}, problems, launches)."""
     backend = make_backend(TARGET)
     jobs, where, problems, n_launch = {}, {}, [], 0
     for dt, d, gm, eps, thr in itertools.product(dtypes, ds, gammas, smoothings, thresholds):
@@ -594,7 +629,15 @@ def capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars=False, 
             ("rank", lambda d=d, dtype=dtype, a=args: drive_rank(local_m, n, d, dtype, offset=local_m, **a)),
             ("family", lambda d=d, dtype=dtype, a=args: drive_family(n, d, dtype, **a)),
             ("family-text", lambda d=d, dtype=dtype, a=args: drive_family(n, d, dtype, margin="text", **a)),
+            ("family-sym", lambda d=d, dtype=dtype, a=args: drive_family_sym(n, d, dtype, **a)),
+            (
+                "family-sym-it",
+                lambda d=d, dtype=dtype, a=args: drive_family_sym(n, d, dtype, margin="image_text", **a),
+            ),
+            ("family-sym-noids", lambda d=d, dtype=dtype, a=args: drive_family_sym(n, d, dtype, ids=False, **a)),
         ):
+            if src not in sources:
+                continue
             case = f"{src} {dt} D={d} gamma={gm} label_smoothing={eps} false_negative_threshold={thr}"
             try:
                 with capture_launches() as launches:
@@ -629,8 +672,9 @@ def run_check(
     i64_ints=False,
     log=lambda msg: print(msg, flush=True),
     thresholds=(None,),
+    sources=SOURCES,
 ):
-    """Capture, compile and analyse. Returns a dict: "rows" (one per distinct compiled kernel,
+    """Capture, compile and analyse (the drives named in ``sources``). Returns a dict: "rows" (one per distinct compiled kernel,
     with its "problems"), "problems" (all, as strings) and run statistics."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("TRITON_INTERPRET is set: unset it, this compiles the real kernels")
@@ -639,7 +683,7 @@ def run_check(
     torch.set_num_threads(1)  # the launchers' torch code on CPU: small ops, faster without a thread pool
     try:
         by_key, where, problems, n_launch = capture_all(
-            dtypes, ds, gammas, smoothings, n, local_m, wide_scalars, i64_ints, thresholds
+            dtypes, ds, gammas, smoothings, n, local_m, wide_scalars, i64_ints, thresholds, sources
         )
     finally:
         torch.set_num_threads(threads)
@@ -701,6 +745,7 @@ def run_check(
             wide_scalars=wide_scalars,
             i64_ints=i64_ints,
             thresholds=list(thresholds),
+            sources=list(sources),
         ),
     )
 
@@ -755,7 +800,15 @@ def main(argv=None):
         default=["none"],
         help="false-negative thresholds to drive, 'none' for no masking (default none; e.g. none,0.9)",
     )
+    ap.add_argument(
+        "--sources",
+        type=csv(str),
+        default=list(SOURCES),
+        help=f"which drives (default all: {','.join(SOURCES)})",
+    )
     a = ap.parse_args(argv)
+    if unknown := [x for x in a.sources if x not in SOURCES]:
+        ap.error(f"unknown source(s) {unknown}; choose from {','.join(SOURCES)}")
     thresholds = [None if x == "none" else float(x) for x in a.thresholds]
     ds = a.d or ([64, 768] if a.quick else [64, 512, 768, 1024])
     smoothings = a.smoothings or ([0.0] if a.quick else [0.0, 0.1])
@@ -777,6 +830,7 @@ def main(argv=None):
             a.i64_ints,
             log=say,
             thresholds=thresholds,
+            sources=a.sources,
         )
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -7,9 +7,12 @@ What runs: one forward+backward of ``hn_clip_loss(img, txt, tau, gamma=g, backen
 (kind "loss", N×N); of one direction of the distributed path,
 ``triton_directional()(q, k, query_txt=a, key_txt=b, tau=tau, offset=offset, gamma=g,
 label_smoothing=0.0, normalize=True)`` with M local rows against N columns (kind "directional");
-and of a distributed rank's op, both directions of its M local rows against N gathered columns
+of a distributed rank's op, both directions of its M local rows against N gathered columns
 in one call (``rank_nll_triton``, kind "rank", what ``HNClipLoss(local_loss=True)`` runs per
-rank); τ a tensor that requires grad, as in training.
+rank); and of the hard-negative family's loss, ``hn_clip_loss(img, txt, tau, negatives=neg,
+gamma=g, backend="triton")`` with M negative captions (kind "family", ``hnclip::triton_family_nll``;
+``--margins`` "text" or "image_text", ``--ids`` G: group ids ``arange(N) // G``, pairs of one
+group masked); τ a tensor that requires grad, as in training.
 
 How: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1), under the GPU launch
 configuration: HNCLIP_TRITON_LAUNCH=gpu is set while a case runs, and the launcher then
@@ -31,10 +34,12 @@ The same FlopCounterMode also counts the ``hnclip::`` operators by their registe
 apart from the counted work (tests/tooling/test_work_count.py holds the two equal where the
 shapes are whole tiles: the formulas leave tile padding out).
 
-Units: one product is an M×N×D matrix product, 2·M·N·D flops (M = N for the loss). The useful
-work is 3 products per direction: S = q kᵀ in the forward, dS·k and dSᵀ·q in the backward (6
-for kind "rank", two directions); "x_useful" is the total in products divided by that. The margin's t tᵀ, tile recomputation, padding and any
-torch matmul all count as overhead.
+Units: one product is an M×N×D matrix product, 2·M·N·D flops (M = N for the loss; N×N×D for
+the family, whose M is its negatives). The useful work is 3 products per direction: S = q kᵀ in
+the forward, dS·k and dSᵀ·q in the backward (6 for kind "rank", two directions); the loss's two
+directions share S, so 3; the family's S = v [t; n]ᵀ is N×(N + M), so 3·(N + M)/N products of
+N×N×D (M = 0: the loss's 3). "x_useful" is the total in products divided by that. The margin's
+t tᵀ (t nᵀ), tile recomputation, padding and any torch matmul all count as overhead.
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ from hnclip_kernels.backends import triton_directional  # noqa: E402
 from hnclip_kernels.backends.triton.ops import rank_nll_triton  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-KINDS = ("loss", "directional", "rank")
+KINDS = ("loss", "directional", "rank", "family")
+MARGINS = ("text", "image_text")
 USEFUL_PRODUCTS = 3  # q kᵀ forward; dS·k and dSᵀ·q backward (per direction; a rank's op has two)
 COLUMNS = [
     "kind",
@@ -69,6 +75,8 @@ COLUMNS = [
     "d",
     "dtype",
     "gamma",
+    "margin",
+    "ids",
     "dot_flops",
     "torch_flops",
     "total_flops",
@@ -186,6 +194,8 @@ def count_products(
     m: int | None = None,
     seed: int = 0,
     false_negative_threshold: float | None = None,
+    margin: str = "text",
+    ids: int | None = None,
 ) -> dict:
     """Matmul work of one forward+backward of one case, as a dict (keys: :data:`COLUMNS`).
 
@@ -193,20 +203,38 @@ def count_products(
     (default n // 4, the last of 4 ranks) against n keys, positives at offset n - m, the margin's
     factors a, b the local and all text rows. kind "rank": the same rank's two directions in one
     op (local images and texts, m rows, against all n). One product is 2·m·n·d flops.
+    kind "family": hn_clip_loss on (n, d) img/txt with m negative captions (default n; m = 0
+    with neither ids nor ``margin="image_text"`` is today's loss), ``margin`` "text" or
+    "image_text", ``ids`` a group size G (group ids ``arange(n) // G``; None: no ids); one
+    product is 2·n·n·d flops, the useful work 3·(n + m)/n of them.
     ``false_negative_threshold``: masking on (the kernels then form the captions' product G
     at γ = 0 too).
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    m = n if kind == "loss" else (m or max(1, n // 4))
-    if m > n:
-        raise ValueError(f"m={m} local rows cannot exceed n={n} columns")
+    if margin not in MARGINS:
+        raise ValueError(f"margin must be one of {MARGINS}, got {margin!r}")
+    if kind != "family" and (margin != "text" or ids is not None):
+        raise ValueError(f"margin={margin!r} and ids={ids!r} are kind 'family' options; got kind {kind!r}")
+    if ids is not None and ids < 1:
+        raise ValueError(f"ids is a group size G >= 1 (group ids arange(n) // G), got {ids!r}")
+    if kind == "family":
+        m = n if m is None else m
+        if m < 0:
+            raise ValueError(f"m={m} negatives: pass m >= 0")
+    else:
+        m = n if kind == "loss" else (m or max(1, n // 4))
+        if m > n:
+            raise ValueError(f"m={m} local rows cannot exceed n={n} columns")
     gen = torch.Generator().manual_seed(seed)
     dt = DTYPES[dtype]
     tau = torch.tensor(0.07, requires_grad=True)
-    if kind == "loss":
+    if kind in ("loss", "family"):
         img = torch.randn(n, d, generator=gen).to(dt).requires_grad_()
         txt = torch.randn(n, d, generator=gen).to(dt).requires_grad_()
+        if kind == "family":
+            neg = torch.randn(m, d, generator=gen).to(dt).requires_grad_()
+            group_ids = None if ids is None else torch.arange(n) // ids
     elif kind == "directional":
         offset = n - m  # the last rank's rows
         q = torch.randn(m, d, generator=gen).to(dt).requires_grad_()
@@ -221,6 +249,18 @@ def count_products(
         if kind == "loss":
             loss = hnclip_kernels.hn_clip_loss(
                 img, txt, tau, gamma=gamma, backend="triton", false_negative_threshold=false_negative_threshold
+            )
+        elif kind == "family":
+            loss = hnclip_kernels.hn_clip_loss(
+                img,
+                txt,
+                tau,
+                gamma=gamma,
+                backend="triton",
+                false_negative_threshold=false_negative_threshold,
+                negatives=neg,
+                group_ids=group_ids,
+                margin=margin,
             )
         elif kind == "directional":
             loss = fn(
@@ -254,8 +294,10 @@ def count_products(
             "no tl.dot ran in Triton's interpreter: are the kernels interpreted (TRITON_INTERPRET=1 "
             "before triton was first imported)?"
         )
-    unit = 2 * m * n * d
-    useful = USEFUL_PRODUCTS * (2 if kind == "rank" else 1)
+    if kind == "family":  # N×N×D products; the useful S = v [t; n]ᵀ is N×(N + M)
+        unit, useful = 2 * n * n * d, USEFUL_PRODUCTS * (n + m) / n
+    else:
+        unit, useful = 2 * m * n * d, USEFUL_PRODUCTS * (2 if kind == "rank" else 1)
     total = count.dot_flops + count.torch_flops
     return dict(
         kind=kind,
@@ -264,6 +306,8 @@ def count_products(
         d=d,
         dtype=dtype,
         gamma=float(gamma),
+        margin=margin,
+        ids=ids,
         dot_flops=count.dot_flops,
         torch_flops=count.torch_flops,
         total_flops=total,
@@ -287,29 +331,50 @@ def parse_args(argv=None):
         prog="python -m tools.work", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--n", type=int, default=256, help="columns N (and rows, for the loss)")
-    ap.add_argument("--m", type=int, default=None, help="directional, rank: local rows M (default N // 4)")
+    ap.add_argument(
+        "--m",
+        type=int,
+        default=None,
+        help="directional, rank: local rows M (default N // 4); family: negatives M (default N)",
+    )
     ap.add_argument("--dims", type=_csv_list(int), default=[512, 768], help="embedding dims D")
     ap.add_argument("--dtypes", type=_csv_list(str), default=["bfloat16"], help=",".join(DTYPES))
     ap.add_argument("--gammas", type=_csv_list(float), default=[0.0, 0.5], help="margin scales γ")
     ap.add_argument("--kinds", type=_csv_list(str), default=list(KINDS), help=",".join(KINDS))
+    ap.add_argument("--margins", type=_csv_list(str), default=["text"], help="family: " + ",".join(MARGINS))
+    ap.add_argument("--ids", type=int, default=None, help="family: group ids arange(N) // IDS (default: no ids)")
     ap.add_argument("--csv", help="also write the rows to this CSV file")
     args = ap.parse_args(argv)
-    for name, values, allowed in (("--dtypes", args.dtypes, DTYPES), ("--kinds", args.kinds, KINDS)):
+    for name, values, allowed in (
+        ("--dtypes", args.dtypes, DTYPES),
+        ("--kinds", args.kinds, KINDS),
+        ("--margins", args.margins, MARGINS),
+    ):
         bad = [v for v in values if v not in allowed]
         if bad:
             ap.error(f"{name}: unknown {bad}; choose from {','.join(allowed)}")
     return args
 
 
+def _label(row) -> str:
+    """The kind, with the family's options where they are not the defaults."""
+    label = row["kind"]
+    if row["margin"] != "text":
+        label += f" {row['margin']}"
+    if row["ids"] is not None:
+        label += f" ids//{row['ids']}"
+    return label
+
+
 def format_table(rows) -> str:
     head = (
-        f"{'kind':<12}{'N':>6}{'M':>6}{'D':>6}  {'dtype':<9}{'γ':>5}{'tl.dot':>9}{'torch':>8}"
+        f"{'kind':<22}{'N':>6}{'M':>6}{'D':>6}  {'dtype':<9}{'γ':>5}{'tl.dot':>9}{'torch':>8}"
         f"{'total':>8}{'x_useful':>10}  tl.dot tiles (MxNxK:calls)"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['kind']:<12}{r['n']:>6}{r['m']:>6}{r['d']:>6}  {r['dtype']:<9}{r['gamma']:>5g}"
+            f"{_label(r):<22}{r['n']:>6}{r['m']:>6}{r['d']:>6}  {r['dtype']:<9}{r['gamma']:>5g}"
             f"{r['dot_products']:>9.2f}{r['torch_products']:>8.2f}{r['products']:>8.2f}"
             f"{r['x_useful']:>9.2f}x  {r['dot_tiles']}"
         )
@@ -318,15 +383,19 @@ def format_table(rows) -> str:
 
 def main(argv=None) -> list:
     args = parse_args(argv)
+    if args.ids is not None and args.ids < 1:
+        raise SystemExit(f"--ids is a group size G >= 1 (group ids arange(N) // G), got {args.ids}")
     rows = [
-        count_products(args.n, d, dtype, gamma, kind, args.m)
+        count_products(args.n, d, dtype, gamma, kind, args.m, margin=margin, ids=args.ids if kind == "family" else None)
         for kind in args.kinds
+        for margin in (args.margins if kind == "family" else ["text"])
         for dtype in args.dtypes
         for d in args.dims
         for gamma in args.gammas
     ]
     print(
-        "matmul work of one forward+backward, in M×N×D products (2·M·N·D flops; useful work = 3 a direction); "
+        "matmul work of one forward+backward, in M×N×D products (2·M·N·D flops; useful work = 3 a direction; "
+        "family: N×N×D products, useful 3·(N + M)/N); "
         f"Triton interpreter under {LAUNCH_ENV}=gpu"
     )
     print(format_table(rows))

@@ -112,14 +112,30 @@ FORMULA_CASES = {
     ),
     "rank bf16 γ=0": dict(kind="rank", gamma=0.0, m=128),
     "rank bf16 γ=0.5 masked": dict(kind="rank", gamma=0.5, m=128, false_negative_threshold=0.9),
+    # the hard-negative family (hnclip::triton_family_nll): the N×N walk plus the N×M block; whole
+    # tiles: 16-bit M a multiple of 128 (the block's columns), float32 N = 128 (64-row tiles)
+    "family bf16 γ=0.5 M=N/2": dict(kind="family", gamma=0.5, m=128),
+    "family bf16 γ=0.5 M=3N ids": dict(kind="family", gamma=0.5, n=128, m=384, ids=2),
+    "family bf16 γ=0 M=0 ids masked": dict(kind="family", gamma=0.0, m=0, ids=2, false_negative_threshold=0.9),
+    "family fp16 γ=0.5 M=N/2 image_text ids": dict(
+        kind="family", gamma=0.5, m=128, dtype="float16", margin="image_text", ids=2
+    ),
+    "family float32 γ=0.5 M=N/2 (tf32x3)": dict(kind="family", gamma=0.5, n=128, m=64, dtype="float32"),
+    "family float32 γ=0 M=3N masked": dict(
+        kind="family", gamma=0.0, n=128, m=384, dtype="float32", false_negative_threshold=0.9
+    ),
+    "family float32 γ=0.5 M=0 ids image_text": dict(
+        kind="family", gamma=0.5, n=128, m=0, dtype="float32", ids=4, margin="image_text"
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(FORMULA_CASES), ids=list(FORMULA_CASES))
 def test_flop_formulas_state_the_counted_work(case):
-    # whole tiles (N = 256, M = 128, D = 64 under the GPU launch configuration): the formulas that
-    # FlopCounterMode applies to the hnclip:: operators equal, to the flop, the kernels' tl.dot work
-    # plus the backward's torch GEMMs (float32: tf32x3's three passes a product, as interpreted)
+    # whole tiles (N = 256, M = 128, D = 64 under the GPU launch configuration, unless the case says
+    # otherwise): the formulas that FlopCounterMode applies to the hnclip:: operators equal, to the
+    # flop, the kernels' tl.dot work plus the backward's torch GEMMs (float32: tf32x3's three passes
+    # a product, as interpreted)
     row = count_products(**{"n": 256, "d": 64, "dtype": "bfloat16", **FORMULA_CASES[case]})
     assert row["formula_flops"] == row["total_flops"], row
 
