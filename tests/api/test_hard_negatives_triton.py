@@ -235,8 +235,9 @@ def test_16bit_clustered_batch_per_row_gpu_tiles_many_chunks(dtype, margin, monk
     monkeypatch.setattr(cfg, "sm_count", lambda device: 4)
     monkeypatch.setattr(cfg, "BWD_WORKSPACE_BYTES", 1)
     img, txt, neg, ids = _clustered_batch(200, 150, dtype)
-    got, want, gg, wg = run_both(img, txt, neg, 0.01, reduction="none", backend="triton", margin=margin,
-                                 group_ids=ids, threshold=0.995)  # fmt: skip (no ε: it would lift every row)
+    got, want, gg, wg = run_both(
+        img, txt, neg, 0.01, reduction="none", backend="triton", margin=margin, group_ids=ids, threshold=0.995
+    )  # fmt: skip (no ε: it would lift every row)
     assert (want < 1e-12).sum() > 100 and (want > 0.1).sum() > 30, want  # saturated and unsaturated rows
     tol = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10  # test_hard_negatives.py's 16-bit gradient bounds
     for i in range(got.shape[0]):  # a saturated row's loss e^δ moves with its float32 logits' rounding, |Z|·u
@@ -252,6 +253,8 @@ def test_16bit_clustered_batch_per_row_gpu_tiles_many_chunks(dtype, margin, monk
         errs = torch.tensor([rel_err(g[i], w[i]) for i in range(g.shape[0])])
         absolute = (g - w).norm(dim=1) - tol * w.norm(dim=1)
         bad = (errs > tol) & (absolute > floor)
-        assert not bad.any(), f"d {name}: rows {bad.nonzero().flatten().tolist()[:8]}, worst {errs.max():.3e} > {tol:.1e}"
+        assert not bad.any(), (
+            f"d {name}: rows {bad.nonzero().flatten().tolist()[:8]}, worst {errs.max():.3e} > {tol:.1e}"
+        )
         if dtype == torch.bfloat16:  # the saturated rows' gradients are there, not flushed
             assert (w.norm(dim=1) < 1e-12).sum() > 20 and (errs[w.norm(dim=1) < 1e-12] <= tol).all()

@@ -226,6 +226,35 @@ def test_large_n_against_float64_torch_backend(dtype):
             assert_no_worse_than_plain(a, p, b, LOWP_TOL[dtype], name)
 
 
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_hard_negative_family_against_float64_torch_backend(dtype, margin):
+    # hnclip::triton_family_nll compiled: N = 1030 (ragged tiles, tile pairs), M = 700 negatives, group ids
+    # across tiles and a threshold, against the torch backend in float64 on the GPU; every gradient per
+    # row (each row's norm floored at 1e-3 of the largest: a masked negative's gradient is 0)
+    n, m, d = 1030, 700, 256
+    img, txt = (x.to(DEV) for x in make_pair(n, d, dtype, seed=12))
+    neg = (txt[torch.arange(m) % n].float() + 0.3 * torch.randn(m, d, device=DEV)).to(dtype)
+    ids = torch.arange(n, device=DEV) % 515  # rows k and k + 515 share an id
+    kw = dict(group_ids=ids, margin=margin, gamma=0.5, label_smoothing=0.1, false_negative_threshold=0.9)
+    runs = []
+    for backend, cast in (("torch", torch.float64), ("triton", dtype)):
+        leaves = [x.to(cast).requires_grad_(True) for x in (img, txt, neg)]
+        tau = torch.tensor(0.05, device=DEV, dtype=torch.float64 if cast == torch.float64 else torch.float32,
+                           requires_grad=True)  # fmt: skip
+        loss = hn_clip_loss(leaves[0], leaves[1], tau, negatives=leaves[2], backend=backend, **kw)
+        runs.append((loss, *torch.autograd.grad(loss, [*leaves, tau])))
+    tol = {torch.float32: TOL_F32_GRAD, torch.bfloat16: 2.0**-7}[dtype]
+    for name, got, want in zip(("loss", "d img", "d txt", "d negatives", "d tau"), runs[1], runs[0]):
+        got, want = got.double(), want.double()
+        if want.dim() == 0:
+            assert_close_rel(got, want, TOL_F32_LOSS if name == "loss" else tol, name)
+            continue
+        norms = want.norm(dim=1)
+        rows = (got - want).norm(dim=1) / torch.maximum(norms, 1e-3 * norms.max())
+        assert rows.max() <= tol, f"{name}: row {int(rows.argmax())} rel err {rows.max():.3e} > {tol:.1e}"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_deterministic_bitwise(dtype):
     img, txt = (x.to(DEV) for x in make_pair(4097, 768, dtype, seed=7))

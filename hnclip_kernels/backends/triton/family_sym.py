@@ -150,7 +150,7 @@ def _family_nll_backward(
     t2i = row_stats(pos, delta_t2i, mean_neg_t2i, dsum_t2i, kept_t2i, s.masked)
     eps = label_smoothing if smoothing else 0.0
     g = 0.5 * grad.float().contiguous()  # each direction's row k gets half of pair k's gradient
-    (n, d), m = img.shape, negatives.shape[0]
+    d, m = img.shape[1], negatives.shape[0]
     d_n = torch.zeros((m, d), device=img.device, dtype=torch.float32)  # M = 0, or only dτ wanted
     if need_features:
         shifts = smoothing_shifts(s.pair, eps, i2t, t2i)
