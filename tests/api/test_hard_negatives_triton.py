@@ -15,7 +15,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_hard_negatives import GROUPS, D, N, assert_compiled_equals_eager, check, features, run_both
+from hypothesis import HealthCheck, given, settings
+from test_hard_negatives import (
+    FAMILY_DRAWS,
+    GROUPS,
+    D,
+    N,
+    assert_compiled_equals_eager,
+    check,
+    check_draw,
+    features,
+    run_both,
+)
 from test_hard_negatives_cpp import _rows_agree, _saturated_batch
 
 from cases import ALL_BACKENDS
@@ -199,6 +210,13 @@ def test_work_count_is_todays_loss_plus_the_negative_block(n):
     assert count(false_negative_threshold=0.5, margin="image_text") == today + block(1)
     assert count(gamma=0.0, group_ids=torch.arange(n)) == today_no_margin + block(0)
     assert count(False, group_ids=torch.arange(n)) == today  # ids alone: the family operator at M = 0
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(**FAMILY_DRAWS)
+def test_hypothesis_draws_match_the_oracle(**draw):
+    # shapes (N 1-7, M 0-9), τ 0.02-1, γ, ε, ids, margins, threshold: the interpreter's own tiles
+    check_draw("triton", **draw)
 
 
 def test_compile_fullgraph():
