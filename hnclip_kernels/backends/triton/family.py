@@ -4,9 +4,9 @@ The directional operator (``hnclip::triton_directional_nll``, :mod:`.distributed
 family's masking inputs (``docs/hard_negatives.md``), as the C++ backend's
 ``hnclip::cpp_family_directional_nll``: mask captions (the threshold's cosine compares captions
 while ``margin="image_text"`` takes the margin from the images) and group ids (columns k < K whose
-id equals the row's are no negatives). :func:`hnclip_kernels.backends.family_losses` runs it twice
-on backend="triton": i2t over the keys [t; n] (the N captions, then the M negatives, which carry
-no id), t2i over the N images. A separate operator, so today's directional operator keeps its
+id equals the row's are no negatives). :func:`hnclip_kernels.backends.rank_family_losses` runs it
+twice per rank on backend="triton": i2t over the keys [all captions; all negatives] (the negatives
+carry no id), t2i over all images (one process: :mod:`.family_sym`). A separate operator, so today's directional operator keeps its
 schema and its kernels: the same ``_fwd_kernel`` / ``_dscore_kernel``, whose family flags
 (CAPTIONS, GROUPS: ``family_tiles``) derive from these inputs being given.
 
