@@ -82,7 +82,7 @@ the minimum detectable difference (80% power, α = 0.05, the pairs' sd) is repor
 bootstrap.
 
 **Budget.** Default: 3 initialisations × 10 seeds × 6 arms; see ``DEFAULT``. 1 torch thread.
-``--quick`` is a smoke test of the same code (2 × 2, tiny sizes).
+``--quick`` is a smoke test of the same code (2 initialisations × 2 seeds, tiny sizes, 1 epoch).
 
     python examples/fine_tune_study.py --quick
     python examples/fine_tune_study.py                      # the default run
@@ -118,7 +118,7 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Dict, List, Sequence
+from typing import List, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -158,10 +158,10 @@ QUICK = dict(
     seed_offset=0,
     train_groups=64,
     eval_groups=8,
-    epochs=2,
-    s1_train=512,
+    epochs=1,
+    s1_train=256,
     s1_eval=64,
-    s1_steps=40,
+    s1_steps=30,
     width=64,
 )
 S1_LR = 2e-3
@@ -278,7 +278,12 @@ def build_model(width: int, seed: int):
         embed_dim=width,
         vision_cfg=dict(image_size=demo.IMAGE_SIZE, patch_size=8, width=width, head_width=32, layers=2, mlp_ratio=2.0),
         text_cfg=dict(
-            context_length=demo.CONTEXT_LENGTH, vocab_size=VOCAB, width=width, heads=width // 32, layers=2, mlp_ratio=2.0
+            context_length=demo.CONTEXT_LENGTH,
+            vocab_size=VOCAB,
+            width=width,
+            heads=width // 32,
+            layers=2,
+            mlp_ratio=2.0,
         ),
     )
 
@@ -539,7 +544,9 @@ def parse_args(argv=None):
         if getattr(args, key) < low:
             parser.error(f"--{key.replace('_', '-')} must be >= {low}")
     if args.train_groups * GROUP_SIZE < BIG_BATCH or (args.train_groups * GROUP_SIZE) % BIG_BATCH:
-        parser.error(f"--train-groups must be a multiple of {BIG_BATCH // GROUP_SIZE} (the 4× batch is {BIG_BATCH} pairs)")
+        parser.error(
+            f"--train-groups must be a multiple of {BIG_BATCH // GROUP_SIZE} (the 4× batch is {BIG_BATCH} pairs)"
+        )
     if args.width % 32:
         parser.error("--width must be a multiple of 32 (attention heads of 32)")
     return args
@@ -557,9 +564,8 @@ def _cpu_name() -> str:
 
 
 def main(argv=None) -> dict:
-    from tqdm import tqdm
-
     import study_tables
+    from tqdm import tqdm
 
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -652,7 +658,9 @@ def main(argv=None) -> dict:
     run = write_run()
     tables = study_tables.render_all(args.out)
     print(tables)
-    print(f"{run['wall_seconds']:.0f} s wall, {run['cpu_seconds']:.0f} s CPU (user+sys), load average at start {load:.2f}")
+    print(
+        f"{run['wall_seconds']:.0f} s wall, {run['cpu_seconds']:.0f} s CPU (user+sys), load average at start {load:.2f}"
+    )
     print(f"wrote final.csv, regime.csv, stage1.csv, run.json to {args.out}/")
     return dict(final=final, regime=regime, stage1=s1_records, run=run, missing=missing, tables=tables)
 

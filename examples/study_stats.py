@@ -136,9 +136,7 @@ def cluster_t(diffs_by_cluster: Dict[object, Sequence[float]], level: float = 0.
         m = sizes[0]
         grand = math.fsum(means) / k
         ms_between = m * math.fsum((x - grand) ** 2 for x in means) / (k - 1)
-        ms_within = math.fsum(
-            (d - mu) ** 2 for v, mu in zip(diffs_by_cluster.values(), means) for d in v
-        ) / (total - k)
+        ms_within = math.fsum((d - mu) ** 2 for v, mu in zip(diffs_by_cluster.values(), means) for d in v) / (total - k)
         out.update(sd_between=math.sqrt(max(0.0, (ms_between - ms_within) / m)), sd_within=math.sqrt(ms_within))
     else:
         out.update(sd_between=float("nan"), sd_within=float("nan"))
