@@ -88,12 +88,21 @@ def md_table(header, rows) -> str:
     return "\n".join([line(header), "|" + "---|" * len(header)] + [line(r) for r in rows])
 
 
+def design(data: dict) -> tuple:
+    """(k initialisations, n pairs, "k initialisations × m seeds" or the pairs of an incomplete run)."""
+    keys = {_key(r) for r in data["final"] if r["arm"] == BASE}
+    inits, seeds = {i for i, _ in keys}, {s for _, s in keys}
+    if len(keys) == len(inits) * len(seeds):
+        return len(inits), len(keys), f"{len(inits)} initialisations × {len(seeds)} seeds"
+    return len(inits), len(keys), f"{len(keys)} (initialisation, seed) pairs of {len(inits)} initialisations"
+
+
 def results_table(data: dict) -> str:
     """The paired comparisons, primary first, with the design line above them."""
     run, rows = data["run"], comparisons(data["final"], data["run"]["arms"])
-    k, n = len(run["inits"]), len(run["inits"]) * len(run["seeds"])
+    k, n, what = design(data)
     head = (
-        f"{k} initialisations × {len(run['seeds'])} seeds = {n} pairs; held-out pool {run['held_out_pairs']} pairs "
+        f"{what} = {n} pairs; held-out pool {run['held_out_pairs']} pairs "
         f"per seed; last epoch ({run['config']['epochs']}). Δ = arm − ClipLoss within each (initialisation, seed): "
         f"mean [95% paired t-interval, {n - 1} df], the interval over the {k} initialisations' means "
         f"({k - 1} df, carries initialisation variance), wins/losses/ties with the exact sign-test p, the paired "
@@ -200,16 +209,23 @@ def run_table(data: dict) -> str:
     lines = [
         table,
         "",
-        f"Leakage check (asserted by the run): {leak['held_out_captions']} held-out captions and "
-        f"{leak['held_out_scenes']} held-out scenes against {leak['training_captions']} training captions and "
-        f"{leak['training_scenes']} training scenes (stage 1 of every initialisation and every seed's pool): "
-        f"{leak['shared_captions']} captions and {leak['shared_scenes']} scenes shared.",
+        f"Leakage check (asserted by the run): {leak['held_out_scenes']} held-out scenes "
+        f"({leak['held_out_captions']} distinct captions; stage 1's held-out set and every seed's pool) against "
+        f"{leak['training_scenes']} training scenes ({leak['training_captions']} distinct captions; stage 1 of "
+        f"every initialisation and every seed's pool): {leak['shared_captions']} captions and "
+        f"{leak['shared_scenes']} scenes shared.",
         "",
         f"Run: stage-1 width {cfg['width']}, {cfg['s1_train']} scenes; pool {run['pool_pairs']} pairs, "
         f"{cfg['epochs']} epochs, lr {cfg['lr']}; {cfg['threads']} torch thread; {run['cpu_seconds'] / 60:.1f} "
         f"CPU-minutes (user+sys) and {run['wall_seconds'] / 60:.1f} minutes wall, stage 1 included where trained "
         f"(load average {run['load_average_at_start']} at the start); {run['cpu']}, torch {run['torch']}.",
     ]
+    if not run.get("complete", True):
+        done = len({_key(r) for r in data["final"]})
+        lines.append(
+            f"\n**Incomplete run**: stopped after {done} of {len(run['inits']) * run['config']['seeds']} "
+            "(initialisation, seed) pairs; every table uses the pairs that finished."
+        )
     return "\n".join(lines)
 
 
@@ -218,7 +234,7 @@ def conclusions(data: dict) -> str:
     rows = comparisons(data["final"], data["run"]["arms"])
     p = rows[0]
     t, c = p["t"], p["cluster"]
-    k = len(data["run"]["inits"])
+    k = design(data)[0]
     across = "excludes" if (c["low"] > 0 or c["high"] < 0) else "includes"
     out = [
         f"- Primary (HN-CLIP γ = 0.5 − ClipLoss, t→i R@1): Δ = {_num(t['mean'])} "
@@ -247,12 +263,12 @@ def conclusions(data: dict) -> str:
 
 
 def readme_table(data: dict) -> str:
-    """The README's short version: R@1 per arm against ClipLoss, primary first, and the verdicts."""
-    rows = [r for r in comparisons(data["final"], data["run"]["arms"]) if r["metric"] in ("t2i_R@1", "i2t_R@1")]
+    """The README's short version: every arm on the primary metric, then what the other metrics show."""
+    every = comparisons(data["final"], data["run"]["arms"])
+    rows = [r for r in every if r["metric"] == PRIMARY[1]]
     body = [
         [
-            r["arm"],
-            LABEL[r["metric"]] + (" (primary)" if (r["arm"], r["metric"]) == PRIMARY else ""),
+            r["arm"] + (" (primary)" if (r["arm"], r["metric"]) == PRIMARY else ""),
             f"{_num(r['t']['mean'])} [{_num(r['t']['low'])}, {_num(r['t']['high'])}]",
             f"{r['sign']['wins']}/{r['sign']['losses']}/{r['sign']['ties']}",
             _p(r["holm_p"]),
@@ -260,12 +276,19 @@ def readme_table(data: dict) -> str:
         ]
         for r in rows
     ]
-    run = data["run"]
     head = (
-        f"Δ against ClipLoss at the last epoch, {len(run['inits'])} initialisations × {len(run['seeds'])} seeds "
-        f"(mean [95% paired t-interval], wins/losses/ties, Holm p over all {4 * (len(run['arms']) - 1)} comparisons):"
+        f"Δ t→i R@1 against ClipLoss at the last epoch, {design(data)[2]} "
+        f"(mean [95% paired t-interval], wins/losses/ties, Holm p over all {len(every)} comparisons):"
     )
-    return head + "\n\n" + md_table(["arm", "metric", "Δ", "W/L/T", "Holm p", "verdict"], body)
+    others = [r for r in every if r["metric"] != PRIMARY[1] and _detected(r)]
+    tail = "On the other metrics (i→t R@1, group accuracy both ways) " + (
+        "differences are detected for: "
+        + "; ".join(f"{r['arm']} {verdict(r)} on {LABEL[r['metric']]} ({_num(r['t']['mean'])})" for r in others)
+        + "; none for the rest."
+        if others
+        else "no difference is detected."
+    )
+    return head + "\n\n" + md_table(["arm vs ClipLoss", "Δ", "W/L/T", "Holm p", "verdict"], body) + "\n\n" + tail
 
 
 TABLES = {
