@@ -70,11 +70,15 @@ def _num(x: float, sign: bool = True) -> str:
 def _p(p: float) -> str:
     if math.isnan(p):
         return "–"
-    return "<0.001" if p < 0.001 else f"{p:.3f}"
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
 
 
 def _detected(r) -> bool:
     return not math.isnan(r["holm_p"]) and r["holm_p"] < ALPHA
+
+
+def _relation(r) -> str:
+    return "ahead of" if r["t"]["mean"] > 0 else "behind"
 
 
 def verdict(r) -> str:
@@ -120,7 +124,7 @@ def results_table(data: dict) -> str:
                 metric,
                 f"{_num(t['mean'])} [{_num(t['low'])}, {_num(t['high'])}]",
                 f"[{_num(c['low'])}, {_num(c['high'])}]",
-                f"{s['wins']}/{s['losses']}/{s['ties']}, p = {_p(s['p'])}",
+                f"{s['wins']}/{s['losses']}/{s['ties']}, p {_p(s['p']) if s['p'] < 0.001 else '= ' + _p(s['p'])}",
                 _p(r["holm_p"]),
                 verdict(r),
             ]
@@ -240,7 +244,7 @@ def conclusions(data: dict) -> str:
         f"- Primary (HN-CLIP γ = 0.5 − ClipLoss, t→i R@1): Δ = {_num(t['mean'])} "
         f"[{_num(t['low'])}, {_num(t['high'])}] over {t['n']} pairs, Holm p = {_p(p['holm_p'])}: "
         + (
-            f"HN-CLIP is {verdict(p)} of ClipLoss."
+            f"HN-CLIP is {_relation(p)} ClipLoss."
             if _detected(p)
             else f"no difference detected; the smallest difference this run could detect is ±{p['mdd']:.3f}."
         )
@@ -251,7 +255,7 @@ def conclusions(data: dict) -> str:
         c = r["cluster"]
         across = "excludes" if (c["low"] > 0 or c["high"] < 0) else "includes"
         out.append(
-            f"- {r['arm']} is {verdict(r)} of ClipLoss on {LABEL[r['metric']]}: Δ = {_num(r['t']['mean'])} "
+            f"- {r['arm']} is {_relation(r)} ClipLoss on {LABEL[r['metric']]}: Δ = {_num(r['t']['mean'])} "
             f"[{_num(r['t']['low'])}, {_num(r['t']['high'])}], Holm p = {_p(r['holm_p'])}; the interval over "
             f"initialisations {across} 0."
         )
