@@ -149,7 +149,19 @@ def levels_table(data: dict) -> str:
         body.append([arm + (" (epoch 0)" if arm == INIT_ARM else "")] + cells + [f"{tau:.4f}"])
     for arm, why in data["run"].get("missing", {}).items():
         body.append([arm, f"not run: {why}"] + [""] * len(METRICS))
-    return md_table(["arm"] + [LABEL[m] for m in METRICS] + ["τ"], body)
+    table = md_table(["arm"] + [LABEL[m] for m in METRICS] + ["τ"], body)
+    by = {(r["arm"], _key(r)): r for r in final}
+    keys = sorted({_key(r) for r in final if r["arm"] == BASE})
+    parts = []
+    for arm in data["run"]["arms"]:
+        t = st.paired_t([float(by[(arm, k)]["t2i_R@1"]) - float(by[(INIT_ARM, k)]["t2i_R@1"]) for k in keys])
+        where = "below" if t["high"] < 0 else "above" if t["low"] > 0 else "not distinguishable from"
+        parts.append(f"{arm} {_num(t['mean'])} [{_num(t['low'])}, {_num(t['high'])}], {where} it")
+    line = (
+        "Against the initialisation (descriptive, outside the Holm family), the last epoch's t→i R@1 − epoch 0's, "
+        "paired within (initialisation, seed), mean [95% t-interval]: " + "; ".join(parts) + "."
+    )
+    return table + "\n\n" + line
 
 
 def regime_table(data: dict) -> str:
