@@ -92,7 +92,8 @@ Writes under ``--out`` (default: ``<tmp>/hnclip_fine_tune_study``): ``final.csv`
 initialisation × seed: the held-out metrics; arm ``initialisation`` is epoch 0), ``regime.csv``
 (arm × initialisation × seed × epoch), ``stage1.csv`` and ``run.json`` (configuration, leakage
 check, versions, CPU and wall time), and prints the tables (``study_tables.py``). The docs'
-tables are generated from the committed copy in ``docs/data/fine_tune_study/``.
+tables are generated from the committed copies in ``examples/results/fine_tune_study/`` (the default run) and
+``examples/results/fine_tune_study_replication/`` (``--init-offset 3 --seed-offset 10``).
 
 *Revisions.* 1–3 (one initialisation, seeds 0–4, a percentile bootstrap): stage 1 moved from
 coarse to dense captions and more steps; no stage-2 ClipLoss batch reached InfoNCE < 1e-3. 4

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import study_stats as st  # noqa: E402
 
 COMMITTED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fine_tune_study")
+REPLICATION = COMMITTED + "_replication"  # the same protocol on fresh initialisations and seeds
 BASE, INIT_ARM = "ClipLoss", "initialisation"
 METRICS = ("t2i_R@1", "i2t_R@1", "t2i_group_acc", "i2t_group_acc")
 LABEL = {"t2i_R@1": "t→i R@1", "i2t_R@1": "i→t R@1", "t2i_group_acc": "t→i group acc", "i2t_group_acc": "i→t group acc"}
@@ -307,18 +308,62 @@ def readme_table(data: dict) -> str:
     return head + "\n\n" + md_table(["arm vs ClipLoss", "Δ", "W/L/T", "Holm p", "verdict"], body) + "\n\n" + tail
 
 
+def replication_table(data: dict, rep: dict) -> str:
+    """The primary comparison and every one detected in either run, in the default run and in the
+    replication (fresh initialisations and seeds, the same protocol)."""
+    first = comparisons(data["final"], data["run"]["arms"])
+    again = {(r["arm"], r["metric"]): r for r in comparisons(rep["final"], rep["run"]["arms"])}
+    rows = [
+        r
+        for r in first
+        if (r["arm"], r["metric"]) == PRIMARY or _detected(r) or _detected(again[(r["arm"], r["metric"])])
+    ]
+
+    def cell(r):
+        t = r["t"]
+        return f"{_num(t['mean'])} [{_num(t['low'])}, {_num(t['high'])}], Holm p {_p(r['holm_p'])}: {verdict(r)}"
+
+    body = []
+    for r in rows:
+        q = again[(r["arm"], r["metric"])]
+        same = _detected(r) == _detected(q) and (not _detected(r) or (r["t"]["mean"] > 0) == (q["t"]["mean"] > 0))
+        body.append([r["arm"], LABEL[r["metric"]], cell(r), cell(q), "yes" if same else "no"])
+    found = [r for r in first if _detected(r)]
+    held = [
+        r
+        for r in found
+        if _detected(again[(r["arm"], r["metric"])])
+        and (r["t"]["mean"] > 0) == (again[(r["arm"], r["metric"])]["t"]["mean"] > 0)
+    ]
+    new = [
+        q
+        for q in again.values()
+        if _detected(q) and not _detected(next(r for r in first if (r["arm"], r["metric"]) == (q["arm"], q["metric"])))
+    ]
+    _, _, what = design(rep)
+    head = (
+        f"The replication: the same script and protocol on fresh initialisations {min(rep['run']['inits'])}–"
+        f"{max(rep['run']['inits'])} and seeds {min(rep['run']['seeds'])}–{max(rep['run']['seeds'])} ({what}). "
+        f"Of the {len(found)} differences the default run detects, {len(held)} are detected again with the same sign; "
+        f"the replication detects {len(new)} the default run does not."
+    )
+    return head + "\n\n" + md_table(["arm vs ClipLoss", "metric", "default run", "replication", "same verdict"], body)
+
+
 TABLES = {
     "study-results": lambda d: results_table(d) + "\n\n" + conclusions(d),
     "study-levels": levels_table,
     "study-regime": regime_table,
     "study-run": run_table,
     "study-readme": readme_table,
+    "study-replication": lambda d: replication_table(d, load(REPLICATION)),
 }
 
 
 def render_all(folder: str) -> str:
+    """Every table of one run (the replication table compares the two committed runs: not here)."""
     data = load(folder)
-    return "\n\n".join(f"## {name}\n\n{make(data)}" for name, make in TABLES.items())
+    return "\n\n".join(f"## {name}\n\n{make(data)}" for name, make in TABLES.items() if name != "study-replication")
 
 
 def main(argv=None) -> int:
@@ -328,6 +373,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.emit:
         print(TABLES[a.emit](load(a.folder)))
+    elif os.path.exists(os.path.join(REPLICATION, "run.json")) and a.folder == COMMITTED:
+        print(render_all(a.folder) + "\n\n## study-replication\n\n" + TABLES["study-replication"](load(a.folder)))
     else:
         print(render_all(a.folder))
     return 0
