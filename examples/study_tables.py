@@ -178,7 +178,7 @@ def regime_table(data: dict) -> str:
             f"{mean([float(r['sat_batches']) for r in start]):.2f} / {mean([float(r['zero_grad_rows']) for r in start]):.2f}"
         ]
         + [""] * (len(epochs) - 1)
-        + [f"{mean([float(r['median_infonce']) for r in start]):.3g}"]
+        + [f"{mean([float(r['median_infonce']) for r in start]):.3f}"]
     )
     for arm in arms:
         cells = []
@@ -188,7 +188,7 @@ def regime_table(data: dict) -> str:
                 f"{mean([float(r['sat_batches']) for r in rows]):.2f} / {mean([float(r['zero_grad_rows']) for r in rows]):.2f}"
             )
         first = [r for r in regime if r["arm"] == arm and int(r["epoch"]) == 1]
-        body.append([arm, ""] + cells + [f"{mean([float(r['median_infonce']) for r in first]):.3g}"])
+        body.append([arm, ""] + cells + [f"{mean([float(r['median_infonce']) for r in first]):.3f}"])
     header = ["arm"] + [f"epoch {e}" for e in epochs] + ["median batch InfoNCE (first row epoch 0, arms epoch 1)"]
     sat0 = mean([float(r["sat_batches"]) for r in start])
     clip = [r for r in regime if r["arm"] == BASE]
@@ -279,10 +279,12 @@ def conclusions(data: dict) -> str:
     return "\n".join(out)
 
 
-def readme_table(data: dict) -> str:
-    """The README's short version: every arm on the primary metric, then what the other metrics show."""
+def readme_table(data: dict, rep: dict = None) -> str:
+    """The README's short version: every arm on the primary metric (and, given ``rep``, the
+    replication's verdict), then what the other metrics show."""
     every = comparisons(data["final"], data["run"]["arms"])
     rows = [r for r in every if r["metric"] == PRIMARY[1]]
+    again = {(r["arm"], r["metric"]): r for r in comparisons(rep["final"], rep["run"]["arms"])} if rep else {}
     body = [
         [
             r["arm"] + (" (primary)" if (r["arm"], r["metric"]) == PRIMARY else ""),
@@ -291,6 +293,11 @@ def readme_table(data: dict) -> str:
             _p(r["holm_p"]),
             verdict(r),
         ]
+        + (
+            [f"{_num(again[(r['arm'], r['metric'])]['t']['mean'])}: {verdict(again[(r['arm'], r['metric'])])}"]
+            if rep
+            else []
+        )
         for r in rows
     ]
     head = (
@@ -298,14 +305,17 @@ def readme_table(data: dict) -> str:
         f"(mean [95% paired t-interval], wins/losses/ties, Holm p over all {len(every)} comparisons):"
     )
     others = [r for r in every if r["metric"] != PRIMARY[1] and _detected(r)]
-    tail = "On the other metrics (i→t R@1, group accuracy both ways) " + (
+    tail = "In the default run, on the other metrics (i→t R@1, group accuracy both ways), " + (
         "differences are detected for: "
         + "; ".join(f"{r['arm']} {verdict(r)} on {LABEL[r['metric']]} ({_num(r['t']['mean'])})" for r in others)
         + "; none for the rest."
         if others
         else "no difference is detected."
     )
-    return head + "\n\n" + md_table(["arm vs ClipLoss", "Δ", "W/L/T", "Holm p", "verdict"], body) + "\n\n" + tail
+    header = ["arm vs ClipLoss", "Δ", "W/L/T", "Holm p", "verdict"] + (
+        [f"replication ({design(rep)[2]}, fresh): Δ, verdict"] if rep else []
+    )
+    return head + "\n\n" + md_table(header, body) + "\n\n" + tail
 
 
 def replication_table(data: dict, rep: dict) -> str:
@@ -355,15 +365,17 @@ TABLES = {
     "study-levels": levels_table,
     "study-regime": regime_table,
     "study-run": run_table,
-    "study-readme": readme_table,
+    "study-readme": lambda d: readme_table(d, load(REPLICATION)),
     "study-replication": lambda d: replication_table(d, load(REPLICATION)),
 }
+ONE_RUN = dict(TABLES, **{"study-readme": readme_table})  # what one run's output alone gives
+del ONE_RUN["study-replication"]
 
 
 def render_all(folder: str) -> str:
     """Every table of one run (the replication table compares the two committed runs: not here)."""
     data = load(folder)
-    return "\n\n".join(f"## {name}\n\n{make(data)}" for name, make in TABLES.items() if name != "study-replication")
+    return "\n\n".join(f"## {name}\n\n{make(data)}" for name, make in ONE_RUN.items())
 
 
 def main(argv=None) -> int:
@@ -373,8 +385,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.emit:
         print(TABLES[a.emit](load(a.folder)))
-    elif os.path.exists(os.path.join(REPLICATION, "run.json")) and a.folder == COMMITTED:
-        print(render_all(a.folder) + "\n\n## study-replication\n\n" + TABLES["study-replication"](load(a.folder)))
+    elif a.folder == COMMITTED:  # the committed runs: every region of the docs
+        data = load(a.folder)
+        print("\n\n".join(f"## {name}\n\n{make(data)}" for name, make in TABLES.items()))
     else:
         print(render_all(a.folder))
     return 0
