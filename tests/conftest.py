@@ -71,7 +71,7 @@ FULL_TIER = (
     "tests/integrations/test_transformers.py::test_two_gloo_processes_equal_the_global_batch",  # 26 s
     "tests/integrations/test_deepspeed.py",  # 41 s
     "tests/integrations/test_example.py",  # 26 s
-    "tests/integrations/test_fine_tune_study.py",  # 42 s
+    "tests/integrations/test_fine_tune_study.py",  # 22 s idle, 70 s at load 5 on 2 cores
     "tests/integrations/test_long_clip_example.py",  # 31 s
     "tests/integrations/test_train.py",  # 16 s
     # the tools: benchmark sweeps, the GPU check script, the precision study, the clean-tree runs

@@ -24,6 +24,12 @@ interpreters (``tools.work`` TRITON_INTERPRET=1, ``tools.sm90`` unset):
   spills and shared memory of every kernel compiled ahead of time for sm_90a. Cold, minutes
   (the compile); from tools.sm90's cache, the capture only (about 50 s on one core).
 
+* ``study-results``, ``study-levels``, ``study-regime``, ``study-run``, ``study-readme``,
+  ``study-replication``: the fine-tuning study's tables and sentences of conclusion
+  (docs/studies.md, README.md), computed by ``examples/study_tables.py`` from the committed runs'
+  CSVs in ``examples/results/fine_tune_study/`` (and ``..._replication/``, written by
+  ``examples/fine_tune_study.py``). Instant.
+
 ``tests/docs/test_tables.py`` regenerates every table and fails where the docs differ.
 """
 
@@ -181,6 +187,19 @@ TABLES = {
         "`python -m tools.sm90 --quick --markdown`",
     ),
 }
+STUDY_TABLES = ("study-results", "study-levels", "study-regime", "study-run", "study-readme", "study-replication")
+for _name in STUDY_TABLES:  # the fine-tuning study: its committed CSVs, through examples/study_tables.py
+    TABLES[_name] = (
+        [sys.executable, os.path.join("examples", "study_tables.py"), "--emit", _name],
+        False,
+        "the committed run `examples/results/fine_tune_study/`"
+        + (
+            " and its replication `examples/results/fine_tune_study_replication/`"
+            if _name == "study-replication"
+            else ""
+        )
+        + " (`python examples/study_tables.py`)",
+    )
 
 
 def generate(name: str, jobs: int | None = None, timeout: float = 1800, progress=None) -> str:

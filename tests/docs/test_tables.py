@@ -4,8 +4,8 @@ Each generated region of the docs (``<!-- generated: NAME ... -->`` … ``<!-- e
 see tools/docs_tables.py) is regenerated in a fresh process and compared; a difference fails
 with a diff and the command that rewrites it (``python -m tools.docs_tables --write``).
 
-Cost, measured on one core: ``workspace`` ~5 s; ``work-rank`` ~1 min; ``work-family`` ~2.3 min
-(measured in 2 processes on 2 loaded cores); ``work-loss`` ~3 min,
+Cost, measured on one core: ``workspace`` ~5 s, each ``study-*`` table ~1 s; ``work-rank`` ~1 min;
+``work-family`` ~2.3 min (measured in 2 processes on 2 loaded cores); ``work-loss`` ~3 min,
 2.7 of them its two N = 1024 loss cases under the interpreter (the work cases run in one process
 per CPU, so about half that on CI's 2 cores); ``sm90-registers`` the launch capture (~50 s)
 plus, cold, the sm_90a compile of the ``--quick`` kernels, which
@@ -39,6 +39,12 @@ def _check(name, progress=None):
 
 @pytest.mark.parametrize("name", CHEAP)
 def test_docs_table_is_what_its_tool_prints(name):
+    _check(name)
+
+
+@pytest.mark.parametrize("name", docs_tables.STUDY_TABLES)
+def test_study_table_is_what_the_committed_runs_give(name):
+    """The fine-tuning study's regions (default tier: about a second each) against its committed CSVs."""
     _check(name)
 
 
@@ -121,3 +127,25 @@ def test_register_table_groups_kernels_by_width_and_candidate():
         "| `_fwd_kernel` | fp32 | - | M64 N32 K32 | 8 / 3 | 168 | 168 | 0 | 40 |",
         "| `_merge_kernel` | bf16, fp16, fp32 | - | - | 8 / 3 | 32 | 32 | 0 | 0 |",
     ]
+
+
+def test_a_changed_study_result_fails_with_a_diff(tmp_path):
+    """The study's regions follow its CSVs: one changed held-out figure changes the generated text,
+    and the check reports it with a diff and the fix."""
+    import shutil
+
+    import study_tables
+
+    folder = tmp_path / "run"
+    shutil.copytree(study_tables.COMMITTED, folder)
+    data = study_tables.load(str(folder))
+    now = study_tables.TABLES["study-results"](data)
+    page = docs_tables.body("study-results", now)
+    assert docs_tables.diff("study-results", "docs/studies.md", page, now) == ""
+    rows = data["final"]
+    row = next(r for r in rows if r["arm"] == "HN-CLIP")
+    row["t2i_R@1"] = str(float(row["t2i_R@1"]) + 0.25)
+    changed = study_tables.TABLES["study-results"](data)
+    stale = docs_tables.diff("study-results", "docs/studies.md", page, changed)
+    assert stale.startswith("--- docs/studies.md (study-results, in the docs)"), stale
+    assert stale.endswith("python -m tools.docs_tables --write --tables study-results"), stale

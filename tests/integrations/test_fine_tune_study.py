@@ -1,15 +1,17 @@
-"""examples/fine_tune_study.py --quick end to end: the outputs are well formed (not what they say),
-the stage-1 checkpoint is reused, and the statistics helpers compute what they claim."""
+"""examples/fine_tune_study.py: the held-out pools cannot leak, the regime measures are what they
+claim, and ``--quick`` end to end writes well-formed outputs (not what they say), reuses its cached
+initialisations and repeats its numbers bit for bit (one thread)."""
 
 import csv
+import json
 import math
 
 import pytest
 
 pytest.importorskip("open_clip")
-pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 import fine_tune_study as study
+import study_tables
 
 
 def _rows(path):
@@ -17,70 +19,99 @@ def _rows(path):
         return list(csv.DictReader(fh))
 
 
-def test_statistics_helpers():
-    mean, half = study.t_interval([1.0, 2.0, 3.0])
-    assert mean == 2.0 and half == pytest.approx(4.303 * 1.0 / math.sqrt(3))
-    assert math.isnan(study.t_interval([0.5])[1])
-    assert study.sign_test([0.1, 0.2, 0.3, 0.0, -0.1]) == (3, 1, pytest.approx(2 * 5 / 16))
-    assert study.sign_test([0.1] * 5)[2] == pytest.approx(0.0625)
-    lo, hi = study.bootstrap_ci([1.0, 1.0, 1.0])
-    assert lo == hi == 1.0
-    lo, hi = study.bootstrap_ci([0.0, 1.0, 2.0, 3.0])
-    assert 0.0 <= lo < 1.5 < hi <= 3.0
-
-
 def test_saturation_measures_the_float32_cross_entropy():
     import torch
 
     # two pairs, cross cosine 0.8: every row's gap to its negative is 0.2·s
     feats = torch.tensor([[1.0, 0.0], [0.8, 0.6]])
-    # s = 100: gap 20, e^-20 ≈ 2e-9 is below float32's half-ulp of 1 (3e-8), not float64's: all rows lost
-    assert study.batch_saturation(feats, feats, torch.tensor(100.0)) == (True, 1.0)
+    # s = 100: gap 20, e^-20 ≈ 2e-9 is below float32's half-ulp of 1 (3e-8): every positive gradient is 0
+    value, zero = study.batch_saturation(feats, feats, torch.tensor(100.0))
+    assert value < study.SAT_THRESHOLD and zero == 1.0
     # s = 50: gap 10, loss ≈ 4.5e-5 < 1e-3, but p_ii − 1 ≈ −4.5e-5 is still representable
-    assert study.batch_saturation(feats, feats, torch.tensor(50.0)) == (True, 0.0)
-    assert study.batch_saturation(feats, feats, torch.tensor(1.0)) == (False, 0.0)
+    value, zero = study.batch_saturation(feats, feats, torch.tensor(50.0))
+    assert value == pytest.approx(math.log1p(math.exp(-10.0)), rel=1e-3) and zero == 0.0
+    assert study.batch_saturation(feats, feats, torch.tensor(1.0))[0] > study.SAT_THRESHOLD
     assert study.dup_fraction(torch.tensor([0, 1, 4, 9])) == 0.5  # 0 and 1 share group 0
+    r = study.regime_row([1e-4, 2e-3, 5e-4, 1.0], [0.5, 0.25, 0.0, 0.25], [0.0, 0.5, 0.5, 1.0])
+    assert r == dict(batches=4, sat_batches=0.5, zero_grad_rows=0.25, median_infonce=0.5 * (5e-4 + 2e-3), dup_rows=0.5)
 
 
-def test_quick_run_outputs_are_well_formed(tmp_path):
-    out = tmp_path / "study"
-    result = study.main(["--quick", "--no-progress", "--out", str(out)])
-    for name in ("stage1.csv", "history.csv", "final.csv", "summary.csv", "paired.csv", "table.md", "curves.png"):
+def test_held_out_pools_share_no_caption_or_scene_with_training():
+    train = study.draw_groups(16, study.GROUP_SIZE, 1_000, held_out=False)
+    s1 = study.draw_groups(64, 1, 100_000, held_out=False)
+    held = study.draw_groups(4, study.GROUP_SIZE, 2_000, held_out=True)
+    assert train["images"].shape == (64, 3, 32, 32) and train["tokens"].shape[0] == 64
+    assert all(study.reserved(c) for c in held["captions"]) and len(set(held["captions"])) == 16
+    assert not any(study.reserved(c) for c in train["captions"] + s1["captions"])
+    report = study.leakage_check([train, s1], [held])
+    assert report["shared_captions"] == report["shared_scenes"] == 0 and report["held_out_scenes"] == 16
+    # a held-out pool that contained a training scene fails the check
+    leaky = dict(held, scenes=held["scenes"] + train["scenes"][:1], captions=held["captions"] + train["captions"][:1])
+    with pytest.raises(AssertionError, match="held-out captions or scenes in training"):
+        study.leakage_check([train, s1], [leaky])
+    # about 1/8 of the caption space is reserved
+    captions = study.draw_groups(256, 1, 7, held_out=False)["captions"]
+    import random
+
+    import dense_caption_demo as demo
+
+    rng = random.Random(3)
+    share = sum(study.reserved(demo.caption(demo.sample_scene(rng))) for _ in range(4000)) / 4000
+    assert 0.09 < share < 0.16 and len(captions) == 256
+
+
+def test_arm_plans_separate_batch_size_from_data_seen():
+    plans = {arm: study.arm_plan(arm, 512, 4) for arm in study.ARMS}
+    seen = {arm: p["batch"] * p["total"] for arm, p in plans.items()}
+    assert seen["HN-CLIP 4×batch, same pairs"] == seen["ClipLoss"] == 4 * 512
+    assert plans["HN-CLIP 4×batch, same steps"]["total"] == plans["ClipLoss"]["total"] == 32
+    assert seen["HN-CLIP 4×batch, same steps"] == 4 * seen["ClipLoss"]
+
+
+def test_quick_run_outputs_are_well_formed(tmp_path, capsys):
+    out, cache = tmp_path / "study", tmp_path / "cache"
+    result = study.main(["--quick", "--no-progress", "--out", str(out), "--cache", str(cache)])
+    printed = capsys.readouterr().out
+    for name in ("final.csv", "regime.csv", "stage1.csv", "run.json"):
         assert (out / name).stat().st_size > 0, name
-    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(list(out.glob("stage1_*.pt"))) == 1
+    assert len(list(cache.glob("stage1_*.pt"))) == study.QUICK["init_seeds"]
+    run = json.loads((out / "run.json").read_text())
+    assert run["complete"] and run["leakage"]["shared_captions"] == run["leakage"]["shared_scenes"] == 0
+    assert "leakage check: " in printed and '"shared_captions": 0' in printed
     ran = [a for a in study.ARMS if a not in result["missing"]]
     assert ran[:4] == list(study.ARMS[:4])
     if study.big_batch_available():
         assert ran == list(study.ARMS)
     else:  # reported, never silently left out
-        assert "HN-CLIP 4×batch" in result["missing"] and "| HN-CLIP 4×batch | not run" in result["table"]
-    history = _rows(out / "history.csv")
-    quick = study.QUICK
-    assert {(r["arm"], int(r["seed"]), int(r["epoch"])) for r in history} == {
-        (a, s, e) for a in ran for s in range(quick["seeds"]) for e in range(quick["epochs"] + 1)
+        assert "| HN-CLIP 4×batch, same steps | not run" in result["tables"]
+    q = study.QUICK
+    pairs = {(i, s) for i in range(q["init_seeds"]) for s in range(q["seeds"])}
+    final = _rows(out / "final.csv")
+    assert {(r["arm"], int(r["init"]), int(r["seed"])) for r in final} == {
+        (a, i, s) for a in [study.INIT_ARM] + ran for i, s in pairs
     }
-    for r in history:
-        for key in ("i2t_R@1", "i2t_R@5", "t2i_R@1", "t2i_R@5", "i2t_group_acc", "t2i_group_acc"):
+    for r in final:
+        for key in study.METRICS:
             assert 0.0 <= float(r[key]) <= 1.0, key
-        assert float(r["i2t_R@1"]) <= float(r["i2t_R@5"]) and float(r["tau"]) > 0
-        if int(r["epoch"]) > 0:
-            for key in ("train_loss", "sat_batches", "zero_grad_rows", "dup_rows"):
-                assert math.isfinite(float(r[key])), key
-            assert 0.0 <= float(r["sat_batches"]) <= 1.0 and 0.0 <= float(r["zero_grad_rows"]) <= 1.0
-    # the same initialisation for every arm of a seed
-    init = {(r["seed"], r["i2t_R@1"], r["t2i_R@1"], r["tau"]) for r in history if r["epoch"] == "0"}
-    assert len(init) == quick["seeds"]
-    summary = _rows(out / "summary.csv")
-    assert {(r["arm"], r["metric"]) for r in summary} == {(a, m) for a in ran for m in study.METRICS}
-    for r in summary:
-        assert float(r["ci_low"]) <= float(r["mean"]) <= float(r["ci_high"])
-    paired = _rows(out / "paired.csv")
-    assert {r["arm"] for r in paired} == set(ran[1:])
-    assert all(math.isfinite(float(r[k])) for r in paired for k in ("mean_diff", "boot_low", "boot_high", "sign_p"))
-    assert len(_rows(out / "final.csv")) == len(ran) * quick["seeds"]
-    # a second run reuses the stage-1 checkpoint and repeats the numbers
-    again = study.main(["--quick", "--no-progress", "--out", str(out), "--seeds", "1"])
-    assert again["stage1"]["reused"]
-    strip = lambda rows: [repr(r) for r in rows]  # noqa: E731  (repr: epoch 0's nan statistics compare equal)
-    assert strip(again["history"]) == strip([r for r in result["history"] if r["seed"] == 0])
+        assert float(r["tau"]) > 0
+    regime = _rows(out / "regime.csv")
+    assert {(r["arm"], int(r["init"]), int(r["seed"]), int(r["epoch"])) for r in regime} == {
+        (study.INIT_ARM, i, s, 0) for i, s in pairs
+    } | {(a, i, s, e) for a in ran for i, s in pairs for e in range(1, q["epochs"] + 1)}
+    for r in regime:
+        assert 0.0 <= float(r["sat_batches"]) <= 1.0 and 0.0 <= float(r["zero_grad_rows"]) <= 1.0
+        assert float(r["median_infonce"]) > 0
+    assert {int(r["batches"]) for r in regime if r["arm"] == "HN-CLIP 4×batch, same pairs"} <= {1}
+    # the tables: the primary comparison first, every comparison Holm-adjusted
+    rows = study_tables.comparisons(study_tables.load(str(out))["final"], ran)
+    assert (rows[0]["arm"], rows[0]["metric"]) == study.PRIMARY == study_tables.PRIMARY
+    assert len(rows) == 4 * (len(ran) - 1) and all(r["holm_p"] >= r["t"]["p"] for r in rows)
+    assert "Primary (HN-CLIP γ = 0.5 − ClipLoss, t→i R@1)" in result["tables"]
+    # offsets: initialisation 1 and seed 1 alone reuse the cached model and repeat their numbers bit for bit
+    again = study.main(
+        ["--quick", "--no-progress", "--out", str(tmp_path / "again"), "--cache", str(cache)]
+        + ["--init-seeds", "1", "--init-offset", "1", "--seeds", "1", "--seed-offset", "1"]
+    )
+    assert [r["reused"] for r in again["stage1"]] == [True]
+    pick = lambda rows: [repr(r) for r in rows if r["init"] == 1 and r["seed"] == 1]  # noqa: E731 (repr: nan == nan)
+    assert pick(again["final"]) == pick(result["final"]) and pick(again["regime"]) == pick(result["regime"])
