@@ -246,11 +246,8 @@ def count_products(
         all_img, all_txt = (torch.randn(n, d, generator=gen).to(dt).requires_grad_() for _ in range(2))
         img, txt = (x.detach()[offset : offset + m].clone().requires_grad_() for x in (all_img, all_txt))
     with gpu_launch(), count_matmul_flops() as count:
-        if kind == "loss":
-            loss = hnclip_kernels.hn_clip_loss(
-                img, txt, tau, gamma=gamma, backend="triton", false_negative_threshold=false_negative_threshold
-            )
-        elif kind == "family":
+        if kind in ("loss", "family"):
+            family = dict(negatives=neg, group_ids=group_ids, margin=margin) if kind == "family" else {}
             loss = hnclip_kernels.hn_clip_loss(
                 img,
                 txt,
@@ -258,9 +255,7 @@ def count_products(
                 gamma=gamma,
                 backend="triton",
                 false_negative_threshold=false_negative_threshold,
-                negatives=neg,
-                group_ids=group_ids,
-                margin=margin,
+                **family,
             )
         elif kind == "directional":
             loss = fn(

@@ -187,14 +187,19 @@ def _add_positive_masked(stats: RowStats, g, q_hat, k_hat, d_q, d_k, offset: int
     return torch.where(deep, g_q * stats.mean_neg - g * uniform, g * (q_prob * stats.mean_neg - uniform)).sum()
 
 
-def add_rounding_compensation(d_q, d_k, rho, sigma, q, k, rq, rk, offset: int) -> None:
+def add_rounding_compensation(d_q, d_k, rho, sigma, q, k, rq, rk, offset: int, positives=None) -> None:
     """Add, in place, what a 16-bit dS lost to rounding, referred to each row's positive key:
     ``d_q[i] += rho[i] · k̂[offset + i]`` and ``d_k[offset + i] += sigma[offset + i] · q̂[i]``.
 
     ``rho`` (M,) / ``sigma`` (N,): per row / column Σ of dS − round16(dS) (the dS kernel's
     residual sums). The GEMM's rounding error then becomes Σ_k ε_ik dS_ik (k̂_k − k̂_offset+i):
     see ``triton.backward``'s docstring. Columns without a local positive row (the directional
-    op's k ∉ [offset, offset + M)) have no reference vector here and keep their error."""
+    op's k ∉ [offset, offset + M)) have no reference vector here and keep their error.
+    ``positives`` = (the rows' positive keys (M, D), their inverse norms) where none is among k
+    (the family's negative block): the rows refer to them, every column keeps its error."""
+    if positives is not None:
+        d_q.add_(rho[:, None] * scaled(*positives))
+        return
     m = q.shape[0]
     d_q.add_(rho[:, None] * scaled(k[offset : offset + m], rk[offset : offset + m]))
     d_k[offset : offset + m].add_(sigma[offset : offset + m, None] * scaled(q, rq))

@@ -155,11 +155,9 @@ def _walk(dirs, scales, offset: int, launch_chunk, positives=None):
     for i, (q, k, r_q, r_k) in enumerate(dirs):
         d_q = _cat(d_q_parts[i]).div_(scales[i].rq[:, None])
         d_k = _cat(d_k_parts[i]).div_(scales[i].rk[:, None])
-        if round16 and positives is not None:  # no positive among k: the rows' own positive keys
-            d_q.add_(_cat(rho_parts[i])[:, None] * epilogue.scaled(*positives))
-        elif round16:
+        if round16:
             epilogue.add_rounding_compensation(
-                d_q, d_k, _cat(rho_parts[i]), _cat(sigma_parts[i]), q, k, r_q, r_k, offset
+                d_q, d_k, _cat(rho_parts[i]), _cat(sigma_parts[i]), q, k, r_q, r_k, offset, positives
             )
         out.append((d_q, d_k))
     return out

@@ -134,12 +134,17 @@ def _family_g(has_margin, masked: bool, image_text: bool) -> int:
     return _margin(bool(has_margin) and not image_text, masked)
 
 
-def family_symmetric_forward(img, txt, negatives, groups, tau, gamma, eps, thr, normalize, masked, has_margin,
-                             smoothing, precision, image_text, **_):  # fmt: skip
+def _family_score_macs(img, negatives, has_margin, masked: bool, image_text: bool) -> int:
+    """Multiply-adds of one walk of the family loss's logits (forward, or dS): the N×N tile pairs
+    plus the N×M block, each with the margin's product where :func:`_family_g` says."""
     (n, d), m = img.shape, negatives.shape[0]
     g = _family_g(has_margin, masked, image_text)
-    macs = symmetric_score_macs(n, d, cfg.fwd_block_m(img.element_size()), g) + (1 + g) * n * m * d
-    return 2 * _passes(img, precision) * macs
+    return symmetric_score_macs(n, d, cfg.fwd_block_m(img.element_size()), g) + (1 + g) * n * m * d
+
+
+def family_symmetric_forward(img, txt, negatives, groups, tau, gamma, eps, thr, normalize, masked, has_margin,
+                             smoothing, precision, image_text, **_):  # fmt: skip
+    return 2 * _passes(img, precision) * _family_score_macs(img, negatives, has_margin, masked, image_text)
 
 
 def family_symmetric_backward(grad, img, txt, negatives, *rest, **_):
@@ -147,8 +152,7 @@ def family_symmetric_backward(grad, img, txt, negatives, *rest, **_):
     if not need_features:
         return 0
     (n, d), m = img.shape, negatives.shape[0]
-    g = _family_g(has_margin, masked, image_text)
-    macs = symmetric_score_macs(n, d, cfg.fwd_block_m(img.element_size()), g) + (1 + g) * n * m * d
+    macs = _family_score_macs(img, negatives, has_margin, masked, image_text)
     return 2 * (_passes(img, precision) * macs + 2 * _gemms(img) * (n * n + n * m) * d)
 
 
