@@ -166,20 +166,23 @@ import sys  # noqa: E402  (the counter's frame lookup)
 
 
 @pytest.mark.parametrize(
-    "dtype,m,ids,threshold,eps",
+    "dtype,n,m,ids,threshold,eps",
     [
-        (torch.bfloat16, 170, False, None, 0.0),
-        (torch.float32, 40, True, None, 0.1),
-        (torch.float16, 300, True, 0.5, 0.0),
-        (torch.float32, 0, True, 0.5, 0.1),
+        (torch.bfloat16, 200, 170, False, None, 0.0),
+        (torch.float32, 200, 40, True, None, 0.1),
+        (torch.float16, 200, 300, True, 0.5, 0.0),
+        (torch.float32, 200, 0, True, 0.5, 0.1),
+        (torch.bfloat16, 100, 600, False, None, 0.0),  # the block's partials are the forward's peak
     ],
 )
-def test_family_workspace_counted(monkeypatch, counter, dtype, m, ids, threshold, eps):
+def test_family_workspace_counted(monkeypatch, counter, dtype, n, m, ids, threshold, eps):
     # GPU tiles, 4 "SMs", a 1-byte dS budget (several ragged chunks in both walks)
     monkeypatch.setenv("HNCLIP_TRITON_LAUNCH", "gpu")
     monkeypatch.setattr(cfg, "sm_count", lambda device: 4)
     monkeypatch.setattr(cfg, "BWD_WORKSPACE_BYTES", 1)
-    n, d = 200, 32
+    d = 32
+    if n == 100:  # this case holds the block's term: it must be larger than the symmetric walk's
+        assert workspace.family_forward_bytes(n, m, 2, False) > workspace.forward_bytes(n, n, 2, True, False)
     img, txt = (x.requires_grad_(True) for x in make_pair(n, d, dtype, seed=4))
     neg = torch.randn(m, d).to(dtype).requires_grad_(True)
     group_ids = torch.arange(n) % 50 if ids else None
