@@ -28,7 +28,14 @@ from torch.utils.checkpoint import checkpoint
 
 from .distributed.gather import HAS_DISTRIBUTED, dist, meta_device
 
-__all__ = ["chunked_encode", "chunked_features", "check_chunk_size", "tower_calls", "agree_tower_calls"]
+__all__ = [
+    "chunked_encode",
+    "chunked_features",
+    "check_chunk_size",
+    "tower_calls",
+    "agree_tower_calls",
+    "padded_encode",
+]
 
 Inputs = Union[torch.Tensor, Mapping[str, Any], Sequence[Any]]
 

@@ -96,7 +96,10 @@ def clip_model_loss(
     local rows against the gathered columns with gradients through the gather
     (``HNClipLoss(local_loss=True, gather_with_grad=True)``), so the DDP-averaged gradient of
     every parameter equals the single-process gradient on the concatenated global batch, and
-    the mean of the ranks' losses is the global loss.
+    the mean of the ranks' losses is the global loss. The ranks first agree on each tower's calls
+    (one all_reduce of two integers) and a rank with fewer chunks or no negatives pads with
+    one-row calls that enter nothing (:mod:`hnclip_kernels.chunked`), so models sharded per layer
+    (FSDP2, ZeRO-3) see the same collectives on every rank.
 
     Args:
         model: a ``transformers.CLIPModel`` (or a model with ``get_image_features``,
