@@ -13,7 +13,8 @@ One spawn of 2 gloo ranks runs every case below (pairs, negatives per rank, chun
 * ``clip_model_loss`` on ``CLIPModel`` under FSDP2 per layer, all cases; under DeepSpeed ZeRO-3
   (every parameter partitioned) the unequal ones;
 * open_clip through ``python -m hnclip_kernels.train``'s forwards (``train_negatives.family_forward``,
-  ``train._chunked_forward``) under FSDP2 per layer;
+  ``train._chunked_forward``) under FSDP2 per layer (one negative per row at most there: case e's
+  rank 1 holds 3, one chunk);
 * both towers' calls per rank counted (forward pre-hooks on a layer of each tower): equal;
 * bit-identity: with dropout, unwrapped models, the padded rank's gradients equal, bit for bit,
   those of the same rank with the padding switched off (the dummy calls leave the RNG as it was).
