@@ -6,17 +6,36 @@ activations are dropped after the forward and recomputed chunk by chunk in the b
 the encoders hold the activations of one chunk at a time, while the concatenated (N, D)
 features go to one fused loss over the whole batch. One optimizer step is one loss and one
 backward (under DDP: one gradient all-reduce).
+
+Under ``torch.distributed`` every rank makes the same number of encoder calls: a sharded layer
+(FSDP2's ``fully_shard`` per layer, DeepSpeed ZeRO-3) runs collectives in each call, forward and
+backward, so a rank with fewer chunks (a smaller last batch) or no hard negatives would leave
+its peers waiting. :func:`agree_tower_calls` takes each count's maximum over the ranks (one small
+all_reduce), and the ranks with fewer calls pad with one-row calls whose outputs join the
+features with zero rows (``torch.cat`` with ``out[:0]``): nothing of them enters the loss, but
+the backward runs through them (zero gradients), so the sharded layers' backward collectives
+match too. The padding calls run under a forked RNG (dropout draws of the real calls unchanged).
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["chunked_encode", "chunked_features", "check_chunk_size"]
+from .distributed.gather import HAS_DISTRIBUTED, dist, meta_device
+
+__all__ = [
+    "chunked_encode",
+    "chunked_features",
+    "check_chunk_size",
+    "tower_calls",
+    "agree_tower_calls",
+    "padded_encode",
+]
 
 Inputs = Union[torch.Tensor, Mapping[str, Any], Sequence[Any]]
 
@@ -38,6 +57,30 @@ def check_chunk_size(chunk_size, name: str = "chunk_size") -> Optional[int]:
     if chunk_size < 1:
         raise ValueError(f"{name} must be a positive integer (pairs per encoder chunk) or None, got {chunk_size}")
     return int(chunk_size)
+
+
+def tower_calls(rows: int, chunk_size: Optional[int]) -> int:
+    """Encoder calls :func:`chunked_encode` makes for ``rows`` rows: 1 unchunked (``chunk_size``
+    None) or for ``rows <= chunk_size`` (0 rows too), else ⌈rows / chunk_size⌉."""
+    if chunk_size is None or rows <= chunk_size:
+        return 1
+    return math.ceil(rows / chunk_size)
+
+
+def agree_tower_calls(*counts: int, like: Optional[torch.Tensor] = None) -> Tuple[int, ...]:
+    """Each count's largest value over the ranks of the default process group.
+
+    One ``all_reduce(MAX)`` of ``len(counts)`` int64 values when ``torch.distributed`` is
+    initialised with world_size > 1 (a collective: every rank calls it with as many counts;
+    ``like`` places the values on its device where the backend needs it, NCCL's CUDA);
+    otherwise the counts unchanged and no collective.
+    """
+    counts = tuple(int(c) for c in counts)
+    if not (HAS_DISTRIBUTED and dist.is_initialized()) or dist.get_world_size() == 1:
+        return counts
+    values = torch.tensor(counts, dtype=torch.int64, device=meta_device(None, like))
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return tuple(int(v) for v in values.tolist())
 
 
 def _batch_size(inputs: Inputs) -> int:
@@ -117,7 +160,7 @@ def _checkpointed(encoder: Callable, chunk: Inputs) -> torch.Tensor:
     return checkpoint(run, *flat, use_reentrant=False, preserve_rng_state=True)
 
 
-def chunked_encode(encoder: Callable, inputs: Inputs, chunk_size: int) -> torch.Tensor:
+def chunked_encode(encoder: Callable, inputs: Inputs, chunk_size: int, *, calls: Optional[int] = None) -> torch.Tensor:
     """``encoder(inputs)`` computed ``chunk_size`` rows at a time, each chunk recomputed in the backward.
 
     Returns ``torch.cat([encoder(inputs[i:i + chunk_size]) for i in range(0, N, chunk_size)])``
@@ -157,6 +200,12 @@ def chunked_encode(encoder: Callable, inputs: Inputs, chunk_size: int) -> torch.
         inputs: a tensor, or a dict / tuple / list of tensors with the same size N along dim 0,
             split along dim 0 (other values, e.g. a None mask, are passed to every chunk as is).
         chunk_size: rows per chunk, an integer ≥ 1; the last chunk holds the rest.
+        calls: None (default): under ``torch.distributed`` (initialised, world_size > 1) the
+            ranks agree on the number of encoder calls (:func:`agree_tower_calls`, one small
+            all_reduce: every rank must call this) and a rank with fewer chunks pads with one-row
+            calls whose outputs enter nothing (module docstring); on one process nothing changes.
+            An integer: make that many calls, without a collective (an entry that agreed once for
+            several towers passes it; code that only one rank runs passes 1).
 
     Returns:
         The (N, ...) concatenation of the chunks' outputs, in row order.
@@ -165,25 +214,79 @@ def chunked_encode(encoder: Callable, inputs: Inputs, chunk_size: int) -> torch.
         TypeError: ``chunk_size`` not an integer (a bool, a float), inputs of another type,
             an encoder that returns no tensor.
         ValueError: ``chunk_size`` < 1; tensors of different sizes along dim 0; an encoder
-            output without one row per input row.
+            output without one row per input row; ``calls`` below this rank's chunk count.
     """
     chunk_size = check_chunk_size(chunk_size)
     if chunk_size is None:
         raise TypeError("chunk_size must be a positive integer, got None (call the encoder directly instead)")
-    n = _batch_size(inputs)
-    if n <= chunk_size:
-        return _call(encoder, inputs)
+    own = tower_calls(_batch_size(inputs), chunk_size)
+    if calls is None:
+        calls = agree_tower_calls(own, like=_tensors(inputs)[0])[0]
+    return padded_encode(encoder, inputs, chunk_size, calls)
+
+
+def padded_encode(
+    encoder: Callable,
+    inputs: Optional[Inputs],
+    chunk_size: Optional[int],
+    calls: int,
+    *,
+    filler: Optional[Inputs] = None,
+) -> Optional[torch.Tensor]:
+    """The features of ``inputs`` from exactly ``calls`` encoder calls (no collective: ``calls``
+    comes from :func:`agree_tower_calls`).
+
+    This rank's own calls first (:func:`tower_calls`: the whole batch, or its chunks, each
+    checkpointed when grad mode is on and ``calls`` > 1), then ``calls`` minus that many padding
+    calls on one row of ``inputs`` (of ``filler`` when ``inputs`` is None: a rank without hard
+    negatives), under a forked RNG, their outputs joined with zero rows. With ``calls`` equal to
+    the own count this is the plain chunked (or unchunked) encoding, bit for bit.
+
+    Returns:
+        The (N, ...) features; for ``inputs`` None a (0, ...) tensor carrying the padding calls
+        (join it to features that enter the loss: ``torch.cat([text, pad])``), or None when
+        ``calls`` is 0.
+
+    Raises:
+        ValueError: ``calls`` smaller than this rank's own count (ranks that disagree), or
+            padding calls with neither ``inputs`` nor ``filler``.
+    """
+    rows = 0 if inputs is None else _batch_size(inputs)
+    own = 0 if inputs is None else tower_calls(rows, chunk_size)
+    if calls < own:
+        raise ValueError(f"calls must be at least this rank's {own} encoder calls, got {calls}")
+    if calls == 0:
+        return None
     # inference_mode turns grad mode off too, so this one test covers it; and Dynamo traces grad
     # mode (torch.is_inference_mode_enabled() would break the graph under torch.compile)
-    plain = not torch.is_grad_enabled()
-    outs = [
-        (_call if plain else _checkpointed)(encoder, _slice(inputs, i, i + chunk_size)) for i in range(0, n, chunk_size)
-    ]
+    run = _checkpointed if torch.is_grad_enabled() and calls > 1 else _call
+    if own == 1 and calls == 1:
+        return _call(encoder, inputs)
+    if own <= 1:
+        outs = [] if inputs is None else [run(encoder, inputs)]
+    else:
+        outs = [run(encoder, _slice(inputs, i, i + chunk_size)) for i in range(0, rows, chunk_size)]
+    if calls > own:
+        source = inputs if rows else filler
+        if source is None:
+            raise ValueError("padding calls need one row of inputs or a filler; got neither")
+        one = _slice(source, 0, 1)
+        with _rng_kept(_tensors(one)):
+            outs += [run(encoder, one)[:0] for _ in range(calls - own)]
     return torch.cat(outs, dim=0)
 
 
+def _rng_kept(tensors):
+    """The RNG states of the CPU and of the tensors' accelerator restored on exit."""
+    devices = sorted({t.device for t in tensors if t.device.type != "cpu"}, key=str)
+    if not devices:
+        return torch.random.fork_rng(devices=[])
+    kind = devices[0].type
+    return torch.random.fork_rng(devices=[d.index or 0 for d in devices if d.type == kind], device_type=kind)
+
+
 def chunked_features(
-    model, images: torch.Tensor, texts: Inputs, chunk_size: int
+    model, images: torch.Tensor, texts: Inputs, chunk_size: int, *, calls: Optional[int] = None
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An open_clip model's ``(image_features, text_features, logit_scale)``, as its ``forward``
     returns them (features L2-normalised, ``logit_scale`` exponentiated), with both towers run
@@ -199,6 +302,8 @@ def chunked_features(
             as ``python -m hnclip_kernels.train --hn-chunk-size`` does).
         images: (N, 3, H, W); texts: (N, L) token ids.
         chunk_size: pairs per chunk, an integer ≥ 1.
+        calls: encoder calls per tower, as :func:`chunked_encode`'s; None (default): agreed
+            across ranks under ``torch.distributed`` by one all_reduce for both towers.
 
     Raises:
         TypeError / ValueError: as :func:`chunked_encode`; a model with a ``logit_bias``
@@ -209,6 +314,8 @@ def chunked_features(
             "chunked_features returns CLIP's (image, text, logit_scale); this model has a logit_bias "
             "(SigLIP), which HN-CLIP does not use"
         )
-    image = chunked_encode(lambda x: model.encode_image(x, normalize=True), images, chunk_size)
-    text = chunked_encode(lambda x: model.encode_text(x, normalize=True), texts, chunk_size)
+    if calls is None:  # one agreement for both towers (same N)
+        calls = agree_tower_calls(tower_calls(_batch_size(images), check_chunk_size(chunk_size)), like=images)[0]
+    image = chunked_encode(lambda x: model.encode_image(x, normalize=True), images, chunk_size, calls=calls)
+    text = chunked_encode(lambda x: model.encode_text(x, normalize=True), texts, chunk_size, calls=calls)
     return image, text, model.logit_scale.exp()

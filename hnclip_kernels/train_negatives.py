@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from .chunked import chunked_encode, chunked_features
+from .chunked import agree_tower_calls, chunked_features, padded_encode, tower_calls
 
 __all__ = ["add_arguments", "uses_columns", "check_columns", "patched_csv_dataset", "family_forward", "pack"]
 
@@ -148,23 +148,34 @@ def patched_csv_dataset(get_csv_dataset, data_module, hn):
 def family_forward(model, image=None, text=None, *, chunk_size=None, groups: bool = False):
     """open_clip ``CLIP.forward``'s output dict on packed tokens, plus ``negatives`` (M, D), the
     batch's non-empty negative captions through ``encode_text`` (L2-normalised; absent for M = 0)
-    and, with ``groups``, ``group_ids`` (B,); the towers chunked with a ``chunk_size``."""
+    and, with ``groups``, ``group_ids`` (B,); the towers chunked with a ``chunk_size``. Under
+    ``torch.distributed`` the ranks agree on the calls of each tower (one all_reduce) and pad
+    (:mod:`hnclip_kernels.chunked`): a rank without negatives joins its padding calls to the
+    captions' features with zero rows."""
     if image is None or text is None:  # not what train_one_epoch calls: the model's own forward
         return type(model).forward(model, image, text)
     captions, neg_tokens, has_negative, group_ids = _unpack(text, getattr(model, "context_length", None))
+    negatives = neg_tokens[has_negative]
+    # every rank makes as many tower calls (sharded layers gather in each; chunked.agree_tower_calls)
+    own = (tower_calls(captions.shape[0], chunk_size), tower_calls(len(negatives), chunk_size) if len(negatives) else 0)
+    pair_calls, negative_calls = agree_tower_calls(*own, like=captions)
     if chunk_size is None:
         out = type(model).forward(model, image, captions)
     else:
-        image_features, text_features, logit_scale = chunked_features(model, image, captions, chunk_size)
+        image_features, text_features, logit_scale = chunked_features(
+            model, image, captions, chunk_size, calls=pair_calls
+        )
         out = {"image_features": image_features, "text_features": text_features, "logit_scale": logit_scale}
     if not isinstance(out, dict):
         raise TypeError(
             "the hard-negative forward needs open_clip's output dict (output_dict=True, as open_clip_train)"
         )
-    negatives = neg_tokens[has_negative]
-    if negatives.shape[0] > 0:
-        encode = functools.partial(model.encode_text, normalize=True)
-        out["negatives"] = encode(negatives) if chunk_size is None else chunked_encode(encode, negatives, chunk_size)
+    encode = functools.partial(model.encode_text, normalize=True)
+    features = padded_encode(encode, negatives if len(negatives) else None, chunk_size, negative_calls, filler=captions)
+    if len(negatives):
+        out["negatives"] = features
+    elif features is not None:  # padding calls only: (0, D) rows, joined to the captions' features
+        out["text_features"] = torch.cat([out["text_features"], features])
     if groups:
         out["group_ids"] = group_ids
     return out

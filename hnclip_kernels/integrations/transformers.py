@@ -28,116 +28,15 @@ except ImportError as exc:  # pragma: no cover - the [hf] extra is part of [test
         'pip install "hnclip-kernels[hf]" (or "transformers[torch]>=5,<6")'
     ) from exc
 
-from ..chunked import check_chunk_size, chunked_encode
+from ..chunked import check_chunk_size
 from ..clip_loss import HNClipLoss
 from ..distributed.gather import HAS_DISTRIBUTED, dist, gather_sizes
 from ..plausibility import warn_if_implausible_model_logit_scale
+from ..sharding import squeeze_scalar_parameters, unsqueeze_scalar_parameters
+from .transformers_embeddings import embeddings
 from .transformers_negatives import NEGATIVE_KEYS, collate_hard_negatives, flat_negatives
 
 __all__ = ["clip_model_loss", "HNClipTrainer", "collate_hard_negatives"]
-
-_MISSING = object()
-
-
-def _pooled(output) -> torch.Tensor:
-    """The projected embedding: transformers 5 returns a ModelOutput whose ``pooler_output`` it
-    is, 4.x returned the tensor itself."""
-    if isinstance(output, torch.Tensor):
-        return output
-    return output.pooler_output
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The CLIP model inside DDP / FSDP / accelerate wrappers (their ``.module``) or ``torch.compile``."""
-    inner = model
-    while True:
-        if isinstance(inner, nn.DataParallel):
-            raise ValueError(
-                "clip_model_loss does not support torch.nn.DataParallel (its replicas cannot run the "
-                "embedding pass): launch one process per GPU with torchrun (DistributedDataParallel)"
-            )
-        nxt = getattr(inner, "module", None)
-        if not isinstance(nxt, nn.Module):
-            nxt = getattr(inner, "_orig_mod", None)
-        if not isinstance(nxt, nn.Module):
-            return inner
-        inner = nxt
-
-
-def _check_clip(clip) -> None:
-    missing = [name for name in ("get_image_features", "get_text_features", "logit_scale") if not hasattr(clip, name)]
-    if missing:
-        raise TypeError(
-            f"model must be a transformers CLIPModel (or a model with get_image_features, "
-            f"get_text_features and logit_scale), got {type(clip).__name__} without {', '.join(missing)}"
-        )
-    if getattr(clip, "logit_bias", None) is not None:
-        raise TypeError(
-            f"model {type(clip).__name__} has a logit_bias (a SigLIP-style sigmoid loss); HN-CLIP is a "
-            "softmax (InfoNCE) loss and has no bias term"
-        )
-
-
-def _text(clip, input_ids, attention_mask, chunk_size):
-    if chunk_size is None:
-        return _pooled(clip.get_text_features(input_ids=input_ids, attention_mask=attention_mask))
-    return chunked_encode(
-        lambda **kw: _pooled(clip.get_text_features(**kw)),
-        dict(input_ids=input_ids, attention_mask=attention_mask),
-        chunk_size,
-    )
-
-
-def _features(clip, input_ids, pixel_values, attention_mask, chunk_size=None, negatives=None):
-    """(image embeddings, text embeddings, s = exp(logit_scale), negative embeddings or None), as
-    ``CLIPModel.forward`` forms them before its normalisation and N×N product; s in float32 or
-    better (a bf16 model's exp(logit_scale) in bf16 would be another temperature: s = 100 rounds
-    to 100.5). ``negatives``: None or (ids, mask) of the hard-negative captions, run through the
-    text tower after the captions. With a ``chunk_size`` each tower runs in recomputed chunks
-    (:func:`hnclip_kernels.chunked_encode`)."""
-    if chunk_size is None:
-        image = _pooled(clip.get_image_features(pixel_values=pixel_values))
-    else:
-        image = chunked_encode(
-            lambda pixel_values: _pooled(clip.get_image_features(pixel_values=pixel_values)), pixel_values, chunk_size
-        )
-    text = _text(clip, input_ids, attention_mask, chunk_size)
-    negative = None if negatives is None else _text(clip, *negatives, chunk_size)
-    scale = clip.logit_scale
-    return image, text, scale.to(torch.promote_types(scale.dtype, torch.float32)).exp(), negative
-
-
-def _is_fsdp2(module) -> bool:
-    """``fully_shard`` (FSDP2) turns the module itself into the wrapper: its unshard runs in
-    forward hooks of the module, which calling get_*_features directly bypasses."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return False
-    return isinstance(module, FSDPModule)
-
-
-def _embeddings(model, input_ids, pixel_values, attention_mask, chunk_size=None, negatives=None):
-    clip = _unwrap(model)
-    _check_clip(clip)
-    if clip is model and not _is_fsdp2(clip):
-        return _features(clip, input_ids, pixel_values, attention_mask, chunk_size, negatives)
-    # A wrapper's own forward must run: DDP arms its gradient all-reduce there, FSDP gathers the
-    # parameters there (FSDP2: in the root module's forward hooks). So the wrapped model's
-    # forward is the embedding pass for this one call.
-    saved = clip.__dict__.get("forward", _MISSING)  # accelerate may have set an instance forward
-
-    def embedding_forward(input_ids, pixel_values, attention_mask=None):
-        return _features(clip, input_ids, pixel_values, attention_mask, chunk_size, negatives)
-
-    clip.forward = embedding_forward
-    try:
-        return model(input_ids=input_ids, pixel_values=pixel_values, attention_mask=attention_mask)
-    finally:
-        if saved is _MISSING:
-            del clip.forward
-        else:
-            clip.forward = saved
 
 
 def _distributed_layout():
@@ -197,7 +96,10 @@ def clip_model_loss(
     local rows against the gathered columns with gradients through the gather
     (``HNClipLoss(local_loss=True, gather_with_grad=True)``), so the DDP-averaged gradient of
     every parameter equals the single-process gradient on the concatenated global batch, and
-    the mean of the ranks' losses is the global loss.
+    the mean of the ranks' losses is the global loss. The ranks first agree on each tower's calls
+    (one all_reduce of two integers) and a rank with fewer chunks or no negatives pads with
+    one-row calls that enter nothing (:mod:`hnclip_kernels.chunked`), so models sharded per layer
+    (FSDP2, ZeRO-3) see the same collectives on every rank.
 
     Args:
         model: a ``transformers.CLIPModel`` (or a model with ``get_image_features``,
@@ -249,7 +151,7 @@ def clip_model_loss(
     chunk_size = check_chunk_size(chunk_size)
     neg_ids, neg_mask = flat_negatives(negative_input_ids, negative_attention_mask)
     negatives = None if neg_ids is None else (neg_ids, neg_mask)
-    image, text, scale, negative = _embeddings(model, input_ids, pixel_values, attention_mask, chunk_size, negatives)
+    image, text, scale, negative = embeddings(model, input_ids, pixel_values, attention_mask, chunk_size, negatives)
     family = {} if group_ids is None else {"group_ids": group_ids}  # only what is given: else today's call
     if negative is not None:
         family["negatives"] = negative
@@ -290,6 +192,11 @@ class HNClipTrainer(transformers.Trainer):
     ``label_smoothing`` None (the default) takes ε from ``TrainingArguments.label_smoothing_factor``
     (0 by default; the same ε as ``cross_entropy``'s), applied inside the loss (the Trainer's own
     label smoother is not used). Raises ``ValueError`` if both are set and differ.
+
+    Under FSDP or DeepSpeed it makes the model's 0-dim parameters (``logit_scale``) shape (1,)
+    before the Trainer wraps the model (:mod:`hnclip_kernels.sharding`; an optimizer passed in
+    ``optimizers`` then raises ``ValueError``) and saves them 0-dim, so ``CLIPModel.from_pretrained``
+    loads its checkpoints; so too a ``CLIPModel`` whose ``logit_scale`` was made (1,) beforehand.
 
     ``chunk_size=C`` (:func:`clip_model_loss`): ``per_device_train_batch_size`` is then the
     contrastive batch (× world size under torchrun) and the encoders hold the activations of C
@@ -342,6 +249,24 @@ class HNClipTrainer(transformers.Trainer):
             self.hn_options["chunk_size"] = chunk_size
         if margin != "text":
             self.hn_options["margin"] = margin
+        # FSDP and DeepSpeed take no 0-dim parameter: train them (1,), save them 0-dim (_save)
+        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
+        self.scalar_names = unsqueeze_scalar_parameters(self.model) if sharded else ()
+        if self.scalar_names and self.optimizer is not None:
+            raise ValueError(
+                "HNClipTrainer under FSDP/DeepSpeed makes the model's 0-dim parameters (1,) "
+                f"({', '.join(self.scalar_names)}): build the optimizer you pass after "
+                "hnclip_kernels.sharding.unsqueeze_scalar_parameters(model), or let the Trainer build it"
+            )
+        if not self.scalar_names and isinstance(self.model, transformers.CLIPModel) and self.model.logit_scale.dim():
+            self.scalar_names = ("logit_scale",)  # made (1,) beforehand (docs/distributed.md's recipe)
+
+    def _save(self, output_dir=None, state_dict=None):
+        # the checkpoint is the unmodified model's: CLIPModel.from_pretrained refuses a (1,) logit_scale
+        if self.scalar_names and (state_dict is None or len(state_dict)):  # {}: DeepSpeed's own checkpoint
+            state = self.accelerator.unwrap_model(self.model).state_dict() if state_dict is None else state_dict
+            state_dict = squeeze_scalar_parameters(state, self.scalar_names)
+        return super()._save(output_dir, state_dict=state_dict)
 
     def _set_signature_columns_if_needed(self):
         # remove_unused_columns keeps the columns of model.forward: the hard-negative ones too

@@ -99,3 +99,84 @@ def test_errors_name_the_argument_and_the_fix():
         squeeze_scalar_parameters(state, ["module.logit_scale"])
     with pytest.raises(ValueError, match=r"one value, got \(0,\).*GatheredParameters"):  # a ZeRO-3 placeholder
         squeeze_scalar_parameters({**state, "logit_scale": torch.empty(0)}, ["logit_scale"])
+
+
+# ----------------------------------------------------------------------------- HNClipTrainer's checkpoints
+
+
+class _Pairs(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids, self.pixels, self.mask = hf_batch(6, seed=3)
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return dict(input_ids=self.ids[i], pixel_values=self.pixels[i], attention_mask=self.mask[i])
+
+
+def _trainer(model, tmp_path, **kw):
+    from transformers import TrainingArguments
+
+    from hnclip_kernels.integrations.transformers import HNClipTrainer
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        max_steps=1,
+        per_device_train_batch_size=6,
+        learning_rate=0.5,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    return HNClipTrainer(model=model, args=args, train_dataset=_Pairs(), gamma=0.5, **kw)
+
+
+def test_trainer_saves_a_0_dim_logit_scale_of_a_model_made_1d_beforehand(tmp_path):
+    """docs/distributed.md's recipe (unsqueeze, then shard): the Trainer's checkpoint is the unmodified
+    CLIPModel's, its trained logit_scale 0-dim, bit for bit."""
+    from transformers import CLIPModel
+
+    model = hf_model(dropout=False)
+    unsqueeze_scalar_parameters(model)
+    trainer = _trainer(model, tmp_path)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "out"))
+    back = CLIPModel.from_pretrained(str(tmp_path / "out")).logit_scale
+    assert back.shape == () and _bits(back) == _bits(model.logit_scale)
+    assert _bits(back) != _bits(hf_model(dropout=False).logit_scale)  # the trained value
+    assert model.logit_scale.shape == (1,)  # the model trains on as it was
+
+
+def _sharded(monkeypatch, flag):
+    """The Trainer's own view of an FSDP / DeepSpeed run (accelerate shards only on GPUs)."""
+    from hnclip_kernels.integrations.transformers import HNClipTrainer
+
+    original = HNClipTrainer.create_accelerator_and_postprocess
+
+    def create(self):
+        original(self)
+        setattr(self, flag, True)
+
+    monkeypatch.setattr(HNClipTrainer, "create_accelerator_and_postprocess", create)
+
+
+@pytest.mark.parametrize("flag", ["is_fsdp_enabled", "is_deepspeed_enabled"])
+def test_trainer_under_sharding_trains_logit_scale_1d_and_saves_it_0_dim(tmp_path, monkeypatch, flag):
+    from transformers import CLIPModel
+
+    _sharded(monkeypatch, flag)
+    model = hf_model(dropout=False)
+    value = _bits(model.logit_scale)
+    trainer = _trainer(model, tmp_path)
+    assert trainer.scalar_names == ("logit_scale",)
+    assert model.logit_scale.shape == (1,) and _bits(model.logit_scale) == value  # before the Trainer wraps it
+    trainer._save(str(tmp_path / "out"))  # what save_model calls with the gathered full state dict
+    back = CLIPModel.from_pretrained(str(tmp_path / "out")).logit_scale
+    assert back.shape == () and _bits(back) == value
+    trainer._save(str(tmp_path / "ds"), state_dict={})  # DeepSpeed's fallback (own checkpoint): passed through
+    if flag == "is_deepspeed_enabled":  # (under FSDP the Trainer itself refuses optimizers=)
+        fresh = hf_model(dropout=False)  # an optimizer holding the 0-dim parameter would never train the new one
+        with pytest.raises(ValueError, match="build the optimizer you pass after"):
+            _trainer(fresh, tmp_path, optimizers=(torch.optim.SGD(fresh.parameters(), lr=0.1), None))
