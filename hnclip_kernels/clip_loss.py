@@ -119,7 +119,8 @@ class HNClipLoss(nn.Module):
     and log 100 = 4.61 (open_clip's un-exponentiated log-scale, 2.66 at init; τ = 1/s would be
     0.22 or warmer), see :func:`hnclip_kernels.plausibility.scale_mistake`: the plausible range
     is s > 4.61, and open_clip's s is 14.3 at init and clamped to 100. With ``normalize=False``,
-    features whose row norms are off 1 by more than 5% (the loss is then one of dot products,
+    features (and, once on their own, ``negatives``) whose row norms are off 1 by more than 5%
+    (open_clip's ``encode_text`` without ``normalize=True``; the loss is then one of dot products,
     not cosines), from the norms its overflow check reads anyway (no extra host sync).
 
     Unequal local batch sizes (e.g. the last batch of an epoch) are exact: sizes are

@@ -121,7 +121,8 @@ def hn_clip_loss(
         passed in place of τ = 1 / logit_scale (τ ≤ 1 is a temperature some use, and does not
         warn; the rule: :func:`hnclip_kernels.plausibility.scale_mistake`). With
         ``normalize=False``, rows whose norms are off 1 by more than 5% (dot products, not
-        cosines: pass ``normalize=True`` or L2-normalise), read from the norms its overflow
+        cosines: pass ``normalize=True`` or L2-normalise), of the features and, once on their
+        own, of ``negatives``; read from the norms its overflow
         check takes anyway (no extra sync); the same warning as ``HNClipLoss`` and
         ``distributed_hn_clip_loss``. Neither under ``torch.compile``.
 
@@ -186,8 +187,9 @@ def family_call(
         n_rows = img.shape[0] if bound.reduction != "none" else 1
         tau_grad = validation.tau_requires_grad(tau)
         validation_family.check_family_range(
-            img, txt, negatives, bound.margin, bound.tau_value, bound.gamma, bound.label_smoothing, n_rows, tau_grad
-        )
+            img, txt, negatives, bound.margin, bound.tau_value, bound.gamma, bound.label_smoothing, n_rows, tau_grad,
+            names,
+        )  # fmt: skip
     if warn_tau:  # hn_clip_loss's warning (HNClipLoss warns about its logit_scale instead)
         warn_if_tau_looks_like_logit_scale(bound.tau_value)
     with autocast_disabled(img.device):

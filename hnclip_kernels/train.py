@@ -35,9 +35,9 @@ open_clip's ``--accum-freq K`` (K > 1) is refused: its cached features give ``lo
 times its gradient (the loss runs K times a step) and its re-forward draws new dropout masks;
 ``--batch-size K·B --hn-chunk-size B`` gives the same contrastive batch with exact gradients.
 
-A CSV dataset's header is checked before anything is built: open_clip reads tab-separated files
-with the columns ``filepath`` and ``title`` unless ``--csv-separator``, ``--csv-img-key`` and
-``--csv-caption-key`` say otherwise.
+A CSV dataset is checked before anything is built: readable, and tab-separated with columns
+``filepath`` and ``title`` unless ``--csv-separator``/``--csv-img-key``/``--csv-caption-key`` say
+otherwise. The column flags log each epoch's counts (:class:`.train_negatives.EpochCounts`).
 
 Where open_clip 3.x builds a plain ``ClipLoss`` (``open_clip.create_loss``, from
 ``open_clip/factory.py``, imported by name into ``open_clip_train.main``; patched there for the
@@ -54,8 +54,8 @@ after the module name when passing ``--logs`` (torchrun's parser takes it for ``
 
 Errors:
     SystemExit(2) with an argparse message, before anything is built: a bad or unknown ``--hn-*``
-        flag, ``--accum-freq`` > 1, ``--hn-chunk-size`` with ``--torchcompile`` (untested), a backend that cannot run on the run's device, a CSV whose header lacks the image or
-        caption column, or a run whose loss is not ClipLoss (``--siglip``, ``--distill-model``, CoCa models,
+        flag, ``--accum-freq`` > 1, ``--hn-chunk-size`` with ``--torchcompile`` (untested), a backend that cannot run on the run's device, a CSV ``--train-data``/``--val-data`` that
+        cannot be read or whose header lacks the image or caption column, or a run whose loss is not ClipLoss (``--siglip``, ``--distill-model``, CoCa models,
         ``--horovod``); use ``python -m open_clip_train.main`` for those.
     MissingTrainExtra (an ImportError) naming ``pip install "open_clip_torch[training]"`` when
         open_clip_train or its dependencies (webdataset, pandas, ...) cannot be imported; run
@@ -154,13 +154,20 @@ def _check_backend_device(parser, backend: str, args) -> None:
 
 
 def _check_csv_header(parser, args) -> None:
-    """open_clip's CSV reader fails with a bare ``KeyError: 'filepath'`` on a header it cannot split."""
+    """A CSV unreadable or without the image or caption column fails here, not after the model is
+    built (a pandas traceback, ``KeyError: 'filepath'``); pandas reads a file (``~`` expanded) or a URL."""
     for flag, path in (("--train-data", args.train_data), ("--val-data", args.val_data)):
         is_csv = args.dataset_type == "csv" or (args.dataset_type == "auto" and str(path).endswith((".csv", ".tsv")))
-        if not path or not is_csv or not os.path.isfile(path):
+        if not path or not is_csv or "://" in path:
             continue
-        with open(path, encoding="utf-8") as fh:
-            header = fh.readline().rstrip("\r\n").split(args.csv_separator)
+        try:
+            with open(os.path.expanduser(path), encoding="utf-8") as fh:  # pandas expands ~ too
+                header = fh.readline().rstrip("\r\n").split(args.csv_separator)
+        except OSError as exc:
+            parser.error(
+                f"argument {flag}: cannot read {path!r} ({exc.strerror or exc}); open_clip reads one CSV file "
+                f"(working directory {os.getcwd()!r}; '::' lists and brace patterns are webdataset's, .tar)"
+            )
         missing = [key for key in (args.csv_img_key, args.csv_caption_key) if key not in header]
         if missing:
             parser.error(
@@ -296,10 +303,13 @@ def main(argv=None):
     original_csv = data_module.get_csv_dataset
     if train_negatives.uses_columns(hn):  # packed CSV rows, unpacked by the epoch's forward
         data_module.get_csv_dataset = train_negatives.patched_csv_dataset(original_csv, data_module, hn)
+        groups, counts = hn.hn_group_key is not None, train_negatives.EpochCounts()
         forward = functools.partial(
-            train_negatives.family_forward, chunk_size=hn.hn_chunk_size, groups=hn.hn_group_key is not None
+            train_negatives.family_forward, chunk_size=hn.hn_chunk_size, groups=groups, counts=counts
         )
-        oc_main.train_one_epoch = _epoch_with_forward(original_epoch, forward)
+        oc_main.train_one_epoch = train_negatives.counting_epoch(
+            _epoch_with_forward(original_epoch, forward), counts, groups
+        )
     elif hn.hn_chunk_size is not None:
         oc_main.train_one_epoch = _chunked_epoch(original_epoch, hn.hn_chunk_size)
     torch_levels = {name: logging.getLogger(name).level for name in _torch_loggers()}

@@ -20,13 +20,22 @@ an empty cell, a group of its own). open_clip_train's loop unpacks each batch as
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 
 from .chunked import agree_tower_calls, chunked_features, padded_encode, tower_calls
 
-__all__ = ["add_arguments", "uses_columns", "check_columns", "patched_csv_dataset", "family_forward", "pack"]
+__all__ = [
+    "add_arguments",
+    "uses_columns",
+    "check_columns",
+    "patched_csv_dataset",
+    "family_forward",
+    "pack",
+    "EpochCounts",
+]
 
 
 def add_arguments(p) -> None:
@@ -69,9 +78,9 @@ def check_columns(parser, hn, args) -> None:
         )
     if args.torchcompile:
         parser.error(f"argument {flag}: not supported with --torchcompile (untested); drop one of them")
-    if not os.path.isfile(path):
+    if not os.path.isfile(os.path.expanduser(path)):
         return
-    with open(path, encoding="utf-8") as fh:
+    with open(os.path.expanduser(path), encoding="utf-8") as fh:
         header = fh.readline().rstrip("\r\n").split(args.csv_separator)
     for key, name in ((hn.hn_negatives_key, "--hn-negatives-key"), (hn.hn_group_key, "--hn-group-key")):
         if key is not None and key not in header:
@@ -145,16 +154,62 @@ def patched_csv_dataset(get_csv_dataset, data_module, hn):
     return wrapped
 
 
-def family_forward(model, image=None, text=None, *, chunk_size=None, groups: bool = False):
+class EpochCounts:
+    """What the two columns gave one epoch's training batches on this rank: pairs, negatives (the
+    non-empty cells, each one more image→text column), pairs with a group id (a non-empty cell) and
+    pairs that met another pair of their group in their batch (those the ids mask). Summed on the
+    batches' device, read once per epoch (:meth:`log`): no host sync per step."""
+
+    def __init__(self):
+        self.sums = None
+
+    def add(self, has_negative: torch.Tensor, group_ids: torch.Tensor) -> None:
+        """One batch's flags (B,) and ids (B,) (:func:`_unpack`'s; empty cells' ids are < 0)."""
+        ids = group_ids.sort().values  # equal ids side by side: no B × B comparison, no host sync
+        equal = ids[1:] == ids[:-1]
+        shared = torch.zeros_like(ids, dtype=torch.bool)
+        shared[1:] |= equal
+        shared[:-1] |= equal
+        shared &= ids >= 0
+        batch = torch.stack([torch.ones_like(has_negative).sum(), has_negative.sum(), (group_ids >= 0).sum(),
+                             shared.sum()])  # fmt: skip
+        self.sums = batch if self.sums is None else self.sums + batch
+
+    def log(self, epoch, rank: int = 0, groups: bool = True) -> None:
+        """Log the epoch's counts (open_clip's log: ``out.log`` of the run) and start over."""
+        pairs, negatives, grouped, shared = [0] * 4 if self.sums is None else self.sums.tolist()
+        self.sums = None
+        text = f"HN-CLIP epoch {epoch} (rank {rank}): {pairs} pairs, {negatives} hard negatives"
+        if groups:
+            text += f", {grouped} pairs with a group id, {shared} of them with another pair of their group in the batch"
+        logging.info(text)
+
+
+def counting_epoch(train_one_epoch, counts: EpochCounts, groups: bool):
+    """open_clip's ``train_one_epoch`` logging ``counts`` of its batches when it returns."""
+
+    @functools.wraps(train_one_epoch)
+    def wrapped(model, data, loss, epoch, *args, **kwargs):
+        counts.sums = None
+        out = train_one_epoch(model, data, loss, epoch, *args, **kwargs)
+        counts.log(epoch, getattr(loss, "rank", 0), groups)
+        return out
+
+    return wrapped
+
+
+def family_forward(model, image=None, text=None, *, chunk_size=None, groups: bool = False, counts=None):
     """open_clip ``CLIP.forward``'s output dict on packed tokens, plus ``negatives`` (M, D), the
     batch's non-empty negative captions through ``encode_text`` (L2-normalised; absent for M = 0)
-    and, with ``groups``, ``group_ids`` (B,); the towers chunked with a ``chunk_size``. Under
-    ``torch.distributed`` the ranks agree on the calls of each tower (one all_reduce) and pad
-    (:mod:`hnclip_kernels.chunked`): a rank without negatives joins its padding calls to the
-    captions' features with zero rows."""
+    and, with ``groups``, ``group_ids`` (B,); the towers chunked with a ``chunk_size``; the batch
+    added to ``counts`` (an :class:`EpochCounts`) if given. Under ``torch.distributed`` the ranks
+    agree on the calls of each tower (one all_reduce) and pad (:mod:`hnclip_kernels.chunked`): a
+    rank without negatives joins its padding calls to the captions' features with zero rows."""
     if image is None or text is None:  # not what train_one_epoch calls: the model's own forward
         return type(model).forward(model, image, text)
     captions, neg_tokens, has_negative, group_ids = _unpack(text, getattr(model, "context_length", None))
+    if counts is not None:
+        counts.add(has_negative, group_ids)
     negatives = neg_tokens[has_negative]
     # every rank makes as many tower calls (sharded layers gather in each; chunked.agree_tower_calls)
     own = (tower_calls(captions.shape[0], chunk_size), tower_calls(len(negatives), chunk_size) if len(negatives) else 0)

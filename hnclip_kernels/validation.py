@@ -251,17 +251,15 @@ def _functorch_values(tau: torch.Tensor):
     return None if plain is tau else plain.reshape(-1).tolist()
 
 
-def row_norm_extremes(img: torch.Tensor, txt: torch.Tensor) -> tuple:
-    """(largest row norm of ``img``, of ``txt``, largest |‖x_i‖ − 1| of either) as Python floats,
-    taken in float64 (one host sync; under ``torch.func``, over every batch entry's rows). The
-    last is for :func:`hnclip_kernels.plausibility.warn_if_not_unit_norm`, from the same norms
-    and in the same sync."""
-    img, txt = _unwrapped(img), _unwrapped(txt)
-    norms = [torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64) for x in (img, txt)]
-    img_norm, txt_norm, *off = torch.stack(
-        [norms[0].max(), norms[1].max(), *((n - 1.0).abs().max() for n in norms)]
-    ).tolist()
-    return img_norm, txt_norm, max(off)
+def row_norm_extremes(*features: torch.Tensor) -> list:
+    """For each of ``features`` ((N, D) tensors), (its largest row norm, its largest
+    |‖x_i‖ − 1|) as Python floats, taken in float64 in one host sync (under ``torch.func``, over
+    every batch entry's rows). The second is for
+    :func:`hnclip_kernels.plausibility.warn_if_not_unit_norm`, from the same norms and in the same
+    sync."""
+    norms = [torch.linalg.vector_norm(_unwrapped(x), dim=-1, dtype=torch.float64) for x in features]
+    values = torch.stack([v for n in norms for v in (n.max(), (n - 1.0).abs().max())]).tolist()
+    return [tuple(values[k : k + 2]) for k in range(0, len(values), 2)]
 
 
 def check_feature_range(
@@ -283,7 +281,7 @@ def check_feature_range(
     ``torch.compile``, for meta tensors and where τ was not read (``tau_value`` None)."""
     if tau_value is None or torch.compiler.is_compiling() or img.device.type == "meta":
         return
-    img_norm, txt_norm, off_unit = row_norm_extremes(img, txt)
+    (img_norm, img_off), (txt_norm, txt_off) = row_norm_extremes(img, txt)
     if not (math.isfinite(img_norm) and math.isfinite(txt_norm)):
         return  # non-finite features: the loss is non-finite too, as in torch.nn.functional
     limit = finite_limit(img.dtype)
@@ -299,7 +297,7 @@ def check_feature_range(
             f"{'float64' if img.dtype == torch.float64 else 'float32'} range; pass normalize=True or "
             "scale the features down"
         )
-    warn_if_not_unit_norm(off_unit, (img_name, txt_name))
+    warn_if_not_unit_norm(max(img_off, txt_off), (img_name, txt_name))
 
 
 def check_directional(

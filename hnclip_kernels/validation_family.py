@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from .plausibility import warn_if_not_unit_norm
 from .validation import FLOAT_DTYPES, finite_limit, largest_intermediate, row_norm_extremes
 
 MARGINS = ("text", "image_text")
@@ -96,28 +97,34 @@ def family_arguments(img, txt, negatives, group_ids, names=("img", "txt")):
     return check_negatives(negatives, txt, names[1]), check_group_ids(group_ids, txt, names[1])
 
 
-def check_family_range(img, txt, negatives, margin, tau_value, gamma, label_smoothing, n_rows, tau_grad) -> None:
+def check_family_range(
+    img, txt, negatives, margin, tau_value, gamma, label_smoothing, n_rows, tau_grad, names=("img", "txt")
+) -> None:
     """With ``normalize=False``: the negatives' norms (and, with margin="image_text", a margin
     γ·v·x of the image norms) enter the logit gaps; raise ``ValueError`` where they would
-    overflow the compute dtype (as :func:`validation.check_feature_range` for img/txt)."""
+    overflow the compute dtype (as :func:`validation.check_feature_range` for img/txt), else warn
+    once per process if a negative's norm is off 1 by more than 5%
+    (:func:`plausibility.warn_if_not_unit_norm`, the features' own rule; from the same norms)."""
     if tau_value is None or torch.compiler.is_compiling() or img.device.type == "meta":
         return
-    captions = txt if negatives is None else torch.cat([txt, negatives])
-    img_norm, txt_norm, _ = row_norm_extremes(img, captions)
+    extremes = row_norm_extremes(img, txt, *(() if negatives is None else (negatives,)))
+    img_norm, txt_norm = extremes[0][0], max(norm for norm, _ in extremes[1:])
     if not (math.isfinite(img_norm) and math.isfinite(txt_norm)):
         return
-    n_keys = captions.shape[0]
+    n_keys = txt.shape[0] + (0 if negatives is None else negatives.shape[0])
     args = (tau_value, gamma, label_smoothing, n_keys)
     largest = largest_intermediate(*args, img_norm, txt_norm, n_rows, tau_grad=tau_grad)
     if margin != "text":  # the margin γ·v·x: covered by the bound with the two norms swapped
         largest = max(largest, largest_intermediate(*args, txt_norm, img_norm, n_rows, tau_grad=tau_grad))
     if largest >= finite_limit(img.dtype):
         raise ValueError(
-            f"with normalize=False, img (row norms up to {img_norm:.3g}) and the captions and negatives "
+            f"with normalize=False, {names[0]} (row norms up to {img_norm:.3g}) and the captions and negatives "
             f"(up to {txt_norm:.3g}) at tau = {tau_value:g} give logit gaps up to {largest:.3g}, beyond "
             f"{'float64' if img.dtype == torch.float64 else 'float32'} range; pass normalize=True or "
             "scale the features down"
         )
+    if negatives is not None:  # img/txt: their own check (check_feature_range, the consensus row) warns
+        warn_if_not_unit_norm(extremes[2][1], ("negatives",))
 
 
 def check_family_directional(m: int, n: int, mask_query, mask_key, query_groups, key_groups) -> None:

@@ -75,6 +75,7 @@ FULL_TIER = (
     "tests/integrations/test_fine_tune_study.py",  # 22 s idle, 70 s at load 5 on 2 cores
     "tests/integrations/test_long_clip_example.py",  # 31 s
     "tests/integrations/test_train.py",  # 16 s
+    "tests/integrations/test_train_checks.py::test_the_cli_exits_with_one_line",  # 7-11 s: torch's and open_clip's imports
     # the tools: benchmark sweeps, the GPU check script, the precision study, the clean-tree runs
     "tests/tooling/test_benchmarks_smoke.py",  # 63 s
     "tests/tooling/test_chunked_memory_smoke.py",  # 26 s

@@ -31,8 +31,10 @@ uses the GPU tile sizes and warps even while interpreting. Two counters run toge
 
 The same FlopCounterMode also counts the ``hnclip::`` operators by their registered formulas
 (``hnclip_kernels/backends/triton/flops.py``): "formula_flops", what an MFU tool sees, kept
-apart from the counted work (tests/tooling/test_work_count.py holds the two equal where the
-shapes are whole tiles: the formulas leave tile padding out).
+apart from the counted work: the formulas state the useful products of the real shapes (the
+"useful" below, the same on the C++ operators), this tool what the kernels execute
+(tests/tooling/test_work_count.py holds formula_flops equal to the useful products, and never
+above the counted work).
 
 Units: one product is an M×N×D matrix product, 2·M·N·D flops (M = N for the loss; N×N×D for
 the family, whose M is its negatives). The useful work is 3 products per direction: S = q kᵀ in

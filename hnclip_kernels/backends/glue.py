@@ -31,6 +31,8 @@ operator itself (:func:`call`), one node with its registered formula.
 
 from __future__ import annotations
 
+import gc
+import sys
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
@@ -187,20 +189,75 @@ def fused_op(
     )
 
 
-def register_flops(name: str, formula: Callable) -> None:
-    """``formula`` as ``torch.utils.flop_counter.FlopCounterMode``'s count of ``hnclip::<name>``:
-    called with the operator's arguments as they are (tensors, real or fake, and flags) and
-    ``out_val`` (its outputs), it returns the FLOPs the operator runs (2 per multiply-add, as torch
-    counts a matmul). Without a formula the mode counts 0 for an operator: it runs one with itself
-    popped off the mode stack, so it never sees the kernels or GEMMs inside. Registered once
-    (a second registration of a target raises in torch); skipped on a torch without the API."""
+def logit_flops(rows: int, cols: int, d: int, *, backward: bool = False) -> int:
+    """The FLOPs every operator's formula states for one logit matrix S = q kᵀ of ``rows`` ×
+    ``cols`` over D = ``d``: the loss's useful products in the real shapes, 2 per multiply-add as
+    torch counts a matmul. Forward: S, 2·rows·cols·d; ``backward`` (feature gradients wanted):
+    dS·k and dSᵀ·q, twice that. The same on every backend, whatever its kernels execute to get them
+    (tiles and their padding, tensor-core passes, recomputation, a margin folded into S or formed
+    beside it: ``tools.work`` counts that work); the detached margin and mask products are no
+    useful work (the benchmarks' 6·N²·D FLOPs per forward + backward)."""
+    return (4 if backward else 2) * rows * cols * d
+
+
+def forward_flops(q, k, *_, **__) -> int:
+    """The formula of a forward operator of queries ``q`` (R, D) against keys ``k`` (C, D) (the
+    loss's img and txt, a directional op's queries and keys, a raw kernel's normalised ones)."""
+    return logit_flops(q.shape[0], k.shape[0], q.shape[1])
+
+
+def backward_flops(grad, q, k, *rest, **_) -> int:
+    """The formula of a backward operator (``grad``, then the forward's inputs): its last flag says
+    whether feature gradients are wanted (dτ alone: 0)."""
+    return logit_flops(q.shape[0], k.shape[0], q.shape[1], backward=True) if rest[-1] else 0
+
+
+def family_forward_flops(img, txt, negatives, *_, **__) -> int:
+    """The family loss's forward: its N×(N + M) logits, v [t; n]ᵀ (both directions read the N×N part)."""
+    return logit_flops(img.shape[0], txt.shape[0] + negatives.shape[0], img.shape[1])
+
+
+def family_backward_flops(grad, img, txt, negatives, *rest, **_) -> int:
+    if not rest[-1]:
+        return 0
+    return logit_flops(img.shape[0], txt.shape[0] + negatives.shape[0], img.shape[1], backward=True)
+
+
+def register_flops(formulas: dict) -> None:
+    """Each ``formulas[name]`` as ``torch.utils.flop_counter.FlopCounterMode``'s count of
+    ``hnclip::<name>``: called with the operator's arguments as they are (tensors, real or fake,
+    and flags) and ``out_val`` (its outputs), it returns the FLOPs the operator states
+    (:func:`logit_flops`). Without a formula the mode counts 0 for an operator: it runs one with
+    itself popped off the mode stack, so it never sees the kernels or GEMMs inside. Registered once
+    (a second registration of a target raises in torch); skipped on a torch without the API.
+
+    A counter copies torch's table when it is made, and the operators are defined (this is
+    called) when a backend is first used: so the formulas are also added to every counter that
+    exists already, an MFU logger made at start-up included (found by the garbage collector's
+    list, once per backend, only once ``torch.utils.flop_counter`` was imported at all)."""
     try:
         from torch.utils.flop_counter import flop_registry, register_flop_formula
     except ImportError:  # pragma: no cover - torch < 2.4
         return
-    packet = getattr(torch.ops.hnclip, name)
-    if packet not in flop_registry:
-        register_flop_formula(packet, get_raw=True)(formula)
+    added = {}
+    for name, formula in formulas.items():
+        packet = getattr(torch.ops.hnclip, name)
+        if packet not in flop_registry:
+            added[packet] = register_flop_formula(packet, get_raw=True)(formula)
+    if added:
+        for counter in _live_flop_counters():
+            for packet, formula in added.items():
+                counter.flop_registry.setdefault(packet, formula)
+
+
+def _live_flop_counters() -> list:
+    """Every ``FlopCounterMode`` alive now (none where its module was never imported)."""
+    module = sys.modules.get("torch.utils.flop_counter")
+    if module is None:
+        return []
+    kind = module.FlopCounterMode
+    # issubclass of the type, not isinstance: isinstance also reads __class__, a property on some objects
+    return [x for x in gc.get_objects() if issubclass(type(x), kind)]
 
 
 def call(function: type, op, *args):

@@ -123,8 +123,9 @@ def _range_fields(row, tau_value, image_features, text_features, normalize) -> N
         return
     norms = (1.0, 1.0)
     if not normalize:
-        *norms, off_unit = validation.row_norm_extremes(image_features, text_features)
-        warn_if_not_unit_norm(off_unit, ("image_features", "text_features"))
+        (img_norm, img_off), (txt_norm, txt_off) = validation.row_norm_extremes(image_features, text_features)
+        norms = (img_norm, txt_norm)
+        warn_if_not_unit_norm(max(img_off, txt_off), ("image_features", "text_features"))
     row[_TAU], row[_IMG_NORM], row[_TXT_NORM] = (_float_bits(v) for v in (tau_value, *norms))
 
 
@@ -170,7 +171,7 @@ def family_checks(image_features, text_features, negatives, group_ids, bound, ta
         try:
             check_family_range(
                 image_features, text_features, negatives, bound.margin, bound.tau_value, bound.gamma,
-                bound.label_smoothing, image_features.shape[0], tau_grad,
+                bound.label_smoothing, image_features.shape[0], tau_grad, ("image_features", "text_features"),
             )  # fmt: skip
         except ValueError as exc:
             return 2, exc, None, None

@@ -141,3 +141,67 @@ def test_unnormalized_negatives_that_overflow_are_named(margin):
     huge = negs() * 1e36  # finite, but their products with the images overflow float32
     with pytest.raises(ValueError, match=r"normalize=False.*captions and negatives.*pass normalize=True"):
         hn_clip_loss(img, txt, 0.1, negatives=huge, normalize=False, margin=margin, backend="torch")
+
+
+# ------------------------------------------------ un-normalised negatives: the features' unit-norm rule
+
+
+def _issue_repro():
+    """issue 37's repro: unit image and caption rows, raw (un-normalised) negatives."""
+    gen = torch.Generator().manual_seed(37)
+    img, txt, raw = (torch.randn(n, 32, generator=gen) for n in (8, 8, 6))
+    return torch.nn.functional.normalize(img, dim=-1), torch.nn.functional.normalize(txt, dim=-1), raw
+
+
+def _entry_points():
+    from hnclip_kernels.distributed import distributed_hn_clip_loss
+
+    return {  # each with normalize=False (HNClipLoss's default): the features are taken as given
+        "HNClipLoss": lambda i, t, n: HNClipLoss(backend="torch")(i, t, 1 / 0.07, negatives=n),
+        "hn_clip_loss": lambda i, t, n: hn_clip_loss(i, t, 0.07, negatives=n, normalize=False, backend="torch"),
+        "distributed_hn_clip_loss": lambda i, t, n: distributed_hn_clip_loss(
+            i, t, 0.07, negatives=n, normalize=False, backend="torch"
+        ),  # world_size 1: the consensus checks every rank runs (family_checks), without a group
+        "HNClipLoss(cpp)": lambda i, t, n: HNClipLoss(backend="cpp")(i, t, 1 / 0.07, negatives=n),
+    }
+
+
+@pytest.mark.parametrize("entry", ["HNClipLoss", "hn_clip_loss", "distributed_hn_clip_loss", "HNClipLoss(cpp)"])
+def test_unnormalised_negatives_with_normalize_false_warn_once_as_the_features_do(entry, monkeypatch):
+    import warnings
+
+    from hnclip_kernels.backends import cpp_directional
+
+    if entry.endswith("(cpp)") and cpp_directional() is None:
+        pytest.skip("the C++ extension is not built")
+    monkeypatch.setattr("hnclip_kernels.plausibility._warned", set())
+    call = _entry_points()[entry]
+    img, txt, raw = _issue_repro()
+    unit = torch.nn.functional.normalize(raw, dim=-1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrong = call(img, txt, raw)
+        call(img, txt, raw)  # once per process
+        right = call(img, txt, unit)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert "rows of negatives have norms off 1 by up to" in message and "normalize=True" in message, message
+    assert caught[0].filename == __file__  # at the user's line
+    assert wrong.item() > right.item() + 1.0  # what the warning is about: 11.9 against 5.9 in the issue
+    # the features' own warning is separate: raw images after it still warn, naming the images
+    with pytest.warns(RuntimeWarning, match="rows of (img/txt|image_features/text_features) have norms"):
+        call(3 * img, txt, unit)
+
+
+def test_negatives_near_unit_norm_and_normalize_true_stay_quiet():
+    import warnings
+
+    img, txt, raw = _issue_repro()
+    unit = torch.nn.functional.normalize(raw, dim=-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        HNClipLoss(backend="torch")(img, txt, 1 / 0.07, negatives=1.04 * unit)  # within 5%: bf16 rounding and such
+        # normalize=True normalises the negatives inside, as the features: the raw ones give the unit ones' loss
+        a = hn_clip_loss(img, txt, 0.07, negatives=raw, backend="torch")
+        b = hn_clip_loss(img, txt, 0.07, negatives=unit, backend="torch")
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=0)

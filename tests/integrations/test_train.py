@@ -582,6 +582,14 @@ def test_negatives_column_joins_the_batch_and_gets_gradient(data, negatives_csv,
         assert math.isfinite(s["loss"]) and s["groups"].shape == (4,) and s["groups"].dtype == torch.int64
         if s["M"]:
             assert s["grad"] > 0
+    # the run's log says what the columns gave the epoch: 11 negatives; 16 ids, the pairs that met their
+    # image's other caption in a batch being the ones the ids masked
+    shared = sum(int((s["groups"][:, None] == s["groups"][None, :]).sum(dim=1).gt(1).sum()) for s in steps)
+    log = (tmp_path / "negatives" / "out.log").read_text()
+    assert (
+        "HN-CLIP epoch 0 (rank 0): 16 pairs, 11 hard negatives, 16 pairs with a group id, "
+        f"{shared} of them with another pair of their group in the batch"
+    ) in log, log[-2000:]
 
 
 def test_negatives_column_missing_from_the_header_fails_before_training(data, monkeypatch, capsys):

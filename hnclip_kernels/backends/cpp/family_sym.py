@@ -13,7 +13,8 @@ the symmetric backward with the merged statistics and takes the block's part fro
 
 Products (multiply-adds, f = 1 when the threshold's caption tile is formed): forward
 (1 + f)·N²·D + (1 + f + 2)·N·M·D (the shares P·n̂, Pᵀ·v̂ only when a gradient follows), backward
-(3 + f)·N²·D + 0 (uniform upstream gradient, as for mean/sum) or (2 + f)·N·M·D (:mod:`.flops`).
+(3 + f)·N²·D + 0 (uniform upstream gradient, as for mean/sum) or (2 + f)·N·M·D, executed
+(``FlopCounterMode`` states the useful products, :mod:`.flops`).
 The block's margin factor is the keys' own row (b̂ = n̂), so it folds into the left factor (width
 1) for either margin. The distributed loss keeps its two directional calls (:mod:`.family`).
 """

@@ -14,7 +14,8 @@ off the positive: the kernels form the logits with 1/τ scaled by 1 + γ and no 
 (the positive, from the host, and the gradients keep 1/τ: the margin carries no gradient). The
 threshold still compares captions (t̂_i·x̂: the margin factors t, and n in the block).
 
-Products (P = one N×N×D or N×M×D product, :mod:`.flops`): the N×N part is today's loss's to the
+Products executed (P = one N×N×D or N×M×D product; ``FlopCounterMode`` states the useful ones,
+:mod:`.flops`): the N×N part is today's loss's to the
 multiply-add (γ_text = 1 for ``margin="text"`` with γ ≠ 0, or a threshold); the block costs
 (1 + g) P forward and (1 + g) P + 2 P of GEMMs backward, g = 1 for the text margin with γ ≠ 0 or
 a threshold (t̂·n̂), else 0. Workspace: :func:`.workspace.family_bytes`.

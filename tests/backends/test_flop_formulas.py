@@ -1,0 +1,151 @@
+"""What ``torch.utils.flop_counter.FlopCounterMode`` (and the MFU tools built on it) counts for the
+fused operators: a counter made before the first loss call sees their formulas, and every formula
+states the loss's useful products of the real shapes, the same on cpp and Triton
+(``docs/benchmarks.md``, "FLOPs under FlopCounterMode").
+
+Useful products of one logit matrix S = q kᵀ of R rows × C columns over D: the forward's S, the
+backward's dS·k and dSᵀ·q, 2·R·C·D FLOPs each (torch's count of a matmul). Bounds: batches of a
+few dozen rows (Triton in its interpreter), one subprocess of ~10 s.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from hnclip_kernels import hn_clip_loss
+from hnclip_kernels.backends import cpp_directional
+
+N, M, D = 24, 8, 16
+BACKENDS = [
+    pytest.param("cpp", marks=pytest.mark.skipif(cpp_directional() is None, reason="the C++ extension is not built")),
+    "triton",
+]
+
+# a fresh interpreter: counters made before any loss call (after `import hnclip_kernels` only); each
+# backend's operators are defined at its first call, inside `early`'s first block or outside any counter
+_FRESH = """
+import json, sys, torch
+from torch.utils.flop_counter import FlopCounterMode
+import hnclip_kernels
+early = FlopCounterMode(display=False)  # an MFU logger built at start-up
+early_idle = FlopCounterMode(display=False)  # one that is not active at the first call
+gen = torch.Generator().manual_seed(0)
+img, txt, neg = (torch.randn(n, 16, generator=gen, requires_grad=True) for n in (24, 24, 8))
+results = {}
+for case in sys.argv[1:]:
+    backend, family = case.split(":")
+    def step():
+        negatives = neg if family == "family" else None
+        hnclip_kernels.hn_clip_loss(img, txt, 0.07, backend=backend, negatives=negatives).backward()
+    with early:
+        step()
+    step()  # outside any counter
+    with early_idle:
+        step()
+    with FlopCounterMode(display=False) as late:  # made after the first call
+        step()
+    results[case] = [early.get_total_flops(), early_idle.get_total_flops(), late.get_total_flops()]
+print(json.dumps(results))
+"""
+
+
+def test_a_counter_made_before_the_first_call_counts_the_operators():
+    # each backend's first call runs inside `early` (its operators are defined then, after every
+    # counter here was made); `early_idle` is not active at that moment
+    cases = ["triton:loss", "triton:family"]
+    if cpp_directional() is not None:
+        cases = ["cpp:family", "cpp:loss", *cases]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _FRESH, *cases], env=env, capture_output=True, text=True, timeout=300
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    for case, (early, early_idle, late) in results.items():
+        cols = N + (M if case.endswith("family") else 0)
+        assert early == early_idle == late == 3 * 2 * N * cols * D, (case, early, early_idle, late)
+
+
+def _counted(fn):
+    """(forward FLOPs, backward FLOPs) that FlopCounterMode states for ``fn()``'s loss."""
+    with FlopCounterMode(display=False) as fwd:
+        loss = fn()
+    with FlopCounterMode(display=False) as bwd:
+        loss.backward()
+    return fwd.get_total_flops(), bwd.get_total_flops()
+
+
+def _summed(fn, *args):
+    return fn(*args).sum()
+
+
+def _leaves(*rows, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(r, D, generator=gen).to(dtype).requires_grad_() for r in rows]
+
+
+SINGLE = {  # hn_clip_loss's keywords; "negatives": M negative captions; "ids": group ids
+    "γ=0": dict(gamma=0.0),
+    "γ=0.5": dict(gamma=0.5),
+    "γ=0.5 threshold": dict(gamma=0.5, false_negative_threshold=0.5),
+    "bf16 γ=0.5": dict(gamma=0.5, dtype=torch.bfloat16),
+    "family γ=0.5": dict(gamma=0.5, negatives=True),
+    "family γ=0 threshold ids": dict(gamma=0.0, negatives=True, ids=True, false_negative_threshold=0.5),
+    "family image_text threshold": dict(gamma=0.5, negatives=True, margin="image_text", false_negative_threshold=0.5),
+    "family M=0 ids": dict(gamma=0.5, ids=True),
+}
+
+
+@pytest.mark.parametrize("case", list(SINGLE), ids=list(SINGLE))
+def test_single_process_calls_state_the_useful_products_on_both_backends(case):
+    kwargs = dict(SINGLE[case])
+    dtype = kwargs.pop("dtype", torch.float32)
+    img, txt, neg = _leaves(N, N, M, dtype=dtype)
+    if not kwargs.pop("negatives", False):
+        neg = None
+    if kwargs.pop("ids", False):
+        kwargs["group_ids"] = torch.arange(N) // 3
+    cols = N + (0 if neg is None else M)
+    useful = (2 * N * cols * D, 4 * N * cols * D)  # S forward; dS·k and dSᵀ·q backward
+    backends = ["triton"] + (["cpp"] if cpp_directional() is not None else [])
+    for backend in backends:
+        got = _counted(functools.partial(hn_clip_loss, img, txt, 0.07, backend=backend, negatives=neg, **kwargs))
+        assert got == useful, (backend, got, useful)
+    # dτ alone: the backward forms no feature gradient and states 0
+    tau = torch.tensor(0.07, requires_grad=True)
+    x, y = (t.detach() for t in (img, txt))
+    for backend in backends:
+        assert _counted(functools.partial(hn_clip_loss, x, y, tau, backend=backend, **kwargs)) == (2 * N * N * D, 0)
+
+
+@pytest.mark.parametrize("family", [False, True], ids=["rank", "family rank"])
+def test_a_ranks_ops_state_the_useful_products_on_both_backends(family):
+    # a rank's M local rows against N gathered columns: Triton's one op for both directions
+    # (hnclip::triton_rank_nll, or two family directional ops), cpp's two directional ops
+    from hnclip_kernels import LossOptions
+    from hnclip_kernels.backends import rank_family_losses, rank_losses
+
+    rows = 8
+    all_img, all_txt, neg = _leaves(N, N, M, seed=1)
+    img, txt = (x[N - rows :] for x in (all_img, all_txt))
+    tau = torch.tensor(0.07)
+    keys = N + (M if family else 0)
+    useful = (2 * rows * (keys + N) * D, 4 * rows * (keys + N) * D)  # i2t over N (+ K) keys, t2i over N
+    backends = ["triton"] + (["cpp"] if cpp_directional() is not None else [])
+    for backend in backends:
+        options = LossOptions(gamma=0.5, backend=backend, false_negative_threshold=0.5).resolved(img, 0.07)
+        if family:
+            ids = torch.arange(N) // 2
+            args = (img, txt, all_img, all_txt, neg, ids[N - rows :], ids, tau, N - rows, options)
+        else:
+            args = (img, txt, all_img, all_txt, tau, N - rows, options)
+        call = functools.partial(_summed, rank_family_losses if family else rank_losses, *args)
+        assert _counted(call) == useful, backend
