@@ -168,3 +168,30 @@ def test_rows_far_below_the_batch_bound_keep_their_gradient():
         assert torch.isfinite(g).all(), name
         over = row_errors(g, want, torch.bfloat16)
         assert not over, f"{name}: {over}"
+
+
+@pytest.mark.parametrize("backend", fused_backends())
+@pytest.mark.parametrize("gamma", [0.0, 0.5])
+def test_float32_rows_below_the_subnormal_threshold_under_a_huge_loss_scale(backend, gamma):
+    # float32 features, every row at δ ≈ −109 (orthonormal captions, images on them, τ = 1/111):
+    # the loss e^−109 ≈ 4e-48 is 0 in float32, but under (2^80 · loss).backward() the true gradient
+    # (≈ 2e-23) is a normal number. The fused kernels weight rows below δ = −87 in logs (the C++
+    # row_factor, epilogue.row_factors); a threshold below −104 (where e^δ is 0) takes these rows
+    # as ordinary and returns all-zero gradients. Each gradient row against float64: 1e-4.
+    # (backend="torch" differentiates a float32 softplus: σ(−109) = 0, gradients 0 at this scale.)
+    from helpers import hn_clip_loss_f64
+
+    n, d = 8, 16
+    gen = torch.Generator().manual_seed(0)
+    txt = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0][:n].float()
+    img = (txt + 1e-3 * torch.randn(n, d, generator=gen, dtype=torch.float64)).float()
+    tau, scale = 1 / 111, 2.0**80
+    leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
+    got = torch.autograd.grad(scale * hn_clip_loss(*leaves, tau, gamma=gamma, backend=backend), leaves)
+    ref_leaves = [x.double().requires_grad_(True) for x in (img, txt)]
+    truth = hn_clip_loss_f64(*ref_leaves, tau, gamma=gamma, reduction="none")
+    assert 1e-48 < truth.min() and truth.max() < 1e-47  # δ ≈ −109 on every row
+    want = torch.autograd.grad(scale * truth.mean(), ref_leaves)
+    for name, g, w in zip(("d img", "d txt"), got, want):
+        err = (g.double() - w).norm(dim=1) / w.norm(dim=1)
+        assert (err <= 1e-4).all(), f"{backend} {name}: row errors {err.tolist()}"
