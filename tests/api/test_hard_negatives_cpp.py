@@ -264,6 +264,20 @@ def test_many_tiles_match_the_oracle_per_row(margin):
     _rows_agree(out[1][0], out[0][0], out[1][1], out[0][1], 1e-10)  # float64's LOSS_TOL (the oracle's own rounding)
 
 
+@pytest.mark.parametrize("m", [0, 200])
+def test_many_tiles_ids_alone_float32_per_row(m):
+    # float32, group ids without a threshold (the caption tile is not formed but set to 0 before
+    # the ids' +inf go in): N = 600 captions span two 512-column tiles, so a tile left holding the
+    # previous tile's +inf masks pairs whose ids differ. Every row and gradient row against the
+    # float64 oracle on the float32 values: float32's 1e-4.
+    n, d = 600, 8
+    img, txt, neg = (features(r, d, s) for r, s in ((n, 45), (n, 46), (m, 47)))
+    ids = torch.randint(0, 40, (n,), generator=torch.Generator().manual_seed(8))
+    got, want, gg, wg = run_both(img, txt, neg if m else None, 0.05, reduction="none", backend="cpp", group_ids=ids,
+                                 label_smoothing=0.1)  # fmt: skip
+    _rows_agree(got, want, gg, wg, 1e-4)
+
+
 def test_thread_counts_agree():
     # 1 and 3 threads (three groups of strips, their key accumulators summed in order)
     n, m, d = 300, 100, 16

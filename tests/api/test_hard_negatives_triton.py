@@ -115,6 +115,18 @@ def test_triton_matches_cpp_per_row(margin, dtype, launch):
     _rows_agree(got, want, gg, wg, 1e-4 if dtype == torch.float32 else 2.0**-7)
 
 
+def test_group_ids_across_tiles_float32_per_row(launch):
+    # float32 ids spanning several tiles (N = 70: three 32-row tiles under the interpreter's launch,
+    # two 64-row ones under the GPU's), ids shared across tiles: the backward's symmetric walk forms
+    # each off-diagonal tile pair and its mirror, both masked as the forward masks them. Every row
+    # and gradient row against the float64 oracle: float32's 1e-4.
+    n, m, d = 70, 9, 8
+    img, txt, neg = (features(r, d, s) for r, s in ((n, 48), (n, 49), (m, 50)))
+    ids = torch.randint(0, 12, (n,), generator=torch.Generator().manual_seed(9))
+    got, want, gg, wg = run_both(img, txt, neg, 0.1, reduction="none", backend="triton", group_ids=ids)
+    _rows_agree(got, want, gg, wg, 1e-4)
+
+
 def _family_args(m=4, n=9, d=5, ids=True, mask_captions=True):
     gen = torch.Generator().manual_seed(3)
     q, a = torch.randn(m, d, generator=gen), torch.randn(m, d, generator=gen)
