@@ -318,3 +318,25 @@ def test_tau_whose_gradient_would_overflow_raises_where_tau_requires_grad(backen
     loss = hn_clip_loss(*[x.detach() for x in leaves], tau_t, backend=backend)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(tau_t.grad)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("where", ["img", "txt", "negatives"])
+def test_tiny_tau_with_a_row_of_norm_near_zero_is_named(backend, where):
+    # normalize=True, a plain-float τ = 1e-30 (no dL/dτ, so check_tau's bound is the loss's) and one
+    # row of norm 1e-12: the normalised row's logits stay ≤ 1/τ (a finite loss), but dL/dx̂ ≈ 1/τ
+    # times 1/‖x‖ = 1e12 through the normalisation is 1e42: it was a finite loss with an infinite (or
+    # NaN) gradient on every backend. Now validation_rows.check_small_rows names τ and the tensor.
+    img, txt = _base_pair()
+    neg = torch.randn(3, D, generator=torch.Generator().manual_seed(4))
+    kw = dict(negatives=neg) if where == "negatives" else {}
+    leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
+    loss = hn_clip_loss(*leaves, 1e-30, backend=backend, **kw)  # unit-scale rows: gradients ~1e30, finite
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in torch.autograd.grad(loss, leaves))
+    tensors = {"img": img, "txt": txt, "negatives": neg}
+    tensors[where] = tensors[where].clone()
+    tensors[where][1] *= 1e-12 / tensors[where][1].norm()
+    kw = dict(negatives=tensors["negatives"]) if where == "negatives" else {}
+    with pytest.raises(ValueError, match=rf"tau = 1e-30 with a row of {where} of norm 1e-12 .* use tau > "):
+        hn_clip_loss(tensors["img"], tensors["txt"], 1e-30, backend=backend, **kw)
+    hn_clip_loss(tensors["img"], tensors["txt"], 1e-10, backend=backend, **kw)  # a τ it allows
