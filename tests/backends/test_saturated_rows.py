@@ -15,8 +15,10 @@ Drawn (derandomized: CI sees the same examples each run): N 1 … 200 (not tile 
 bf16 / fp16, the op (symmetric; directional and rank at an offset), the saturation profile
 (uniform, mixed: half the rows mild, clustered near-duplicates, one mild row among saturated
 ones) and the loss scale (none, a GradScaler's 2¹⁶, or the power of two that puts the largest
-true entry in [½, 1)). Triton in both launch configurations. On 08c3a0f (the shared scale) the
-Triton cases fail at the first saturated example (worst row error 1.0).
+true entry in [½, 1)). Triton in both launch configurations; the C++ kernel also at that scale and
+2¹⁰⁰ (``test_rows_cpp_under_loss_scales_to_2_100``: before ``lift_weight`` a column of subnormal
+entries flushed, d txt row 2 off by 0.43). On 08c3a0f (the shared scale) the Triton cases fail at
+the first saturated example (worst row error 1.0).
 """
 
 import pytest
@@ -80,7 +82,7 @@ def check_rows(backend, dtype, op, n, d, tau, gamma, eps, masked, profile, scale
         _, e = torch.frexp(largest)
         scale = 2.0 ** -int(e) if largest > 0 else 1.0
     else:
-        scale = {"none": 1.0, "2^16": 2.0**16}[scale_mode]
+        scale = {"none": 1.0, "2^16": 2.0**16, "2^100": 2.0**100}[scale_mode]
     loss, leaves = op_loss(op, backend, img, txt, tau, gamma, eps, threshold, m, offset)
     grads = torch.autograd.grad(loss * scale, leaves)
     what = f"{backend} {op} {dtype} N{n} D{d} tau{tau:.4g} g{gamma} ls{eps} masked{masked} {profile} scale {scale_mode}"
@@ -124,10 +126,19 @@ def test_rows_triton(launch, dtype, op, n, d, tau, gamma, eps, masked, profile, 
 @settings(max_examples=60, **_SETTINGS)
 @given(**{**CASES, "scale_mode": st.sampled_from(["none", "2^16"])})
 def test_rows_torch_and_cpp(backend, dtype, op, n, d, tau, gamma, eps, masked, profile, scale_mode, seed):
-    # no 2^100 loss scales here: the C++ kernel forms g·e^x as a product, so a column made only of
-    # entries whose e^x is a float32 subnormal (x < −87) flushes where g would lift it into range
-    # (Triton folds log|g| into the exponent there; docs/numerics.md)
+    # no larger loss scales for torch: its float32 backward forms σ(δ) (subnormal below δ ≈ −87) before the scale
     check_rows(backend, dtype, op, n, d, tau, gamma, eps, masked, profile, scale_mode, seed)
+
+
+@pytest.mark.skipif("cpp" not in fused_backends(), reason="the C++ extension is not built")
+@settings(max_examples=40, **_SETTINGS)
+@given(**{**CASES, "scale_mode": st.sampled_from(["max", "2^100"])})
+def test_rows_cpp_under_loss_scales_to_2_100(dtype, op, n, d, tau, gamma, eps, masked, profile, scale_mode, seed):
+    # The C++ kernel forms w·e^(d − lse) as a product: under a loss scale ≳ 2^60 a column made
+    # only of entries whose e^(...) is a float32 subnormal (or 0 below e^−104) flushed where w
+    # lifts the product into range. row_factor now moves 2^k of a weight |w| ≥ 2^60 into the
+    # exponent (online_lse.h: lift_weight); this draws the scales that reach it.
+    check_rows("cpp", dtype, op, n, d, tau, gamma, eps, masked, profile, scale_mode, seed)
 
 
 # ---- the bounds of W's scales where they matter (scales._pow2_stage's cap, scales.fit16's cap)
