@@ -183,20 +183,23 @@ def test_rows_far_below_the_batch_bound_keep_their_gradient():
 
 @pytest.mark.parametrize("backend", fused_backends())
 @pytest.mark.parametrize("gamma", [0.0, 0.5])
-def test_float32_rows_below_the_subnormal_threshold_under_a_huge_loss_scale(backend, gamma):
+@pytest.mark.parametrize("scale", [2.0**50, 2.0**80])
+def test_float32_rows_below_the_subnormal_threshold_under_a_huge_loss_scale(backend, gamma, scale):
     # float32 features, every row at δ ≈ −109 (orthonormal captions, images on them, τ = 1/111):
-    # the loss e^−109 ≈ 4e-48 is 0 in float32, but under (2^80 · loss).backward() the true gradient
-    # (≈ 2e-23) is a normal number. The fused kernels weight rows below δ = −87 in logs (the C++
-    # row_factor, epilogue.row_factors); a threshold below −104 (where e^δ is 0) takes these rows
-    # as ordinary and returns all-zero gradients. Each gradient row against float64: 1e-4.
-    # (backend="torch" differentiates a float32 softplus: σ(−109) = 0, gradients 0 at this scale.)
+    # the loss e^−109 ≈ 4e-48 is 0 in float32, but under (S · loss).backward() the true gradient
+    # (≈ 2e-23 at S = 2^80, 2e-32 at 2^50) is a normal number. The fused kernels weight rows below
+    # δ = −87 in logs (the C++ row_factor, epilogue.row_factors); a threshold below −104 (where e^δ
+    # is 0) takes these rows as ordinary and returns zero gradients. At 2^80 the C++ kernel's
+    # lift_weight (weights ≥ 2^60) would rescue such a row, so 2^50 is what catches that threshold.
+    # Each gradient row against float64: 1e-4.
+    # (backend="torch" differentiates a float32 softplus: σ(−109) = 0, gradients 0 at these scales.)
     from helpers import hn_clip_loss_f64
 
     n, d = 8, 16
     gen = torch.Generator().manual_seed(0)
     txt = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0][:n].float()
     img = (txt + 1e-3 * torch.randn(n, d, generator=gen, dtype=torch.float64)).float()
-    tau, scale = 1 / 111, 2.0**80
+    tau = 1 / 111
     leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
     got = torch.autograd.grad(scale * hn_clip_loss(*leaves, tau, gamma=gamma, backend=backend), leaves)
     ref_leaves = [x.double().requires_grad_(True) for x in (img, txt)]
