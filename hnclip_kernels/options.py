@@ -138,7 +138,7 @@ class LossOptions:
         )
         if self.normalize:  # a row of norm near 0 under a tiny τ: dL/dx overflows while the loss does not
             keys = img.shape[0] if n_keys is None else n_keys
-            check_small_rows((img, txt), value, self.label_smoothing, keys, names)
+            check_small_rows((img, txt), names, value, self.gamma, self.label_smoothing, keys, n_rows)
         if feature_range and not self.normalize:
             validation.check_feature_range(
                 img, txt, value, self.gamma, self.label_smoothing, *names, n_rows=n_rows, tau_grad=tau_grad
