@@ -27,17 +27,33 @@ inline T softplus(T x) {  // log(1 + e^x) without overflow; −inf → 0, NaN �
 // the backward then weights the row as the softmax over its negatives, e^(d − δ), times g·σ(δ),
 // formed in logs (a bf16 batch under a loss scale keeps such rows' gradients). The same rule as
 // epilogue.row_factors. Returns (what the gaps lose, the row's weight) through lse and w.
+// Under a loss scale far beyond a GradScaler's (a float32 weight |w| ≥ 2^60, no label-smoothing
+// shift) the loops form w·e^(d − lse) as a product whose e^(...) can be a float32 subnormal, or 0
+// below e^−104, while the product is a normal number: a column made only of such entries flushed.
+// Move 2^k of the weight into the exponent (lse − k·ln2, w·2^−k, k = ⌊log2 |w|⌋ ≤ 126): each
+// e^(d − lse) ≤ 1 becomes ≤ 2^k, finite. A weight below 2^60 keeps its bits (and its row's).
+template <typename T>
+inline void lift_weight(T* lse, T* w) {
+  if (!std::is_same<T, float>::value || !(std::fabs(*w) >= T(1152921504606846976.0)) || !std::isfinite(*w)) return;
+  int e = 0;
+  std::frexp(*w, &e);  // |w| = m·2^e, m in [½, 1)
+  const int k = std::min(e - 1, 126);
+  *lse = static_cast<T>(static_cast<double>(*lse) - k * 0.69314718055994530942);
+  *w = std::ldexp(*w, -k);
+}
+
 template <typename T>
 inline void row_factor(T delta, T g, bool shifted, T* lse, T* w) {
   const bool deep = std::is_same<T, float>::value && !shifted && delta < T(-87);
   if (!deep) {
     *lse = softplus<T>(delta);
     *w = g;
-    return;
+  } else {
+    *lse = delta;
+    const T log_sigmoid = delta - std::log1p(std::exp(delta));
+    *w = std::copysign(std::exp(std::log(std::fabs(g)) + log_sigmoid), g);
   }
-  *lse = delta;
-  const T log_sigmoid = delta - std::log1p(std::exp(delta));
-  *w = std::copysign(std::exp(std::log(std::fabs(g)) + log_sigmoid), g);
+  if (!shifted) lift_weight<T>(lse, w);
 }
 
 // Online log-sum-exp state of one row: running max, Σe, Σe·d (both relative to m), Σd, and with

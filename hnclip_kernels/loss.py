@@ -13,6 +13,7 @@ from .numerics import autocast_disabled
 from .options import LossOptions, as_tau_tensor
 from .plausibility import warn_if_tau_looks_like_logit_scale
 from .reports import report_of_call
+from .validation_rows import check_small_rows
 
 
 def reduce_rows(rows: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -183,8 +184,11 @@ def family_call(
         options = dataclasses.replace(options, backend=resolve_backend("auto", img))
     n_keys = img.shape[0] + (0 if negatives is None else negatives.shape[0])
     bound = options.bind(img, txt, tau, tau_value=tau_value, names=names, n_keys=n_keys)
+    n_rows = img.shape[0] if bound.reduction != "none" else 1
+    if bound.normalize and negatives is not None:  # bind checked img and txt
+        kw = dict(gamma=bound.gamma, label_smoothing=bound.label_smoothing, n_keys=n_keys, n_rows=n_rows)
+        check_small_rows((negatives,), ("negatives",), bound.tau_value, **kw)
     if not bound.normalize:
-        n_rows = img.shape[0] if bound.reduction != "none" else 1
         tau_grad = validation.tau_requires_grad(tau)
         validation_family.check_family_range(
             img, txt, negatives, bound.margin, bound.tau_value, bound.gamma, bound.label_smoothing, n_rows, tau_grad,

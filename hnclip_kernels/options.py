@@ -22,6 +22,7 @@ import torch
 
 from . import validation, validation_family
 from .numerics import compute_dtype
+from .validation_rows import check_small_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,10 +119,12 @@ class LossOptions:
         """τ checked for these options on features ``img``/``txt`` (N, D):
         :func:`validation.check_tau` with N key columns, ``n_rows`` summed rows and dL/dτ's bound
         when ``tau`` requires grad (``tau_value``: τ already read, checked instead of reading
-        ``tau`` again); then, with ``normalize=False`` and ``feature_range``, the features' range
-        (:func:`validation.check_feature_range`). Returns τ's value (None where it is not read).
+        ``tau`` again); with ``normalize=True``, τ against the smallest row norms
+        (:func:`validation_rows.check_small_rows`: dL/dx's bound); then, with ``normalize=False``
+        and ``feature_range``, the features' range (:func:`validation.check_feature_range`).
+        Returns τ's value (None where it is not read).
 
-        Raises: the ``TypeError``/``ValueError`` of those two checks."""
+        Raises: the ``TypeError``/``ValueError`` of those checks."""
         tau_grad = validation.tau_requires_grad(tau)  # dτ's bound too (a τ read earlier is a float)
         value = validation.check_tau(
             tau if tau_value is None else tau_value,
@@ -133,6 +136,9 @@ class LossOptions:
             n_rows=n_rows,
             tau_grad=tau_grad,
         )
+        if self.normalize:  # a row of norm near 0 under a tiny τ: dL/dx overflows while the loss does not
+            keys = img.shape[0] if n_keys is None else n_keys
+            check_small_rows((img, txt), names, value, self.gamma, self.label_smoothing, keys, n_rows)
         if feature_range and not self.normalize:
             validation.check_feature_range(
                 img, txt, value, self.gamma, self.label_smoothing, *names, n_rows=n_rows, tau_grad=tau_grad

@@ -15,10 +15,10 @@ import numbers
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from . import validation as _validation
 from .backends.epilogue import RowStats
+from .numerics import softplus
 
 __all__ = ["SaturationReport", "report_from_row_stats", "report_of_call"]
 
@@ -102,7 +102,7 @@ def stats_fields(
     mean_neg = torch.cat([i2t.mean_neg.reshape(-1), t2i.mean_neg.reshape(-1)]).double()
     masked = i2t.kept is not None and t2i.kept is not None
     kept = torch.cat([i2t.kept.reshape(-1), t2i.kept.reshape(-1)]).double() if masked else None
-    nll = F.softplus(delta)
+    nll = softplus(delta)
     losses = nll
     if label_smoothing != 0.0:
         dsum = torch.cat([i2t.dsum.reshape(-1), t2i.dsum.reshape(-1)]).double()

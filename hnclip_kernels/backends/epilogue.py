@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from ..numerics import NORM_EPS
+from ..numerics import NORM_EPS, softplus
 
 
 class RowStats(NamedTuple):
@@ -83,7 +83,7 @@ def smoothing_shift(stats: RowStats, label_smoothing) -> torch.Tensor:
 def row_losses(stats: RowStats, n_keys: int, label_smoothing) -> torch.Tensor:
     """Each row's NLL, softplus(delta), minus ε · mean_k (Z_ik − Z_i,pos) with label smoothing ε
     (the mean over the row's kept classes with false-negative masking)."""
-    nll = F.softplus(stats.delta)
+    nll = softplus(stats.delta)
     if not smooths(label_smoothing):
         return nll
     return nll - (label_smoothing / classes(stats, n_keys)) * stats.dsum
@@ -96,7 +96,7 @@ def pair_losses(i2t: RowStats, t2i: RowStats, n_keys: int, label_smoothing: floa
 
 def row_nll(stats: RowStats) -> torch.Tensor:
     """softplus(delta) = LSE_all − Z_pos, what the backward kernels subtract from d_ik."""
-    return F.softplus(stats.delta)
+    return softplus(stats.delta)
 
 
 # below this a row's probabilities e^(d − softplus δ) ≤ e^δ are float32 subnormals (e^−87 ≈ 1.6e−38):

@@ -222,6 +222,18 @@ def test_saturated_near_duplicates_per_row(margin, with_ids):
             assert rel_err(g[i], w[i]) <= tol or (g[i] - w[i]).norm() <= 1e-30, f"d {name} row {i}"
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_threshold_one_masks_identical_captions_with_ids(backend):
+    # captions 1 and 4 the same one-hot row: their cosine is exactly 1.0 in every dtype, so the
+    # threshold 1.0 masks the pair ("at or above"); with group ids (distinct for 1 and 4) the mask is
+    # the family's union of both rules, where a `>` would keep the pair (cpp vs torch 1.87 apart).
+    img, txt, neg = features(N, D, 24), features(N, D, 25), features(3, D, 26)
+    txt[1] = txt[4] = F.one_hot(torch.tensor(2), D).float()
+    ids = torch.tensor([0, 1, 0, 2, 3, 5])
+    check(img, txt, neg, 0.1, backend=backend, group_ids=ids, threshold=1.0)
+    check(img, txt, None, 0.1, backend=backend, group_ids=ids, threshold=1.0)
+
+
 def test_return_stats_cover_the_negative_columns():
     img, txt, neg = features(N, D, 12), features(N, D, 13), features(4, D, 14)
     loss, report = hn_clip_loss(img, txt, 0.1, negatives=neg, backend="torch", return_stats=True, label_smoothing=0.1)

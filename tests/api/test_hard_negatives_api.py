@@ -205,3 +205,19 @@ def test_negatives_near_unit_norm_and_normalize_true_stay_quiet():
         a = hn_clip_loss(img, txt, 0.07, negatives=raw, backend="torch")
         b = hn_clip_loss(img, txt, 0.07, negatives=unit, backend="torch")
     torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_image_text_margin_that_overflows_is_named(backend):
+    # normalize=False, γ = 10, images of norm 4e37, each caption the negated image direction and
+    # each negative the image's own: margin="text" stays in float32 range (finite loss and
+    # gradients), margin="image_text" adds γ·v·x to the gaps, (2 + 2γ)·4e37 = 8.8e38: the
+    # documented ValueError (without the margin's bound torch returned inf, cpp and Triton NaN)
+    unit = torch.nn.functional.normalize(pair(7)[0], dim=1)
+    img, txt, neg = (unit * 4e37).requires_grad_(True), -unit, unit[:3].clone()
+    kw = dict(negatives=neg, normalize=False, gamma=10.0, reduction="none", backend=backend)
+    rows = hn_clip_loss(img, txt, 1.0, margin="text", **kw)
+    (grad,) = torch.autograd.grad(rows.sum(), img)
+    assert torch.isfinite(rows).all() and torch.isfinite(grad).all()
+    with pytest.raises(ValueError, match=r"normalize=False.*captions and negatives.*pass normalize=True"):
+        hn_clip_loss(img, txt, 1.0, margin="image_text", **kw)

@@ -115,6 +115,39 @@ def test_triton_matches_cpp_per_row(margin, dtype, launch):
     _rows_agree(got, want, gg, wg, 1e-4 if dtype == torch.float32 else 2.0**-7)
 
 
+def test_group_ids_across_tiles_float32_per_row(launch):
+    # float32 ids spanning several tiles (N = 70: three 32-row tiles under the interpreter's launch,
+    # two 64-row ones under the GPU's), ids shared across tiles: the backward's symmetric walk forms
+    # each off-diagonal tile pair and its mirror, both masked as the forward masks them. Every row
+    # and gradient row against the float64 oracle: float32's 1e-4.
+    n, m, d = 70, 9, 8
+    img, txt, neg = (features(r, d, s) for r, s in ((n, 48), (n, 49), (m, 50)))
+    ids = torch.randint(0, 12, (n,), generator=torch.Generator().manual_seed(9))
+    got, want, gg, wg = run_both(img, txt, neg, 0.1, reduction="none", backend="triton", group_ids=ids)
+    _rows_agree(got, want, gg, wg, 1e-4)
+
+
+def test_bf16_hard_negatives_near_their_captions_per_row(launch):
+    # bf16, each row's negative a near-duplicate of its caption (distance ~0.003, τ = 0.01): the row's
+    # image gradient ~ p·(n̂ − t̂)/τ is ~300× smaller than the negative block's dS entries, whose
+    # float16 rounding (2^-12) the epilogue refers to the row's positive caption
+    # (epilogue.add_rounding_compensation(positives=)). With it every d img row is within its
+    # rounding to bf16 (measured: the rounding + 3.5e-5); without it, rounding + 1.2e-2.
+    # Bound: each row's error ≤ the error of rounding the float64 row to bf16 + 1e-3.
+    n, d = 12, 32
+    gen = torch.Generator().manual_seed(0)
+    txt = F.normalize(torch.randn(n, d, generator=gen, dtype=torch.float64), dim=1)
+    img = F.normalize(txt + 0.3 * torch.randn(n, d, generator=gen, dtype=torch.float64), dim=1)
+    neg = F.normalize(txt + 0.003 * torch.randn(n, d, generator=gen, dtype=torch.float64), dim=1)
+    img, txt, neg = (x.to(torch.bfloat16) for x in (img, txt, neg))
+    _, _, gg, wg = run_both(img, txt, neg, 0.01, reduction="none", backend="triton")
+    want = wg["img"]
+    norm = want.norm(dim=1)
+    err = (gg["img"].double() - want).norm(dim=1) / norm
+    floor = (want.to(torch.bfloat16).double() - want).norm(dim=1) / norm
+    assert (err <= floor + 1e-3).all(), f"rows' error less their bf16 rounding: {(err - floor).tolist()}"
+
+
 def _family_args(m=4, n=9, d=5, ids=True, mask_captions=True):
     gen = torch.Generator().manual_seed(3)
     q, a = torch.randn(m, d, generator=gen), torch.randn(m, d, generator=gen)

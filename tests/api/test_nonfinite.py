@@ -11,8 +11,9 @@ and extreme inputs"):
 * a non-finite loss with non-finite gradients: never a finite loss with a non-finite gradient,
   or the reverse. NaN or ±inf in one entry or one row of img or txt (a row the op reads: a local
   row, a query and a key) always gives this, with and without false-negative masking (a NaN
-  caption cosine is kept, not masked) and label smoothing. So does, on Triton only, a feature
-  row with entries beyond float32's norm range (its raw products overflow; docs/api.md).
+  caption cosine is kept, not masked) and label smoothing. (A feature row beyond float32's norm
+  range gave this on Triton, whose raw products overflowed; its wrappers now scale such rows by a
+  power of two first: a finite answer, ``test_normalized_rows_of_huge_norm_match_float64``.)
 
 Swept (N = 7, D = 5, M = 3 local rows at offset 2; 165 cases × 3 backends): NaN, +inf, −inf
 in one entry and in one row, of img and of txt, each with and without a threshold (0.3, which
@@ -47,7 +48,8 @@ import functools
 import pytest
 import torch
 
-from cases import ALL_BACKENDS
+from cases import ALL_BACKENDS, OP_GRADS, op_loss
+from helpers import rel_err
 from hnclip_kernels import hn_clip_loss, validation
 from hnclip_kernels.backends import directional_fn, rank_losses
 from hnclip_kernels.options import LossOptions
@@ -246,13 +248,6 @@ def _poisoned(case) -> bool:
     return case[1].split("_")[-1] in ("nan", "inf", "-inf")
 
 
-def _beyond_float32_norms(case) -> bool:
-    """A feature row beyond float32's norm range (its float32 sum of squares overflows: entries
-    ≳ 1.8e19/√D), which the Triton kernels give NaN for (docs/api.md)."""
-    largest = max(float(x.abs().max()) for x in case_inputs(case))
-    return largest * largest * D > torch.finfo(torch.float32).max
-
-
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_nonfinite_and_extreme(backend, case):
@@ -262,9 +257,8 @@ def test_nonfinite_and_extreme(backend, case):
     assert (kind == "raises") == (outcome(case, "torch")[0] == "raises")
     if _poisoned(case):
         assert kind == "nonfinite", "NaN/inf in a feature the op reads gives a non-finite loss and gradients"
-    elif kind == "nonfinite":
-        # finite inputs that pass the checks give a finite answer, except Triton's documented limit
-        assert backend == "triton" and _beyond_float32_norms(case), "non-finite answer for finite, checked inputs"
+    else:  # finite inputs that pass the checks give a finite answer (Triton too: params.tamed)
+        assert kind != "nonfinite", "non-finite answer for finite, checked inputs"
     over = {k: f"{e:.2e} > {b:.2e}" for k, (e, b) in errors.items() if not e <= b}
     assert not over, f"float32 vs float64: {over}"
 
@@ -318,3 +312,48 @@ def test_tau_whose_gradient_would_overflow_raises_where_tau_requires_grad(backen
     loss = hn_clip_loss(*[x.detach() for x in leaves], tau_t, backend=backend)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(tau_t.grad)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("where", ["img", "txt", "negatives"])
+def test_tiny_tau_with_a_row_of_norm_near_zero_is_named(backend, where):
+    # normalize=True, a plain-float τ = 1e-30 (no dL/dτ, so check_tau's bound is the loss's) and one
+    # row of norm 1e-12: the normalised row's logits stay ≤ 1/τ (a finite loss), but dL/dx̂ ≈ 1/τ
+    # times 1/‖x‖ = 1e12 through the normalisation is 1e42: it was a finite loss with an infinite (or
+    # NaN) gradient on every backend. Now validation_rows.check_small_rows names τ and the tensor.
+    img, txt = _base_pair()
+    neg = torch.randn(3, D, generator=torch.Generator().manual_seed(4))
+    kw = dict(negatives=neg) if where == "negatives" else {}
+    leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
+    loss = hn_clip_loss(*leaves, 1e-30, backend=backend, **kw)  # unit-scale rows: gradients ~1e30, finite
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in torch.autograd.grad(loss, leaves))
+    tensors = {"img": img, "txt": txt, "negatives": neg}
+    tensors[where] = tensors[where].clone()
+    tensors[where][1] *= 1e-12 / tensors[where][1].norm()
+    kw = dict(negatives=tensors["negatives"]) if where == "negatives" else {}
+    with pytest.raises(ValueError, match=rf"tau = 1e-30 with a row of {where} of norm 1e-12 .* use tau > "):
+        hn_clip_loss(tensors["img"], tensors["txt"], 1e-30, backend=backend, **kw)
+    hn_clip_loss(tensors["img"], tensors["txt"], 1e-10, backend=backend, **kw)  # a τ it allows
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("norm", [1e19, 1e37, 3e38])
+def test_normalized_rows_of_huge_norm_match_float64(backend, norm):
+    # normalize=True, every row of img, txt and the negatives at norm 1e19 … 3e38 (finite float32):
+    # the loss is that of the unit rows. Triton formed the raw products x·y before the inverse
+    # norms (1e19 · 1e19 overflows float32 at D = 5 only just; 1e37 · 1e37 always): NaN loss and
+    # gradients, where torch and cpp (which normalise first) were right. Loss and gradients
+    # against float64: float32's 1e-5 / 1e-4 (test_hard_negatives.check).
+    from test_hard_negatives import check
+
+    img, txt = (torch.nn.functional.normalize(x, dim=1) * norm for x in _base_pair())
+    neg = torch.nn.functional.normalize(torch.randn(3, D, generator=torch.Generator().manual_seed(5)), dim=1) * norm
+    check(img, txt, neg, 0.07, backend=backend, threshold=THRESHOLD, label_smoothing=SMOOTHING)
+    check(img, txt, None, 0.07, backend=backend, margin="image_text", group_ids=torch.tensor([0, 1, 0, 2, 3, 4, 5]))
+    check(img, txt, None, 0.07, backend=backend)  # no family input: the symmetric op
+    for op in ("directional", "rank"):  # the distributed path's ops, unscaled (their gradients ~1e-38 / norm)
+        truth, ref_leaves = op_loss(op, "f64", img, txt, 0.07, GAMMA, SMOOTHING, THRESHOLD, M, OFFSET)
+        loss, leaves = op_loss(op, backend, img, txt, 0.07, GAMMA, SMOOTHING, THRESHOLD, M, OFFSET)
+        assert rel_err(loss, truth) <= 1e-5, f"{backend} {op}: loss {loss.item()} vs {truth.item()}"
+        for name, g, w in zip(OP_GRADS[op], torch.autograd.grad(loss, leaves), torch.autograd.grad(truth, ref_leaves)):
+            assert rel_err(g, w) <= 1e-4, f"{backend} {op} {name}: {rel_err(g, w):.3e}"

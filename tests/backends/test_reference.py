@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cases import GAMMAS, SMOOTHINGS, make_pair
+from cases import ALL_BACKENDS, GAMMAS, SMOOTHINGS, make_pair
 from helpers import hn_clip_loss_f64
 from hnclip_kernels import hn_clip_loss
 
@@ -84,3 +84,25 @@ def test_gradcheck_directional_with_margin():
         normalize=True,
     )
     assert torch.autograd.gradcheck(fn, (q, k2, tau))
+
+
+@pytest.mark.parametrize("backend", [b for b in ALL_BACKENDS if b != "triton"])
+@pytest.mark.parametrize("gap", [21.0, 30.0, 36.0])
+def test_float64_rows_between_20_and_40_keep_their_last_bits(backend, gap):
+    # row 0's image is its caption negated, caption 1 orthogonal: δ = (cos + 1)/τ = gap exactly in
+    # both directions' row 0, where softplus(δ) = δ + e^-δ (e^-21 = 7.6e-10, e^-36 = 2.3e-16) and
+    # σ(δ) = 1 − e^-δ. F.softplus's default threshold (20: x itself above it) drops e^-δ, exact in
+    # float32 but 2e-9 off in float64. Loss and gradients against the float64 truth: 1e-14.
+    txt = torch.eye(2, 3, dtype=torch.float64)
+    img = torch.stack([-txt[0], txt[1] + torch.tensor([0.0, 0.0, 0.5], dtype=torch.float64)])
+    tau = 1.0 / gap
+    leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
+    got = hn_clip_loss(*leaves, tau, gamma=0.0, reduction="none", backend=backend)
+    ref_leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
+    want = hn_clip_loss_f64(*ref_leaves, tau, gamma=0.0, reduction="none")
+    assert got.dtype == torch.float64
+    assert (got - want).abs().max() <= 1e-14 * want.abs().max(), f"{got.tolist()} vs {want.tolist()}"
+    upstream = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    for name, g, w in zip(("d img", "d txt"), torch.autograd.grad(got, leaves, upstream),
+                          torch.autograd.grad(want, ref_leaves, upstream)):  # fmt: skip
+        assert (g - w).abs().max() <= 1e-14 * w.abs().max(), f"{name}: {(g - w).abs().max().item():.3e}"

@@ -15,8 +15,10 @@ Drawn (derandomized: CI sees the same examples each run): N 1 … 200 (not tile 
 bf16 / fp16, the op (symmetric; directional and rank at an offset), the saturation profile
 (uniform, mixed: half the rows mild, clustered near-duplicates, one mild row among saturated
 ones) and the loss scale (none, a GradScaler's 2¹⁶, or the power of two that puts the largest
-true entry in [½, 1)). Triton in both launch configurations. On 08c3a0f (the shared scale) the
-Triton cases fail at the first saturated example (worst row error 1.0).
+true entry in [½, 1)). Triton in both launch configurations; the C++ kernel also at that scale and
+2¹⁰⁰ (``test_rows_cpp_under_loss_scales_to_2_100``: before ``lift_weight`` a column of subnormal
+entries flushed, d txt row 2 off by 0.43). On 08c3a0f (the shared scale) the Triton cases fail at
+the first saturated example (worst row error 1.0).
 """
 
 import pytest
@@ -80,7 +82,7 @@ def check_rows(backend, dtype, op, n, d, tau, gamma, eps, masked, profile, scale
         _, e = torch.frexp(largest)
         scale = 2.0 ** -int(e) if largest > 0 else 1.0
     else:
-        scale = {"none": 1.0, "2^16": 2.0**16}[scale_mode]
+        scale = {"none": 1.0, "2^16": 2.0**16, "2^100": 2.0**100}[scale_mode]
     loss, leaves = op_loss(op, backend, img, txt, tau, gamma, eps, threshold, m, offset)
     grads = torch.autograd.grad(loss * scale, leaves)
     what = f"{backend} {op} {dtype} N{n} D{d} tau{tau:.4g} g{gamma} ls{eps} masked{masked} {profile} scale {scale_mode}"
@@ -124,10 +126,19 @@ def test_rows_triton(launch, dtype, op, n, d, tau, gamma, eps, masked, profile, 
 @settings(max_examples=60, **_SETTINGS)
 @given(**{**CASES, "scale_mode": st.sampled_from(["none", "2^16"])})
 def test_rows_torch_and_cpp(backend, dtype, op, n, d, tau, gamma, eps, masked, profile, scale_mode, seed):
-    # no 2^100 loss scales here: the C++ kernel forms g·e^x as a product, so a column made only of
-    # entries whose e^x is a float32 subnormal (x < −87) flushes where g would lift it into range
-    # (Triton folds log|g| into the exponent there; docs/numerics.md)
+    # no larger loss scales for torch: its float32 backward forms σ(δ) (subnormal below δ ≈ −87) before the scale
     check_rows(backend, dtype, op, n, d, tau, gamma, eps, masked, profile, scale_mode, seed)
+
+
+@pytest.mark.skipif("cpp" not in fused_backends(), reason="the C++ extension is not built")
+@settings(max_examples=40, **_SETTINGS)
+@given(**{**CASES, "scale_mode": st.sampled_from(["max", "2^100"])})
+def test_rows_cpp_under_loss_scales_to_2_100(dtype, op, n, d, tau, gamma, eps, masked, profile, scale_mode, seed):
+    # The C++ kernel forms w·e^(d − lse) as a product: under a loss scale ≳ 2^60 a column made
+    # only of entries whose e^(...) is a float32 subnormal (or 0 below e^−104) flushed where w
+    # lifts the product into range. row_factor now moves 2^k of a weight |w| ≥ 2^60 into the
+    # exponent (online_lse.h: lift_weight); this draws the scales that reach it.
+    check_rows("cpp", dtype, op, n, d, tau, gamma, eps, masked, profile, scale_mode, seed)
 
 
 # ---- the bounds of W's scales where they matter (scales._pow2_stage's cap, scales.fit16's cap)
@@ -168,3 +179,33 @@ def test_rows_far_below_the_batch_bound_keep_their_gradient():
         assert torch.isfinite(g).all(), name
         over = row_errors(g, want, torch.bfloat16)
         assert not over, f"{name}: {over}"
+
+
+@pytest.mark.parametrize("backend", fused_backends())
+@pytest.mark.parametrize("gamma", [0.0, 0.5])
+@pytest.mark.parametrize("scale", [2.0**50, 2.0**80])
+def test_float32_rows_below_the_subnormal_threshold_under_a_huge_loss_scale(backend, gamma, scale):
+    # float32 features, every row at δ ≈ −109 (orthonormal captions, images on them, τ = 1/111):
+    # the loss e^−109 ≈ 4e-48 is 0 in float32, but under (S · loss).backward() the true gradient
+    # (≈ 2e-23 at S = 2^80, 2e-32 at 2^50) is a normal number. The fused kernels weight rows below
+    # δ = −87 in logs (the C++ row_factor, epilogue.row_factors); a threshold below −104 (where e^δ
+    # is 0) takes these rows as ordinary and returns zero gradients. At 2^80 the C++ kernel's
+    # lift_weight (weights ≥ 2^60) would rescue such a row, so 2^50 is what catches that threshold.
+    # Each gradient row against float64: 1e-4.
+    # (backend="torch" differentiates a float32 softplus: σ(−109) = 0, gradients 0 at these scales.)
+    from helpers import hn_clip_loss_f64
+
+    n, d = 8, 16
+    gen = torch.Generator().manual_seed(0)
+    txt = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0][:n].float()
+    img = (txt + 1e-3 * torch.randn(n, d, generator=gen, dtype=torch.float64)).float()
+    tau = 1 / 111
+    leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
+    got = torch.autograd.grad(scale * hn_clip_loss(*leaves, tau, gamma=gamma, backend=backend), leaves)
+    ref_leaves = [x.double().requires_grad_(True) for x in (img, txt)]
+    truth = hn_clip_loss_f64(*ref_leaves, tau, gamma=gamma, reduction="none")
+    assert 1e-48 < truth.min() and truth.max() < 1e-47  # δ ≈ −109 on every row
+    want = torch.autograd.grad(scale * truth.mean(), ref_leaves)
+    for name, g, w in zip(("d img", "d txt"), got, want):
+        err = (g.double() - w).norm(dim=1) / w.norm(dim=1)
+        assert (err <= 1e-4).all(), f"{backend} {name}: row errors {err.tolist()}"

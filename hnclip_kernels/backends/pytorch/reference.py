@@ -12,9 +12,8 @@ offset 0 and M = N; a rank of a distributed job uses its global offset.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ...numerics import NORM_EPS, compute_dtype, ieee_float32, matmul_nt, normalized
+from ...numerics import NORM_EPS, compute_dtype, ieee_float32, matmul_nt, normalized, softplus
 from ...validation import check_directional
 from ...validation_family import check_family_directional
 from ..epilogue import RowStats, smooths
@@ -107,7 +106,7 @@ def directional_nll_torch(
         cosine = margin if normalize else margin * _inv_norms(a)[:, None] * _inv_norms(b)[None, :]
         return _masked_rows(delta, pos, is_pos, cosine >= false_negative_threshold, label_smoothing, return_stats)
     lse_neg = _lse_of_kept(delta, is_pos)
-    nll = F.softplus(lse_neg)
+    nll = softplus(lse_neg)
     if smooths(label_smoothing):  # a tensor ε (under torch.compile) is taken to be non-zero
         nll = nll - (label_smoothing / n) * delta.sum(dim=1)
     if not return_stats:
@@ -146,7 +145,7 @@ def _masked_rows(delta, pos, is_pos, masked, label_smoothing, return_stats):
     cosine ≥ threshold; the positive's own entry is ignored) removed from each row."""
     dropped = is_pos | masked
     lse_neg = _lse_of_kept(delta, dropped)
-    nll = F.softplus(lse_neg)
+    nll = softplus(lse_neg)
     kept_delta = delta.masked_fill(dropped, 0.0)  # no gradient reaches a masked column
     kept = (~dropped).sum(dim=1).to(delta.dtype)
     if label_smoothing != 0.0:

@@ -29,7 +29,7 @@ from .backward import directional_shares
 from .forward import directional_stats
 from .launch import USE_TRITON_OP
 from .outputs import Grads, smoothing_shifts
-from .params import Family, scalar_args, scalars, threshold_block
+from .params import Family, scalar_args, scalars, tamed, threshold_block
 
 
 def _family_inputs(mask_query: Tensor, mask_key: Tensor, query_groups: Tensor, key_groups: Tensor, masked: bool):
@@ -198,12 +198,9 @@ def family_directional_nll_triton(
         glue.call(
             HNClipFamilyTriton,
             torch.ops.hnclip.triton_family_directional_nll,
-            queries,
-            keys,
-            query_txt,
-            key_txt,
-            mask_query.detach() if cosine else empty,
-            mask_key.detach() if cosine else empty,
+            *(tamed(x, normalize) for x in (queries, keys, query_txt, key_txt)),
+            tamed(mask_query.detach()) if cosine else empty,
+            tamed(mask_key.detach()) if cosine else empty,
             query_groups if ids else no_id,
             key_groups if ids else no_id,
             tau,

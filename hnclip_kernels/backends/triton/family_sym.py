@@ -36,7 +36,7 @@ from .forward import directional_partials, symmetric_summaries
 from .launch import USE_TRITON_OP
 from .merge import merge_stats
 from .outputs import smoothing_shifts
-from .params import Family, scalar_args, scalars, threshold_block
+from .params import Family, scalar_args, scalars, tamed, threshold_block
 
 
 class _Setup(NamedTuple):
@@ -231,9 +231,7 @@ def family_pairs_triton(
         glue.call(
             HNClipFamilyPairsTriton,
             torch.ops.hnclip.triton_family_nll,
-            img,
-            txt,
-            negatives,
+            *(tamed(x, normalize) for x in (img, txt, negatives)),
             groups.contiguous(),
             tau,
             gamma_t,

@@ -29,7 +29,7 @@ from .distributed_ops import (
 )
 from .launch import USE_TRITON_OP
 from .outputs import RankOut
-from .params import scalar_args
+from .params import scalar_args, tamed
 from .symmetric_op import _symmetric_grads_fake, _symmetric_nll, _symmetric_nll_backward, _symmetric_nll_fake
 
 HNClipTriton = glue.fused_op(
@@ -104,10 +104,7 @@ def directional_nll_triton(
         glue.call(
             HNClipDirectionalTriton,
             torch.ops.hnclip.triton_directional_nll,
-            queries,
-            keys,
-            query_txt,
-            key_txt,
+            *(tamed(x, normalize) for x in (queries, keys, query_txt, key_txt)),
             tau,
             gamma_t,
             eps_t,
@@ -146,8 +143,8 @@ def hn_clip_pairs_triton(
         glue.call(
             HNClipTriton,
             torch.ops.hnclip.triton_symmetric_nll,
-            img,
-            txt,
+            tamed(img, normalize),
+            tamed(txt, normalize),
             tau,
             gamma_t,
             eps_t,
@@ -198,10 +195,7 @@ def rank_nll_triton(
         glue.call(
             HNClipRankTriton,
             torch.ops.hnclip.triton_rank_nll,
-            img,
-            txt,
-            all_img,
-            all_txt,
+            *(tamed(x, normalize) for x in (img, txt, all_img, all_txt)),
             tau,
             gamma_t,
             eps_t,

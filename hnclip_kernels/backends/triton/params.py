@@ -139,3 +139,25 @@ def scalar_args(gamma, label_smoothing, precision, like: torch.Tensor):
         smoothing,
         resolve_precision(precision),
     )
+
+
+BIG_ROW = 2.0**60  # a row norm above this: its raw products with another such row can overflow float32
+
+
+def tamed(x: Tensor, scale_free: bool = True) -> Tensor:
+    """``x`` (rows, D) with each row of norm above 2⁶⁰ multiplied by 2⁻⁶⁰ (twice where once leaves it
+    above 2⁶⁰: float32 rows reach 2¹²⁸·√D), every other row by 1: the same values bit for bit where
+    no row is that large. Only for rows the loss normalises (``scale_free``: normalize=True, or the
+    mask captions, whose cosine is always normalised): x̂ is unchanged (a power of two scales
+    exactly), while the kernels form a tile's raw products x·y before multiplying by the inverse
+    norms, which overflow float32 (inf·0 = NaN) for ‖x‖·‖y‖ ≳ 3.4e38, e.g. two rows of norm 2e19
+    (the torch and C++ backends normalise first); after it every product is below 2¹²⁰.
+    Differentiable: autograd multiplies dL/dx by the same factor. Float constants and ``where``
+    only (Inductor's CPU code cannot vectorise ``frexp``'s int exponents), normal factors only
+    (≥ 2⁻¹²⁰). float16 rows (norms below 65504·√D) and ``scale_free`` False are returned as they are."""
+    if not scale_free or x.dtype == torch.float16 or x.dim() != 2 or x.shape[0] == 0:
+        return x
+    norm = torch.linalg.vector_norm(x.detach(), dim=1, dtype=torch.float64)
+    factor = torch.where(norm > BIG_ROW, 2.0**-60, 1.0)
+    factor = factor * torch.where(norm * factor > BIG_ROW, 2.0**-60, 1.0)
+    return x * factor.to(x.dtype)[:, None]
