@@ -65,7 +65,7 @@ the whole pool and the accuracy within each near-duplicate group (the demo's
 ``retrieval_metrics``), and τ. The regime, per epoch, from each arm's own training batches
 (each step's forward, before its update): ``sat_batches``, the fraction of batches whose
 InfoNCE (ClipLoss: float32 logits s·v tᵀ, float32 cross-entropy, mean of both directions) is
-below 1e-3, whatever loss the arm trains with; ``zero_grad_rows``, the fraction of the 2B
+below 1e-3, whatever loss the arm trains with; ``fp32_zero_pos_grad_rows``, the fraction of the 2B
 directional rows whose float32 gradient on the positive logit (softmax(logits)[i, i] − 1, as a
 plain float32 cross-entropy computes it) is exactly 0 (``lost_positive_rows_fp32`` of
 ``hnclip_kernels.diagnostics``); the median batch InfoNCE. *Epoch 0* of the regime is the
@@ -114,6 +114,7 @@ import math
 import os
 import platform
 import random
+import re
 import resource
 import sys
 import tempfile
@@ -135,9 +136,9 @@ FN_THRESHOLD = 0.95
 SUBSET = 0.2
 SAT_THRESHOLD = 1e-3
 S1_WARMUP = 50
-RESERVED_MOD = 8  # 1/8 of the caption space is reserved for the held-out pools
+RESERVED = 3  # of 8: 3/8 of the 16 128 canonical scenes are reserved (the held-out pools need 2 816 distinct ones)
 S1_EVAL_SEED = 199_999
-VERSION = 4
+VERSION = 5
 
 DEFAULT = dict(
     init_seeds=3,
@@ -206,59 +207,120 @@ def _check_vocab(vocab: int) -> None:
         raise RuntimeError(f"vocabulary grew from {VOCAB} to {vocab}: extend _VOCAB_TEXTS")
 
 
-def reserved(caption: str) -> bool:
-    """Whether a caption belongs to the held-out part of the caption space (about 1/8 of it)."""
-    return hashlib.blake2b(caption.encode(), digest_size=8).digest()[0] % RESERVED_MOD == 0
+_FIRST = ("to the left of", "above")  # a is left of / above b: a is the first object on its axis
+_CAPTION = re.compile(
+    r"two shapes on a (\w+) background\. a (\w+) (\w+) (\w+) is (to the left of|to the right of|above|below) "
+    r"a (\w+) (\w+) (\w+)\. "
+)
 
 
-def draw_groups(n_groups: int, group_size: int, seed: int, held_out: bool) -> dict:
+def _key(background: str, relation: str, a: tuple, b: tuple) -> tuple:
+    axis = "horizontal" if relation in ("to the left of", "to the right of") else "vertical"
+    first, second = (a, b) if relation in _FIRST else (b, a)
+    return (background, axis, first, second)
+
+
+def scene_key(scene) -> tuple:
+    """The picture a scene shows, as its caption describes it: (background, axis, first, second).
+
+    ``first`` is the object on the left (horizontal relation) or on top (vertical), ``second``
+    the other, each (colour, shape, size). Independent of the objects' float positions and of
+    which object the caption names first: "a red square is to the left of a blue circle" and
+    its mirror "a blue circle is to the right of a red square" have one key.
+    """
+    a, b = scene.a, scene.b
+    return _key(scene.background, scene.relation, (a.color, a.shape, a.size), (b.color, b.shape, b.size))
+
+
+def caption_key(caption: str) -> tuple:
+    """``scene_key`` read back from a dense caption's text (the leakage check's second path).
+
+    Raises ValueError when ``caption`` is not a dense caption of ``dense_caption_demo``.
+    """
+    m = _CAPTION.match(caption)
+    if m is None:
+        raise ValueError(f"caption is not a dense caption of dense_caption_demo: {caption!r}")
+    background, size_a, color_a, shape_a, relation, size_b, color_b, shape_b = m.groups()
+    return _key(background, relation, (color_a, shape_a, size_a), (color_b, shape_b, size_b))
+
+
+def reserved(key: tuple) -> bool:
+    """Whether a canonical scene (``scene_key``) is reserved for the held-out pools (RESERVED/8 of them)."""
+    return hashlib.blake2b(repr(key).encode(), digest_size=8).digest()[0] % 8 < RESERVED
+
+
+def cell_seed(what: str, init: int, seed: int) -> int:
+    """The data seed of one (initialisation, seed) cell: no two cells share a training pool or batch order."""
+    return int.from_bytes(hashlib.blake2b(f"{what}:{init}:{seed}".encode(), digest_size=6).digest(), "big")
+
+
+def draw_groups(n_groups: int, group_size: int, seed: int, held_out: bool, taken=frozenset()) -> dict:
     """``n_groups`` groups (a base scene and ``group_size − 1`` one-attribute edits), rendered.
 
-    ``held_out=False``: every caption of a group unreserved; ``True``: every caption reserved
-    and no caption twice in the pool. A group that fails is redrawn from the same stream.
-    Returns dict(images (n·K, 3, 32, 32) float32, tokens (n·K, 48) int64, scenes, captions).
+    ``held_out=False``: every scene of a group unreserved; ``True``: every scene reserved, no
+    canonical scene (``scene_key``) twice in the pool nor in ``taken`` (the keys of the other
+    held-out pools; not modified). A group that fails is redrawn from the same stream.
+    Returns dict(images (n·K, 3, 32, 32) float32, tokens (n·K, 48) int64, scenes, captions, keys).
     """
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    scenes, captions, seen = [], [], set()
+    scenes, captions, keys, seen = [], [], [], set(taken)
     while len(scenes) < n_groups * group_size:
         base = demo.sample_scene(rng)
         group = [base] + [demo.edit_scene(base, kind, rng) for kind in rng.sample(demo.EDITS, group_size - 1)]
-        caps = [demo.caption(s) for s in group]
+        group_keys = [scene_key(s) for s in group]
         if held_out:
-            if not all(map(reserved, caps)) or len(set(caps)) < len(caps) or seen.intersection(caps):
+            if not all(map(reserved, group_keys)) or len(set(group_keys)) < len(group_keys):
                 continue
-            seen.update(caps)
-        elif any(map(reserved, caps)):
+            if seen.intersection(group_keys):
+                continue
+            seen.update(group_keys)
+        elif any(map(reserved, group_keys)):
             continue
         scenes += group
-        captions += caps
+        keys += group_keys
+        captions += [demo.caption(s) for s in group]
     noise = 0.04 * torch.randn(len(scenes), 3, demo.IMAGE_SIZE, demo.IMAGE_SIZE, generator=gen)
     images = torch.stack([demo.render(s, n) for s, n in zip(scenes, noise)])
     tokens, vocab = tokenize(captions)
     _check_vocab(vocab)
-    return dict(images=images, tokens=tokens, scenes=scenes, captions=captions)
+    return dict(images=images, tokens=tokens, scenes=scenes, captions=captions, keys=keys)
 
 
-def leakage_check(trained: Sequence[dict], held_out: Sequence[dict]) -> dict:
-    """Asserts that no held-out caption or scene is in any training set; returns the counts."""
-    train_caps = set().union(*(d["captions"] for d in trained))
-    train_scenes = set().union(*(d["scenes"] for d in trained))
-    eval_caps = set().union(*(d["captions"] for d in held_out))
-    eval_scenes = set().union(*(d["scenes"] for d in held_out))
-    shared_caps, shared_scenes = train_caps & eval_caps, train_scenes & eval_scenes
+def leakage_check(stage1: Sequence[dict], fine_tuning: Sequence[dict], held_out: Sequence[dict]) -> dict:
+    """Asserts that no held-out item shares a canonical scene with any training set; returns the counts.
+
+    The canonical scenes are read from the captions (``caption_key``), the text the models see,
+    and must agree with the scenes the images were rendered from (``scene_key``). Counted: the
+    held-out items whose canonical scene is in stage-1 data, in any training set, and (the
+    guard before version 5) whose caption string is; and the keys shared between the held-out
+    pools (disjoint by design). AssertionError names the counts when any leak is found.
+    """
+
+    def keys(data):
+        out = [caption_key(c) for c in data["captions"]]
+        if out != [scene_key(s) for s in data["scenes"]]:
+            raise AssertionError("captions and rendered scenes disagree on their canonical scenes")
+        return out
+
+    s1_keys = set().union(*(keys(d) for d in stage1))
+    train_keys = s1_keys.union(*(keys(d) for d in fine_tuning))
+    train_caps = set().union(*(d["captions"] for d in list(stage1) + list(fine_tuning)))
+    held_keys = [keys(d) for d in held_out]
+    items = [k for pool in held_keys for k in pool]
+    caps = [c for d in held_out for c in d["captions"]]
     report = dict(
-        training_captions=len(train_caps),
-        training_scenes=len(train_scenes),
-        held_out_captions=len(eval_caps),
-        held_out_scenes=len(eval_scenes),
-        shared_captions=len(shared_caps),
-        shared_scenes=len(shared_scenes),
-        reserved_training_captions=sum(map(reserved, train_caps)),
-        unreserved_held_out_captions=sum(not reserved(c) for c in eval_caps),
+        training_scenes=len(train_keys),
+        held_out_items=len(items),
+        held_out_scenes=len(set(items)),
+        held_out_in_stage1=sum(k in s1_keys for k in items),
+        held_out_in_training=sum(k in train_keys for k in items),
+        held_out_captions_in_training=sum(c in train_caps for c in caps),
+        held_out_pools_sharing_scenes=len(items) - len(set(items)),
+        reserved_training_scenes=sum(map(reserved, train_keys)),
     )
-    assert not shared_caps and not shared_scenes, f"held-out captions or scenes in training: {report}"
-    assert report["reserved_training_captions"] == report["unreserved_held_out_captions"] == 0, report
+    leaks = ("held_out_in_training", "held_out_pools_sharing_scenes", "reserved_training_scenes")
+    assert not any(report[k] for k in leaks), f"held-out scenes in training or in two held-out pools: {report}"
     return report
 
 
@@ -338,7 +400,7 @@ def regime_row(values: List[float], zeros: List[float], dups: List[float]) -> di
     return dict(
         batches=len(values),
         sat_batches=sum(v < SAT_THRESHOLD for v in values) / len(values),
-        zero_grad_rows=sum(zeros) / len(zeros),
+        fp32_zero_pos_grad_rows=sum(zeros) / len(zeros),
         median_infonce=median,
         dup_rows=sum(dups) / len(dups),
     )
@@ -360,7 +422,7 @@ def stage1_config(args, init: int) -> dict:
         model_seed=init,
         data_seed=100_000 + init,
         eval_seed=S1_EVAL_SEED,
-        reserved_mod=RESERVED_MOD,
+        reserved=RESERVED,
         vocab=VOCAB,
         threads=args.threads,
         version=VERSION,
@@ -471,10 +533,10 @@ def held_out_metrics(model, data: dict) -> dict:
     return dict(out, tau=1.0 / float(scale))
 
 
-def start_regime(state: dict, seed: int, data: dict, args) -> dict:
-    """The initialisation (no update) on the seed's first-epoch batches of 64: epoch 0."""
+def start_regime(state: dict, init: int, seed: int, data: dict, args) -> dict:
+    """The initialisation (no update) on the cell's first-epoch batches of 64: epoch 0."""
     model = _init_model(state, args.width)
-    gen = torch.Generator().manual_seed(10_000 + seed)
+    gen = torch.Generator().manual_seed(cell_seed("order", init, seed))
     order = torch.randperm(data["train"]["images"].shape[0], generator=gen)
     values, zeros, dups = [], [], []
     with torch.no_grad():
@@ -488,7 +550,7 @@ def start_regime(state: dict, seed: int, data: dict, args) -> dict:
     return dict(regime_row(values, zeros, dups), train_loss=float("nan"))
 
 
-def fine_tune(arm: str, seed: int, state: dict, data: dict, args, progress) -> tuple:
+def fine_tune(arm: str, init: int, seed: int, state: dict, data: dict, args, progress) -> tuple:
     """One stage-2 run from an initialisation: (final metrics, per-epoch regime rows)."""
     model = _init_model(state, args.width)
     loss_fn = make_loss(arm)
@@ -496,10 +558,10 @@ def fine_tune(arm: str, seed: int, state: dict, data: dict, args, progress) -> t
     n_pool = data["train"]["images"].shape[0]
     plan = arm_plan(arm, n_pool, args.epochs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(max(1, plan["total"] // 10), plan["total"]))
-    gen = torch.Generator().manual_seed(10_000 + seed)  # the batch order: shared by arms 1-3
+    gen = torch.Generator().manual_seed(cell_seed("order", init, seed))  # the cell's batch order: arms 1-3 share it
     pool = torch.arange(n_pool)
     if arm == "HN-CLIP 20%":
-        pool = torch.randperm(n_pool, generator=torch.Generator().manual_seed(20_000 + seed))
+        pool = torch.randperm(n_pool, generator=torch.Generator().manual_seed(cell_seed("subset", init, seed)))
         pool = pool[: max(BATCH, round(SUBSET * n_pool))]
     order, regime = torch.empty(0, dtype=torch.long), []
     for epoch in range(1, args.epochs + 1):
@@ -532,11 +594,14 @@ def parse_args(argv=None):
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=f"default {value}")
     parser.add_argument("--lr", type=float, default=5e-4, help="stage-2 peak learning rate")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (results are reproducible per count)")
-    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "hnclip_fine_tune_study"))
-    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "hnclip_fine_tune_study_cache"))
+    parser.add_argument("--out", default=None, help="default <tmp>/hnclip_fine_tune_study (--quick: ..._quick)")
+    parser.add_argument("--cache", default=None, help="default <tmp>/hnclip_fine_tune_study_cache (--quick: ..._quick_cache)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else DEFAULT
+    name = "hnclip_fine_tune_study" + ("_quick" if args.quick else "")  # a smoke run never overwrites a real one
+    args.out = args.out or os.path.join(tempfile.gettempdir(), name)
+    args.cache = args.cache or os.path.join(tempfile.gettempdir(), name + "_cache")
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -582,7 +647,7 @@ def main(argv=None) -> dict:
     seeds = list(range(args.seed_offset, args.seed_offset + args.seeds))
     n_pool = args.train_groups * GROUP_SIZE
     per_run = sum(arm_plan(a, n_pool, args.epochs)["total"] * arm_plan(a, n_pool, args.epochs)["batch"] for a in arms)
-    final, regime, s1_rows, s1_records, trained, held = [], [], [], [], [], []
+    final, regime, s1_rows, s1_records = [], [], [], []
     leakage = {}
 
     def write_run(complete: bool = True) -> dict:
@@ -625,32 +690,33 @@ def main(argv=None) -> dict:
     ):
         log = (lambda msg: None) if args.no_progress else bar.write
         s1_eval = draw_groups(args.s1_eval, 1, S1_EVAL_SEED, held_out=True)
-        held.append(s1_eval)
-        pools = {}
-        for seed in seeds:
-            pools[seed] = dict(
-                train=draw_groups(args.train_groups, GROUP_SIZE, 1_000 + seed, held_out=False),
-                eval=draw_groups(args.eval_groups, GROUP_SIZE, 2_000 + seed, held_out=True),
-            )
-            trained.append(pools[seed]["train"])
-            held.append(pools[seed]["eval"])
-        states = {}
+        evals, taken = {}, frozenset(s1_eval["keys"])
+        for seed in seeds:  # held-out pools disjoint across seeds (and from stage 1's): each avoids the scenes before it
+            evals[seed] = draw_groups(args.eval_groups, GROUP_SIZE, 2_000 + seed, held_out=True, taken=taken)
+            taken = taken.union(evals[seed]["keys"])
+        trains = {  # a training pool per (initialisation, seed): no two cells share training data
+            (init, seed): draw_groups(args.train_groups, GROUP_SIZE, cell_seed("train", init, seed), held_out=False)
+            for init in inits
+            for seed in seeds
+        }
+        states, stage1_data = {}, []
         for init in inits:
             states[init], rec, s1_data = stage1(args, init, s1_eval, log)
-            trained.append(s1_data)
+            stage1_data.append(s1_data)
             s1_rows += rec.pop("history")
             s1_records.append(rec)
-        leakage = leakage_check(trained, held)
+        leakage = leakage_check(stage1_data, list(trains.values()), [s1_eval] + list(evals.values()))
+        del stage1_data
         print(f"leakage check: {json.dumps(leakage)}", flush=True)
         for seed in seeds:  # seeds outer: a run stopped early still has every initialisation per seed
-            data = pools[seed]
             for init, state in states.items():
+                data = dict(train=trains[(init, seed)], eval=evals[seed])
                 key = dict(init=init, seed=seed)
                 final.append(dict(arm=INIT_ARM, **key, **held_out_metrics(_init_model(state, args.width), data)))
-                regime.append(dict(arm=INIT_ARM, **key, epoch=0, **start_regime(state, seed, data, args)))
+                regime.append(dict(arm=INIT_ARM, **key, epoch=0, **start_regime(state, init, seed, data, args)))
                 for arm in arms:
                     bar.set_postfix_str(f"seed {seed} init {init} {arm}")
-                    metrics, rows = fine_tune(arm, seed, state, data, args, bar.update)
+                    metrics, rows = fine_tune(arm, init, seed, state, data, args, bar.update)
                     final.append(dict(arm=arm, **key, **metrics))
                     regime += [dict(arm=arm, **key, **r) for r in rows]
                 demo.write_csv(os.path.join(args.out, "final.csv"), final)  # so far: a run stopped early keeps them

@@ -175,7 +175,7 @@ def regime_table(data: dict) -> str:
     body.append(
         ["initialisation (no update)"]
         + [
-            f"{mean([float(r['sat_batches']) for r in start]):.2f} / {mean([float(r['zero_grad_rows']) for r in start]):.2f}"
+            f"{mean([float(r['sat_batches']) for r in start]):.2f} / {mean([float(r['fp32_zero_pos_grad_rows']) for r in start]):.2f}"
         ]
         + [""] * (len(epochs) - 1)
         + [f"{mean([float(r['median_infonce']) for r in start]):.3f}"]
@@ -185,7 +185,7 @@ def regime_table(data: dict) -> str:
         for e in epochs[1:]:
             rows = [r for r in regime if r["arm"] == arm and int(r["epoch"]) == e]
             cells.append(
-                f"{mean([float(r['sat_batches']) for r in rows]):.2f} / {mean([float(r['zero_grad_rows']) for r in rows]):.2f}"
+                f"{mean([float(r['sat_batches']) for r in rows]):.2f} / {mean([float(r['fp32_zero_pos_grad_rows']) for r in rows]):.2f}"
             )
         first = [r for r in regime if r["arm"] == arm and int(r["epoch"]) == 1]
         body.append([arm, ""] + cells + [f"{mean([float(r['median_infonce']) for r in first]):.3f}"])
@@ -193,7 +193,7 @@ def regime_table(data: dict) -> str:
     sat0 = mean([float(r["sat_batches"]) for r in start])
     clip = [r for r in regime if r["arm"] == BASE]
     best = max(mean([float(r["sat_batches"]) for r in clip if int(r["epoch"]) == e]) for e in epochs[1:])
-    zero0 = mean([float(r["zero_grad_rows"]) for r in start])
+    zero0 = mean([float(r["fp32_zero_pos_grad_rows"]) for r in start])
     sentence = (
         f"Batches with InfoNCE < 1e-3 / rows with an exactly-zero float32 positive gradient, mean over the "
         f"{len(start)} (initialisation, seed) pairs. At the start of fine-tuning {sat0:.0%} of the batches are below "
