@@ -3,25 +3,34 @@
 The paper's claim (arXiv 2608.18521) is about fine-tuning a strong pretrained CLIP on dense
 captions with many near-duplicates. This script builds that setting procedurally, at toy
 scale. The protocol below, the primary comparison and the statistics were fixed before the
-default run (revision 4; revisions 1–3 are summarised at the end).
+default run (revision 5; revisions 1–4 are summarised at the end).
 
-**Primary comparison** (named before the run): HN-CLIP γ = 0.5 against ClipLoss, text→image
-R@1 on the held-out pool at the last epoch, the paired t-interval over all (initialisation,
-seed) pairs. Everything else is secondary, and every p-value is Holm-adjusted over the whole
-family (5 arms × 4 metrics: R@1 and group accuracy in both directions).
+**Primary comparison** (named before revision 4's run, unchanged): HN-CLIP γ = 0.5 against
+ClipLoss, text→image R@1 on the held-out pool at the last epoch, over all (initialisation, seed)
+cells under the crossed two-way random-effects model (below). Everything else is secondary, and
+every p-value is Holm-adjusted over the whole family (5 arms × 4 metrics: R@1 and group accuracy
+in both directions).
 
 **Task.** The scenes of ``dense_caption_demo.py``: 32×32 images of two coloured shapes (colour 8,
 shape 4, size 2, background 3, one of 4 relations) with the demo's dense three-clause caption.
 One fixed vocabulary (open_clip's bundled tokenizer, renumbered as in the demo).
 
-**No leakage.** The caption space is split once, by a hash of the caption string: the captions
-with ``blake2b(caption)[0] % 8 == 0`` (about 1/8 of them) are *reserved*. Stage 1 and every
-fine-tuning pool only use scenes whose captions are all unreserved (a group is redrawn when
-any of its captions is reserved); the held-out pools (stage 1's and stage 2's) only use groups
-whose captions are all reserved and distinct. So no held-out caption, and no held-out scene
-(a scene fixes its caption), is in stage 1 or in any fine-tuning pool of any seed. The run
-asserts it over everything it trained on (exact caption strings and scene parameters) and
-prints the counts (``leakage check: ...``); ``run.json`` records them.
+**No leakage.** Items are reserved by *canonical scene* (``scene_key``): the background, the
+axis of the relation, and the two objects (colour, shape, size) in reading order along it
+(left, then right; top, then bottom). A caption and its mirror ("a red square is to the left of
+a blue circle" and "a blue circle is to the right of a red square") are one picture and one
+key; the objects' float positions play no part. The 16 128 keys are split once, by a hash:
+``blake2b(repr(key))[0] % 8 < 3`` (3/8) are *reserved*. Stage 1 and every fine-tuning pool only
+use groups whose scenes are all unreserved (a group is redrawn otherwise); the held-out pools
+only groups whose scenes are all reserved and new: no key twice in a pool, none in an earlier
+held-out pool of the run (stage 1's held-out set, then the seeds in order), so the held-out
+pools of different seeds are disjoint. 3/8 because these pools need 2 816 distinct reserved
+keys: at 1/8 (4 032 reserved) the last groups cannot be drawn. The run checks it over everything
+it trained on, reading the keys back from the caption text (``caption_key``, which must agree
+with the rendered scenes): how many held-out items share a canonical scene with stage-1 data
+and with any training set, how many a caption string, and how many keys two held-out pools
+share; it asserts that every count is 0, prints them
+(``leakage check: ...``) and ``run.json`` records them.
 
 **Stage 1, the initialisations** (one cached model per initialisation seed ``i``; all seeds
 and arms of ``i`` start from it): the tiny open_clip CLIP (2-layer ViT, patch 8, and 2-layer
@@ -35,20 +44,22 @@ on ``s1_eval`` reserved pairs (one fixed set for every initialisation). The chec
 under ``--cache`` (default: the temporary directory, never the repository) as
 ``stage1_<hash>.pt``, the hash of its configuration, and reused when present.
 
-**Stage 2, fine-tuning.** Per seed ``s``: a training pool of ``train_groups`` near-duplicate
-groups of 4 (a base scene and 3 edits of one attribute, the background or the relation; data
-seed ``1 000 + s``) and a held-out pool of ``eval_groups`` reserved groups (seed ``2 000 + s``);
-the pools depend on the seed only, so each seed's data are shared by every initialisation.
+**Stage 2, fine-tuning.** Per cell (initialisation ``i``, seed ``s``): a training pool of
+``train_groups`` near-duplicate groups of 4 (a base scene and 3 edits of one attribute, the
+background or the relation; data seed ``cell_seed("train", i, s)``, a hash of the cell), so no
+two cells share training data. Per seed: a held-out pool of ``eval_groups`` reserved groups
+(seed ``2 000 + s``), shared by the seed's initialisations (the arms of every initialisation
+are measured on the same items) and disjoint from every other seed's.
 Every arm starts from initialisation ``i`` with its logit scale set to 100 and clamped at
 ln 100 after every step (as Long-CLIP starts from CLIP's). AdamW lr 5e-4, the same betas / eps
 / weight decay, 10% warmup then cosine to 0 over the arm's steps. Batches: each pass a fresh
-permutation of the (sub)pool from seed ``10 000 + s``, cut into batches; arms 1–3 see exactly
-the same batches. An *epoch* is pool/64 steps of 64 pairs (one pass of the pool). Arms:
+permutation of the (sub)pool from seed ``cell_seed("order", i, s)``, cut into batches; arms 1–3
+of a cell see exactly the same batches. An *epoch* is pool/64 steps of 64 pairs (one pass of the pool). Arms:
 
 1. ``ClipLoss``: open_clip's ClipLoss (InfoNCE).
 2. ``HN-CLIP``: ``hnclip_kernels.HNClipLoss(gamma=0.5)`` (backend "auto": the C++ kernel on CPU).
 3. ``HN-CLIP+FN``: the same with ``false_negative_threshold=0.95``.
-4. ``HN-CLIP 20%``: HN-CLIP on a random 20% of the pool's pairs (seed ``20 000 + s``), the same
+4. ``HN-CLIP 20%``: HN-CLIP on a random 20% of the pool's pairs (seed ``cell_seed("subset", i, s)``), the same
    steps (5 passes of its subset per epoch).
 5. ``HN-CLIP 4×batch, same pairs``: batches of 256, ¼ of the steps: the pairs seen are those of
    arms 1–3 (an epoch is pool/256 steps).
@@ -67,39 +78,49 @@ the whole pool and the accuracy within each near-duplicate group (the demo's
 InfoNCE (ClipLoss: float32 logits s·v tᵀ, float32 cross-entropy, mean of both directions) is
 below 1e-3, whatever loss the arm trains with; ``fp32_zero_pos_grad_rows``, the fraction of the 2B
 directional rows whose float32 gradient on the positive logit (softmax(logits)[i, i] − 1, as a
-plain float32 cross-entropy computes it) is exactly 0 (``lost_positive_rows_fp32`` of
-``hnclip_kernels.diagnostics``); the median batch InfoNCE. *Epoch 0* of the regime is the
-initialisation itself (no update) on the seed's first-epoch batches of 64: the regime at the
-start of fine-tuning.
+plain float32 cross-entropy computes it) rounds to 0 (``lost_positive_rows_fp32`` of
+``hnclip_kernels.diagnostics``; the row's gradients on its negatives are not 0, so this is not
+an all-zero gradient, nor the paper's zero-gradient figure); the median batch InfoNCE. *Epoch 0*
+of the regime is the initialisation itself (no update) on the cell's first-epoch batches of 64:
+the regime at the start of fine-tuning.
 
 **Statistics** (``study_stats.py``). Per arm and metric, the paired difference against
-ClipLoss within each (i, s): the mean with the 95% paired t-interval over all pairs (n − 1
-degrees of freedom) and its two-sided p, Holm-adjusted over the family; the 95% t-interval of
-the initialisations' mean differences (k − 1 degrees of freedom: the balanced random-effects
-interval, which carries initialisation variance); the exact sign test with wins / losses /
-ties. A difference counts as detected when its Holm-adjusted p < 0.05; where none is detected
-the minimum detectable difference (80% power, α = 0.05, the pairs' sd) is reported. No
-bootstrap.
+ClipLoss within each cell (i, s). The cells are crossed, not independent: an initialisation is
+shared by its seeds, and a seed's held-out pool by its initialisations. So the test is the
+crossed two-way random-effects model d_is = μ + a_i + b_s + e_is (``crossed_t``: balanced ANOVA
+variance components, which are REML's, a component below 0 pooled into the residual; the
+Satterthwaite t-interval of μ and its two-sided p), Holm-adjusted over the family. Also the
+exact sign test with wins / losses / ties (descriptive: it treats the cells as independent). A
+difference counts as detected when its Holm-adjusted p < 0.05; where none is detected the
+minimum detectable difference (80% power, α = 0.05, the model's standard error and df) is
+reported. No bootstrap.
 
 **Budget.** Default: 3 initialisations × 10 seeds × 6 arms; see ``DEFAULT``. 1 torch thread.
-``--quick`` is a smoke test of the same code (2 initialisations × 2 seeds, tiny sizes, 1 epoch).
+``--quick`` is a smoke test of the same code (2 initialisations × 2 seeds, tiny sizes, 1 epoch),
+with its own default ``--out`` and ``--cache`` (``..._quick``): it never writes over a full run.
 
     python examples/fine_tune_study.py --quick
     python examples/fine_tune_study.py                      # the default run
     python examples/fine_tune_study.py --seeds 10 --seed-offset 10 --init-seeds 3 --init-offset 3
 
-Writes under ``--out`` (default: ``<tmp>/hnclip_fine_tune_study``): ``final.csv`` (arm ×
-initialisation × seed: the held-out metrics; arm ``initialisation`` is epoch 0), ``regime.csv``
-(arm × initialisation × seed × epoch), ``stage1.csv`` and ``run.json`` (configuration, leakage
-check, versions, CPU and wall time), and prints the tables (``study_tables.py``). The docs'
+Writes under ``--out`` (default: ``<tmp>/hnclip_fine_tune_study``, ``--quick``:
+``<tmp>/hnclip_fine_tune_study_quick``): ``final.csv`` (arm × initialisation × seed: the
+held-out metrics; arm ``initialisation`` is epoch 0), ``regime.csv`` (arm × initialisation ×
+seed × epoch), ``stage1.csv``, ``run.json`` (configuration, leakage check, versions, CPU and
+wall time) and ``study.png`` (``study_plots.py``: the regime per epoch, R@1 per arm with
+intervals), and prints the tables (``study_tables.py``). The docs'
 tables are generated from the committed copies in ``examples/results/fine_tune_study/`` (the default run) and
 ``examples/results/fine_tune_study_replication/`` (``--init-offset 3 --seed-offset 10``).
 
 *Revisions.* 1–3 (one initialisation, seeds 0–4, a percentile bootstrap): stage 1 moved from
-coarse to dense captions and more steps; no stage-2 ClipLoss batch reached InfoNCE < 1e-3. 4
-(this one): initialisation and seed control, the reserved held-out captions, a stronger stage
-1 (see ``DEFAULT``), the two 4× batch arms, the statistics module, evaluation only at epoch 0
-and the last epoch.
+coarse to dense captions and more steps; no stage-2 ClipLoss batch reached InfoNCE < 1e-3. 4:
+initialisation and seed control, the reserved held-out captions, a stronger stage 1 (see
+``DEFAULT``), the two 4× batch arms, the statistics module, evaluation only at epoch 0 and the
+last epoch. 5 (this one, after an outside review of 4): a training pool and batch order per
+cell (4 shared them across a seed's initialisations), held-out pools disjoint across seeds (4's
+shared 24% of their captions), reservation and leakage check by canonical scene (4's compared
+caption strings, and 38–39% of held-out items had their mirror in stage-1 data), the verdicts
+under the crossed random-effects model (4's paired t over the cells treated them as independent).
 
 A toy: a small model on synthetic scenes; it says what the losses do in this setting, nothing
 about the paper's benchmarks.
@@ -595,7 +616,9 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=5e-4, help="stage-2 peak learning rate")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (results are reproducible per count)")
     parser.add_argument("--out", default=None, help="default <tmp>/hnclip_fine_tune_study (--quick: ..._quick)")
-    parser.add_argument("--cache", default=None, help="default <tmp>/hnclip_fine_tune_study_cache (--quick: ..._quick_cache)")
+    parser.add_argument(
+        "--cache", default=None, help="default <tmp>/hnclip_fine_tune_study_cache (--quick: ..._quick_cache)"
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else DEFAULT
@@ -630,6 +653,7 @@ def _cpu_name() -> str:
 
 
 def main(argv=None) -> dict:
+    import study_plots
     import study_tables
     from tqdm import tqdm
 
@@ -691,7 +715,9 @@ def main(argv=None) -> dict:
         log = (lambda msg: None) if args.no_progress else bar.write
         s1_eval = draw_groups(args.s1_eval, 1, S1_EVAL_SEED, held_out=True)
         evals, taken = {}, frozenset(s1_eval["keys"])
-        for seed in seeds:  # held-out pools disjoint across seeds (and from stage 1's): each avoids the scenes before it
+        for (
+            seed
+        ) in seeds:  # held-out pools disjoint across seeds (and from stage 1's): each avoids the scenes before it
             evals[seed] = draw_groups(args.eval_groups, GROUP_SIZE, 2_000 + seed, held_out=True, taken=taken)
             taken = taken.union(evals[seed]["keys"])
         trains = {  # a training pool per (initialisation, seed): no two cells share training data
@@ -725,10 +751,11 @@ def main(argv=None) -> dict:
     run = write_run()
     tables = study_tables.render_all(args.out)
     print(tables)
+    study_plots.plot(args.out, os.path.join(args.out, "study.png"))
     print(
         f"{run['wall_seconds']:.0f} s wall, {run['cpu_seconds']:.0f} s CPU (user+sys), load average at start {load:.2f}"
     )
-    print(f"wrote final.csv, regime.csv, stage1.csv, run.json to {args.out}/")
+    print(f"wrote final.csv, regime.csv, stage1.csv, run.json, study.png to {args.out}/")
     return dict(final=final, regime=regime, stage1=s1_records, run=run, missing=missing, tables=tables)
 
 
