@@ -135,15 +135,33 @@ def crossed_t(diffs: Dict[tuple, float], level: float = 0.95) -> Dict[str, float
 
     Returns dict(n, mean, se, df, low, high, p, sd_init, sd_seed, sd_cell): the ``level``
     t-interval on ``df`` degrees of freedom and its two-sided p. A zero ``se`` gives a
-    zero-width interval and p = 0 (mean ≠ 0) or 1 (mean = 0). Raises ValueError unless the
-    cells form a complete I × S grid with I, S ≥ 2.
+    zero-width interval and p = 0 (mean ≠ 0) or 1 (mean = 0). One initialisation or one seed
+    leaves one factor, whose cells are independent: :func:`paired_t` over them (sd_init and
+    sd_seed nan: not separable from the cell's). Raises ValueError unless the cells form a
+    complete I × S grid.
     """
     inits = sorted({k[0] for k in diffs})
     seeds = sorted({k[1] for k in diffs})
     n_i, n_s = len(inits), len(seeds)
-    if n_i < 2 or n_s < 2 or len(diffs) != n_i * n_s or any((i, s) not in diffs for i in inits for s in seeds):
-        raise ValueError("diffs must map every (initialisation, seed) of a complete grid of at least 2 × 2 cells")
+    if not diffs or len(diffs) != n_i * n_s or any((i, s) not in diffs for i in inits for s in seeds):
+        raise ValueError("diffs must map every (initialisation, seed) of a complete grid of cells")
     n = n_i * n_s
+    if n_i == 1 or n_s == 1:
+        t = paired_t(list(diffs.values()), level)
+        se = t["sd"] / math.sqrt(n) if n > 1 else float("nan")
+        nan = float("nan")
+        return dict(
+            n=n,
+            mean=t["mean"],
+            se=se,
+            df=float(n - 1),
+            low=t["low"],
+            high=t["high"],
+            p=t["p"],
+            sd_init=nan,
+            sd_seed=nan,
+            sd_cell=t["sd"],
+        )
     grand = math.fsum(diffs.values()) / n
     row = {i: math.fsum(diffs[(i, s)] for s in seeds) / n_s for i in inits}
     col = {s: math.fsum(diffs[(i, s)] for i in inits) / n_i for s in seeds}

@@ -74,7 +74,12 @@ def test_crossed_t_by_hand():
     r, t = st.crossed_t(flat), st.paired_t(list(flat.values()))
     assert (r["sd_init"], r["sd_seed"], r["df"]) == (0.0, 0.0, 5)
     assert (r["low"], r["high"], r["p"]) == pytest.approx((t["low"], t["high"], t["p"]), rel=1e-12)
-    for bad in ({(0, 0): 1.0, (0, 1): 2.0}, {(0, 0): 1.0, (0, 1): 2.0, (1, 0): 3.0}):
+    # one initialisation (or one seed): one factor, independent cells, the paired t
+    one = {(0, 0): 1.0, (0, 1): 2.0, (0, 2): 4.0}
+    r, t = st.crossed_t(one), st.paired_t([1.0, 2.0, 4.0])
+    assert (r["df"], r["low"], r["high"], r["p"], r["sd_cell"]) == (2, t["low"], t["high"], t["p"], t["sd"])
+    assert math.isnan(r["sd_init"]) and math.isnan(st.crossed_t({(3, 7): 0.5})["p"])
+    for bad in ({}, {(0, 0): 1.0, (0, 1): 2.0, (1, 0): 3.0}):
         with pytest.raises(ValueError, match="complete grid"):
             st.crossed_t(bad)
 
@@ -210,3 +215,23 @@ def test_min_detectable_has_the_power_it_claims():
         nc = d * math.sqrt(n)
         power = stats.nct.sf(crit, n - 1, nc) + stats.nct.cdf(-crit, n - 1, nc)
         assert power == pytest.approx(0.8, abs=tol)
+
+
+def test_sentences_name_the_run_and_write_small_p_once(tmp_path):
+    """ "Holm p < 0.001" (not "= < 0.001"), and a run in another folder is not "the default run"."""
+    import study_tables as tb
+
+    final = []
+    for i in range(3):
+        for s in range(10):
+            base = 0.7 + 0.01 * i + 0.005 * (s % 3)
+            final.append(dict(arm="ClipLoss", init=i, seed=s, **{m: base for m in tb.METRICS}))
+            d = 0.05 + 0.001 * ((7 * i + 3 * s) % 5 - 2)
+            final.append(dict(arm="HN-CLIP", init=i, seed=s, **{m: base + d for m in tb.METRICS}))
+    data = dict(final=final, run=dict(arms=["ClipLoss", "HN-CLIP"]), folder=str(tmp_path))
+    text = tb.conclusions(data)
+    assert "Holm p < 0.001: HN-CLIP is ahead of ClipLoss" in text and "= <" not in text
+    tail = tb.readme_table(data).splitlines()[-1]
+    assert tail.startswith(f"In the run in `{tmp_path}`, on the other metrics") and "default run" not in tail
+    assert tb.label(dict(data, folder=tb.COMMITTED)) == "the default run"
+    assert tb.label(dict(data, folder=tb.REPLICATION)) == "the replication"
