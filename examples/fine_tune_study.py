@@ -79,8 +79,9 @@ InfoNCE (ClipLoss: float32 logits s·v tᵀ, float32 cross-entropy, mean of both
 below 1e-3, whatever loss the arm trains with; ``fp32_zero_pos_grad_rows``, the fraction of the 2B
 directional rows whose float32 gradient on the positive logit (softmax(logits)[i, i] − 1, as a
 plain float32 cross-entropy computes it) rounds to 0 (``lost_positive_rows_fp32`` of
-``hnclip_kernels.diagnostics``; the row's gradients on its negatives are not 0, so this is not
-an all-zero gradient, nor the paper's zero-gradient figure); the median batch InfoNCE. *Epoch 0*
+``hnclip_kernels.diagnostics``; the row's gradients on its negatives, softmax(logits)[i, j], round
+to 0 only when they underflow too, so this is not a row whose whole gradient is 0, nor the
+paper's zero-gradient figure); the median batch InfoNCE. *Epoch 0*
 of the regime is the initialisation itself (no update) on the cell's first-epoch batches of 64:
 the regime at the start of fine-tuning.
 

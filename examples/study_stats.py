@@ -244,6 +244,8 @@ def min_detectable_se(se: float, df: float, alpha: float = 0.05, power: float = 
     """The smallest |mean| a two-sided t-test at ``alpha`` on ``df`` degrees of freedom detects with ``power``.
 
     (t_{1−α/2, df} + t_{power, df}) · se: :func:`min_detectable` for an estimate of standard
-    error ``se`` (e.g. :func:`crossed_t`'s, with its Satterthwaite df).
+    error ``se`` (e.g. :func:`crossed_t`'s, with its Satterthwaite df). nan for df ≤ 0 or a nan se.
     """
+    if not df > 0 or math.isnan(se):
+        return float("nan")
     return (t_ppf(1.0 - alpha / 2.0, df) + t_ppf(power, df)) * se

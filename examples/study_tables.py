@@ -243,8 +243,8 @@ def regime_table(data: dict) -> str:
         f"start of fine-tuning {sat0:.0%} of the batches are below 1e-3 (target ≥ 50%, paper 80%): the target is "
         + ("reached" if sat0 >= 0.5 else "not reached")
         + f"; ClipLoss's best epoch has {best:.0%}. Rows whose float32 positive-logit gradient rounds to 0, at the "
-        f"start: {zero0:.0%}. That is not a row with an all-zero gradient (its negatives' gradients are not 0), "
-        "and not the paper's zero-gradient measure."
+        f"start: {zero0:.0%}. That is not a row whose whole gradient is 0 (its negatives' gradients, softmax(logits)[i, j], "
+        "stay non-zero unless they underflow too), and not the paper's zero-gradient figure."
     )
     return sentence + "\n\n" + md_table(header, body)
 

@@ -88,7 +88,8 @@ def test_min_detectable_by_hand():
     # (t_{0.975, 29} + t_{0.8, 29}) · sd / √30 = (2.045230 + 0.854192) / √30
     assert st.min_detectable(1.0, 30) == pytest.approx((2.045230 + 0.854192) / math.sqrt(30), abs=1e-5)
     assert st.min_detectable(0.02, 30) == pytest.approx(0.02 * st.min_detectable(1.0, 30))
-    assert math.isnan(st.min_detectable(1.0, 1))
+    assert math.isnan(st.min_detectable(1.0, 1)) and math.isnan(st.min_detectable_se(0.1, 0.0))
+    assert st.min_detectable_se(0.1, 29) == pytest.approx(st.min_detectable(0.1 * math.sqrt(30), 30), rel=1e-12)
 
 
 # ---------------------------------------------------------------- against scipy
