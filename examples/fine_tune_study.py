@@ -49,7 +49,10 @@ under ``--cache`` (default: the temporary directory, never the repository) as
 background or the relation; data seed ``cell_seed("train", i, s)``, a hash of the cell), so no
 two cells share training data. Per seed: a held-out pool of ``eval_groups`` reserved groups
 (seed ``2 000 + s``), shared by the seed's initialisations (the arms of every initialisation
-are measured on the same items) and disjoint from every other seed's.
+are measured on the same items) and disjoint from every other seed's: it avoids the scenes of
+stage 1's held-out set and of the run's earlier seeds, so the first seed's pool depends on its
+seed only, a later seed's also on the seeds before it in the run (``--seed-offset``). A run
+repeats, bit for bit, the cells of another run with the same first seed.
 Every arm starts from initialisation ``i`` with its logit scale set to 100 and clamped at
 ln 100 after every step (as Long-CLIP starts from CLIP's). AdamW lr 5e-4, the same betas / eps
 / weight decay, 10% warmup then cosine to 0 over the arm's steps. Batches: each pass a fresh

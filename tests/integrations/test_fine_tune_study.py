@@ -88,11 +88,12 @@ def test_quick_run_outputs_are_well_formed(tmp_path, capsys):
     assert (rows[0]["arm"], rows[0]["metric"]) == study.PRIMARY == study_tables.PRIMARY
     assert len(rows) == 4 * (len(ran) - 1) and all(r["holm_p"] >= r["x"]["p"] for r in rows)
     assert "Primary (HN-CLIP γ = 0.5 − ClipLoss, t→i R@1)" in result["tables"]
-    # offsets: initialisation 1 and seed 1 alone reuse the cached model and repeat their numbers bit for bit
+    # offsets: initialisation 1 and the first seed alone reuse the cached model and repeat their numbers bit
+    # for bit (a later seed's held-out pool avoids the scenes of the run's earlier seeds: not the first's)
     again = study.main(
         ["--quick", "--no-progress", "--out", str(tmp_path / "again"), "--cache", str(cache)]
-        + ["--init-seeds", "1", "--init-offset", "1", "--seeds", "1", "--seed-offset", "1"]
+        + ["--init-seeds", "1", "--init-offset", "1", "--seeds", "1", "--seed-offset", "0"]
     )
     assert [r["reused"] for r in again["stage1"]] == [True]
-    pick = lambda rows: [repr(r) for r in rows if r["init"] == 1 and r["seed"] == 1]  # noqa: E731 (repr: nan == nan)
+    pick = lambda rows: [repr(r) for r in rows if r["init"] == 1 and r["seed"] == 0]  # noqa: E731 (repr: nan == nan)
     assert pick(again["final"]) == pick(result["final"]) and pick(again["regime"]) == pick(result["regime"])
