@@ -3,25 +3,34 @@
 The paper's claim (arXiv 2608.18521) is about fine-tuning a strong pretrained CLIP on dense
 captions with many near-duplicates. This script builds that setting procedurally, at toy
 scale. The protocol below, the primary comparison and the statistics were fixed before the
-default run (revision 4; revisions 1–3 are summarised at the end).
+default run (revision 5; revisions 1–4 are summarised at the end).
 
-**Primary comparison** (named before the run): HN-CLIP γ = 0.5 against ClipLoss, text→image
-R@1 on the held-out pool at the last epoch, the paired t-interval over all (initialisation,
-seed) pairs. Everything else is secondary, and every p-value is Holm-adjusted over the whole
-family (5 arms × 4 metrics: R@1 and group accuracy in both directions).
+**Primary comparison** (named before revision 4's run, unchanged): HN-CLIP γ = 0.5 against
+ClipLoss, text→image R@1 on the held-out pool at the last epoch, over all (initialisation, seed)
+cells under the crossed two-way random-effects model (below). Everything else is secondary, and
+every p-value is Holm-adjusted over the whole family (5 arms × 4 metrics: R@1 and group accuracy
+in both directions).
 
 **Task.** The scenes of ``dense_caption_demo.py``: 32×32 images of two coloured shapes (colour 8,
 shape 4, size 2, background 3, one of 4 relations) with the demo's dense three-clause caption.
 One fixed vocabulary (open_clip's bundled tokenizer, renumbered as in the demo).
 
-**No leakage.** The caption space is split once, by a hash of the caption string: the captions
-with ``blake2b(caption)[0] % 8 == 0`` (about 1/8 of them) are *reserved*. Stage 1 and every
-fine-tuning pool only use scenes whose captions are all unreserved (a group is redrawn when
-any of its captions is reserved); the held-out pools (stage 1's and stage 2's) only use groups
-whose captions are all reserved and distinct. So no held-out caption, and no held-out scene
-(a scene fixes its caption), is in stage 1 or in any fine-tuning pool of any seed. The run
-asserts it over everything it trained on (exact caption strings and scene parameters) and
-prints the counts (``leakage check: ...``); ``run.json`` records them.
+**No leakage.** Items are reserved by *canonical scene* (``scene_key``): the background, the
+axis of the relation, and the two objects (colour, shape, size) in reading order along it
+(left, then right; top, then bottom). A caption and its mirror ("a red square is to the left of
+a blue circle" and "a blue circle is to the right of a red square") are one picture and one
+key; the objects' float positions play no part. The 16 128 keys are split once, by a hash:
+``blake2b(repr(key))[0] % 8 < 3`` (3/8) are *reserved*. Stage 1 and every fine-tuning pool only
+use groups whose scenes are all unreserved (a group is redrawn otherwise); the held-out pools
+only groups whose scenes are all reserved and new: no key twice in a pool, none in an earlier
+held-out pool of the run (stage 1's held-out set, then the seeds in order), so the held-out
+pools of different seeds are disjoint. 3/8 because these pools need 2 816 distinct reserved
+keys: at 1/8 (4 032 reserved) the last groups cannot be drawn. The run checks it over everything
+it trained on, reading the keys back from the caption text (``caption_key``, which must agree
+with the rendered scenes): how many held-out items share a canonical scene with stage-1 data
+and with any training set, how many a caption string, and how many keys two held-out pools
+share; it asserts that every count is 0, prints them
+(``leakage check: ...``) and ``run.json`` records them.
 
 **Stage 1, the initialisations** (one cached model per initialisation seed ``i``; all seeds
 and arms of ``i`` start from it): the tiny open_clip CLIP (2-layer ViT, patch 8, and 2-layer
@@ -35,20 +44,25 @@ on ``s1_eval`` reserved pairs (one fixed set for every initialisation). The chec
 under ``--cache`` (default: the temporary directory, never the repository) as
 ``stage1_<hash>.pt``, the hash of its configuration, and reused when present.
 
-**Stage 2, fine-tuning.** Per seed ``s``: a training pool of ``train_groups`` near-duplicate
-groups of 4 (a base scene and 3 edits of one attribute, the background or the relation; data
-seed ``1 000 + s``) and a held-out pool of ``eval_groups`` reserved groups (seed ``2 000 + s``);
-the pools depend on the seed only, so each seed's data are shared by every initialisation.
+**Stage 2, fine-tuning.** Per cell (initialisation ``i``, seed ``s``): a training pool of
+``train_groups`` near-duplicate groups of 4 (a base scene and 3 edits of one attribute, the
+background or the relation; data seed ``cell_seed("train", i, s)``, a hash of the cell), so no
+two cells share training data. Per seed: a held-out pool of ``eval_groups`` reserved groups
+(seed ``2 000 + s``), shared by the seed's initialisations (the arms of every initialisation
+are measured on the same items) and disjoint from every other seed's: it avoids the scenes of
+stage 1's held-out set and of the run's earlier seeds, so the first seed's pool depends on its
+seed only, a later seed's also on the seeds before it in the run (``--seed-offset``). A run
+repeats, bit for bit, the cells of another run with the same first seed.
 Every arm starts from initialisation ``i`` with its logit scale set to 100 and clamped at
 ln 100 after every step (as Long-CLIP starts from CLIP's). AdamW lr 5e-4, the same betas / eps
 / weight decay, 10% warmup then cosine to 0 over the arm's steps. Batches: each pass a fresh
-permutation of the (sub)pool from seed ``10 000 + s``, cut into batches; arms 1–3 see exactly
-the same batches. An *epoch* is pool/64 steps of 64 pairs (one pass of the pool). Arms:
+permutation of the (sub)pool from seed ``cell_seed("order", i, s)``, cut into batches; arms 1–3
+of a cell see exactly the same batches. An *epoch* is pool/64 steps of 64 pairs (one pass of the pool). Arms:
 
 1. ``ClipLoss``: open_clip's ClipLoss (InfoNCE).
 2. ``HN-CLIP``: ``hnclip_kernels.HNClipLoss(gamma=0.5)`` (backend "auto": the C++ kernel on CPU).
 3. ``HN-CLIP+FN``: the same with ``false_negative_threshold=0.95``.
-4. ``HN-CLIP 20%``: HN-CLIP on a random 20% of the pool's pairs (seed ``20 000 + s``), the same
+4. ``HN-CLIP 20%``: HN-CLIP on a random 20% of the pool's pairs (seed ``cell_seed("subset", i, s)``), the same
    steps (5 passes of its subset per epoch).
 5. ``HN-CLIP 4×batch, same pairs``: batches of 256, ¼ of the steps: the pairs seen are those of
    arms 1–3 (an epoch is pool/256 steps).
@@ -65,41 +79,52 @@ the whole pool and the accuracy within each near-duplicate group (the demo's
 ``retrieval_metrics``), and τ. The regime, per epoch, from each arm's own training batches
 (each step's forward, before its update): ``sat_batches``, the fraction of batches whose
 InfoNCE (ClipLoss: float32 logits s·v tᵀ, float32 cross-entropy, mean of both directions) is
-below 1e-3, whatever loss the arm trains with; ``zero_grad_rows``, the fraction of the 2B
+below 1e-3, whatever loss the arm trains with; ``fp32_zero_pos_grad_rows``, the fraction of the 2B
 directional rows whose float32 gradient on the positive logit (softmax(logits)[i, i] − 1, as a
-plain float32 cross-entropy computes it) is exactly 0 (``lost_positive_rows_fp32`` of
-``hnclip_kernels.diagnostics``); the median batch InfoNCE. *Epoch 0* of the regime is the
-initialisation itself (no update) on the seed's first-epoch batches of 64: the regime at the
-start of fine-tuning.
+plain float32 cross-entropy computes it) rounds to 0 (``lost_positive_rows_fp32`` of
+``hnclip_kernels.diagnostics``; the row's gradients on its negatives, softmax(logits)[i, j], round
+to 0 only when they underflow too, so this is not a row whose whole gradient is 0, nor the
+paper's zero-gradient figure); the median batch InfoNCE. *Epoch 0*
+of the regime is the initialisation itself (no update) on the cell's first-epoch batches of 64:
+the regime at the start of fine-tuning.
 
 **Statistics** (``study_stats.py``). Per arm and metric, the paired difference against
-ClipLoss within each (i, s): the mean with the 95% paired t-interval over all pairs (n − 1
-degrees of freedom) and its two-sided p, Holm-adjusted over the family; the 95% t-interval of
-the initialisations' mean differences (k − 1 degrees of freedom: the balanced random-effects
-interval, which carries initialisation variance); the exact sign test with wins / losses /
-ties. A difference counts as detected when its Holm-adjusted p < 0.05; where none is detected
-the minimum detectable difference (80% power, α = 0.05, the pairs' sd) is reported. No
-bootstrap.
+ClipLoss within each cell (i, s). The cells are crossed, not independent: an initialisation is
+shared by its seeds, and a seed's held-out pool by its initialisations. So the test is the
+crossed two-way random-effects model d_is = μ + a_i + b_s + e_is (``crossed_t``: balanced ANOVA
+variance components, which are REML's, a component below 0 pooled into the residual; the
+Satterthwaite t-interval of μ and its two-sided p), Holm-adjusted over the family. Also the
+exact sign test with wins / losses / ties (descriptive: it treats the cells as independent). A
+difference counts as detected when its Holm-adjusted p < 0.05; where none is detected the
+minimum detectable difference (80% power, α = 0.05, the model's standard error and df) is
+reported. No bootstrap.
 
 **Budget.** Default: 3 initialisations × 10 seeds × 6 arms; see ``DEFAULT``. 1 torch thread.
-``--quick`` is a smoke test of the same code (2 initialisations × 2 seeds, tiny sizes, 1 epoch).
+``--quick`` is a smoke test of the same code (2 initialisations × 2 seeds, tiny sizes, 1 epoch),
+with its own default ``--out`` and ``--cache`` (``..._quick``): it never writes over a full run.
 
     python examples/fine_tune_study.py --quick
     python examples/fine_tune_study.py                      # the default run
     python examples/fine_tune_study.py --seeds 10 --seed-offset 10 --init-seeds 3 --init-offset 3
 
-Writes under ``--out`` (default: ``<tmp>/hnclip_fine_tune_study``): ``final.csv`` (arm ×
-initialisation × seed: the held-out metrics; arm ``initialisation`` is epoch 0), ``regime.csv``
-(arm × initialisation × seed × epoch), ``stage1.csv`` and ``run.json`` (configuration, leakage
-check, versions, CPU and wall time), and prints the tables (``study_tables.py``). The docs'
+Writes under ``--out`` (default: ``<tmp>/hnclip_fine_tune_study``, ``--quick``:
+``<tmp>/hnclip_fine_tune_study_quick``): ``final.csv`` (arm × initialisation × seed: the
+held-out metrics; arm ``initialisation`` is epoch 0), ``regime.csv`` (arm × initialisation ×
+seed × epoch), ``stage1.csv``, ``run.json`` (configuration, leakage check, versions, CPU and
+wall time) and ``study.png`` (``study_plots.py``: the regime per epoch, R@1 per arm with
+intervals), and prints the tables (``study_tables.py``). The docs'
 tables are generated from the committed copies in ``examples/results/fine_tune_study/`` (the default run) and
 ``examples/results/fine_tune_study_replication/`` (``--init-offset 3 --seed-offset 10``).
 
 *Revisions.* 1–3 (one initialisation, seeds 0–4, a percentile bootstrap): stage 1 moved from
-coarse to dense captions and more steps; no stage-2 ClipLoss batch reached InfoNCE < 1e-3. 4
-(this one): initialisation and seed control, the reserved held-out captions, a stronger stage
-1 (see ``DEFAULT``), the two 4× batch arms, the statistics module, evaluation only at epoch 0
-and the last epoch.
+coarse to dense captions and more steps; no stage-2 ClipLoss batch reached InfoNCE < 1e-3. 4:
+initialisation and seed control, the reserved held-out captions, a stronger stage 1 (see
+``DEFAULT``), the two 4× batch arms, the statistics module, evaluation only at epoch 0 and the
+last epoch. 5 (this one, after an outside review of 4): a training pool and batch order per
+cell (4 shared them across a seed's initialisations), held-out pools disjoint across seeds (4's
+repeated captions: 1 187 distinct in 2 560 items), reservation and leakage check by canonical scene (4's compared
+caption strings, and 35–39% of held-out items had their mirror in stage-1 data), the verdicts
+under the crossed random-effects model (4's paired t over the cells treated them as independent).
 
 A toy: a small model on synthetic scenes; it says what the losses do in this setting, nothing
 about the paper's benchmarks.
@@ -114,6 +139,7 @@ import math
 import os
 import platform
 import random
+import re
 import resource
 import sys
 import tempfile
@@ -135,9 +161,9 @@ FN_THRESHOLD = 0.95
 SUBSET = 0.2
 SAT_THRESHOLD = 1e-3
 S1_WARMUP = 50
-RESERVED_MOD = 8  # 1/8 of the caption space is reserved for the held-out pools
+RESERVED = 3  # of 8: 3/8 of the 16 128 canonical scenes are reserved (the held-out pools need 2 816 distinct ones)
 S1_EVAL_SEED = 199_999
-VERSION = 4
+VERSION = 5
 
 DEFAULT = dict(
     init_seeds=3,
@@ -206,59 +232,120 @@ def _check_vocab(vocab: int) -> None:
         raise RuntimeError(f"vocabulary grew from {VOCAB} to {vocab}: extend _VOCAB_TEXTS")
 
 
-def reserved(caption: str) -> bool:
-    """Whether a caption belongs to the held-out part of the caption space (about 1/8 of it)."""
-    return hashlib.blake2b(caption.encode(), digest_size=8).digest()[0] % RESERVED_MOD == 0
+_FIRST = ("to the left of", "above")  # a is left of / above b: a is the first object on its axis
+_CAPTION = re.compile(
+    r"two shapes on a (\w+) background\. a (\w+) (\w+) (\w+) is (to the left of|to the right of|above|below) "
+    r"a (\w+) (\w+) (\w+)\. "
+)
 
 
-def draw_groups(n_groups: int, group_size: int, seed: int, held_out: bool) -> dict:
+def _key(background: str, relation: str, a: tuple, b: tuple) -> tuple:
+    axis = "horizontal" if relation in ("to the left of", "to the right of") else "vertical"
+    first, second = (a, b) if relation in _FIRST else (b, a)
+    return (background, axis, first, second)
+
+
+def scene_key(scene) -> tuple:
+    """The picture a scene shows, as its caption describes it: (background, axis, first, second).
+
+    ``first`` is the object on the left (horizontal relation) or on top (vertical), ``second``
+    the other, each (colour, shape, size). Independent of the objects' float positions and of
+    which object the caption names first: "a red square is to the left of a blue circle" and
+    its mirror "a blue circle is to the right of a red square" have one key.
+    """
+    a, b = scene.a, scene.b
+    return _key(scene.background, scene.relation, (a.color, a.shape, a.size), (b.color, b.shape, b.size))
+
+
+def caption_key(caption: str) -> tuple:
+    """``scene_key`` read back from a dense caption's text (the leakage check's second path).
+
+    Raises ValueError when ``caption`` is not a dense caption of ``dense_caption_demo``.
+    """
+    m = _CAPTION.match(caption)
+    if m is None:
+        raise ValueError(f"caption is not a dense caption of dense_caption_demo: {caption!r}")
+    background, size_a, color_a, shape_a, relation, size_b, color_b, shape_b = m.groups()
+    return _key(background, relation, (color_a, shape_a, size_a), (color_b, shape_b, size_b))
+
+
+def reserved(key: tuple) -> bool:
+    """Whether a canonical scene (``scene_key``) is reserved for the held-out pools (RESERVED/8 of them)."""
+    return hashlib.blake2b(repr(key).encode(), digest_size=8).digest()[0] % 8 < RESERVED
+
+
+def cell_seed(what: str, init: int, seed: int) -> int:
+    """The data seed of one (initialisation, seed) cell: no two cells share a training pool or batch order."""
+    return int.from_bytes(hashlib.blake2b(f"{what}:{init}:{seed}".encode(), digest_size=6).digest(), "big")
+
+
+def draw_groups(n_groups: int, group_size: int, seed: int, held_out: bool, taken=frozenset()) -> dict:
     """``n_groups`` groups (a base scene and ``group_size − 1`` one-attribute edits), rendered.
 
-    ``held_out=False``: every caption of a group unreserved; ``True``: every caption reserved
-    and no caption twice in the pool. A group that fails is redrawn from the same stream.
-    Returns dict(images (n·K, 3, 32, 32) float32, tokens (n·K, 48) int64, scenes, captions).
+    ``held_out=False``: every scene of a group unreserved; ``True``: every scene reserved, no
+    canonical scene (``scene_key``) twice in the pool nor in ``taken`` (the keys of the other
+    held-out pools; not modified). A group that fails is redrawn from the same stream.
+    Returns dict(images (n·K, 3, 32, 32) float32, tokens (n·K, 48) int64, scenes, captions, keys).
     """
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    scenes, captions, seen = [], [], set()
+    scenes, captions, keys, seen = [], [], [], set(taken)
     while len(scenes) < n_groups * group_size:
         base = demo.sample_scene(rng)
         group = [base] + [demo.edit_scene(base, kind, rng) for kind in rng.sample(demo.EDITS, group_size - 1)]
-        caps = [demo.caption(s) for s in group]
+        group_keys = [scene_key(s) for s in group]
         if held_out:
-            if not all(map(reserved, caps)) or len(set(caps)) < len(caps) or seen.intersection(caps):
+            if not all(map(reserved, group_keys)) or len(set(group_keys)) < len(group_keys):
                 continue
-            seen.update(caps)
-        elif any(map(reserved, caps)):
+            if seen.intersection(group_keys):
+                continue
+            seen.update(group_keys)
+        elif any(map(reserved, group_keys)):
             continue
         scenes += group
-        captions += caps
+        keys += group_keys
+        captions += [demo.caption(s) for s in group]
     noise = 0.04 * torch.randn(len(scenes), 3, demo.IMAGE_SIZE, demo.IMAGE_SIZE, generator=gen)
     images = torch.stack([demo.render(s, n) for s, n in zip(scenes, noise)])
     tokens, vocab = tokenize(captions)
     _check_vocab(vocab)
-    return dict(images=images, tokens=tokens, scenes=scenes, captions=captions)
+    return dict(images=images, tokens=tokens, scenes=scenes, captions=captions, keys=keys)
 
 
-def leakage_check(trained: Sequence[dict], held_out: Sequence[dict]) -> dict:
-    """Asserts that no held-out caption or scene is in any training set; returns the counts."""
-    train_caps = set().union(*(d["captions"] for d in trained))
-    train_scenes = set().union(*(d["scenes"] for d in trained))
-    eval_caps = set().union(*(d["captions"] for d in held_out))
-    eval_scenes = set().union(*(d["scenes"] for d in held_out))
-    shared_caps, shared_scenes = train_caps & eval_caps, train_scenes & eval_scenes
+def leakage_check(stage1: Sequence[dict], fine_tuning: Sequence[dict], held_out: Sequence[dict]) -> dict:
+    """Asserts that no held-out item shares a canonical scene with any training set; returns the counts.
+
+    The canonical scenes are read from the captions (``caption_key``), the text the models see,
+    and must agree with the scenes the images were rendered from (``scene_key``). Counted: the
+    held-out items whose canonical scene is in stage-1 data, in any training set, and (the
+    guard before version 5) whose caption string is; and the keys shared between the held-out
+    pools (disjoint by design). AssertionError names the counts when any leak is found.
+    """
+
+    def keys(data):
+        out = [caption_key(c) for c in data["captions"]]
+        if out != [scene_key(s) for s in data["scenes"]]:
+            raise AssertionError("captions and rendered scenes disagree on their canonical scenes")
+        return out
+
+    s1_keys = set().union(*(keys(d) for d in stage1))
+    train_keys = s1_keys.union(*(keys(d) for d in fine_tuning))
+    train_caps = set().union(*(d["captions"] for d in list(stage1) + list(fine_tuning)))
+    held_keys = [keys(d) for d in held_out]
+    items = [k for pool in held_keys for k in pool]
+    caps = [c for d in held_out for c in d["captions"]]
     report = dict(
-        training_captions=len(train_caps),
-        training_scenes=len(train_scenes),
-        held_out_captions=len(eval_caps),
-        held_out_scenes=len(eval_scenes),
-        shared_captions=len(shared_caps),
-        shared_scenes=len(shared_scenes),
-        reserved_training_captions=sum(map(reserved, train_caps)),
-        unreserved_held_out_captions=sum(not reserved(c) for c in eval_caps),
+        training_scenes=len(train_keys),
+        held_out_items=len(items),
+        held_out_scenes=len(set(items)),
+        held_out_in_stage1=sum(k in s1_keys for k in items),
+        held_out_in_training=sum(k in train_keys for k in items),
+        held_out_captions_in_training=sum(c in train_caps for c in caps),
+        held_out_pools_sharing_scenes=len(items) - len(set(items)),
+        reserved_training_scenes=sum(map(reserved, train_keys)),
     )
-    assert not shared_caps and not shared_scenes, f"held-out captions or scenes in training: {report}"
-    assert report["reserved_training_captions"] == report["unreserved_held_out_captions"] == 0, report
+    leaks = ("held_out_in_training", "held_out_pools_sharing_scenes", "reserved_training_scenes")
+    assert not any(report[k] for k in leaks), f"held-out scenes in training or in two held-out pools: {report}"
     return report
 
 
@@ -338,7 +425,7 @@ def regime_row(values: List[float], zeros: List[float], dups: List[float]) -> di
     return dict(
         batches=len(values),
         sat_batches=sum(v < SAT_THRESHOLD for v in values) / len(values),
-        zero_grad_rows=sum(zeros) / len(zeros),
+        fp32_zero_pos_grad_rows=sum(zeros) / len(zeros),
         median_infonce=median,
         dup_rows=sum(dups) / len(dups),
     )
@@ -360,7 +447,7 @@ def stage1_config(args, init: int) -> dict:
         model_seed=init,
         data_seed=100_000 + init,
         eval_seed=S1_EVAL_SEED,
-        reserved_mod=RESERVED_MOD,
+        reserved=RESERVED,
         vocab=VOCAB,
         threads=args.threads,
         version=VERSION,
@@ -471,10 +558,10 @@ def held_out_metrics(model, data: dict) -> dict:
     return dict(out, tau=1.0 / float(scale))
 
 
-def start_regime(state: dict, seed: int, data: dict, args) -> dict:
-    """The initialisation (no update) on the seed's first-epoch batches of 64: epoch 0."""
+def start_regime(state: dict, init: int, seed: int, data: dict, args) -> dict:
+    """The initialisation (no update) on the cell's first-epoch batches of 64: epoch 0."""
     model = _init_model(state, args.width)
-    gen = torch.Generator().manual_seed(10_000 + seed)
+    gen = torch.Generator().manual_seed(cell_seed("order", init, seed))
     order = torch.randperm(data["train"]["images"].shape[0], generator=gen)
     values, zeros, dups = [], [], []
     with torch.no_grad():
@@ -488,7 +575,7 @@ def start_regime(state: dict, seed: int, data: dict, args) -> dict:
     return dict(regime_row(values, zeros, dups), train_loss=float("nan"))
 
 
-def fine_tune(arm: str, seed: int, state: dict, data: dict, args, progress) -> tuple:
+def fine_tune(arm: str, init: int, seed: int, state: dict, data: dict, args, progress) -> tuple:
     """One stage-2 run from an initialisation: (final metrics, per-epoch regime rows)."""
     model = _init_model(state, args.width)
     loss_fn = make_loss(arm)
@@ -496,10 +583,10 @@ def fine_tune(arm: str, seed: int, state: dict, data: dict, args, progress) -> t
     n_pool = data["train"]["images"].shape[0]
     plan = arm_plan(arm, n_pool, args.epochs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(max(1, plan["total"] // 10), plan["total"]))
-    gen = torch.Generator().manual_seed(10_000 + seed)  # the batch order: shared by arms 1-3
+    gen = torch.Generator().manual_seed(cell_seed("order", init, seed))  # the cell's batch order: arms 1-3 share it
     pool = torch.arange(n_pool)
     if arm == "HN-CLIP 20%":
-        pool = torch.randperm(n_pool, generator=torch.Generator().manual_seed(20_000 + seed))
+        pool = torch.randperm(n_pool, generator=torch.Generator().manual_seed(cell_seed("subset", init, seed)))
         pool = pool[: max(BATCH, round(SUBSET * n_pool))]
     order, regime = torch.empty(0, dtype=torch.long), []
     for epoch in range(1, args.epochs + 1):
@@ -532,11 +619,16 @@ def parse_args(argv=None):
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=f"default {value}")
     parser.add_argument("--lr", type=float, default=5e-4, help="stage-2 peak learning rate")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (results are reproducible per count)")
-    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "hnclip_fine_tune_study"))
-    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "hnclip_fine_tune_study_cache"))
+    parser.add_argument("--out", default=None, help="default <tmp>/hnclip_fine_tune_study (--quick: ..._quick)")
+    parser.add_argument(
+        "--cache", default=None, help="default <tmp>/hnclip_fine_tune_study_cache (--quick: ..._quick_cache)"
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else DEFAULT
+    name = "hnclip_fine_tune_study" + ("_quick" if args.quick else "")  # a smoke run never overwrites a real one
+    args.out = args.out or os.path.join(tempfile.gettempdir(), name)
+    args.cache = args.cache or os.path.join(tempfile.gettempdir(), name + "_cache")
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -565,6 +657,7 @@ def _cpu_name() -> str:
 
 
 def main(argv=None) -> dict:
+    import study_plots
     import study_tables
     from tqdm import tqdm
 
@@ -582,7 +675,7 @@ def main(argv=None) -> dict:
     seeds = list(range(args.seed_offset, args.seed_offset + args.seeds))
     n_pool = args.train_groups * GROUP_SIZE
     per_run = sum(arm_plan(a, n_pool, args.epochs)["total"] * arm_plan(a, n_pool, args.epochs)["batch"] for a in arms)
-    final, regime, s1_rows, s1_records, trained, held = [], [], [], [], [], []
+    final, regime, s1_rows, s1_records = [], [], [], []
     leakage = {}
 
     def write_run(complete: bool = True) -> dict:
@@ -625,32 +718,35 @@ def main(argv=None) -> dict:
     ):
         log = (lambda msg: None) if args.no_progress else bar.write
         s1_eval = draw_groups(args.s1_eval, 1, S1_EVAL_SEED, held_out=True)
-        held.append(s1_eval)
-        pools = {}
-        for seed in seeds:
-            pools[seed] = dict(
-                train=draw_groups(args.train_groups, GROUP_SIZE, 1_000 + seed, held_out=False),
-                eval=draw_groups(args.eval_groups, GROUP_SIZE, 2_000 + seed, held_out=True),
-            )
-            trained.append(pools[seed]["train"])
-            held.append(pools[seed]["eval"])
-        states = {}
+        evals, taken = {}, frozenset(s1_eval["keys"])
+        for (
+            seed
+        ) in seeds:  # held-out pools disjoint across seeds (and from stage 1's): each avoids the scenes before it
+            evals[seed] = draw_groups(args.eval_groups, GROUP_SIZE, 2_000 + seed, held_out=True, taken=taken)
+            taken = taken.union(evals[seed]["keys"])
+        trains = {  # a training pool per (initialisation, seed): no two cells share training data
+            (init, seed): draw_groups(args.train_groups, GROUP_SIZE, cell_seed("train", init, seed), held_out=False)
+            for init in inits
+            for seed in seeds
+        }
+        states, stage1_data = {}, []
         for init in inits:
             states[init], rec, s1_data = stage1(args, init, s1_eval, log)
-            trained.append(s1_data)
+            stage1_data.append(s1_data)
             s1_rows += rec.pop("history")
             s1_records.append(rec)
-        leakage = leakage_check(trained, held)
+        leakage = leakage_check(stage1_data, list(trains.values()), [s1_eval] + list(evals.values()))
+        del stage1_data
         print(f"leakage check: {json.dumps(leakage)}", flush=True)
         for seed in seeds:  # seeds outer: a run stopped early still has every initialisation per seed
-            data = pools[seed]
             for init, state in states.items():
+                data = dict(train=trains[(init, seed)], eval=evals[seed])
                 key = dict(init=init, seed=seed)
                 final.append(dict(arm=INIT_ARM, **key, **held_out_metrics(_init_model(state, args.width), data)))
-                regime.append(dict(arm=INIT_ARM, **key, epoch=0, **start_regime(state, seed, data, args)))
+                regime.append(dict(arm=INIT_ARM, **key, epoch=0, **start_regime(state, init, seed, data, args)))
                 for arm in arms:
                     bar.set_postfix_str(f"seed {seed} init {init} {arm}")
-                    metrics, rows = fine_tune(arm, seed, state, data, args, bar.update)
+                    metrics, rows = fine_tune(arm, init, seed, state, data, args, bar.update)
                     final.append(dict(arm=arm, **key, **metrics))
                     regime += [dict(arm=arm, **key, **r) for r in rows]
                 demo.write_csv(os.path.join(args.out, "final.csv"), final)  # so far: a run stopped early keeps them
@@ -659,10 +755,11 @@ def main(argv=None) -> dict:
     run = write_run()
     tables = study_tables.render_all(args.out)
     print(tables)
+    study_plots.plot(args.out, os.path.join(args.out, "study.png"))
     print(
         f"{run['wall_seconds']:.0f} s wall, {run['cpu_seconds']:.0f} s CPU (user+sys), load average at start {load:.2f}"
     )
-    print(f"wrote final.csv, regime.csv, stage1.csv, run.json to {args.out}/")
+    print(f"wrote final.csv, regime.csv, stage1.csv, run.json, study.png to {args.out}/")
     return dict(final=final, regime=regime, stage1=s1_records, run=run, missing=missing, tables=tables)
 
 

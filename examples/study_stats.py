@@ -4,17 +4,18 @@ Pure Python (no scipy: the example runs without it; ``tests/integrations/test_st
 checks every function against scipy and against hand-computed values).
 
 * :func:`paired_t`: the paired t-interval and two-sided p over all pairs (n − 1 degrees of
-  freedom), treating every (initialisation, seed) pair as independent.
-* :func:`cluster_t`: the same over the initialisations' mean differences (k − 1 degrees of
-  freedom). With the same number of seeds per initialisation this is the interval of the
-  one-way random-effects model (initialisation random): the variance of the grand mean is
-  MS_between / (k·m) = var(cluster means) / k, so it carries the initialisations' variance.
+  freedom), treating every (initialisation, seed) pair as independent (what :func:`crossed_t`
+  reduces to when neither factor's mean square exceeds the residual's).
+* :func:`crossed_t`: the interval of the mean under the crossed two-way random-effects model
+  (initialisation × seed, both random; Satterthwaite degrees of freedom): the verdicts' test,
+  since every initialisation is shared by its seeds and every seed's held-out pool by the
+  initialisations.
 * :func:`sign_test`: the exact two-sided sign test; ties are counted and reported, and dropped
   from the test.
 * :func:`holm`: Holm's step-down adjusted p-values over a family of tests.
 * :func:`min_detectable`: the smallest true mean difference a two-sided paired t-test at level
   α detects with the given power (the usual (t₁₋α/₂ + t_power)·sd/√n approximation, on n − 1
-  degrees of freedom).
+  degrees of freedom); :func:`min_detectable_se` the same for a standard error and its df.
 
 No bootstrap: at n ≤ 30 pairs a percentile bootstrap of the mean is too narrow (it uses
 √((n−1)/n)·sd and the normal quantile), and the t-interval is exact under normality.
@@ -119,28 +120,82 @@ def paired_t(diffs: Sequence[float], level: float = 0.95) -> Dict[str, float]:
     return dict(n=n, mean=mean, sd=sd, low=mean - half, high=mean + half, p=p)
 
 
-def cluster_t(diffs_by_cluster: Dict[object, Sequence[float]], level: float = 0.95) -> Dict[str, float]:
-    """The t-interval over the clusters' (initialisations') mean differences, k − 1 degrees of freedom.
+def crossed_t(diffs: Dict[tuple, float], level: float = 0.95) -> Dict[str, float]:
+    """The interval of the grand mean under the crossed two-way random-effects model.
 
-    Returns :func:`paired_t` of the cluster means (n is then k, the number of clusters) plus
-    ``sd_between`` and ``sd_within``, the one-way random-effects variance components' square
-    roots (method of moments, between clipped at 0; nan where undefined).
+    ``diffs`` maps every (initialisation, seed) cell of a complete I × S design to its difference
+    d_is = μ + a_i + b_s + e_is, with a_i ~ N(0, σ_a²) (the initialisation: shared by its seeds),
+    b_s ~ N(0, σ_b²) (the seed: its held-out pool, and in runs before version 5 its training
+    pool and batch order, shared by every initialisation) and e_is ~ N(0, σ_e²). The variance of
+    the mean of d is σ_a²/I + σ_b²/S + σ_e²/(IS); the components are the balanced ANOVA (method
+    of moments) estimates, which equal REML's (statsmodels ``MixedLM`` with variance components)
+    when they are positive. A component whose mean square falls below the residual's is set to
+    0 and its sum of squares pooled into the residual (as REML's boundary fit does). The degrees
+    of freedom are Satterthwaite's for the mean squares that make up the variance.
+
+    Returns dict(n, mean, se, df, low, high, p, sd_init, sd_seed, sd_cell): the ``level``
+    t-interval on ``df`` degrees of freedom and its two-sided p. A zero ``se`` gives a
+    zero-width interval and p = 0 (mean ≠ 0) or 1 (mean = 0). One initialisation or one seed
+    leaves one factor, whose cells are independent: :func:`paired_t` over them (sd_init and
+    sd_seed nan: not separable from the cell's). Raises ValueError unless the cells form a
+    complete I × S grid.
     """
-    if not diffs_by_cluster or any(len(v) == 0 for v in diffs_by_cluster.values()):
-        raise ValueError("diffs_by_cluster must map each cluster to at least one difference")
-    means = [math.fsum(v) / len(v) for v in diffs_by_cluster.values()]
-    out = paired_t(means, level)
-    sizes = [len(v) for v in diffs_by_cluster.values()]
-    k, total = len(sizes), sum(sizes)
-    if k > 1 and total > k and len(set(sizes)) == 1:
-        m = sizes[0]
-        grand = math.fsum(means) / k
-        ms_between = m * math.fsum((x - grand) ** 2 for x in means) / (k - 1)
-        ms_within = math.fsum((d - mu) ** 2 for v, mu in zip(diffs_by_cluster.values(), means) for d in v) / (total - k)
-        out.update(sd_between=math.sqrt(max(0.0, (ms_between - ms_within) / m)), sd_within=math.sqrt(ms_within))
-    else:
-        out.update(sd_between=float("nan"), sd_within=float("nan"))
-    return out
+    inits = sorted({k[0] for k in diffs})
+    seeds = sorted({k[1] for k in diffs})
+    n_i, n_s = len(inits), len(seeds)
+    if not diffs or len(diffs) != n_i * n_s or any((i, s) not in diffs for i in inits for s in seeds):
+        raise ValueError("diffs must map every (initialisation, seed) of a complete grid of cells")
+    n = n_i * n_s
+    if n_i == 1 or n_s == 1:
+        t = paired_t(list(diffs.values()), level)
+        se = t["sd"] / math.sqrt(n) if n > 1 else float("nan")
+        nan = float("nan")
+        return dict(
+            n=n,
+            mean=t["mean"],
+            se=se,
+            df=float(n - 1),
+            low=t["low"],
+            high=t["high"],
+            p=t["p"],
+            sd_init=nan,
+            sd_seed=nan,
+            sd_cell=t["sd"],
+        )
+    grand = math.fsum(diffs.values()) / n
+    row = {i: math.fsum(diffs[(i, s)] for s in seeds) / n_s for i in inits}
+    col = {s: math.fsum(diffs[(i, s)] for i in inits) / n_i for s in seeds}
+    ss = dict(
+        init=n_s * math.fsum((row[i] - grand) ** 2 for i in inits),
+        seed=n_i * math.fsum((col[s] - grand) ** 2 for s in seeds),
+        cell=math.fsum((diffs[(i, s)] - row[i] - col[s] + grand) ** 2 for i in inits for s in seeds),
+    )
+    df = dict(init=n_i - 1, seed=n_s - 1, cell=(n_i - 1) * (n_s - 1))
+    kept = ["init", "seed"]
+    while True:  # pool a factor whose mean square is below the residual's (its component estimated as 0)
+        resid_ss = ss["cell"] + math.fsum(ss[f] for f in ("init", "seed") if f not in kept)
+        resid_df = df["cell"] + sum(df[f] for f in ("init", "seed") if f not in kept)
+        ms_resid = resid_ss / resid_df
+        low_f = [f for f in kept if ss[f] / df[f] < ms_resid]
+        if not low_f:
+            break
+        kept.remove(min(low_f, key=lambda f: ss[f] / df[f]))
+    ms = {f: ss[f] / df[f] for f in kept}
+    # n·Var(mean) = Σ_kept MS_f + (1 − #kept)·MS_resid; Satterthwaite over those mean squares
+    terms = [(ms[f], df[f]) for f in kept] + [((1 - len(kept)) * ms_resid, resid_df)]
+    var_n = math.fsum(t for t, _ in terms)
+    se = math.sqrt(max(0.0, var_n) / n)
+    denom = math.fsum(t * t / d for t, d in terms)
+    dof = var_n * var_n / denom if denom > 0 else float(resid_df)
+    sd = dict(
+        sd_init=math.sqrt((ms["init"] - ms_resid) / n_s) if "init" in kept else 0.0,
+        sd_seed=math.sqrt((ms["seed"] - ms_resid) / n_i) if "seed" in kept else 0.0,
+        sd_cell=math.sqrt(ms_resid),
+    )
+    if se == 0.0:
+        return dict(n=n, mean=grand, se=0.0, df=dof, low=grand, high=grand, p=1.0 if grand == 0.0 else 0.0, **sd)
+    half = t_ppf(0.5 + level / 2.0, dof) * se
+    return dict(n=n, mean=grand, se=se, df=dof, low=grand - half, high=grand + half, p=t_sf2(grand / se, dof), **sd)
 
 
 def sign_test(diffs: Sequence[float]) -> Dict[str, float]:
@@ -182,4 +237,15 @@ def min_detectable(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -
     """
     if n < 2:
         return float("nan")
-    return (t_ppf(1.0 - alpha / 2.0, n - 1) + t_ppf(power, n - 1)) * sd / math.sqrt(n)
+    return min_detectable_se(sd / math.sqrt(n), n - 1, alpha, power)
+
+
+def min_detectable_se(se: float, df: float, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The smallest |mean| a two-sided t-test at ``alpha`` on ``df`` degrees of freedom detects with ``power``.
+
+    (t_{1−α/2, df} + t_{power, df}) · se: :func:`min_detectable` for an estimate of standard
+    error ``se`` (e.g. :func:`crossed_t`'s, with its Satterthwaite df). nan for df ≤ 0 or a nan se.
+    """
+    if not df > 0 or math.isnan(se):
+        return float("nan")
+    return (t_ppf(1.0 - alpha / 2.0, df) + t_ppf(power, df)) * se

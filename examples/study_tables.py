@@ -37,27 +37,50 @@ def load(folder: str) -> dict:
 
     with open(os.path.join(folder, "run.json")) as fh:
         run = json.load(fh)
-    return dict(final=rows("final.csv"), regime=rows("regime.csv"), stage1=rows("stage1.csv"), run=run)
+    regime = rows("regime.csv")
+    for r in regime:  # version 4 named the same quantity zero_grad_rows
+        if "zero_grad_rows" in r:
+            r["fp32_zero_pos_grad_rows"] = r.pop("zero_grad_rows")
+    return dict(final=rows("final.csv"), regime=regime, stage1=rows("stage1.csv"), run=run, folder=folder)
+
+
+def label(data: dict) -> str:
+    """What the tables call a run: the two committed runs by name, any other by its folder."""
+    where = os.path.realpath(data["folder"])
+    if where == os.path.realpath(COMMITTED):
+        return "the default run"
+    if where == os.path.realpath(REPLICATION):
+        return "the replication"
+    return f"the run in `{data['folder']}`"
 
 
 def _key(r) -> tuple:
     return int(r["init"]), int(r["seed"])
 
 
+def grid(final: list) -> list:
+    """The (initialisation, seed) cells of the complete seeds: every initialisation ran them.
+
+    A run stopped early (seeds are its outer loop) keeps its finished seeds; the crossed model
+    needs the complete grid."""
+    keys = {_key(r) for r in final if r["arm"] == BASE}
+    inits = {i for i, _ in keys}
+    seeds = [s for s in sorted({s for _, s in keys}) if all((i, s) in keys for i in inits)]
+    return [(i, s) for i in sorted(inits) for s in seeds]
+
+
 def comparisons(final: list, arms: list) -> list:
-    """Every arm × metric against ClipLoss, paired within (init, seed), Holm over the family."""
+    """Every arm × metric against ClipLoss, paired within each (init, seed) cell, under the crossed
+    two-way random-effects model (``study_stats.crossed_t``); Holm over the family."""
     by = {(r["arm"], _key(r)): r for r in final}
-    keys = sorted({_key(r) for r in final if r["arm"] == BASE})
+    keys = grid(final)
     out = []
     for arm in [a for a in arms if a != BASE]:
         for metric in METRICS:
-            diffs = [float(by[(arm, k)][metric]) - float(by[(BASE, k)][metric]) for k in keys]
-            clusters = {}
-            for k, d in zip(keys, diffs):
-                clusters.setdefault(k[0], []).append(d)
-            t, c, s = st.paired_t(diffs), st.cluster_t(clusters), st.sign_test(diffs)
-            out.append(dict(arm=arm, metric=metric, t=t, cluster=c, sign=s, mdd=st.min_detectable(t["sd"], t["n"])))
-    for row, p in zip(out, st.holm([r["t"]["p"] for r in out])):
+            diffs = {k: float(by[(arm, k)][metric]) - float(by[(BASE, k)][metric]) for k in keys}
+            x, s = st.crossed_t(diffs), st.sign_test(list(diffs.values()))
+            out.append(dict(arm=arm, metric=metric, x=x, sign=s, mdd=st.min_detectable_se(x["se"], x["df"])))
+    for row, p in zip(out, st.holm([r["x"]["p"] for r in out])):
         row["holm_p"] = p
     primary = [r for r in out if (r["arm"], r["metric"]) == PRIMARY]
     return primary + [r for r in out if (r["arm"], r["metric"]) != PRIMARY]
@@ -74,17 +97,23 @@ def _p(p: float) -> str:
     return "< 0.001" if p < 0.001 else f"{p:.3f}"
 
 
+def _p_is(p: float) -> str:
+    """ "= 0.012" or "< 0.001", for after "p"."""
+    text = _p(p)
+    return text if text.startswith("<") else "= " + text
+
+
 def _detected(r) -> bool:
     return not math.isnan(r["holm_p"]) and r["holm_p"] < ALPHA
 
 
 def _relation(r) -> str:
-    return "ahead of" if r["t"]["mean"] > 0 else "behind"
+    return "ahead of" if r["x"]["mean"] > 0 else "behind"
 
 
 def verdict(r) -> str:
     if _detected(r):
-        return "ahead" if r["t"]["mean"] > 0 else "behind"
+        return "ahead" if r["x"]["mean"] > 0 else "behind"
     return f"none detected (MDD {r['mdd']:.3f})"
 
 
@@ -94,12 +123,23 @@ def md_table(header, rows) -> str:
 
 
 def design(data: dict) -> tuple:
-    """(k initialisations, n pairs, "k initialisations × m seeds" or the pairs of an incomplete run)."""
+    """(k initialisations, n cells, "k initialisations × m seeds", with the cells left out of an incomplete run)."""
     keys = {_key(r) for r in data["final"] if r["arm"] == BASE}
-    inits, seeds = {i for i, _ in keys}, {s for _, s in keys}
-    if len(keys) == len(inits) * len(seeds):
-        return len(inits), len(keys), f"{len(inits)} initialisations × {len(seeds)} seeds"
-    return len(inits), len(keys), f"{len(keys)} (initialisation, seed) pairs of {len(inits)} initialisations"
+    cells = grid(data["final"])
+    inits, seeds = {i for i, _ in cells}, {s for _, s in cells}
+    what = f"{len(inits)} initialisations × {len(seeds)} seeds"
+    if len(keys) > len(cells):
+        what += f" (the complete seeds; {len(keys) - len(cells)} cells of an unfinished seed left out)"
+    return len(inits), len(cells), what
+
+
+def shared(data: dict) -> str:
+    """What the cells of one seed share, by the run's version (5: fresh pools per cell)."""
+    if data["run"].get("version", 4) >= 5:
+        return (
+            "the seed's held-out pool (a training pool and batch order per cell; held-out pools disjoint across seeds)"
+        )
+    return "the seed's training pool, batch order and held-out pool"
 
 
 def results_table(data: dict) -> str:
@@ -107,16 +147,17 @@ def results_table(data: dict) -> str:
     run, rows = data["run"], comparisons(data["final"], data["run"]["arms"])
     k, n, what = design(data)
     head = (
-        f"{what} = {n} pairs; held-out pool {run['held_out_pairs']} pairs "
-        f"per seed; last epoch ({run['config']['epochs']}). Δ = arm − ClipLoss within each (initialisation, seed): "
-        f"mean [95% paired t-interval, {n - 1} df], the interval over the {k} initialisations' means "
-        f"({k - 1} df, carries initialisation variance), wins/losses/ties with the exact sign-test p, the paired "
-        f"t-test's p Holm-adjusted over all {len(rows)} comparisons, and the verdict at Holm p < {ALPHA} "
-        f"(MDD: the smallest |Δ| detectable with 80% power at α = {ALPHA})."
+        f"{what} = {n} cells; held-out pool {run['held_out_pairs']} pairs per seed; last epoch "
+        f"({run['config']['epochs']}). The design is crossed: an initialisation is shared by its seeds, and a seed's "
+        f"cells share {shared(data)}. Δ = arm − ClipLoss within each cell: mean [95% interval of the crossed two-way "
+        f"random-effects model, initialisation × seed both random, Satterthwaite df], the components' sds "
+        f"(initialisation / seed / cell), wins/losses/ties with the exact sign-test p (descriptive: it treats the "
+        f"cells as independent), the model's p Holm-adjusted over all {len(rows)} comparisons, and the verdict at "
+        f"Holm p < {ALPHA} (MDD: the smallest |Δ| the model's test detects with 80% power at α = {ALPHA})."
     )
     body = []
     for r in rows:
-        t, c, s = r["t"], r["cluster"], r["sign"]
+        t, s = r["x"], r["sign"]
         name = f"**{r['arm']}**" if (r["arm"], r["metric"]) == PRIMARY else r["arm"]
         metric = f"**{LABEL[r['metric']]}** (primary)" if (r["arm"], r["metric"]) == PRIMARY else LABEL[r["metric"]]
         body.append(
@@ -124,49 +165,51 @@ def results_table(data: dict) -> str:
                 name,
                 metric,
                 f"{_num(t['mean'])} [{_num(t['low'])}, {_num(t['high'])}]",
-                f"[{_num(c['low'])}, {_num(c['high'])}]",
-                f"{s['wins']}/{s['losses']}/{s['ties']}, p {_p(s['p']) if s['p'] < 0.001 else '= ' + _p(s['p'])}",
+                f"{t['df']:.1f}",
+                f"{t['sd_init']:.3f} / {t['sd_seed']:.3f} / {t['sd_cell']:.3f}",
+                f"{s['wins']}/{s['losses']}/{s['ties']}, p {_p_is(s['p'])}",
                 _p(r["holm_p"]),
                 verdict(r),
             ]
         )
     table = md_table(
-        ["arm vs ClipLoss", "metric", "Δ [95% t]", "Δ by initialisation", "W/L/T, sign p", "Holm p", "verdict"], body
+        ["arm vs ClipLoss", "metric", "Δ [95%]", "df", "sd init / seed / cell", "W/L/T, sign p", "Holm p", "verdict"],
+        body,
     )
     return head + "\n\n" + table
 
 
 def levels_table(data: dict) -> str:
-    """Each arm's mean over the pairs (± half-width of the 95% t-interval) and the initialisation's."""
+    """Each arm's mean over the cells (± half-width of the crossed model's 95% interval) and the initialisation's."""
     final, arms = data["final"], [INIT_ARM] + data["run"]["arms"]
+    by = {(r["arm"], _key(r)): r for r in final}
+    keys = grid(final)
     body = []
     for arm in arms:
-        rows = [r for r in final if r["arm"] == arm]
+        rows = [by[(arm, k)] for k in keys]
         cells = []
         for m in METRICS:
-            t = st.paired_t([float(r[m]) for r in rows])
+            t = st.crossed_t({k: float(by[(arm, k)][m]) for k in keys})
             cells.append(f"{t['mean']:.3f} ± {t['high'] - t['mean']:.3f}")
         tau = sum(float(r["tau"]) for r in rows) / len(rows)
         body.append([arm + (" (epoch 0)" if arm == INIT_ARM else "")] + cells + [f"{tau:.4f}"])
     for arm, why in data["run"].get("missing", {}).items():
         body.append([arm, f"not run: {why}"] + [""] * len(METRICS))
     table = md_table(["arm"] + [LABEL[m] for m in METRICS] + ["τ"], body)
-    by = {(r["arm"], _key(r)): r for r in final}
-    keys = sorted({_key(r) for r in final if r["arm"] == BASE})
     parts = []
     for arm in data["run"]["arms"]:
-        t = st.paired_t([float(by[(arm, k)]["t2i_R@1"]) - float(by[(INIT_ARM, k)]["t2i_R@1"]) for k in keys])
+        t = st.crossed_t({k: float(by[(arm, k)]["t2i_R@1"]) - float(by[(INIT_ARM, k)]["t2i_R@1"]) for k in keys})
         where = "below" if t["high"] < 0 else "above" if t["low"] > 0 else "not distinguishable from"
         parts.append(f"{arm} {_num(t['mean'])} [{_num(t['low'])}, {_num(t['high'])}], {where} it")
     line = (
         "Against the initialisation (descriptive, outside the Holm family), the last epoch's t→i R@1 − epoch 0's, "
-        "paired within (initialisation, seed), mean [95% t-interval]: " + "; ".join(parts) + "."
+        "paired within each cell, mean [the crossed model's 95% interval]: " + "; ".join(parts) + "."
     )
     return table + "\n\n" + line
 
 
 def regime_table(data: dict) -> str:
-    """Per arm and epoch, over all pairs: batches with InfoNCE < 1e-3 / zero-gradient rows."""
+    """Per arm and epoch, over all cells: batches with InfoNCE < 1e-3 / rows whose float32 positive gradient rounds to 0."""
     regime, arms = data["regime"], data["run"]["arms"]
     epochs = sorted({int(r["epoch"]) for r in regime})
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
@@ -175,7 +218,7 @@ def regime_table(data: dict) -> str:
     body.append(
         ["initialisation (no update)"]
         + [
-            f"{mean([float(r['sat_batches']) for r in start]):.2f} / {mean([float(r['zero_grad_rows']) for r in start]):.2f}"
+            f"{mean([float(r['sat_batches']) for r in start]):.2f} / {mean([float(r['fp32_zero_pos_grad_rows']) for r in start]):.2f}"
         ]
         + [""] * (len(epochs) - 1)
         + [f"{mean([float(r['median_infonce']) for r in start]):.3f}"]
@@ -185,7 +228,7 @@ def regime_table(data: dict) -> str:
         for e in epochs[1:]:
             rows = [r for r in regime if r["arm"] == arm and int(r["epoch"]) == e]
             cells.append(
-                f"{mean([float(r['sat_batches']) for r in rows]):.2f} / {mean([float(r['zero_grad_rows']) for r in rows]):.2f}"
+                f"{mean([float(r['sat_batches']) for r in rows]):.2f} / {mean([float(r['fp32_zero_pos_grad_rows']) for r in rows]):.2f}"
             )
         first = [r for r in regime if r["arm"] == arm and int(r["epoch"]) == 1]
         body.append([arm, ""] + cells + [f"{mean([float(r['median_infonce']) for r in first]):.3f}"])
@@ -193,15 +236,34 @@ def regime_table(data: dict) -> str:
     sat0 = mean([float(r["sat_batches"]) for r in start])
     clip = [r for r in regime if r["arm"] == BASE]
     best = max(mean([float(r["sat_batches"]) for r in clip if int(r["epoch"]) == e]) for e in epochs[1:])
-    zero0 = mean([float(r["zero_grad_rows"]) for r in start])
+    zero0 = mean([float(r["fp32_zero_pos_grad_rows"]) for r in start])
     sentence = (
-        f"Batches with InfoNCE < 1e-3 / rows with an exactly-zero float32 positive gradient, mean over the "
-        f"{len(start)} (initialisation, seed) pairs. At the start of fine-tuning {sat0:.0%} of the batches are below "
-        f"1e-3 (target ≥ 50%, paper 80%): the target is "
+        f"Batches with InfoNCE < 1e-3 / directional rows whose float32 positive-logit gradient "
+        f"(softmax(logits)[i, i] − 1) rounds to 0, mean over the {len(start)} (initialisation, seed) cells. At the "
+        f"start of fine-tuning {sat0:.0%} of the batches are below 1e-3 (target ≥ 50%, paper 80%): the target is "
         + ("reached" if sat0 >= 0.5 else "not reached")
-        + f"; ClipLoss's best epoch has {best:.0%}. Zero-gradient rows at the start: {zero0:.0%} (paper: 47%)."
+        + f"; ClipLoss's best epoch has {best:.0%}. Rows whose float32 positive-logit gradient rounds to 0, at the "
+        f"start: {zero0:.0%}. That is not a row whose whole gradient is 0 (its negatives' gradients, softmax(logits)[i, j], "
+        "stay non-zero unless they underflow too), and not the paper's zero-gradient figure."
     )
     return sentence + "\n\n" + md_table(header, body)
+
+
+def _leakage_sentence(leak: dict) -> str:
+    if "held_out_in_training" not in leak:  # version 4: the guard compared caption strings
+        return (
+            f"Leakage check (version 4, caption strings only): {leak['held_out_scenes']} held-out items "
+            f"({leak['held_out_captions']} distinct captions) against {leak['training_captions']} distinct training "
+            f"captions: {leak['shared_captions']} captions shared. It does not compare canonical scenes."
+        )
+    return (
+        f"Leakage check (asserted by the run; canonical scenes read from the captions, a caption and its mirror one "
+        f"scene): {leak['held_out_items']} held-out items ({leak['held_out_scenes']} distinct scenes; stage 1's "
+        f"held-out set and every seed's pool) against {leak['training_scenes']} training scenes (stage 1 of every "
+        f"initialisation and every cell's pool): {leak['held_out_in_stage1']} held-out items share a scene with "
+        f"stage-1 data, {leak['held_out_in_training']} with any training set, {leak['held_out_captions_in_training']} "
+        f"a caption string; {leak['held_out_pools_sharing_scenes']} scenes in two held-out pools."
+    )
 
 
 def run_table(data: dict) -> str:
@@ -226,11 +288,7 @@ def run_table(data: dict) -> str:
     lines = [
         table,
         "",
-        f"Leakage check (asserted by the run): {leak['held_out_scenes']} held-out scenes "
-        f"({leak['held_out_captions']} distinct captions; stage 1's held-out set and every seed's pool) against "
-        f"{leak['training_scenes']} training scenes ({leak['training_captions']} distinct captions; stage 1 of "
-        f"every initialisation and every seed's pool): {leak['shared_captions']} captions and "
-        f"{leak['shared_scenes']} scenes shared.",
+        _leakage_sentence(leak),
         "",
         f"Run: stage-1 width {cfg['width']}, {cfg['s1_train']} scenes; pool {run['pool_pairs']} pairs, "
         f"{cfg['epochs']} epochs, lr {cfg['lr']}; {cfg['threads']} torch thread; {run['cpu_seconds'] / 60:.1f} "
@@ -250,27 +308,21 @@ def conclusions(data: dict) -> str:
     """The sentences of conclusion, each computed from the comparisons."""
     rows = comparisons(data["final"], data["run"]["arms"])
     p = rows[0]
-    t, c = p["t"], p["cluster"]
-    k = design(data)[0]
-    across = "excludes" if (c["low"] > 0 or c["high"] < 0) else "includes"
+    t = p["x"]
     out = [
         f"- Primary (HN-CLIP γ = 0.5 − ClipLoss, t→i R@1): Δ = {_num(t['mean'])} "
-        f"[{_num(t['low'])}, {_num(t['high'])}] over {t['n']} pairs, Holm p = {_p(p['holm_p'])}: "
+        f"[{_num(t['low'])}, {_num(t['high'])}] over {t['n']} cells ({t['df']:.1f} df), Holm p {_p_is(p['holm_p'])}: "
         + (
             f"HN-CLIP is {_relation(p)} ClipLoss."
             if _detected(p)
             else f"no difference detected; the smallest difference this run could detect is ±{p['mdd']:.3f}."
         )
-        + f" The interval over the {k} initialisations' means, [{_num(c['low'])}, {_num(c['high'])}], {across} 0."
     ]
     found = [r for r in rows[1:] if _detected(r)]
     for r in found:
-        c = r["cluster"]
-        across = "excludes" if (c["low"] > 0 or c["high"] < 0) else "includes"
         out.append(
-            f"- {r['arm']} is {_relation(r)} ClipLoss on {LABEL[r['metric']]}: Δ = {_num(r['t']['mean'])} "
-            f"[{_num(r['t']['low'])}, {_num(r['t']['high'])}], Holm p = {_p(r['holm_p'])}; the interval over "
-            f"initialisations {across} 0."
+            f"- {r['arm']} is {_relation(r)} ClipLoss on {LABEL[r['metric']]}: Δ = {_num(r['x']['mean'])} "
+            f"[{_num(r['x']['low'])}, {_num(r['x']['high'])}] ({r['x']['df']:.1f} df), Holm p {_p_is(r['holm_p'])}."
         )
     none = [r for r in rows[1:] if not _detected(r)]
     if none:
@@ -288,13 +340,13 @@ def readme_table(data: dict, rep: dict = None) -> str:
     body = [
         [
             r["arm"] + (" (primary)" if (r["arm"], r["metric"]) == PRIMARY else ""),
-            f"{_num(r['t']['mean'])} [{_num(r['t']['low'])}, {_num(r['t']['high'])}]",
+            f"{_num(r['x']['mean'])} [{_num(r['x']['low'])}, {_num(r['x']['high'])}]",
             f"{r['sign']['wins']}/{r['sign']['losses']}/{r['sign']['ties']}",
             _p(r["holm_p"]),
             verdict(r),
         ]
         + (
-            [f"{_num(again[(r['arm'], r['metric'])]['t']['mean'])}: {verdict(again[(r['arm'], r['metric'])])}"]
+            [f"{_num(again[(r['arm'], r['metric'])]['x']['mean'])}: {verdict(again[(r['arm'], r['metric'])])}"]
             if rep
             else []
         )
@@ -302,12 +354,13 @@ def readme_table(data: dict, rep: dict = None) -> str:
     ]
     head = (
         f"Δ t→i R@1 against ClipLoss at the last epoch, {design(data)[2]} "
-        f"(mean [95% paired t-interval], wins/losses/ties, Holm p over all {len(every)} comparisons):"
+        f"(mean [95% interval of the crossed initialisation × seed random-effects model], wins/losses/ties, "
+        f"Holm p over all {len(every)} comparisons):"
     )
     others = [r for r in every if r["metric"] != PRIMARY[1] and _detected(r)]
-    tail = "In the default run, on the other metrics (i→t R@1, group accuracy both ways), " + (
+    tail = f"In {label(data)}, on the other metrics (i→t R@1, group accuracy both ways), " + (
         "differences are detected for: "
-        + "; ".join(f"{r['arm']} {verdict(r)} on {LABEL[r['metric']]} ({_num(r['t']['mean'])})" for r in others)
+        + "; ".join(f"{r['arm']} {verdict(r)} on {LABEL[r['metric']]} ({_num(r['x']['mean'])})" for r in others)
         + "; none for the rest."
         if others
         else "no difference is detected."
@@ -330,20 +383,20 @@ def replication_table(data: dict, rep: dict) -> str:
     ]
 
     def cell(r):
-        t = r["t"]
+        t = r["x"]
         return f"{_num(t['mean'])} [{_num(t['low'])}, {_num(t['high'])}], Holm p {_p(r['holm_p'])}: {verdict(r)}"
 
     body = []
     for r in rows:
         q = again[(r["arm"], r["metric"])]
-        same = _detected(r) == _detected(q) and (not _detected(r) or (r["t"]["mean"] > 0) == (q["t"]["mean"] > 0))
+        same = _detected(r) == _detected(q) and (not _detected(r) or (r["x"]["mean"] > 0) == (q["x"]["mean"] > 0))
         body.append([r["arm"], LABEL[r["metric"]], cell(r), cell(q), "yes" if same else "no"])
     found = [r for r in first if _detected(r)]
     held = [
         r
         for r in found
         if _detected(again[(r["arm"], r["metric"])])
-        and (r["t"]["mean"] > 0) == (again[(r["arm"], r["metric"])]["t"]["mean"] > 0)
+        and (r["x"]["mean"] > 0) == (again[(r["arm"], r["metric"])]["x"]["mean"] > 0)
     ]
     new = [
         q

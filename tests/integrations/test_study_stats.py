@@ -57,26 +57,39 @@ def test_holm_by_hand():
         st.holm([1.5])
 
 
-def test_cluster_t_by_hand():
-    # cluster means 2, 3, 1: mean 2, sd 1 on 2 df; MS_between = 3·1 = 3, MS_within = 1 -> σ_b² = (3 − 1)/3
-    r = st.cluster_t({0: [1.0, 2.0, 3.0], 1: [2.0, 3.0, 4.0], 2: [0.0, 1.0, 2.0]})
-    assert (r["n"], r["mean"], r["sd"]) == (3, 2.0, 1.0)
-    assert r["high"] - r["mean"] == pytest.approx(4.302653 / math.sqrt(3), abs=1e-6)
-    assert r["sd_between"] == pytest.approx(math.sqrt(2 / 3)) and r["sd_within"] == pytest.approx(1.0)
-    # no between-initialisation variance beyond the seeds': σ_b clipped at 0
-    flat = st.cluster_t({0: [0.0, 2.0], 1: [0.0, 2.0]})
-    assert flat["sd_between"] == 0.0 and flat["sd"] == 0.0
-    # unequal clusters: the interval still, no variance components
-    assert math.isnan(st.cluster_t({0: [1.0], 1: [2.0, 3.0]})["sd_between"])
-    with pytest.raises(ValueError, match="diffs_by_cluster"):
-        st.cluster_t({0: []})
+def test_crossed_t_by_hand():
+    # initialisation rows (0, 2, 4) and (2, 6, 4): grand mean 3, row means 2, 4, column means 1, 4, 4;
+    # MS_init = 3·2/1 = 6, MS_seed = 2·6/2 = 6, residuals 0, −1, 1, 0, 1, −1: MS_cell = 4/2 = 2
+    grid = {(0, 0): 0.0, (0, 1): 2.0, (0, 2): 4.0, (1, 0): 2.0, (1, 1): 6.0, (1, 2): 4.0}
+    r = st.crossed_t(grid)
+    assert (r["n"], r["mean"]) == (6, 3.0)
+    assert r["se"] == pytest.approx(math.sqrt((6 + 6 - 2) / 6), rel=1e-12)  # σ_a²/2 + σ_b²/3 + σ_e²/6
+    assert r["df"] == pytest.approx(10**2 / (6**2 / 1 + 6**2 / 2 + 2**2 / 2), rel=1e-12)  # Satterthwaite
+    assert (r["sd_init"], r["sd_seed"], r["sd_cell"]) == pytest.approx((math.sqrt(4 / 3), math.sqrt(2), math.sqrt(2)))
+    half = st.t_ppf(0.975, r["df"]) * r["se"]
+    assert (r["low"], r["high"]) == pytest.approx((3.0 - half, 3.0 + half), rel=1e-12)
+    assert r["p"] == pytest.approx(st.t_sf2(3.0 / r["se"], r["df"]), rel=1e-12)
+    # neither factor's mean square above the residual's: both pooled, the paired t over all cells
+    flat = {(0, 0): 1.0, (0, 1): -1.0, (0, 2): 0.5, (1, 0): -1.0, (1, 1): 1.0, (1, 2): 0.5}
+    r, t = st.crossed_t(flat), st.paired_t(list(flat.values()))
+    assert (r["sd_init"], r["sd_seed"], r["df"]) == (0.0, 0.0, 5)
+    assert (r["low"], r["high"], r["p"]) == pytest.approx((t["low"], t["high"], t["p"]), rel=1e-12)
+    # one initialisation (or one seed): one factor, independent cells, the paired t
+    one = {(0, 0): 1.0, (0, 1): 2.0, (0, 2): 4.0}
+    r, t = st.crossed_t(one), st.paired_t([1.0, 2.0, 4.0])
+    assert (r["df"], r["low"], r["high"], r["p"], r["sd_cell"]) == (2, t["low"], t["high"], t["p"], t["sd"])
+    assert math.isnan(r["sd_init"]) and math.isnan(st.crossed_t({(3, 7): 0.5})["p"])
+    for bad in ({}, {(0, 0): 1.0, (0, 1): 2.0, (1, 0): 3.0}):
+        with pytest.raises(ValueError, match="complete grid"):
+            st.crossed_t(bad)
 
 
 def test_min_detectable_by_hand():
     # (t_{0.975, 29} + t_{0.8, 29}) · sd / √30 = (2.045230 + 0.854192) / √30
     assert st.min_detectable(1.0, 30) == pytest.approx((2.045230 + 0.854192) / math.sqrt(30), abs=1e-5)
     assert st.min_detectable(0.02, 30) == pytest.approx(0.02 * st.min_detectable(1.0, 30))
-    assert math.isnan(st.min_detectable(1.0, 1))
+    assert math.isnan(st.min_detectable(1.0, 1)) and math.isnan(st.min_detectable_se(0.1, 0.0))
+    assert st.min_detectable_se(0.1, 29) == pytest.approx(st.min_detectable(0.1 * math.sqrt(30), 30), rel=1e-12)
 
 
 # ---------------------------------------------------------------- against scipy
@@ -114,21 +127,74 @@ def test_paired_t_against_scipy():
     )
 
 
-def test_cluster_t_against_scipy():
-    stats = pytest.importorskip("scipy.stats")
-    clusters = {0: DATA[:4], 1: DATA[4:8], 2: DATA[8:]}
-    means = [sum(v) / len(v) for v in clusters.values()]
-    r, ref = st.cluster_t(clusters), stats.ttest_1samp(means, 0.0)
-    ci = ref.confidence_interval(0.95)
-    assert r["p"] == pytest.approx(ref.pvalue, rel=1e-9)
-    assert (r["low"], r["high"]) == pytest.approx((ci.low, ci.high), rel=1e-9)
-    # the variance components from one-way ANOVA's mean squares: here F < 1, so σ_b is clipped at 0
-    assert stats.f_oneway(*clusters.values()).statistic < 1 and r["sd_between"] == 0.0
-    shifted = {0: DATA[:4], 1: [d + 0.03 for d in DATA[4:8]], 2: DATA[8:]}
-    r, f = st.cluster_t(shifted), stats.f_oneway(*shifted.values()).statistic
-    ms_within = r["sd_within"] ** 2
-    ms_between = ms_within + 4 * r["sd_between"] ** 2
-    assert f > 1 and ms_between / ms_within == pytest.approx(f, rel=1e-9)
+def _crossed_data(seed: int, sd_init: float, sd_seed: float, sd_cell: float, inits=3, seeds=10) -> dict:
+    import random
+
+    rng = random.Random(seed)
+    a = [rng.gauss(0, sd_init) for _ in range(inits)]
+    b = [rng.gauss(0, sd_seed) for _ in range(seeds)]
+    return {(i, s): 0.003 + a[i] + b[s] + rng.gauss(0, sd_cell) for i in range(inits) for s in range(seeds)}
+
+
+def test_crossed_t_against_statsmodels_mixedlm():
+    """The standard error and the variance components are REML's (statsmodels MixedLM with crossed
+    variance components), including fits where a component sits on the boundary 0. MixedLM's default
+    optimiser can stop short on the boundary, so the best REML likelihood over four optimisers is used."""
+    pd = pytest.importorskip("pandas")
+    sm = pytest.importorskip("statsmodels.api")
+    import warnings
+
+    for seed, sds in enumerate([(0.01, 0.008, 0.01), (0.004, 0.012, 0.008), (0.012, 0.003, 0.01), (0.002, 0.01, 0.01)]):
+        cells = _crossed_data(seed, *sds)
+        r = st.crossed_t(cells)
+        frame = pd.DataFrame([dict(init=i, seed=s, d=v, all=1) for (i, s), v in cells.items()])
+        model = sm.MixedLM.from_formula(
+            "d ~ 1", groups="all", re_formula="0", vc_formula={"init": "0 + C(init)", "seed": "0 + C(seed)"}, data=frame
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fits = [model.fit(reml=True, method=m) for m in ("nm", "powell", "bfgs", "lbfgs")]
+        best = max(fits, key=lambda f: f.llf)
+        assert r["mean"] == pytest.approx(best.fe_params["Intercept"], rel=1e-9)
+        assert r["se"] == pytest.approx(best.bse["Intercept"], rel=2e-3), seed
+        assert (r["sd_init"], r["sd_seed"]) == pytest.approx(tuple(best.vcomp**0.5), abs=2e-5), seed
+        assert r["sd_cell"] == pytest.approx(best.scale**0.5, rel=1e-3)
+
+
+def test_crossed_t_covers_what_paired_t_misses():
+    """Simulated from the crossed model (initialisation and seed effects as large as the cell's): the
+    crossed interval covers the true mean about 95% of the time; the paired t over the cells, which
+    treats them as independent, far less often."""
+    covered = dict(crossed=0, paired=0)
+    runs = 300
+    for seed in range(runs):
+        cells = _crossed_data(1000 + seed, 0.01, 0.01, 0.01)
+        c, t = st.crossed_t(cells), st.paired_t(list(cells.values()))
+        covered["crossed"] += c["low"] <= 0.003 <= c["high"]
+        covered["paired"] += t["low"] <= 0.003 <= t["high"]
+    assert 0.90 <= covered["crossed"] / runs <= 0.99 and covered["paired"] / runs < 0.8, covered
+
+
+def test_verdicts_respect_the_crossed_design():
+    """A difference that is all seed effect (each seed's cells move together) is not a detection: with
+    10 seeds the crossed model has about 9 df, where the paired t over 30 cells had 29."""
+    import study_tables as tb
+
+    seed_effect = [0.031, -0.012, 0.024, 0.006, -0.018, 0.029, 0.002, 0.021, -0.009, 0.017]
+    final = []
+    for i in range(3):
+        for s in range(10):
+            base = 0.7 + 0.01 * i
+            final.append(dict(arm="ClipLoss", init=i, seed=s, **{m: base for m in tb.METRICS}))
+            d = seed_effect[s] + 0.0005 * ((i + s) % 3 - 1)
+            final.append(dict(arm="HN-CLIP", init=i, seed=s, **{m: base + d for m in tb.METRICS}))
+    rows = tb.comparisons(final, ["ClipLoss", "HN-CLIP"])
+    naive = st.paired_t([r["t2i_R@1"] - b["t2i_R@1"] for r, b in zip(final[1::2], final[::2])])
+    assert naive["p"] < 0.01  # the pre-version-5 verdict: detected even after Holm over 4 comparisons
+    primary = rows[0]
+    assert (primary["arm"], primary["metric"]) == ("HN-CLIP", "t2i_R@1")
+    assert primary["x"]["df"] == pytest.approx(9.0, abs=0.5) and primary["holm_p"] > 0.05
+    assert tb.verdict(primary).startswith("none detected")
 
 
 def test_sign_test_against_scipy():
@@ -150,3 +216,23 @@ def test_min_detectable_has_the_power_it_claims():
         nc = d * math.sqrt(n)
         power = stats.nct.sf(crit, n - 1, nc) + stats.nct.cdf(-crit, n - 1, nc)
         assert power == pytest.approx(0.8, abs=tol)
+
+
+def test_sentences_name_the_run_and_write_small_p_once(tmp_path):
+    """ "Holm p < 0.001" (not "= < 0.001"), and a run in another folder is not "the default run"."""
+    import study_tables as tb
+
+    final = []
+    for i in range(3):
+        for s in range(10):
+            base = 0.7 + 0.01 * i + 0.005 * (s % 3)
+            final.append(dict(arm="ClipLoss", init=i, seed=s, **{m: base for m in tb.METRICS}))
+            d = 0.05 + 0.001 * ((7 * i + 3 * s) % 5 - 2)
+            final.append(dict(arm="HN-CLIP", init=i, seed=s, **{m: base + d for m in tb.METRICS}))
+    data = dict(final=final, run=dict(arms=["ClipLoss", "HN-CLIP"]), folder=str(tmp_path))
+    text = tb.conclusions(data)
+    assert "Holm p < 0.001: HN-CLIP is ahead of ClipLoss" in text and "= <" not in text
+    tail = tb.readme_table(data).splitlines()[-1]
+    assert tail.startswith(f"In the run in `{tmp_path}`, on the other metrics") and "default run" not in tail
+    assert tb.label(dict(data, folder=tb.COMMITTED)) == "the default run"
+    assert tb.label(dict(data, folder=tb.REPLICATION)) == "the replication"
