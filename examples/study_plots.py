@@ -31,6 +31,20 @@ def _per_epoch(regime: list, arm: str, key: str) -> tuple:
     return epochs, means
 
 
+def _interval(ax, i, j, x, marker, label, filled=True):
+    """Arm i's mean and 95% interval ``x`` (a crossed_t result) for direction j, beside the other direction."""
+    ax.errorbar(
+        i + 0.15 * (2 * j - 1),
+        x["mean"],
+        yerr=[[x["mean"] - x["low"]], [x["high"] - x["mean"]]],
+        fmt=marker,
+        color=f"C{j}",
+        mfc=f"C{j}" if filled else "white",
+        capsize=3,
+        label=label if i == 0 else None,
+    )
+
+
 def plot(folder: str, path: str) -> str:
     """Writes the figure of the run in ``folder`` to ``path`` (PNG); returns ``path``."""
     import matplotlib
@@ -62,17 +76,7 @@ def plot(folder: str, path: str) -> str:
     ax = axes[1, 0]
     for j, (metric, label, marker) in enumerate(DIRECTIONS):
         for i, arm in enumerate(names):
-            x = st.crossed_t({k: float(by[(arm, k)][metric]) for k in cells})
-            err = [[x["mean"] - x["low"]], [x["high"] - x["mean"]]]
-            ax.errorbar(
-                i + 0.15 * (2 * j - 1),
-                x["mean"],
-                yerr=err,
-                fmt=marker,
-                color=f"C{j}",
-                capsize=3,
-                label=label if i == 0 else None,
-            )
+            _interval(ax, i, j, st.crossed_t({k: float(by[(arm, k)][metric]) for k in cells}), marker, label)
     ax.set_xticks(range(len(names)), [n.replace(", ", ",\n") for n in names], fontsize=7, rotation=20)
     ax.set(title="(c) held-out R@1 at the last epoch (95%, crossed model)")
     ax.legend(fontsize=7)
@@ -84,19 +88,7 @@ def plot(folder: str, path: str) -> str:
     for j, (metric, label, marker) in enumerate(DIRECTIONS):
         for i, arm in enumerate(others):
             r = rows[(arm, metric)]
-            x = r["x"]
-            err = [[x["mean"] - x["low"]], [x["high"] - x["mean"]]]
-            face = f"C{j}" if tb._detected(r) else "white"
-            ax.errorbar(
-                i + 0.15 * (2 * j - 1),
-                x["mean"],
-                yerr=err,
-                fmt=marker,
-                color=f"C{j}",
-                mfc=face,
-                capsize=3,
-                label=label if i == 0 else None,
-            )
+            _interval(ax, i, j, r["x"], marker, label, filled=tb._detected(r))
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xticks(range(len(others)), [n.replace(", ", ",\n") for n in others], fontsize=7, rotation=20)
     ax.set(title="(d) Δ R@1 − ClipLoss (95%, crossed model; filled: Holm p < 0.05)")
