@@ -11,7 +11,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# one thread a worker under pytest-xdist (-n 2: two workers on two cores), else at most two
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
 
 @pytest.fixture(params=["interpret", "gpu"])
