@@ -409,12 +409,14 @@ def test_clip_model_loss_and_trainer_refuse_bad_chunk_sizes(bad, exc, tmp_path):
         HNClipTrainer(model=hf_model(dropout=False), args=args, chunk_size=bad)
 
 
-class _Pairs(torch.utils.data.Dataset):
-    def __init__(self):
-        self.ids, self.pixels, self.mask = hf_batch(8, seed=3)
+class HFPairs(torch.utils.data.Dataset):
+    """n (input_ids, pixel_values, attention_mask) pairs of hf_batch, a Trainer's train_dataset."""
+
+    def __init__(self, n=8):
+        self.ids, self.pixels, self.mask = hf_batch(n, seed=3)
 
     def __len__(self):
-        return 8
+        return len(self.ids)
 
     def __getitem__(self, i):
         return dict(input_ids=self.ids[i], pixel_values=self.pixels[i], attention_mask=self.mask[i])
@@ -441,7 +443,7 @@ def test_hn_clip_trainer_chunked_steps_equal_unchunked(tmp_path):
             dataloader_num_workers=0,
             disable_tqdm=True,
         )
-        trainer = HNClipTrainer(model=hf_model(dropout=False), args=args, train_dataset=_Pairs(), gamma=0.5, **kw)
+        trainer = HNClipTrainer(model=hf_model(dropout=False), args=args, train_dataset=HFPairs(), gamma=0.5, **kw)
         trainer.train()
         return [row["loss"] for row in trainer.state.log_history if "loss" in row], trainer
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hnclip_kernels.sharding import squeeze_scalar_parameters, unsqueeze_scalar_parameters
-from test_chunked import C, hf_batch, hf_model, hf_step, oc_batch, oc_model, oc_step
+from test_chunked import C, HFPairs, hf_batch, hf_model, hf_step, oc_batch, oc_model, oc_step
 
 
 def _bits(t):
@@ -104,17 +104,6 @@ def test_errors_name_the_argument_and_the_fix():
 # ----------------------------------------------------------------------------- HNClipTrainer's checkpoints
 
 
-class _Pairs(torch.utils.data.Dataset):
-    def __init__(self):
-        self.ids, self.pixels, self.mask = hf_batch(6, seed=3)
-
-    def __len__(self):
-        return 6
-
-    def __getitem__(self, i):
-        return dict(input_ids=self.ids[i], pixel_values=self.pixels[i], attention_mask=self.mask[i])
-
-
 def _trainer(model, tmp_path, **kw):
     from transformers import TrainingArguments
 
@@ -130,7 +119,7 @@ def _trainer(model, tmp_path, **kw):
         use_cpu=True,
         disable_tqdm=True,
     )
-    return HNClipTrainer(model=model, args=args, train_dataset=_Pairs(), gamma=0.5, **kw)
+    return HNClipTrainer(model=model, args=args, train_dataset=HFPairs(6), gamma=0.5, **kw)
 
 
 def test_trainer_saves_a_0_dim_logit_scale_of_a_model_made_1d_beforehand(tmp_path):
