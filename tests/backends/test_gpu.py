@@ -353,6 +353,8 @@ def test_library_aot_eager_chunked_backward_autotuned(monkeypatch):
 def test_library_opcheck_cuda():
     """Schema, fake implementations (the triton_op functions traced on fake CUDA tensors) and
     AOT dispatch with dynamic shapes, for the four operators on CUDA tensors."""
+    from hnclip_kernels.backends.triton import ops as _registers  # noqa: F401  (alone in a worker)
+
     ops = torch.ops.hnclip
     n, d, m, offset = 70, 40, 30, 20
     img, txt = (x.requires_grad_() for x in _library_pair(torch.float32, n, d, seed=23))

@@ -20,14 +20,15 @@ from .tiles import _block, _kept, _load2, _load_scalars, _logits_tile, _pair_til
 @triton.jit
 def _chunk_tile(row0, row_end, col0, col_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """This program's tile of a dS chunk [row0, row_end) × [col0, col_end) (grid: the chunk's
-    tiles): its rows and columns ``(offsets, mask)`` and the chunk's sides R and C. No pointer
-    goes in (see ``tiles._block``): the offsets reach the stores."""
+    tiles): its rows' offsets and mask, its columns' and the chunk's sides R and C, flat (triton
+    3.6 cannot hash a kernel that unpacks nested tuples). No pointer goes in (see
+    ``tiles._block``): the offsets reach the stores."""
     offs_m, mask_m = _block(row0 + tl.program_id(0) * BLOCK_M, row_end, BLOCK_M)
     offs_n, mask_n = _block(col0 + tl.program_id(1) * BLOCK_N, col_end, BLOCK_N)
-    return (offs_m, mask_m), (offs_n, mask_n), row_end - row0, col_end - col0
+    return offs_m, mask_m, offs_n, mask_n, row_end - row0, col_end - col0
 
 
-@derived("MASK", "COSINE", "CAPTIONS", "GROUPS", "SHIFT", "ROUND16")
+@derived("dscore", "MASK", "COSINE", "CAPTIONS", "GROUPS", "SHIFT", "ROUND16")
 @triton.jit
 def _dscore_kernel(
     q_ptr, k_ptr, mq_ptr, mk_ptr,
@@ -69,7 +70,7 @@ def _dscore_kernel(
         forward's: the same tiles to the bit). Derived (``launch.derived``): MASK (thr_ptr or
         gk_ptr), COSINE (thr_ptr), CAPTIONS (cq_ptr), GROUPS (gk_ptr), SHIFT (s_ptr), ROUND16 (res_r_ptr).
     """
-    (offs_m, mask_m), (offs_n, mask_n), _, _ = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
+    offs_m, mask_m, offs_n, mask_n, _, _ = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
     inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, COSINE)
     rq, r_mq = _load2(rq_ptr, r_mq_ptr, offs_m, mask_m)
     rk, r_mk = _load2(rk_ptr, r_mk_ptr, offs_n, mask_n)
@@ -172,7 +173,7 @@ def _store_w(w, mask, rows, cols, w_ptr, w0, stride_w, res_r_ptr, r0, stride_rr,
              w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
-@derived("MASK", "COSINE", "GROUPS", "SHIFT", "ROUND16")
+@derived("dscore_pair", "MASK", "COSINE", "GROUPS", "SHIFT", "ROUND16")
 @triton.jit
 def _dscore_pair_kernel(
     v_ptr, t_ptr, stride_vm, stride_vd, stride_tm, stride_td,
@@ -215,7 +216,7 @@ def _dscore_pair_kernel(
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    (offs_m, mask_m), (offs_n, mask_n), rows_c, cols_c = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
+    offs_m, mask_m, offs_n, mask_n, rows_c, cols_c = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
     inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, COSINE)
     rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
     rv_n, rt_n = _load2(rv_ptr, rt_ptr, offs_n, mask_n)
@@ -253,7 +254,7 @@ def _dscore_pair_kernel(
                  res_c_ptr, mirror_c, rows_c, ROUND16, SLICE, BLOCK_N, BLOCK_M)
 
 
-@derived("MASK", "SHIFT", "ROUND16")
+@derived("dscore_rank", "MASK", "SHIFT", "ROUND16")
 @triton.jit
 def _dscore_rank_kernel(
     v_ptr, t_ptr, va_ptr, ta_ptr,
@@ -286,7 +287,7 @@ def _dscore_rank_kernel(
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    (offs_m, mask_m), (offs_n, mask_n), rows_c, cols_c = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
+    offs_m, mask_m, offs_n, mask_n, rows_c, cols_c = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
     inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
     rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
     rv_n, rt_n = _load2(rva_ptr, rta_ptr, offs_n, mask_n)

@@ -34,7 +34,7 @@ from .tiles import (
 )
 
 
-@derived("MASK", "COSINE", "CAPTIONS", "GROUPS")
+@derived("fwd", "MASK", "COSINE", "CAPTIONS", "GROUPS")
 @triton.jit
 def _fwd_kernel(
     q_ptr, k_ptr, mq_ptr, mk_ptr,
@@ -120,7 +120,7 @@ def _fwd_kernel(
         _store_count(part, M, offs_m, mask_m, run_kept, SMOOTHING)
 
 
-@derived("MASK")
+@derived("rank", "MASK")
 @triton.jit
 def _fwd_rank_kernel(
     v_ptr, t_ptr, va_ptr, ta_ptr,
@@ -182,7 +182,7 @@ def _fwd_rank_kernel(
         _store_count(part, 2 * M, M + offs_m, mask_m, run_kept, SMOOTHING)
 
 
-@derived("MASK", "COSINE", "GROUPS")
+@derived("pair", "MASK", "COSINE", "GROUPS")
 @triton.jit
 def _fwd_pair_kernel(
     v_ptr, t_ptr, stride_vm, stride_vd, stride_tm, stride_td,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 
 from . import config as cfg
 from .precision import INTERPRET
@@ -60,10 +59,10 @@ def launch(kernel, name: str, width: int, grid, args, **constexprs):
     autotuned twin when ``tuned``) in mode "autotune", else the kernel with ``cfg.heuristic(name,
     width)``; ``grid(tiles)`` maps the chosen constexprs to the launch grid. ``args``: the
     kernel's other arguments by name (each launcher's ``*_args`` builds them; None for a pointer
-    it does not read: its flag derives from that, see the kernels' ``triton.heuristics``).
-    By keyword throughout: ``wrap_triton`` binds launch kwargs to the kernel's parameters, the
-    autotuner keys and prunes on them (``cfg.pruner`` reads the kwargs) and the heuristics see
-    them, as they see positional ones."""
+    it does not read: its flag derives from that, see :func:`derived`).
+    By keyword throughout: ``wrap_triton`` binds launch kwargs to the kernel's parameters, and
+    the autotuner keys and prunes on them (``cfg.pruner`` reads the kwargs)."""
+    constexprs = {**constexprs, **{flag: _DERIVED[flag](args) for flag in _FLAGS[name]}}
     if cfg.launch_mode() == "autotune":
         kernel(True)[lambda meta: grid(meta)](**args, **constexprs)
         return
@@ -88,7 +87,18 @@ _DERIVED = {
 }
 
 
-def derived(*flags: str):
-    """``triton.heuristics`` deriving ``flags`` (MASK, COSINE, CAPTIONS, GROUPS, SHIFT, ROUND16, TAIL)
-    from their pointers."""
-    return triton.heuristics({flag: _DERIVED[flag] for flag in flags})
+_FLAGS: dict[str, tuple[str, ...]] = {}  # launch name -> the flags :func:`launch` derives for its kernel
+
+
+def derived(name: str, *flags: str):
+    """Mark the kernel launched as ``name`` (``cfg.heuristic``'s name) as taking ``flags`` (MASK,
+    COSINE, CAPTIONS, GROUPS, SHIFT, ROUND16, TAIL), which :func:`launch` derives from their
+    pointers and passes as constexprs. Not ``triton.heuristics``: ``torch.library.wrap_triton``
+    takes only a ``triton.jit`` or ``triton.autotune`` object, so a heuristics-wrapped kernel
+    failed every fixed-configuration launch on a GPU (first GPU run, torch 2.11)."""
+
+    def mark(kernel):
+        _FLAGS[name] = flags
+        return kernel
+
+    return mark

@@ -27,7 +27,7 @@ from .launch import derived, launch, wrap_triton
 from .tiles import _block
 
 
-@derived("TAIL")
+@derived("round16", "TAIL")
 @triton.jit
 def _round16_kernel(
     w32_ptr, a_ptr, b_ptr, line_ptr,
