@@ -283,7 +283,7 @@ for name in names:
         importlib.import_module(name)
         print(f"ok        {name}")
     except ImportError as exc:
-        if name in ("hnclip_kernels.backends.cpp.ops", "hnclip_kernels._C"):  # csrc/ is not built here
+        if name == "hnclip_kernels._C" or name.startswith("hnclip_kernels.backends.cpp"):  # csrc/ is not built here
             print(f"expected  {name}: ImportError: {str(exc).splitlines()[0][:200]}")
         else:
             bad.append(f"{name}: ImportError: {exc}")
