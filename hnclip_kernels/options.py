@@ -20,7 +20,8 @@ from typing import Optional, Union
 
 import torch
 
-from . import validation, validation_family
+from . import validation
+from .margin import Margin
 from .numerics import compute_dtype
 from .validation_rows import check_small_rows
 
@@ -44,8 +45,9 @@ class LossOptions:
             i ≠ j with t̂_i·t̂_j ≥ it (the captions' cosine, also with ``normalize=False``) is not
             a negative in either direction (not in the paper;
             see :func:`hnclip_kernels.hn_clip_loss`).
-        margin: the margin's detached score, "text" (sg(t_i·x), the paper's, default) or
-            "image_text" (sg(v_i·x)); see ``docs/hard_negatives.md``.
+        margin: the margin's detached score, a :class:`~hnclip_kernels.margin.Margin` (given as
+            "text", sg(t_i·x), the paper's, default, or "image_text", sg(v_i·x)); see
+            ``docs/hard_negatives.md``.
 
     Raises:
         TypeError: non-real ``gamma``/``label_smoothing``, non-bool ``normalize``,
@@ -63,7 +65,7 @@ class LossOptions:
     precision: Optional[str] = None
     tau_value: Optional[float] = None
     false_negative_threshold: Optional[float] = None
-    margin: str = "text"
+    margin: Margin = Margin.TEXT
 
     def __post_init__(self):
         for name in ("gamma", "label_smoothing"):  # NumPy scalars, one-element tensors: validation.hyperparameter
@@ -73,7 +75,7 @@ class LossOptions:
         if self.false_negative_threshold is not None:  # NumPy scalars and arrays, Fractions: a Python float
             object.__setattr__(self, "false_negative_threshold", validation.plain_number(self.false_negative_threshold))
         validation.check_false_negative_threshold(self.false_negative_threshold)
-        validation_family.check_margin(self.margin)
+        object.__setattr__(self, "margin", Margin.parse(self.margin))
 
     def bind(
         self,

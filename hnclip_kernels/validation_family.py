@@ -13,21 +13,11 @@ from typing import Optional
 
 import torch
 
+from .margin import Margin
 from .plausibility import warn_if_not_unit_norm
 from .validation import FLOAT_DTYPES, finite_limit, largest_intermediate, row_norm_extremes
 
-MARGINS = ("text", "image_text")
-
-
-def check_margin(margin) -> None:
-    """``margin``: "text" (sg(t_i·x), the paper's) or "image_text" (sg(v_i·x))."""
-    if not isinstance(margin, str):
-        raise TypeError(f"margin must be a string, 'text' or 'image_text', got {type(margin).__name__}")
-    if margin not in MARGINS:
-        raise ValueError(
-            f"margin must be one of {MARGINS}, got {margin!r}: 'text' is HN-CLIP's sg(t_i·x), "
-            "'image_text' the detached image-text score sg(v_i·x) (LLaVE-style hardness)"
-        )
+MARGINS = tuple(m.value for m in Margin)
 
 
 def check_negatives(negatives, txt: torch.Tensor, txt_name: str = "txt") -> Optional[torch.Tensor]:
