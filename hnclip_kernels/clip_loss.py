@@ -291,7 +291,7 @@ class HNClipLoss(nn.Module):
             tau, tau_value = float("nan"), None
         else:
             tau = tau_from_scale(logit_scale, image_features)
-        if self.world_size == 1 and (negatives is not None or group_ids is not None or self.options.margin != "text"):
+        if self.world_size == 1:  # the family's one predicate: validation_family.family_of, inside
             family = module_family_loss(
                 image_features, text_features, tau, self.options, negatives, group_ids,
                 return_stats=self.return_stats, tau_value=tau_value, problem=problem,

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional, Union
 
 import torch
 
 from . import validation, validation_family
-from .backends import family_losses, resolve_backend, symmetric_losses
+from .backends import symmetric_losses
 from .numerics import autocast_disabled
 from .options import LossOptions, as_tau_tensor
 from .plausibility import warn_if_tau_looks_like_logit_scale
@@ -152,57 +151,46 @@ def hn_clip_loss(
         false_negative_threshold=false_negative_threshold,
         margin=margin,
     )
-    if negatives is not None or group_ids is not None or margin != "text":
-        validation.check_features(img, txt)
-        negatives, group_ids = validation_family.family_arguments(img, txt, negatives, group_ids)
-        if negatives is not None or group_ids is not None or margin != "text":  # else M = 0: today's call
-            if not isinstance(return_stats, bool):
-                raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
-            rows, report = family_call(img, txt, tau, options, negatives, group_ids, return_stats, warn_tau=True)
-            return (reduce_rows(rows, reduction), report) if return_stats else reduce_rows(rows, reduction)
-    options = options.bind(img, txt, tau)
+    family = validation_family.family_of(img, txt, negatives, group_ids, options.margin)
     if not isinstance(return_stats, bool):
         raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
-    warn_if_tau_looks_like_logit_scale(options.tau_value)
-    # autocast would run the reference's matmuls in bf16: accumulation here is float32 by design
-    with autocast_disabled(img.device):
-        out = symmetric_losses(img, txt, as_tau_tensor(tau, img), options, return_stats)
-    if not return_stats:
-        return reduce_rows(out, reduction)
-    rows, (i2t, t2i) = out
-    report = report_of_call(i2t, t2i, img, label_smoothing=options.label_smoothing, n_keys=img.shape[0])
-    return reduce_rows(rows, reduction), report
+    rows, report = pair_losses(img, txt, tau, options, family, return_stats, warn_tau=True)
+    return (reduce_rows(rows, reduction), report) if return_stats else reduce_rows(rows, reduction)
 
 
-def family_call(
-    img, txt, tau, options, negatives, group_ids, return_stats, *, tau_value=None, names=("img", "txt"), warn_tau=False
-):
-    """The hard-negative family's per-pair rows (N,) on one process and, with ``return_stats``,
-    its report (else None): ``options`` unbound, ``negatives`` (M > 0) and ``group_ids`` checked
-    or None. "auto" runs the backend today's "auto" picks."""
-    if options.backend == "auto":
-        options = dataclasses.replace(options, backend=resolve_backend("auto", img))
-    n_keys = img.shape[0] + (0 if negatives is None else negatives.shape[0])
+def pair_losses(img, txt, tau, options, family, return_stats, *, tau_value=None, names=("img", "txt"), warn_tau=False):
+    """The per-pair rows (N,) of one process and, with ``return_stats``, their report (else
+    None): ``options`` unbound, ``family`` a checked
+    :class:`~hnclip_kernels.validation_family.Family` or None (today's loss)."""
+    n_keys = img.shape[0] + (0 if family is None or family.negatives is None else family.negatives.shape[0])
     bound = options.bind(img, txt, tau, tau_value=tau_value, names=names, n_keys=n_keys)
-    n_rows = img.shape[0] if bound.reduction != "none" else 1
-    if bound.normalize and negatives is not None:  # bind checked img and txt
-        kw = dict(gamma=bound.gamma, label_smoothing=bound.label_smoothing, n_keys=n_keys, n_rows=n_rows)
-        check_small_rows((negatives,), ("negatives",), bound.tau_value, **kw)
-    if not bound.normalize:
-        tau_grad = validation.tau_requires_grad(tau)
-        validation_family.check_family_range(
-            img, txt, negatives, bound.margin, bound.tau_value, bound.gamma, bound.label_smoothing, n_rows, tau_grad,
-            names,
-        )  # fmt: skip
+    if family is not None:
+        _check_family(img, txt, tau, bound, family, n_keys, names)
     if warn_tau:  # hn_clip_loss's warning (HNClipLoss warns about its logit_scale instead)
         warn_if_tau_looks_like_logit_scale(bound.tau_value)
+    # autocast would run the reference's matmuls in bf16: accumulation here is float32 by design
     with autocast_disabled(img.device):
-        out = family_losses(img, txt, negatives, group_ids, as_tau_tensor(tau, img), bound, return_stats)
+        out = symmetric_losses(img, txt, as_tau_tensor(tau, img), bound, return_stats, family)
     if not return_stats:
         return out, None
     rows, (i2t, t2i) = out
-    report = report_of_call(i2t, t2i, img, label_smoothing=bound.label_smoothing, n_keys=(n_keys, img.shape[0]))
-    return rows, report
+    keys = img.shape[0] if family is None else (n_keys, img.shape[0])
+    return rows, report_of_call(i2t, t2i, img, label_smoothing=bound.label_smoothing, n_keys=keys)
+
+
+def _check_family(img, txt, tau, bound, family, n_keys, names) -> None:
+    """The family's range checks on bound options: the negatives' small rows (``normalize``), or
+    the logit gaps their norms (and an image-text margin's) give (``normalize=False``)."""
+    n_rows = img.shape[0] if bound.reduction != "none" else 1
+    if bound.normalize and family.negatives is not None:  # bind checked img and txt
+        kw = dict(gamma=bound.gamma, label_smoothing=bound.label_smoothing, n_keys=n_keys, n_rows=n_rows)
+        check_small_rows((family.negatives,), ("negatives",), bound.tau_value, **kw)
+    if not bound.normalize:
+        tau_grad = validation.tau_requires_grad(tau)
+        validation_family.check_family_range(
+            img, txt, family.negatives, family.margin, bound.tau_value, bound.gamma, bound.label_smoothing, n_rows,
+            tau_grad, names,
+        )  # fmt: skip
 
 
 def module_family_loss(
@@ -213,13 +201,10 @@ def module_family_loss(
     the checked options turn out to be today's (M = 0, no ids, margin "text"). ``problem``: the
     error of an invalid logit_scale, raised once the family arguments are checked."""
     names = ("image_features", "text_features")
-    validation.check_features(img, txt, *names)
-    negatives, group_ids = validation_family.family_arguments(img, txt, negatives, group_ids, names)
-    if negatives is None and group_ids is None and options.margin == "text":
+    family = validation_family.family_of(img, txt, negatives, group_ids, options.margin, names)
+    if family is None:
         return None
     if problem is not None:
         raise problem
-    rows, report = family_call(
-        img, txt, tau, options, negatives, group_ids, return_stats, tau_value=tau_value, names=names
-    )
+    rows, report = pair_losses(img, txt, tau, options, family, return_stats, tau_value=tau_value, names=names)
     return rows.mean(), report

@@ -26,6 +26,12 @@ class Margin(str, enum.Enum):
     TEXT = "text"
     IMAGE_TEXT = "image_text"
 
+    def __repr__(self) -> str:  # as the string a caller passes: a loss module's repr stays valid Python
+        return repr(self.value)
+
+    def __str__(self) -> str:
+        return self.value
+
     @property
     def code(self) -> int:
         """The kind as the operator schemas and ``csrc/`` take it (0: TEXT, 1: IMAGE_TEXT)."""

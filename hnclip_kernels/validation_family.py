@@ -8,6 +8,7 @@ argument and the fix. Every backend runs them, on one process and across ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -15,7 +16,7 @@ import torch
 
 from .margin import Margin
 from .plausibility import warn_if_not_unit_norm
-from .validation import FLOAT_DTYPES, finite_limit, largest_intermediate, row_norm_extremes
+from .validation import FLOAT_DTYPES, check_features, finite_limit, largest_intermediate, row_norm_extremes
 
 MARGINS = tuple(m.value for m in Margin)
 
@@ -87,6 +88,38 @@ def family_arguments(img, txt, negatives, group_ids, names=("img", "txt")):
     return check_negatives(negatives, txt, names[1]), check_group_ids(group_ids, txt, names[1])
 
 
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """The hard-negative family of one call (``docs/hard_negatives.md``), built once at the entry
+    by :func:`family_of` and passed down whole; None stands for today's loss.
+
+    Attributes:
+        negatives: (M, D), M > 0, extra caption columns of the image→text rows, or None.
+        group_ids: (N,) integer ids (pairs with equal ids are no negatives of each other), or None.
+        margin: the margin's kind (:class:`~hnclip_kernels.margin.Margin`).
+    """
+
+    negatives: Optional[torch.Tensor] = None
+    group_ids: Optional[torch.Tensor] = None
+    margin: Margin = Margin.TEXT
+
+
+def family_of(img, txt, negatives, group_ids, margin: Margin, names=("img", "txt")) -> Optional[Family]:
+    """The one answer to "is this call the hard-negative family?": a :class:`Family` of the
+    checked ``negatives`` (M, D) and ``group_ids`` (N,) (``img``/``txt`` checked first), or None
+    where the call is today's loss (no negatives or M = 0, no ids, margin TEXT).
+
+    Raises: the ``TypeError``/``ValueError`` of :func:`validation.check_features`,
+    :func:`check_negatives` and :func:`check_group_ids`."""
+    if negatives is None and group_ids is None and margin is Margin.TEXT:
+        return None
+    check_features(img, txt, *names)
+    negatives, group_ids = family_arguments(img, txt, negatives, group_ids, names)
+    if negatives is None and group_ids is None and margin is Margin.TEXT:  # M = 0
+        return None
+    return Family(negatives, group_ids, margin)
+
+
 def check_family_range(
     img, txt, negatives, margin, tau_value, gamma, label_smoothing, n_rows, tau_grad, names=("img", "txt")
 ) -> None:
@@ -104,7 +137,7 @@ def check_family_range(
     n_keys = txt.shape[0] + (0 if negatives is None else negatives.shape[0])
     args = (tau_value, gamma, label_smoothing, n_keys)
     largest = largest_intermediate(*args, img_norm, txt_norm, n_rows, tau_grad=tau_grad)
-    if margin != "text":  # the margin γ·v·x: covered by the bound with the two norms swapped
+    if margin is not Margin.TEXT:  # the margin γ·v·x: covered by the bound with the two norms swapped
         largest = max(largest, largest_intermediate(*args, txt_norm, img_norm, n_rows, tau_grad=tau_grad))
     if largest >= finite_limit(img.dtype):
         raise ValueError(

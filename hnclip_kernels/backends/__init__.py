@@ -23,11 +23,13 @@ have been built.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Optional
 
 import torch
 
+from ..margin import Margin, margin_operands
 from ..plausibility import warn_once
 from .pytorch.reference import directional_nll_torch
 
@@ -119,118 +121,51 @@ def directional_fn(backend: str, precision: Optional[str] = None) -> Callable:
     return directional_nll_torch
 
 
-def symmetric_losses(img: torch.Tensor, txt: torch.Tensor, tau: torch.Tensor, options, return_stats: bool = False):
+def symmetric_losses(
+    img: torch.Tensor,
+    txt: torch.Tensor,
+    tau: torch.Tensor,
+    options,
+    return_stats: bool = False,
+    family=None,
+):
     """½(i2t_k + t2i_k) for every pair k, shape (N,), on the backend of resolved ``options``
     (:class:`hnclip_kernels.options.LossOptions` after ``bind``); with ``return_stats`` also
-    ``(i2t, t2i)``, both directions' detached ``RowStats``."""
+    ``(i2t, t2i)``, both directions' detached ``RowStats`` (i2t's over its N + M columns).
+
+    ``family``: None (today's loss) or a :class:`~hnclip_kernels.validation_family.Family`
+    (``docs/hard_negatives.md``): i2t rows over the N captions and its M ``negatives``, t2i rows
+    over the N images, the margin's operands from :func:`~hnclip_kernels.margin.margin_operands`,
+    pairs with equal ``group_ids`` masked (the negatives carry no id). Triton and cpp: one operator
+    for both directions (each logit tile serves i2t and t2i; the negatives' N × M block in one more
+    walk); torch: two directional calls of the reference. 16-bit features run as they are on Triton
+    and upcast to float32 once elsewhere, so each feature's two gradient halves are summed in float32."""
     kwargs = _op_kwargs(tau, options, return_stats)
     if options.backend == "triton":
+        if family is not None:
+            from .triton.family_sym import family_pairs_triton
+
+            return family_pairs_triton(img, txt, family.negatives, family.group_ids, margin=family.margin,
+                                       precision=options.precision, **kwargs)  # fmt: skip
         from .triton.ops import hn_clip_pairs_triton  # one fused op for both directions
 
         return hn_clip_pairs_triton(img, txt, **kwargs, precision=options.precision)
     if img.dtype in (torch.float16, torch.bfloat16):
         # each tensor feeds both directions: upcast once, so its two gradient halves are summed
         # in float32 and rounded to the input dtype once (two bf16 halves summed lose ~1e-3)
-        img, txt = img.float(), txt.float()
+        img, txt, family = img.float(), txt.float(), _upcast(family)
     if options.backend == "cpp":
+        if family is not None:
+            from .cpp.family_sym import family_pairs_cpp
+
+            return family_pairs_cpp(img, txt, family.negatives, family.group_ids, margin=family.margin, **kwargs)
         from .cpp.ops import hn_clip_pairs_cpp  # one operator: each logit tile serves i2t and t2i
 
         return hn_clip_pairs_cpp(img, txt, **kwargs)
-    i2t = directional_nll_torch(img, txt, query_txt=txt, key_txt=txt, offset=0, **kwargs)
-    t2i = directional_nll_torch(txt, img, query_txt=txt, key_txt=txt, offset=0, **kwargs)
-    return _pair_average(i2t, t2i, return_stats)
-
-
-def family_losses(
-    img: torch.Tensor,
-    txt: torch.Tensor,
-    negatives: Optional[torch.Tensor],
-    group_ids: Optional[torch.Tensor],
-    tau: torch.Tensor,
-    options,
-    return_stats: bool = False,
-):
-    """:func:`symmetric_losses` of the hard-negative family (``docs/hard_negatives.md``): i2t
-    rows over the N captions and the M ``negatives`` (M, D) (None: M = 0), t2i rows over the N
-    images; the margin's score from ``options.margin``; pairs with equal ``group_ids`` (N,) masked
-    (the negatives carry no id). Shape (N,); with ``return_stats`` also both directions'
-    ``RowStats`` (i2t's over its N + M columns). backend "torch" (the reference, two directional
-    calls), "cpp" (``hnclip::cpp_family_nll``: the symmetric tile for both directions plus one
-    pass over the N×M negative block; 16-bit inputs upcast to float32 first, as
-    :func:`symmetric_losses`) or "triton" (``hnclip::triton_family_nll``: the same two walks, 16-bit
-    features as they are)."""
-    kwargs = _op_kwargs(tau, options, return_stats)
-    if options.backend == "triton":  # one operator: the symmetric walk plus the negatives' block, 16-bit as it is
-        from .triton.family_sym import family_pairs_triton
-
-        return family_pairs_triton(img, txt, negatives, group_ids, margin=options.margin, precision=options.precision,
-                                   **kwargs)  # fmt: skip
-    if img.dtype in (torch.float16, torch.bfloat16):  # as symmetric_losses: one float32 gradient sum per tensor
-        img, txt = img.float(), txt.float()
-        negatives = None if negatives is None else negatives.float()
-    if options.backend == "cpp":  # one operator: the symmetric tile plus the negatives' block
-        from .cpp.family_sym import family_pairs_cpp
-
-        return family_pairs_cpp(img, txt, negatives, group_ids, margin=options.margin, **kwargs)
-    fn = directional_nll_torch
-    keys = txt if negatives is None else torch.cat([txt, negatives])
-    groups = {} if group_ids is None else dict(query_groups=group_ids, key_groups=group_ids)
-    if options.margin == "text":
-        i2t = fn(img, keys, query_txt=txt, key_txt=keys, offset=0, **groups, **kwargs)
-        t2i = fn(txt, img, query_txt=txt, key_txt=txt, offset=0, **groups, **kwargs)
-    else:  # margin sg(v_i·x) in both directions; the mask still compares captions
-        i2t = fn(img, keys, query_txt=img, key_txt=keys, mask_query=txt, mask_key=keys, offset=0, **groups, **kwargs)
-        t2i = fn(txt, img, query_txt=txt, key_txt=img, mask_query=txt, mask_key=txt, offset=0, **groups, **kwargs)
-    return _pair_average(i2t, t2i, return_stats)
-
-
-def rank_family_losses(
-    img: torch.Tensor,
-    txt: torch.Tensor,
-    all_img: torch.Tensor,
-    all_txt: torch.Tensor,
-    all_negatives: Optional[torch.Tensor],
-    group_ids: Optional[torch.Tensor],
-    all_group_ids: Optional[torch.Tensor],
-    tau: torch.Tensor,
-    offset: int,
-    options,
-    return_stats: bool = False,
-):
-    """:func:`rank_losses` of the hard-negative family (:func:`family_losses` across ranks): this
-    rank's M local rows, shape (M,). i2t rows of the local images over the keys [all N captions;
-    all negatives (K, D), None: K = 0], t2i rows of the local captions over the N images, local
-    row i's positive at column ``offset + i``; ``group_ids`` (M,) the local rows' ids against
-    ``all_group_ids`` (N,) (the negatives carry none). Two directional calls on every backend:
-    "torch" (the reference), "cpp" (``hnclip::cpp_family_directional_nll``) or "triton"
-    (``hnclip::triton_family_directional_nll``, ``options.precision``); with ``return_stats`` also
-    both ``RowStats`` (i2t's over its N + K columns).
-
-    16-bit features (float16/bfloat16, all of one dtype) run in float32, as in
-    :func:`family_losses`: the result and the statistics are float32 and each input's gradient is
-    rounded to its dtype once. Inside one rank no tensor feeds both directions (the local images are
-    i2t's queries, the gathered ones t2i's keys); a feature's two gradient halves meet in the
-    gather's backward, which is why :func:`hnclip_kernels.distributed.family.family_rank_loss`
-    upcasts before gathering (so they are summed in float32 too); the upcast here is then a no-op."""
-    kwargs = _op_kwargs(tau, options, return_stats, offset=int(offset))
-    if img.dtype in (torch.float16, torch.bfloat16):
-        img, txt, all_img, all_txt = (x.float() for x in (img, txt, all_img, all_txt))
-        all_negatives = None if all_negatives is None else all_negatives.float()
-    fn = directional_nll_torch
-    if options.backend == "cpp":
-        from .cpp.family import family_directional_nll_cpp as fn
-    elif options.backend == "triton":
-        from .triton.family import family_directional_nll_triton
-
-        fn = functools.partial(family_directional_nll_triton, precision=options.precision)
-    keys = all_txt if all_negatives is None else torch.cat([all_txt, all_negatives])
-    groups = {} if group_ids is None else dict(query_groups=group_ids, key_groups=all_group_ids)
-    if options.margin == "text":
-        i2t = fn(img, keys, query_txt=txt, key_txt=keys, **groups, **kwargs)
-        t2i = fn(txt, all_img, query_txt=txt, key_txt=all_txt, **groups, **kwargs)
-    else:  # margin sg(v_i·x) in both directions; the mask still compares captions
-        i2t = fn(img, keys, query_txt=img, key_txt=keys, mask_query=txt, mask_key=keys, **groups, **kwargs)
-        t2i = fn(txt, all_img, query_txt=txt, key_txt=all_img, mask_query=txt, mask_key=all_txt, **groups, **kwargs)
+    ids = None if family is None else family.group_ids
+    i2t, t2i = _two_directions(
+        directional_nll_torch, (img, txt), (img, txt), family, (ids, ids), dict(offset=0, **kwargs)
+    )
     return _pair_average(i2t, t2i, return_stats)
 
 
@@ -243,23 +178,75 @@ def rank_losses(
     offset: int,
     options,
     return_stats: bool = False,
+    family=None,
 ):
     """A distributed rank's ½(i2t_i + t2i_i) for its M local rows (shape (M,)) against the N
     gathered columns, local row i's positive at column ``offset + i``, on the backend of resolved
     ``options``; with ``return_stats`` also ``(i2t, t2i)``, both directions' detached ``RowStats``.
 
-    Triton: one op forms both directions' tiles from 3 products (the margin's t tᵀ_all once).
-    torch and cpp: two calls of the directional op."""
-    # masking: the local captions against all gathered captions
+    ``family``: None, or the gathered :class:`~hnclip_kernels.validation_family.Family` (all ranks'
+    negatives (K, D), all N group ids; the local rows' ids are its rows offset … offset + M): i2t
+    rows of the local images over [all N captions; all K negatives], t2i rows over the N images.
+
+    Triton without the family: one op forms both directions' tiles from 3 products (the margin's
+    t tᵀ_all once). Otherwise two calls of the directional op; 16-bit features then run in float32
+    (inside one rank no tensor feeds both directions: a feature's two gradient halves meet in the
+    gather's backward, which is why ``distributed.family`` upcasts before gathering)."""
     kwargs = _op_kwargs(tau, options, return_stats, offset=int(offset))
-    if options.backend == "triton":
+    if family is None and options.backend == "triton":
         from .triton.ops import rank_nll_triton
 
         return rank_nll_triton(img, txt, all_img, all_txt, **kwargs, precision=options.precision)
+    if family is not None and img.dtype in (torch.float16, torch.bfloat16):
+        img, txt, all_img, all_txt = (x.float() for x in (img, txt, all_img, all_txt))
+        family = _upcast(family)
     fn = directional_fn(options.backend, options.precision)
-    i2t = fn(img, all_txt, query_txt=txt, key_txt=all_txt, **kwargs)
-    t2i = fn(txt, all_img, query_txt=txt, key_txt=all_txt, **kwargs)
+    ids = (None, None)
+    if family is not None:
+        fn = _family_directional(options.backend, options.precision)
+        if family.group_ids is not None:
+            ids = (family.group_ids[offset : offset + img.shape[0]], family.group_ids)
+    i2t, t2i = _two_directions(fn, (img, txt), (all_img, all_txt), family, ids, kwargs)
     return _pair_average(i2t, t2i, return_stats)
+
+
+def _family_directional(backend: str, precision: Optional[str]) -> Callable:
+    """The directional op that takes the family's inputs, per backend."""
+    if backend == "cpp":
+        from .cpp.family import family_directional_nll_cpp
+
+        return family_directional_nll_cpp
+    if backend == "triton":
+        from .triton.family import family_directional_nll_triton
+
+        return functools.partial(family_directional_nll_triton, precision=precision)
+    return directional_nll_torch
+
+
+def _two_directions(fn, queries, keys, family, ids, kwargs):
+    """i2t and t2i of the directional op ``fn``: ``queries`` (images, captions) (M, D) against
+    ``keys`` (images, captions) (N, D), the family's negatives (if any) after the captions; each
+    direction's margin operands from :func:`margin_operands`, group ids ``ids`` = (the queries',
+    the keys') or (None, None)."""
+    img, txt = queries
+    key_img, key_txt = keys
+    negatives = None if family is None else family.negatives
+    margin = Margin.TEXT if family is None else family.margin
+    captions = key_txt if negatives is None else torch.cat([key_txt, negatives])
+    groups = {} if ids[0] is None else dict(query_groups=ids[0], key_groups=ids[1])
+    out = []
+    for q, k, q_txt, k_txt in ((img, captions, txt, captions), (txt, key_img, txt, key_txt)):
+        a, b, mask_a, mask_b = margin_operands(margin, q, k, q_txt, k_txt)
+        masks = {} if mask_a is None else dict(mask_query=mask_a, mask_key=mask_b)
+        out.append(fn(q, k, query_txt=a, key_txt=b, **masks, **groups, **kwargs))
+    return out
+
+
+def _upcast(family):
+    """``family`` with its negatives in float32 (16-bit features run in float32 off Triton)."""
+    if family is None or family.negatives is None:
+        return family
+    return dataclasses.replace(family, negatives=family.negatives.float())
 
 
 def _op_kwargs(tau: torch.Tensor, options, return_stats: bool, **extra) -> dict:

@@ -37,6 +37,7 @@ from typing import Optional, Union
 import torch
 
 from .. import validation
+from ..margin import Margin
 from ..numerics import autocast_disabled
 from ..options import LossOptions
 from .consensus import collective_check, family_checks, local_checks
@@ -200,7 +201,7 @@ def _single_checks(image_features, text_features, tau, options, rank, group, tau
     if exc is not None:
         raise exc
     sizes = [image_features.shape[0]]
-    if negatives is None and group_ids is None and bound.margin == "text":
+    if negatives is None and group_ids is None and bound.margin is Margin.TEXT:  # as family_of decided
         return sizes, bound, None
     m = 0 if negatives is None else negatives.shape[0]
     return sizes, bound, ([m], negatives, group_ids)

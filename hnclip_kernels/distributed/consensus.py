@@ -16,9 +16,10 @@ from typing import List, Optional, Tuple
 import torch
 
 from .. import validation
+from ..margin import Margin
 from ..options import LossOptions
 from ..plausibility import warn_if_not_unit_norm
-from ..validation_family import check_family_range, family_arguments
+from ..validation_family import check_family_range, family_of
 from .gather import dist, group_rank_world, meta_device
 
 # metadata vector layout, one int64 row per rank
@@ -160,13 +161,13 @@ def family_checks(image_features, text_features, negatives, group_ids, bound, ta
     """This rank's hard-negative arguments checked without raising: (status, exception or None,
     negatives or None (M = 0 is None), group_ids or None). With ``normalize=False`` the negatives'
     norms enter this rank's overflow bound (the local batch's; the global bound covers img/txt)."""
+    names = ("image_features", "text_features")
     try:
-        negatives, group_ids = family_arguments(
-            image_features, text_features, negatives, group_ids, ("image_features", "text_features")
-        )
+        family = family_of(image_features, text_features, negatives, group_ids, bound.margin, names)
     except (TypeError, ValueError) as exc:
         return 5, exc, None, None
-    if not bound.normalize and (negatives is not None or bound.margin != "text"):
+    negatives, group_ids = (None, None) if family is None else (family.negatives, family.group_ids)
+    if not bound.normalize and family is not None and (negatives is not None or family.margin is not Margin.TEXT):
         tau_grad = validation.tau_requires_grad(tau)
         try:
             check_family_range(
@@ -212,7 +213,7 @@ def collective_check(
     if status == 0:
         _range_fields(row, bound.tau_value, image_features, text_features, bound.normalize)
         row[_N_NEG] = 0 if negatives is None else negatives.shape[0]
-        row[_FAMILY] = int(group_ids is not None) | int(bound.margin != "text") << 1
+        row[_FAMILY] = int(group_ids is not None) | bound.margin.code << 1
     mine = torch.tensor(row, dtype=torch.int64, device=meta_device(group, like))
     rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group=group))]
     dist.all_gather(rows, mine, group=group)
@@ -240,8 +241,8 @@ def collective_check(
     if len({m[_THRESHOLD] for m in meta}) > 1:
         values = [None if m[_THRESHOLD] == NO_THRESHOLD else _bits_float(m[_THRESHOLD]) for m in meta]
         problems.append(f"false_negative_threshold values differ across ranks: {values}")
-    if len({m[_FAMILY] >> 1 & 1 for m in meta}) > 1:
-        margins = ["image_text" if m[_FAMILY] >> 1 & 1 else "text" for m in meta]
+    if len({m[_FAMILY] >> 1 for m in meta}) > 1:
+        margins = [Margin.from_code(m[_FAMILY] >> 1).value for m in meta]
         problems.append(f"margin differs across ranks: {margins}")
     if len({m[_FAMILY] & 1 for m in meta}) > 1:
         problems.append(
@@ -258,6 +259,6 @@ def collective_check(
     if problem is not None:
         raise ValueError(f"HN-CLIP distributed loss: {problem}. Every rank raised this error.")
     sizes, neg_sizes = [m[_N_IMG] for m in meta], [m[_N_NEG] for m in meta]
-    if not any(neg_sizes) and not any(m[_FAMILY] & 0b11 for m in meta):
+    if not any(neg_sizes) and not any(m[_FAMILY] for m in meta):
         return sizes, bound, None
     return sizes, bound, (neg_sizes, negatives, group_ids)

@@ -11,9 +11,9 @@ through the gather with ``gather_with_grad`` (gradients summed into the owner), 
 own (differentiable) negatives in its slot when ``local_loss=False``, and constants with
 ``local_loss=True`` (the key side is dropped, as for the captions).
 
-Backends "torch", "cpp" and "triton" (``backends.rank_family_losses``: two directional calls per
-rank). 16-bit features are upcast to float32 *before* the gather, as the one-process family
-upcasts them (``backends.family_losses``): a feature's query-side gradient and the key-side
+Backends "torch", "cpp" and "triton" (``backends.rank_losses`` with the gathered family: two
+directional calls per rank). 16-bit features are upcast to float32 *before* the gather, as the
+one-process family upcasts them (``backends.symmetric_losses``): a feature's query-side gradient and the key-side
 gradients of every rank meet in the gather's backward (a reduce-scatter), so the float32 gather
 sums them in float32 and each feature's gradient is rounded to its dtype once (a bf16 gather would
 sum bf16 halves). It costs twice the gathered bytes of the 16-bit features.
@@ -25,9 +25,10 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..backends import family_losses, rank_family_losses
+from ..backends import rank_losses, symmetric_losses
 from ..numerics import autocast_disabled
 from ..options import LossOptions, as_tau_tensor
+from ..validation_family import Family
 from .gather import gather_features, gather_ids, gather_rows
 
 
@@ -76,14 +77,13 @@ def family_rank_loss(
     n_total = all_img.shape[0]
     n_keys = (n_total + (0 if all_neg is None else all_neg.shape[0]), n_total)
     with autocast_disabled(image_features.device):
+        gathered = Family(all_neg, all_ids, bound.margin)
         if not local_loss or world_size == 1:  # the whole global batch: the single-process family loss
-            out = family_losses(all_img, all_txt, all_neg, all_ids, tau_t, bound, return_stats)
+            out = symmetric_losses(all_img, all_txt, tau_t, bound, return_stats, gathered)
         else:
             offset = sum(sizes[:rank])
-            out = rank_family_losses(
-                image_features, text_features, all_img, all_txt, all_neg, group_ids, all_ids, tau_t, offset, bound,
-                return_stats,
-            )  # fmt: skip
+            out = rank_losses(image_features, text_features, all_img, all_txt, tau_t, offset, bound, return_stats,
+                              gathered)  # fmt: skip
     rows, stats = out if return_stats else (out, None)
     if not local_loss or world_size == 1 or n_total == world_size * image_features.shape[0]:
         loss = rows.mean()  # equal sizes: the mean of the local rows, as today's rank loss

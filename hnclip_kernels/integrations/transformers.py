@@ -59,8 +59,7 @@ def _loss_module(gamma, label_smoothing, false_negative_threshold, backend, marg
     options = dict(gamma=gamma, label_smoothing=label_smoothing, backend=backend, normalize=True)
     if false_negative_threshold is not None:  # passed on only when set: the core validates it
         options["false_negative_threshold"] = false_negative_threshold
-    if margin != "text":  # likewise
-        options["margin"] = margin
+    options["margin"] = margin  # validated once, by the loss's options
     # local rows against the gathered batch, gradients through the gather: with DDP's averaging
     # every parameter's gradient is the single-process gradient on the global batch
     return _ModelLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world_size, **options)
@@ -247,8 +246,7 @@ class HNClipTrainer(transformers.Trainer):
         self._eval_rows = 0
         if chunk_size is not None:  # passed on only when set: without it the call is today's
             self.hn_options["chunk_size"] = chunk_size
-        if margin != "text":
-            self.hn_options["margin"] = margin
+        self.hn_options["margin"] = margin
         # FSDP and DeepSpeed take no 0-dim parameter: train them (1,), save them 0-dim (_save)
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
         self.scalar_names = unsqueeze_scalar_parameters(self.model) if sharded else ()

@@ -131,7 +131,8 @@ def test_a_ranks_ops_state_the_useful_products_on_both_backends(family):
     # a rank's M local rows against N gathered columns: Triton's one op for both directions
     # (hnclip::triton_rank_nll, or two family directional ops), cpp's two directional ops
     from hnclip_kernels import LossOptions
-    from hnclip_kernels.backends import rank_family_losses, rank_losses
+    from hnclip_kernels.backends import rank_losses
+    from hnclip_kernels.validation_family import Family
 
     rows = 8
     all_img, all_txt, neg = _leaves(N, N, M, seed=1)
@@ -142,10 +143,7 @@ def test_a_ranks_ops_state_the_useful_products_on_both_backends(family):
     backends = ["triton"] + (["cpp"] if cpp_directional() is not None else [])
     for backend in backends:
         options = LossOptions(gamma=0.5, backend=backend, false_negative_threshold=0.5).resolved(img, 0.07)
-        if family:
-            ids = torch.arange(N) // 2
-            args = (img, txt, all_img, all_txt, neg, ids[N - rows :], ids, tau, N - rows, options)
-        else:
-            args = (img, txt, all_img, all_txt, tau, N - rows, options)
-        call = functools.partial(_summed, rank_family_losses if family else rank_losses, *args)
+        gathered = Family(neg, torch.arange(N) // 2) if family else None
+        args = (img, txt, all_img, all_txt, tau, N - rows, options, False, gathered)
+        call = functools.partial(_summed, rank_losses, *args)
         assert _counted(call) == useful, backend
