@@ -79,33 +79,19 @@ def hn_clip_loss(
             tensors and under ``torch.compile``). :func:`~hnclip_kernels.diagnostics.saturation_report`
             fills the fields that need the logits again.
         false_negative_threshold: None (default: every i ≠ j is a negative, as in the paper) or
-            a caption cosine c in (−1, 1]. A pair i ≠ j whose captions have t̂_i·t̂_j ≥ c is not a
-            negative in either direction: Z_ij leaves row i's softmax in i2t and column j's in
-            t2i (and Z_ji likewise: the mask is symmetric), gets no margin and no gradient; with
-            label smoothing ε spreads over the classes each row keeps. For batches with
-            duplicate or near-duplicate captions (not part of the paper). The cosine is the
-            margin's own caption product as each backend forms it (with ``normalize=False``
-            divided by the captions' norms: c is a cosine whatever ``normalize`` says; a cosine
-            equal to c is masked), in float32 (float64 for
-            float64 inputs) with c rounded to that dtype; a pair within a few float32 ulps
-            (~1e-7; ~1e-6 under Triton's ``precision="bf16x3"``) of c may fall on different sides
-            on different backends (or, for i ≠ j,
-            differently for (i, j) and (j, i)): exact duplicates can come out at 1 − 6e-8, so use
-            c ≤ 0.9999 (not 1.0) to mask them. With ``normalize=False`` the product of the
-            features as given. A row whose negatives are all masked has loss 0 and no gradient.
-        negatives: None or (M, D) hard-negative caption embeddings (M ≥ 0, independent of N; the
-            dtype and device of ``txt``; M = 0 is None): extra columns of every image→text row,
-            an N × (N + M) softmax; text→image rows are unchanged. Gradients reach them. The
-            threshold's caption cosine masks negative columns too.
-        group_ids: None or (N,) integer ids (any integer dtype, ``txt``'s device): pairs i ≠ k
-            with equal ids are no negatives of each other in either direction (masked as the
-            threshold masks; several captions of one image, duplicates).
-        margin: "text" (default: sg(t_i·x), the paper's) or "image_text" (sg(v_i·x) in i2t and
-            sg(v_i·t_k) in t2i: the detached image-text score, LLaVE-style hardness).
-            ``negatives``, ``group_ids`` and ``margin="image_text"`` are the hard-negative family
-            (``docs/hard_negatives.md``): every backend ("cpp" and "triton" fused, O((N + M)·D)
-            extra memory); "auto" picks as for today's loss.
-            Without them nothing changes, bit for bit.
+            a caption cosine c in (−1, 1]: a pair i ≠ j with t̂_i·t̂_j ≥ c is no negative in either
+            direction (no logit, margin or gradient; ε spreads over the classes a row keeps). The
+            cosine is the margin's own caption product in float32 (float64 for float64 inputs),
+            also with ``normalize=False``; to mask exact duplicates use c ≤ 0.9999. Ties within a
+            few ulps of c and the details: ``docs/masking.md``.
+        negatives: None or (M, D) hard-negative caption embeddings (``txt``'s dtype and device;
+            M = 0 is None): extra columns of every image→text row; gradients reach them.
+        group_ids: None or (N,) integer ids (``txt``'s device): pairs i ≠ k with equal ids are no
+            negatives of each other in either direction.
+        margin: "text" (default: sg(t_i·x), the paper's) or "image_text" (sg(v_i·x) in i2t,
+            sg(v_i·t_k) in t2i), a :class:`~hnclip_kernels.margin.Margin`. ``negatives``,
+            ``group_ids`` and ``margin="image_text"`` are the hard-negative family
+            (``docs/hard_negatives.md``), on every backend; without them nothing changes, bit for bit.
 
     Returns:
         float32 loss (float64 for float64 inputs): a scalar, or shape (N,) for "none";
@@ -117,14 +103,10 @@ def hn_clip_loss(
         meta-device result of the right shape (backend "torch"/"auto"), with no value checks.
 
     Warns:
-        RuntimeWarning (once per process): τ > 1, almost always open_clip's ``logit_scale``
-        passed in place of τ = 1 / logit_scale (τ ≤ 1 is a temperature some use, and does not
-        warn; the rule: :func:`hnclip_kernels.plausibility.scale_mistake`). With
-        ``normalize=False``, rows whose norms are off 1 by more than 5% (dot products, not
-        cosines: pass ``normalize=True`` or L2-normalise), of the features and, once on their
-        own, of ``negatives``; read from the norms its overflow
-        check takes anyway (no extra sync); the same warning as ``HNClipLoss`` and
-        ``distributed_hn_clip_loss``. Neither under ``torch.compile``.
+        RuntimeWarning (once per process, not under ``torch.compile``): τ > 1, almost always
+        open_clip's ``logit_scale`` passed in place of τ = 1 / logit_scale
+        (:func:`hnclip_kernels.plausibility.scale_mistake`); with ``normalize=False``, row norms
+        of the features or ``negatives`` off 1 by more than 5% (dot products, not cosines).
 
     Raises:
         TypeError: non-tensor, DTensor (pass ``.full_tensor()``) or integer features, dtype
