@@ -135,7 +135,7 @@ def report_of_call(
     (host floats) cannot be made: for meta tensors (no values) and inside a compiled graph."""
     if torch.compiler.is_compiling() or like.device.type == "meta":
         return None
-    if isinstance(n_keys, tuple):  # per direction (hnclip_kernels.loss.pair_losses with a family): the defaults of the below
+    if isinstance(n_keys, tuple):  # per direction (loss.pair_losses with a family): the defaults of the below
         with torch.no_grad():
             return SaturationReport(**stats_fields(i2t, t2i, 1e-3, float(label_smoothing), n_keys))
     return report_from_row_stats(i2t, t2i, label_smoothing=label_smoothing, n_keys=n_keys)
