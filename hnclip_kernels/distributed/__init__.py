@@ -40,6 +40,7 @@ from .. import validation
 from ..margin import Margin
 from ..numerics import autocast_disabled
 from ..options import LossOptions
+from ..validation_family import Family
 from .consensus import collective_check, family_checks, local_checks
 from .family import family_rank_loss
 from .gather import AUTOGRAD_GATHER, HAS_DISTRIBUTED, dist, gather_features, gather_sizes, require_distributed
@@ -204,4 +205,4 @@ def _single_checks(image_features, text_features, tau, options, rank, group, tau
     if negatives is None and group_ids is None and bound.margin is Margin.TEXT:  # as family_of decided
         return sizes, bound, None
     m = 0 if negatives is None else negatives.shape[0]
-    return sizes, bound, ([m], negatives, group_ids)
+    return sizes, bound, ([m], Family(negatives, group_ids, bound.margin))

@@ -19,7 +19,7 @@ from .. import validation
 from ..margin import Margin
 from ..options import LossOptions
 from ..plausibility import warn_if_not_unit_norm
-from ..validation_family import check_family_range, family_of
+from ..validation_family import Family, check_family_range, family_of
 from .gather import dist, group_rank_world, meta_device
 
 # metadata vector layout, one int64 row per rank
@@ -181,12 +181,12 @@ def family_checks(image_features, text_features, negatives, group_ids, bound, ta
 
 def collective_check(
     image_features, text_features, tau, options, flags, rank, world_size, group, tau_value=None, family=None
-) -> Tuple[List[int], LossOptions, Optional[Tuple[List[int], Optional[torch.Tensor], Optional[torch.Tensor]]]]:
+) -> Tuple[List[int], LossOptions, Optional[Tuple[List[int], Family]]]:
     """Check inputs on every rank at once; return (sizes, bound options, family) or raise on every
     rank. ``options``/``tau_value`` as :func:`local_checks`. ``family``: this rank's
     ``(negatives, group_ids)`` (each may be None) or None; the returned ``family`` is None where no
     rank uses the hard-negative family (no negatives anywhere, no ids, margin "text": today's
-    loss), else ``(every rank's M_r, this rank's negatives or None, its group_ids or None)``."""
+    loss), else ``(every rank's M_r, this rank's checked Family)``."""
     status, exc, requested, bound = local_checks(
         image_features, text_features, tau, options, rank, world_size, group, tau_value
     )
@@ -261,4 +261,4 @@ def collective_check(
     sizes, neg_sizes = [m[_N_IMG] for m in meta], [m[_N_NEG] for m in meta]
     if not any(neg_sizes) and not any(m[_FAMILY] for m in meta):
         return sizes, bound, None
-    return sizes, bound, (neg_sizes, negatives, group_ids)
+    return sizes, bound, (neg_sizes, Family(negatives, group_ids, bound.margin))

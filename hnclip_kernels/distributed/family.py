@@ -21,7 +21,8 @@ sum bf16 halves). It costs twice the gathered bytes of the 16-bit features.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import dataclasses
+from typing import List, Tuple
 
 import torch
 
@@ -38,7 +39,7 @@ def family_rank_loss(
     tau,
     bound: LossOptions,
     sizes: List[int],
-    family: Tuple[List[int], Optional[torch.Tensor], Optional[torch.Tensor]],
+    family: Tuple[List[int], Family],
     *,
     local_loss: bool,
     gather_with_grad: bool,
@@ -51,12 +52,14 @@ def family_rank_loss(
     ``return_stats`` ``(loss, (i2t, t2i, (N + K, N)))``, the detached ``RowStats`` of this rank's
     rows (all N rows with ``local_loss=False``) and the key columns of each direction.
 
-    ``sizes``: every rank's n_r; ``family``: ``(every rank's m_r, this rank's negatives (m_r, D) or
-    None, its group_ids (n_r,) or None)``, checked on every rank (``consensus.collective_check``);
+    ``sizes``: every rank's n_r; ``family``: ``(every rank's m_r, this rank's Family)`` (its
+    negatives (m_r, D) or None, group_ids (n_r,) or None, the margin), checked on every rank
+    (``consensus.collective_check``);
     ``bound``: the options bound to these tensors, backend "torch", "cpp" or "triton". float16 and
     bfloat16 features (and negatives) run in float32 from the gather on (module docstring); their
     gradients come back in their dtypes."""
-    neg_sizes, negatives, group_ids = family
+    neg_sizes, family = family
+    negatives, group_ids = family.negatives, family.group_ids
     if image_features.dtype in (torch.float16, torch.bfloat16):  # one float32 gradient sum per feature
         image_features, text_features = image_features.float(), text_features.float()
         negatives = None if negatives is None else negatives.float()
@@ -77,7 +80,7 @@ def family_rank_loss(
     n_total = all_img.shape[0]
     n_keys = (n_total + (0 if all_neg is None else all_neg.shape[0]), n_total)
     with autocast_disabled(image_features.device):
-        gathered = Family(all_neg, all_ids, bound.margin)
+        gathered = dataclasses.replace(family, negatives=all_neg, group_ids=all_ids)
         if not local_loss or world_size == 1:  # the whole global batch: the single-process family loss
             out = symmetric_losses(all_img, all_txt, tau_t, bound, return_stats, gathered)
         else:
