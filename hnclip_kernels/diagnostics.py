@@ -205,18 +205,9 @@ def _checked(img, txt, tau, options: LossOptions, threshold, chunk_rows, negativ
 
 def _loss(img: torch.Tensor, txt: torch.Tensor, call: _Pass) -> float:
     """The report's ``loss``: :func:`hnclip_kernels.hn_clip_loss` of the batch on ``call.backend``."""
-    loss = hn_clip_loss(
-        img,
-        txt,
-        call.tau,
-        gamma=call.gamma,
-        normalize=call.normalize,
-        backend=call.backend,
-        false_negative_threshold=call.fn_thr,
-        negatives=call.negatives,
-        group_ids=call.group_ids,
-        margin=call.margin,
-    )
+    family = dict(negatives=call.negatives, group_ids=call.group_ids, margin=call.margin)
+    loss = hn_clip_loss(img, txt, call.tau, gamma=call.gamma, normalize=call.normalize, backend=call.backend,
+                        false_negative_threshold=call.fn_thr, **family)  # fmt: skip
     return float(loss)
 
 
@@ -370,13 +361,9 @@ def saturation_report(
         and ``margin`` as ``hn_clip_loss`` checks them.
     """
     _validation.check_features(img, txt)
-    options = LossOptions(
-        gamma=gamma,
-        backend=backend,
-        normalize=normalize,
-        false_negative_threshold=false_negative_threshold,
-        margin=margin,
-    )  # raises for a bad option
+    # raises for a bad option
+    options = LossOptions(gamma=gamma, backend=backend, normalize=normalize, margin=margin,
+                          false_negative_threshold=false_negative_threshold)  # fmt: skip
     call = _checked(img, txt, tau, options, threshold, chunk_rows, negatives, group_ids)
     # called here: the warning points at the line that called saturation_report; once, hn_clip_loss stays quiet
     warn_if_tau_looks_like_logit_scale(call.tau, "saturation_report")
