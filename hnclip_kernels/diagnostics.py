@@ -34,7 +34,7 @@ mask removed (the kernels' ``kept`` counts give it at no extra pass).
 from __future__ import annotations
 
 import numbers
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from . import validation as _validation
 from .backends.epilogue import RowStats
 from .loss import hn_clip_loss
+from .margin import Margin, margin_operands
 from .numerics import NORM_EPS, compute_dtype
 from .options import LossOptions
 from .plausibility import warn_if_tau_looks_like_logit_scale
@@ -150,6 +151,156 @@ def _naive_chunk(logits32: torch.Tensor, start: int, masked=None):
     return ce32.detach().double(), ce16.double(), lost
 
 
+class _Pass(NamedTuple):
+    """One call's checked arguments, as the loss call and the chunked pass read them."""
+
+    tau: float
+    gamma: float
+    normalize: bool
+    backend: str
+    fn_thr: Optional[float]  # false-negative masking's caption cosine, or None
+    negatives: Optional[torch.Tensor]
+    group_ids: Optional[torch.Tensor]
+    margin: Margin
+    threshold: float  # a row is saturated below this loss
+    chunk: int
+
+
+class _Direction(NamedTuple):
+    """One direction's operands: ``queries`` against ``keys``, the margin γ·sg(a_i·b_k), the
+    false-negative mask's captions ``mask_a``·``mask_b`` (None: the margin's own product, see
+    :func:`hnclip_kernels.margin.margin_operands`) and the rows' and columns' captions."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    mask_a: Optional[torch.Tensor]
+    mask_b: Optional[torch.Tensor]
+    query_txt: torch.Tensor
+    key_txt: torch.Tensor
+
+
+_ROW_FIELDS = ("delta", "mean_neg", "dsum", "hard", "ce32", "ce16", "lost", "masked")
+
+
+def _checked(img, txt, tau, options: LossOptions, threshold, chunk_rows, negatives, group_ids) -> _Pass:
+    """The call's arguments checked (the features and ``options`` already are), in the order
+    :func:`saturation_report` documents its errors."""
+    negatives, group_ids = family_arguments(img, txt, negatives, group_ids)
+    thr = check_threshold(threshold)
+    chunk = _check_chunk_rows(chunk_rows)
+    if img.device.type == "meta":
+        raise ValueError("saturation_report needs tensors with values; img and txt are on the meta device")
+    n = img.shape[0]
+    if n < 2:
+        raise ValueError(f"img and txt have N = {n} pair; saturation_report needs N >= 2 (a row needs negatives)")
+    gamma = float(options.gamma)
+    tau_value = _validation.check_tau(tau, img.device, img.dtype, gamma, tau_grad=False)  # no backward here
+    fn_thr = None if options.false_negative_threshold is None else float(options.false_negative_threshold)
+    return _Pass(
+        tau_value, gamma, options.normalize, options.backend, fn_thr, negatives, group_ids, options.margin, thr, chunk
+    )
+
+
+def _loss(img: torch.Tensor, txt: torch.Tensor, call: _Pass) -> float:
+    """The report's ``loss``: :func:`hnclip_kernels.hn_clip_loss` of the batch on ``call.backend``."""
+    family = dict(negatives=call.negatives, group_ids=call.group_ids, margin=call.margin)
+    loss = hn_clip_loss(img, txt, call.tau, gamma=call.gamma, normalize=call.normalize, backend=call.backend,
+                        false_negative_threshold=call.fn_thr, **family)  # fmt: skip
+    return float(loss)
+
+
+def _rows(img: torch.Tensor, txt: torch.Tensor, call: _Pass) -> dict:
+    """Both directions' row fields ("i2t", "t2i": :func:`_direction_rows`), from the features in
+    the compute dtype (float32, float64 for float64 features) and, for the naive losses, float32."""
+    dt = compute_dtype(img.dtype)
+    feats = _features(img, txt, call.negatives, dt, call.normalize)
+    feats32 = None if dt == torch.float32 else _features(img, txt, call.negatives, torch.float32, call.normalize)
+    rows = {}
+    for name in ("i2t", "t2i"):
+        d32 = None if feats32 is None else _direction(name, feats32, call.margin)
+        rows[name] = _direction_rows(_direction(name, feats, call.margin), d32, call)
+    return rows
+
+
+def _direction(name: str, feats: tuple, margin: Margin) -> _Direction:
+    """The operands of direction ``name`` ("i2t": images against the N + M captions; "t2i":
+    captions against images) over ``feats`` = (v, t, captions)."""
+    v, t, caps = feats
+    queries, keys, query_txt, key_txt = (v, caps, t, caps) if name == "i2t" else (t, v, t, t)
+    return _Direction(queries, keys, *margin_operands(margin, queries, keys, query_txt, key_txt), query_txt, key_txt)
+
+
+def _chunk_rows(d: _Direction, d32: Optional[_Direction], call: _Pass, start: int, stop: int, inv) -> tuple:
+    """The fields of :data:`_ROW_FIELDS` for query rows [start, stop) of one direction; ``d32``:
+    its float32 operands for the naive losses (None: ``d`` is float32); ``inv``: the captions'
+    inverse norms (rows, columns), or None where the products are cosines already."""
+    logits, margin = _chunk_logits(d.queries[start:stop], d.keys, d.a[start:stop], d.b, start, call.gamma, call.tau)
+    cosine = None
+    if call.fn_thr is not None:  # the captions' product (the margin's own with margin="text")
+        cosine = margin if d.mask_a is None else d.mask_a[start:stop] @ d.mask_b.T
+        if inv is not None:  # the threshold is a cosine whatever normalize says: the raw product over the norms
+            cosine = cosine * inv[0][start:stop] * inv[1]
+    groups = None if call.group_ids is None else (call.group_ids[start:stop], call.group_ids, d.keys.shape[0])
+    masked = _false_negatives(cosine, start, call.fn_thr, groups)
+    delta, mean_neg, dsum, hard = _direction_chunk(logits, margin, start, call.gamma, masked)
+    del margin, cosine
+    if d32 is not None:  # the naive losses always see float32 logits from float32 features
+        logits, _ = _chunk_logits(
+            d32.queries[start:stop], d32.keys, d32.a[start:stop], d32.b, start, call.gamma, call.tau
+        )
+    ce32, ce16, lost = _naive_chunk(logits, start, masked)
+    n_masked = masked.sum(dim=1) if masked is not None else torch.zeros_like(delta)
+    return delta, mean_neg, dsum, hard, ce32, ce16, lost, n_masked
+
+
+def _direction_rows(d: _Direction, d32: Optional[_Direction], call: _Pass) -> dict:
+    """Every row's fields (:data:`_ROW_FIELDS`) of one direction, ``call.chunk`` rows at a time."""
+    inv = None
+    if call.fn_thr is not None and not call.normalize:
+        inv = (_inv_norms(d.query_txt)[:, None], _inv_norms(d.key_txt)[None, :])
+    parts = {key: [] for key in _ROW_FIELDS}
+    n = d.queries.shape[0]
+    for start in range(0, n, call.chunk):
+        for key, val in zip(_ROW_FIELDS, _chunk_rows(d, d32, call, start, min(start + call.chunk, n), inv)):
+            parts[key].append(val)
+    return {key: torch.cat(vals) for key, vals in parts.items()}
+
+
+def _report(i2t: dict, t2i: dict, call: _Pass, loss: float) -> SaturationReport:
+    """The report from both directions' row fields and the loss (one host sync)."""
+    fields = stats_fields(
+        RowStats(None, i2t["delta"], i2t["mean_neg"], i2t["dsum"]),
+        RowStats(None, t2i["delta"], t2i["mean_neg"], t2i["dsum"]),
+        call.threshold,
+    )
+    fields["loss"] = loss
+    both = {key: torch.cat([i2t[key], t2i[key]]) for key in ("hard", "ce32", "ce16", "lost", "masked")}
+    hard = both["hard"].double()
+    values = torch.stack(
+        [
+            both["ce32"].mean(),
+            both["ce16"].mean(),
+            both["lost"].double().mean(),
+            hard.mean(),
+            hard.max(),
+            # with negatives the N × (N + M) i2t logits' masked entries (as reports.stats_fields)
+            i2t["masked"].double().sum() if call.negatives is not None else 0.5 * both["masked"].double().sum(),
+        ]
+    ).tolist()  # one sync
+    masking = call.fn_thr is not None or call.group_ids is not None
+    fields["masked_pairs"] = int(round(values[5])) if masking else None
+    return SaturationReport(
+        naive_fp32_loss=values[0],
+        naive_bf16_loss=values[1],
+        lost_positive_rows_fp32=values[2],
+        hardest_margin_mean=values[3],
+        hardest_margin_max=values[4],
+        **fields,
+    )
+
+
 def saturation_report(
     img: torch.Tensor,
     txt: torch.Tensor,
@@ -163,7 +314,7 @@ def saturation_report(
     false_negative_threshold: Optional[float] = None,
     negatives: Optional[torch.Tensor] = None,
     group_ids: Optional[torch.Tensor] = None,
-    margin: str = "text",
+    margin: Union[str, Margin] = "text",
 ) -> SaturationReport:
     """Measure how saturated a batch is and what naive cross-entropy makes of it.
 
@@ -210,114 +361,13 @@ def saturation_report(
         and ``margin`` as ``hn_clip_loss`` checks them.
     """
     _validation.check_features(img, txt)
-    LossOptions(
-        gamma=gamma,
-        backend=backend,
-        normalize=normalize,
-        false_negative_threshold=false_negative_threshold,
-        margin=margin,
-    )  # raises for a bad option
-    negatives, group_ids = family_arguments(img, txt, negatives, group_ids)
-    family = {}  # only the keywords given: without them the loss call is today's
-    if negatives is not None:
-        family["negatives"] = negatives
-    if group_ids is not None:
-        family["group_ids"] = group_ids
-    if margin != "text":
-        family["margin"] = margin
-    fn_thr = None if false_negative_threshold is None else float(false_negative_threshold)
-    thr = check_threshold(threshold)
-    chunk = _check_chunk_rows(chunk_rows)
-    if img.device.type == "meta":
-        raise ValueError("saturation_report needs tensors with values; img and txt are on the meta device")
-    n = img.shape[0]
-    if n < 2:
-        raise ValueError(f"img and txt have N = {n} pair; saturation_report needs N >= 2 (a row needs negatives)")
-    tau_value = _validation.check_tau(tau, img.device, img.dtype, float(gamma), tau_grad=False)  # no backward here
-    gamma = float(gamma)
-    warn_if_tau_looks_like_logit_scale(tau_value, "saturation_report")  # once: hn_clip_loss below stays quiet
-
+    # raises for a bad option
+    options = LossOptions(gamma=gamma, backend=backend, normalize=normalize, margin=margin,
+                          false_negative_threshold=false_negative_threshold)  # fmt: skip
+    call = _checked(img, txt, tau, options, threshold, chunk_rows, negatives, group_ids)
+    # called here: the warning points at the line that called saturation_report; once, hn_clip_loss stays quiet
+    warn_if_tau_looks_like_logit_scale(call.tau, "saturation_report")
     with torch.no_grad():
-        loss = float(
-            hn_clip_loss(
-                img,
-                txt,
-                tau_value,
-                gamma=gamma,
-                normalize=normalize,
-                backend=backend,
-                false_negative_threshold=fn_thr,
-                **family,
-            )
-        )
-
-        dt = compute_dtype(img.dtype)
-        feats = _features(img, txt, negatives, dt, normalize)
-        # the naive losses always see float32 logits from float32 features
-        feats32 = feats if dt == torch.float32 else _features(img, txt, negatives, torch.float32, normalize)
-        v, t, caps = feats
-        rho = _inv_norms(t)
-        rho_caps = rho if negatives is None else _inv_norms(caps)
-        text_margin = margin == "text"
-        per_dir = {}
-        for name in ("i2t", "t2i"):
-            # (queries, keys, margin rows, margin keys) of the direction: i2t rows over the N + M captions
-            if name == "i2t":
-                roles = [(f[0], f[2], f[1] if text_margin else f[0], f[2]) for f in (feats, feats32)]
-                mask_keys, rho_keys = caps, rho_caps
-            else:
-                roles = [(f[1], f[0], f[1], f[1] if text_margin else f[0]) for f in (feats, feats32)]
-                mask_keys, rho_keys = t, rho
-            (q, k, a, b), (q32, k32, a32, b32) = roles
-            parts = {key: [] for key in ("delta", "mean_neg", "dsum", "hard", "ce32", "ce16", "lost", "masked")}
-            for start in range(0, n, chunk):
-                stop = min(start + chunk, n)
-                logits, margin_chunk = _chunk_logits(q[start:stop], k, a[start:stop], b, start, gamma, tau_value)
-                cosine = None
-                if fn_thr is not None:  # the captions' product (the margin's own with margin="text")
-                    product = margin_chunk if text_margin else t[start:stop] @ mask_keys.T
-                    # the threshold is a cosine whatever normalize says: the raw product over the norms
-                    cosine = product if normalize else product * rho[start:stop, None] * rho_keys[None, :]
-                groups = None if group_ids is None else (group_ids[start:stop], group_ids, k.shape[0])
-                masked = _false_negatives(cosine, start, fn_thr, groups)
-                delta, mean_neg, dsum, hard = _direction_chunk(logits, margin_chunk, start, gamma, masked)
-                del margin_chunk, cosine
-                if dt != torch.float32:
-                    logits, _ = _chunk_logits(q32[start:stop], k32, a32[start:stop], b32, start, gamma, tau_value)
-                ce32, ce16, lost = _naive_chunk(logits, start, masked)
-                del logits
-                n_masked = masked.sum(dim=1) if masked is not None else torch.zeros_like(delta)
-                for key, val in zip(parts, (delta, mean_neg, dsum, hard, ce32, ce16, lost, n_masked)):
-                    parts[key].append(val)
-            per_dir[name] = {key: torch.cat(vals) for key, vals in parts.items()}
-
-        i2t, t2i = per_dir["i2t"], per_dir["t2i"]
-        fields = stats_fields(
-            RowStats(None, i2t["delta"], i2t["mean_neg"], i2t["dsum"]),
-            RowStats(None, t2i["delta"], t2i["mean_neg"], t2i["dsum"]),
-            thr,
-        )
-        fields["loss"] = loss
-        both = {key: torch.cat([i2t[key], t2i[key]]) for key in ("hard", "ce32", "ce16", "lost", "masked")}
-        hard = both["hard"].double()
-        values = torch.stack(
-            [
-                both["ce32"].mean(),
-                both["ce16"].mean(),
-                both["lost"].double().mean(),
-                hard.mean(),
-                hard.max(),
-                # with negatives the N × (N + M) i2t logits' masked entries (as reports.stats_fields)
-                0.5 * both["masked"].double().sum() if negatives is None else i2t["masked"].double().sum(),
-            ]
-        ).tolist()  # one sync
-        masking = fn_thr is not None or group_ids is not None
-        fields["masked_pairs"] = int(round(values[5])) if masking else None
-    return SaturationReport(
-        naive_fp32_loss=values[0],
-        naive_bf16_loss=values[1],
-        lost_positive_rows_fp32=values[2],
-        hardest_margin_mean=values[3],
-        hardest_margin_max=values[4],
-        **fields,
-    )
+        loss = _loss(img, txt, call)  # first: its checks (the features' range, the family's) raise before the pass
+        rows = _rows(img, txt, call)
+        return _report(rows["i2t"], rows["t2i"], call, loss)

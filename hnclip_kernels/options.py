@@ -23,7 +23,9 @@ import torch
 from . import validation
 from .margin import Margin
 from .numerics import compute_dtype
+from .validation_options import check_false_negative_threshold, check_options, check_precision, resolve_precision
 from .validation_rows import check_small_rows
+from .validation_scalars import hyperparameter, plain_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +39,7 @@ class LossOptions:
         normalize: L2-normalise the features inside the loss.
         backend: "auto", "torch", "cpp" or "triton"; after :meth:`bind`, the resolved one.
         precision: the Triton backend's tensor-core input precision for float32 features
-            (``validation.FP32_PRECISIONS``); None before :meth:`bind` means the default,
+            (``validation_options.FP32_PRECISIONS``); None before :meth:`bind` means the default,
             after it the resolved mode (None on the other backends, which ignore it).
         tau_value: τ as read on the host by :meth:`bind` (None before, under
             ``torch.compile`` and for meta tensors, where nothing is read).
@@ -68,13 +70,13 @@ class LossOptions:
     margin: Margin = Margin.TEXT
 
     def __post_init__(self):
-        for name in ("gamma", "label_smoothing"):  # NumPy scalars, one-element tensors: validation.hyperparameter
-            object.__setattr__(self, name, validation.hyperparameter(name, getattr(self, name)))
-        validation.check_options(self.gamma, self.label_smoothing, self.reduction, self.backend, self.normalize)
-        validation.check_precision(self.precision)
+        for name in ("gamma", "label_smoothing"):  # NumPy scalars, one-element tensors: hyperparameter
+            object.__setattr__(self, name, hyperparameter(name, getattr(self, name)))
+        check_options(self.gamma, self.label_smoothing, self.reduction, self.backend, self.normalize)
+        check_precision(self.precision)
         if self.false_negative_threshold is not None:  # NumPy scalars and arrays, Fractions: a Python float
-            object.__setattr__(self, "false_negative_threshold", validation.plain_number(self.false_negative_threshold))
-        validation.check_false_negative_threshold(self.false_negative_threshold)
+            object.__setattr__(self, "false_negative_threshold", plain_number(self.false_negative_threshold))
+        check_false_negative_threshold(self.false_negative_threshold)
         object.__setattr__(self, "margin", Margin.parse(self.margin))
 
     def bind(
@@ -154,7 +156,7 @@ class LossOptions:
         backend = resolve_backend(self.backend, like)
         precision = None
         if backend == "triton":
-            precision = validation.resolve_precision(self.precision)
+            precision = resolve_precision(self.precision)
         return dataclasses.replace(self, backend=backend, precision=precision, tau_value=tau_value)
 
 
@@ -186,7 +188,7 @@ def as_tau_tensor(tau: Union[float, torch.Tensor], like: torch.Tensor) -> torch.
         # no product or quotient with it is rounded to 16 bits on the way
         dtype = tau.dtype if tau.dtype in (torch.float32, torch.float64) else compute_dtype(like.dtype)
         return tau.to(device=like.device, dtype=dtype).reshape(())
-    tau = validation.plain_number(tau)
+    tau = plain_number(tau)
     # arithmetic, not torch.tensor(float(tau)): under torch.compile a changing τ stays a symbolic
     # float instead of being specialised into a new graph at every value of a schedule
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32

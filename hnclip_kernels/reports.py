@@ -16,9 +16,9 @@ from typing import Optional
 
 import torch
 
-from . import validation as _validation
 from .backends.epilogue import RowStats
 from .numerics import softplus
+from .validation_scalars import real_number
 
 __all__ = ["SaturationReport", "report_from_row_stats", "report_of_call"]
 
@@ -160,7 +160,7 @@ def report_from_row_stats(
     both) also fill ``masked_pairs`` (``n_keys`` needed).
     """
     thr = check_threshold(threshold)
-    ls = _validation.real_number("label_smoothing", label_smoothing)
+    ls = real_number("label_smoothing", label_smoothing)
     if not 0.0 <= ls < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     masked = getattr(i2t, "kept", None) is not None and getattr(t2i, "kept", None) is not None

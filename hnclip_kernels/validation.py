@@ -1,14 +1,16 @@
-"""Argument checks shared by every entry point.
+"""Checks of the features, τ and the range they span, shared by every entry point.
 
 Each check raises ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind,
-bad value) with a message that names the argument and says how to fix it.
+bad value) with a message that names the argument and says how to fix it. The option checks
+are in :mod:`hnclip_kernels.validation_options`, those of the scalar arguments in
+:mod:`hnclip_kernels.validation_scalars`, the hard-negative family's in
+:mod:`hnclip_kernels.validation_family`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import numbers
 import sys
 from typing import Optional, Union
 
@@ -16,25 +18,11 @@ import torch
 
 from .plausibility import warn_if_not_unit_norm
 
-try:
-    import numpy as _np
-except ImportError:  # pragma: no cover - torch runs without NumPy
-    _np = None
+# the names the entry points and backends read as ``validation.<name>``, at home in the modules split off
+from .validation_options import DEFAULT_FP32_PRECISION, FP32_PRECISIONS, resolve_precision  # noqa: F401
+from .validation_scalars import plain_number, read_logit_scale, real_number  # noqa: F401
 
-REDUCTIONS = ("mean", "sum", "none")
-BACKENDS = ("auto", "torch", "triton", "cpp")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# tensor-core input precisions of the Triton backend for float32 features (README, "Precision")
-FP32_PRECISIONS = ("ieee", "tf32x3", "bf16x6", "bf16x3")
-# tf32x3 splits each operand into a tf32 head and tail and sums three tf32 products: float32
-# accuracy on tensor cores ("ieee" is plain FMA, no tensor cores; README, "Precision")
-DEFAULT_FP32_PRECISION = "tf32x3"
-
-
-def resolve_precision(precision: Optional[str]) -> str:
-    """The Triton backend's mode for float32 features: ``precision``, or the default for None
-    (the one place the default is applied)."""
-    return DEFAULT_FP32_PRECISION if precision is None else precision
 
 
 def check_features(img: torch.Tensor, txt: torch.Tensor, img_name: str = "img", txt_name: str = "txt") -> None:
@@ -71,43 +59,6 @@ def check_features(img: torch.Tensor, txt: torch.Tensor, img_name: str = "img", 
         )
 
 
-def plain_number(x):
-    """A NumPy scalar (``np.float32(0.5)``, ``np.int64(1)``) as the Python number it holds, a
-    ``fractions.Fraction`` as a float; anything else unchanged. Done at the entry points, so that
-    the rest of the package, and Dynamo under ``torch.compile(fullgraph=True)``, only ever see
-    Python numbers (Dynamo cannot trace the ``numbers.Real`` check of a NumPy scalar, and NumPy
-    floats would not become symbolic floats)."""
-    if _np is not None and isinstance(x, (_np.generic, _np.ndarray)) and x.ndim == 0:
-        # Dynamo traces a NumPy scalar as a 0-dim array backed by a tensor, a graph input: as a
-        # 0-dim tensor it stays one (no recompile per value), which is what the operators take
-        if not torch.compiler.is_compiling():
-            return x.item()
-        value = torch.as_tensor(x)
-        # an integer scalar (np.int64(1)) is a real number: a float64 tensor, as eagerly a float
-        integral = not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
-        return value.to(torch.float64) if integral else value
-    if isinstance(x, numbers.Rational) and not isinstance(x, int):  # fractions.Fraction: tensors take no Fraction
-        return float(x)
-    return x
-
-
-def hyperparameter(name: str, x):
-    """γ or ε as the loss carries it: a Python number, or (under ``torch.compile``, where it is
-    a graph input) a detached 0-dim tensor. NumPy scalars and one-element floating tensors are
-    accepted: eagerly they become Python floats (a tensor is read once on the host)."""
-    x = plain_number(x)
-    if isinstance(x, torch.Tensor):
-        if x.numel() != 1 or not x.is_floating_point():
-            raise TypeError(
-                f"{name} must be a real number or a one-element floating tensor, got a {x.dtype} "
-                f"tensor of shape {tuple(x.shape)}"
-            )
-        if torch.compiler.is_compiling() or x.device.type == "meta":
-            return x.detach().reshape(())
-        return float(x.detach())
-    return x
-
-
 def _is_dtensor(x) -> bool:
     """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (without importing that module: if it
     was never imported, no DTensor exists). Its operators need a sharding rule for every op,
@@ -115,17 +66,6 @@ def _is_dtensor(x) -> bool:
     module = sys.modules.get("torch.distributed.tensor")
     dtensor = getattr(module, "DTensor", None)
     return dtensor is not None and isinstance(x, dtensor)
-
-
-def real_number(name: str, x) -> float:
-    """A Python/NumPy real number as a float, or TypeError/ValueError naming ``name``."""
-    x = plain_number(x)
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be a real number (float), got {type(x).__name__}")
-    try:
-        return float(x)
-    except OverflowError:
-        raise ValueError(f"{name} = {x} does not fit in a float") from None
 
 
 def largest_intermediate(
@@ -324,75 +264,3 @@ def check_directional(
     dims = {x.shape[-1] for x in (queries, keys, query_txt, key_txt)}
     if len(dims) != 1:
         raise ValueError(f"queries, keys, query_txt and key_txt must share the feature dimension D, got {sorted(dims)}")
-
-
-def check_precision(precision) -> None:
-    if precision is None:
-        return
-    if not isinstance(precision, str):
-        raise TypeError(f"precision must be a string or None, got {type(precision).__name__}")
-    if precision not in FP32_PRECISIONS:
-        hint = " (plain tf32 loses float32 accuracy: use tf32x3)" if precision == "tf32" else ""
-        raise ValueError(f"precision must be None or one of {FP32_PRECISIONS}, got {precision!r}{hint}")
-
-
-def check_false_negative_threshold(threshold) -> None:
-    """``false_negative_threshold``: None (no masking) or a real number in (−1, 1], the caption
-    cosine at and above which a pair i ≠ j stops being a negative (see ``hn_clip_loss``)."""
-    if threshold is None:
-        return
-    value = real_number("false_negative_threshold", threshold)
-    if torch.compiler.is_compiling():
-        return  # may be a symbolic float under torch.compile; eager calls check it
-    if not (-1.0 < value <= 1.0):  # NaN fails too
-        raise ValueError(
-            f"false_negative_threshold must be None or a caption cosine in (-1, 1], got {threshold}; "
-            "e.g. 0.95 masks near-duplicate captions, 0.9999 exact duplicates (the float32 cosine of two "
-            "identical captions can round below 1.0)"
-        )
-
-
-def check_options(gamma: float, label_smoothing: float, reduction: str, backend: str, normalize: bool = True) -> None:
-    if not isinstance(normalize, bool):
-        raise TypeError(f"normalize must be True or False, got {normalize!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    pairs = (("gamma", gamma), ("label_smoothing", label_smoothing))
-    if torch.compiler.is_compiling():  # symbolic floats or traced tensors: eager calls check the values
-        for name, x in pairs:
-            if not isinstance(x, torch.Tensor):
-                real_number(name, x)
-        return
-    values = {name: real_number(name, x) for name, x in pairs}
-    for name, x in values.items():
-        if not math.isfinite(x):
-            raise ValueError(f"{name} must be finite, got {x}")
-    if values["gamma"] < 0:
-        raise ValueError(f"gamma (margin scale) must be >= 0, got {gamma}; gamma = 0 is plain InfoNCE")
-    if not 0.0 <= values["label_smoothing"] < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-
-
-def read_logit_scale(logit_scale):
-    """(s as a host float or None where it cannot be read, the error naming ``logit_scale`` (not
-    the τ = 1/s it becomes) or None if it is valid). Reads a tensor s once (one host sync)."""
-    if isinstance(logit_scale, torch.Tensor):
-        if logit_scale.numel() != 1 or not logit_scale.is_floating_point():
-            return None, ValueError(
-                f"logit_scale must be a floating 0-dim tensor (model(...)'s third output), "
-                f"got {logit_scale.dtype} of shape {tuple(logit_scale.shape)}"
-            )
-        if torch.compiler.is_compiling() or logit_scale.device.type == "meta":
-            return None, None  # no value to read: a graph break under compile; meta tensors have none
-        value = float(logit_scale.detach())
-    elif isinstance(logit_scale, bool) or not isinstance(logit_scale, numbers.Real):
-        return None, TypeError(f"logit_scale must be a tensor or a float, got {type(logit_scale).__name__}")
-    elif torch.compiler.is_compiling():
-        return None, None  # a symbolic float under torch.compile: no value to check (eager calls check it)
-    else:
-        value = float(logit_scale)
-    if not math.isfinite(value) or value <= 0:
-        return None, ValueError(f"logit_scale (s = 1/tau, already exponentiated) must be finite and > 0, got {value}")
-    return value, None

@@ -1,137 +1,66 @@
 """The hard-negative family on backend="cpp" (``hnclip::cpp_family_nll``, the single-process loss;
 ``hnclip::cpp_family_directional_nll``, the distributed loss's direction): the float64
-oracle of test_hard_negatives.py (loss and every gradient: img, txt, negatives, τ) on the fused C++
+oracle of family_oracle.py (loss and every gradient: img, txt, negatives, τ) on the fused C++
 kernels, per row where saturated; cpp against torch per row; the operator's composability
 (opcheck, torch.compile(fullgraph=True); gradcheck in float64 is test_hard_negatives.py's, run on
 both backends); its work count; and that the
 family operator without family inputs is the directional operator, bit for bit.
 
-Tolerances: those of test_hard_negatives.py. Bound: about 15 s on 2 shared cores.
+Tolerances: those of family_oracle.py. Bound: about 15 s on 2 shared cores.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
-from test_hard_negatives import (
-    FAMILY_DRAWS,
-    GROUPS,
-    D,
-    N,
-    assert_compiled_equals_eager,
-    check,
-    check_draw,
-    family_f64,
-    features,
-    run_both,
-)
 
+import family_oracle as oracle
 from cases import ALL_BACKENDS
+from family_oracle import GROUPS, D, N, family_f64, features, rows_agree, run_both
 from helpers import rel_err
 from hnclip_kernels import HNClipLoss, hn_clip_loss
 
 pytestmark = pytest.mark.skipif("cpp" not in ALL_BACKENDS, reason="the C++ extension is not built")
 
 
-@pytest.mark.parametrize("m", [0, 1, 7, N, 3 * N + 1])
-@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("m", oracle.M_SIZES)
+@pytest.mark.parametrize("margin", oracle.MARGINS)
 def test_negatives_match_the_oracle(m, margin):
-    img, txt, neg = features(N, D, 1), features(N, D, 2), features(m, D, 3)
-    check(img, txt, neg, 0.07, backend="cpp", margin=margin)
+    oracle.check_negatives("cpp", m, margin)
 
 
 @pytest.mark.parametrize("groups", sorted(GROUPS))
-@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("margin", oracle.MARGINS)
 @pytest.mark.parametrize("m", [0, 7])
 def test_group_ids_match_the_oracle(groups, margin, m):
-    img, txt, neg = features(N, D, 4), features(N, D, 5), features(m, D, 6)
-    check(img, txt, neg if m else None, 0.1, backend="cpp", group_ids=GROUPS[groups], margin=margin)
+    oracle.check_group_ids("cpp", groups, margin, m)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize(
-    "options",
-    [
-        dict(threshold=0.3),
-        dict(label_smoothing=0.1),
-        dict(normalize=False),
-        dict(threshold=0.3, label_smoothing=0.1, normalize=False, group_ids=GROUPS["random"]),
-        dict(gamma=0.0, label_smoothing=0.2, group_ids=GROUPS["one"]),
-        dict(threshold=0.3, group_ids=GROUPS["distinct"]),
-    ],
-    ids=["threshold", "smoothing", "unnormalized", "all", "gamma0-one-group", "threshold-distinct"],
-)
-@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("options", list(oracle.OPTIONS))
+@pytest.mark.parametrize("margin", oracle.MARGINS)
 def test_combinations_and_dtypes(dtype, options, margin):
-    img, txt, neg = (features(n, D, s, dtype) for n, s in ((N, 7), (N, 8), (5, 9)))
-    if options.get("normalize") is False:  # near-unit rows: dot products of the given features
-        img, txt, neg = (F.normalize(x.double(), dim=1).to(dtype) for x in (img, txt, neg))
-    if "threshold" in options:  # every caption cosine away from the threshold (float32 vs float64 compare)
-        xs = F.normalize(torch.cat([txt, neg]).double(), dim=1)
-        assert ((F.normalize(txt.double(), dim=1) @ xs.T - options["threshold"]).abs() > 1e-4).all()
-    check(img, txt, neg, 0.05, dtype, backend="cpp", margin=margin, **options)
+    oracle.check_combination("cpp", dtype, options, margin)
 
 
-def _saturated_batch():
-    # as test_hard_negatives.py: τ = 0.01, pairs near their own centres (losses down to e^-100),
-    # pairs 0-2 near one centre (near-duplicates), hard negatives near the first centres
-    n, d, m = 12, 16, 9
-    centre_of = torch.tensor([0, 0, 0] + list(range(1, n - 2)))
-    centres = F.normalize(features(n, d, 10, torch.float64), dim=1)[centre_of]
-    img = (centres + 0.02 * features(n, d, 11, torch.float64)).float()
-    txt = (centres + 0.02 * features(n, d, 12, torch.float64)).float()
-    neg = (centres[3 : 3 + m] + 0.3 * features(m, d, 13, torch.float64)).float()
-    return img, txt, neg, centre_of
-
-
-def _rows_agree(got, want, gg, wg, tol):
-    for i in range(got.shape[0]):
-        assert rel_err(got[i], want[i]) <= tol, f"row {i}: {got[i].item():.6e} vs {want[i].item():.6e}"
-    for name in gg:
-        g, w = gg[name].double(), wg[name].double()
-        if g.dim() == 0:
-            assert rel_err(g, w) <= tol, name
-            continue
-        for i in range(g.shape[0]):
-            assert rel_err(g[i], w[i]) <= tol or (g[i] - w[i]).norm() <= 1e-30, f"d {name} row {i}"
-
-
-@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("margin", oracle.MARGINS)
 @pytest.mark.parametrize("with_ids", [False, True])
 def test_saturated_near_duplicates_per_row(margin, with_ids):
-    img, txt, neg, centre_of = _saturated_batch()
-    ids = centre_of if with_ids else None
-    got, want, gg, wg = run_both(img, txt, neg, 0.01, reduction="none", backend="cpp", margin=margin, group_ids=ids)
-    assert want.min() < 1e-10 and want.max() > 1.0  # saturated and unsaturated rows in one batch
-    _rows_agree(got, want, gg, wg, 4 * (2 + 0.5) / 0.01 * 2.0**-24)  # test_hard_negatives.py's bound
+    oracle.check_saturated_rows("cpp", margin, with_ids)
 
 
-@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("margin", oracle.MARGINS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpp_matches_torch_per_row(margin, dtype):
     # the same two directional calls on both backends: each row and each gradient row agree
-    img, txt, neg, centre_of = (x.to(dtype) if x.is_floating_point() else x for x in _saturated_batch())
-    kw = dict(negatives=neg, group_ids=centre_of, margin=margin, label_smoothing=0.1, false_negative_threshold=0.9)
-    out = []
-    for backend in ("torch", "cpp"):
-        leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt, neg)]
-        tau = torch.tensor(0.01, requires_grad=True)
-        rows = hn_clip_loss(leaves[0], leaves[1], tau, **{**kw, "negatives": leaves[2]}, reduction="none",
-                            backend=backend)  # fmt: skip
-        upstream = torch.linspace(0.5, 1.5, rows.numel())
-        grads = torch.autograd.grad((rows * upstream).sum(), [*leaves, tau])
-        out.append((rows.detach(), dict(zip(("img", "txt", "negatives", "tau"), grads))))
-    (got, gg), (want, wg) = out[1], out[0]
-    tol = 1e-4 if dtype == torch.float32 else 2.0**-7
-    _rows_agree(got, want, gg, wg, tol)
+    oracle.check_backends_agree_per_row("torch", "cpp", margin, dtype)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(**FAMILY_DRAWS)
+@given(**oracle.FAMILY_DRAWS)
 def test_hypothesis_draws_match_the_oracle(**draw):
-    check_draw("cpp", **draw)
+    oracle.check_draw("cpp", **draw)
 
 
 def test_auto_runs_cpp_on_cpu_and_the_module_matches():
@@ -195,24 +124,15 @@ def test_family_operator_without_family_inputs_is_the_directional_operator():
 
 
 def test_compile_fullgraph():
-    assert_compiled_equals_eager("cpp")
+    oracle.assert_compiled_equals_eager("cpp")
 
 
 def test_flops_count_the_negative_columns_useful_products():
     # hnclip::cpp_family_nll states the useful products of its N × (N + M) logits, S forward and dS·k,
     # dSᵀ·q backward, 2·D·3·N·(N + M), whatever the margin, ids or threshold make the kernels run
     # (tests/backends/test_cpp_family_nll.py records that work); today's loss states 2·D·3·N²
-    from torch.utils.flop_counter import FlopCounterMode
-
     n, m, d = 10, 7, 8
-    img, txt, neg = features(n, d, 33), features(n, d, 34), features(m, d, 35)
-
-    def count(family=True, **kw):
-        leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
-        extra = dict(negatives=leaves[2]) if family else {}
-        with FlopCounterMode(display=False) as mode:
-            hn_clip_loss(leaves[0], leaves[1], 0.1, backend="cpp", **extra, **kw).backward()
-        return mode.get_total_flops()
+    count = oracle.flop_counter("cpp", features(n, d, 33), features(n, d, 34), features(m, d, 35))
 
     assert count(False) == 2 * d * 3 * n * n
     for kw in (dict(), dict(margin="image_text"), dict(group_ids=torch.arange(n)), dict(false_negative_threshold=0.5)):
@@ -260,7 +180,7 @@ def test_many_tiles_match_the_oracle_per_row(margin):
                                 reduction="none", backend="cpp", **kw)  # fmt: skip
         grads = torch.autograd.grad((rows * upstream).sum(), leaves)
         out.append((rows.detach(), dict(zip(("img", "txt", "negatives"), grads))))
-    _rows_agree(out[1][0], out[0][0], out[1][1], out[0][1], 1e-10)  # float64's LOSS_TOL (the oracle's own rounding)
+    rows_agree(out[1][0], out[0][0], out[1][1], out[0][1], 1e-10)  # float64's LOSS_TOL (the oracle's own rounding)
 
 
 @pytest.mark.parametrize("m", [0, 200])
@@ -274,7 +194,7 @@ def test_many_tiles_ids_alone_float32_per_row(m):
     ids = torch.randint(0, 40, (n,), generator=torch.Generator().manual_seed(8))
     got, want, gg, wg = run_both(img, txt, neg if m else None, 0.05, reduction="none", backend="cpp", group_ids=ids,
                                  label_smoothing=0.1)  # fmt: skip
-    _rows_agree(got, want, gg, wg, 1e-4)
+    rows_agree(got, want, gg, wg, 1e-4)
 
 
 def test_thread_counts_agree():

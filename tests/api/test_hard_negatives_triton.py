@@ -1,11 +1,11 @@
 """The hard-negative family on backend="triton" (``hnclip::triton_family_nll``, and the directional
 ``hnclip::triton_family_directional_nll`` the distributed path calls): the float64
-oracle of test_hard_negatives.py (loss and every gradient: img, txt, negatives, τ) on the Triton
+oracle of family_oracle.py (loss and every gradient: img, txt, negatives, τ) on the Triton
 kernels in both launch modes of the interpreter (its own small tiles, and the GPU's), per row where
 saturated; triton against cpp per row; the operator's opcheck and torch.compile(fullgraph=True); and that the family operator
 without family inputs is today's directional operator, bit for bit.
 
-Tolerances: those of test_hard_negatives.py. Sizes: N = 6 (test_hard_negatives.N), the
+Tolerances: those of family_oracle.py. Sizes: N = 6 (family_oracle.N), the
 interpreter is slow; the sweeps over options × dtypes × margins are in the full tier
 (tests/conftest.py), one case of each kind stays in the default tier.
 """
@@ -16,103 +16,55 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
-from test_hard_negatives import (
-    FAMILY_DRAWS,
-    GROUPS,
-    D,
-    N,
-    assert_compiled_equals_eager,
-    check,
-    check_draw,
-    features,
-    run_both,
-)
-from test_hard_negatives_cpp import _rows_agree, _saturated_batch
 
+import family_oracle as oracle
 from cases import ALL_BACKENDS
+from family_oracle import GROUPS, D, N, features, rows_agree, run_both
 from helpers import rel_err
 from hnclip_kernels import hn_clip_loss
 
 pytestmark = pytest.mark.skipif("triton" not in ALL_BACKENDS, reason="triton cannot run here")
 
-OPTIONS = {
-    "threshold": dict(threshold=0.3),
-    "smoothing": dict(label_smoothing=0.1),
-    "unnormalized": dict(normalize=False),
-    "all": dict(threshold=0.3, label_smoothing=0.1, normalize=False, group_ids=GROUPS["random"]),
-    "gamma0-one-group": dict(gamma=0.0, label_smoothing=0.2, group_ids=GROUPS["one"]),
-    "threshold-distinct": dict(threshold=0.3, group_ids=GROUPS["distinct"]),
-}
 
-
-@pytest.mark.parametrize("m", [0, 1, 7, N, 3 * N + 1])
-@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("m", oracle.M_SIZES)
+@pytest.mark.parametrize("margin", oracle.MARGINS)
 def test_negatives_match_the_oracle(m, margin, launch):
-    img, txt, neg = features(N, D, 1), features(N, D, 2), features(m, D, 3)
-    check(img, txt, neg, 0.07, backend="triton", margin=margin)
+    oracle.check_negatives("triton", m, margin)
 
 
 @pytest.mark.parametrize("groups", sorted(GROUPS))
-@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("margin", oracle.MARGINS)
 @pytest.mark.parametrize("m", [0, 7])
 def test_group_ids_match_the_oracle(groups, margin, m, launch):
-    img, txt, neg = features(N, D, 4), features(N, D, 5), features(m, D, 6)
-    check(img, txt, neg if m else None, 0.1, backend="triton", group_ids=GROUPS[groups], margin=margin)
-
-
-def _combination(dtype, options, margin):
-    img, txt, neg = (features(n, D, s, dtype) for n, s in ((N, 7), (N, 8), (5, 9)))
-    if options.get("normalize") is False:  # near-unit rows: dot products of the given features
-        img, txt, neg = (F.normalize(x.double(), dim=1).to(dtype) for x in (img, txt, neg))
-    if "threshold" in options:  # every caption cosine away from the threshold (float32 vs float64 compare)
-        xs = F.normalize(torch.cat([txt, neg]).double(), dim=1)
-        assert ((F.normalize(txt.double(), dim=1) @ xs.T - options["threshold"]).abs() > 1e-4).all()
-    return check(img, txt, neg, 0.05, dtype, backend="triton", margin=margin, **options)
+    oracle.check_group_ids("triton", groups, margin, m)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("options", sorted(OPTIONS))
-@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("options", sorted(oracle.OPTIONS))
+@pytest.mark.parametrize("margin", oracle.MARGINS)
 def test_combinations_and_dtypes(dtype, options, margin, launch):
-    _combination(dtype, OPTIONS[options], margin)
+    oracle.check_combination("triton", dtype, options, margin)
 
 
-@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("margin", oracle.MARGINS)
 def test_all_options_float32(margin, launch):
     # the default tier's case of the sweep above: threshold, ε, normalize=False and ids at once
-    _combination(torch.float32, OPTIONS["all"], margin)
+    oracle.check_combination("triton", torch.float32, "all", margin)
 
 
-@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("margin", oracle.MARGINS)
 @pytest.mark.parametrize("with_ids", [False, True])
 def test_saturated_near_duplicates_per_row(margin, with_ids, launch):
-    img, txt, neg, centre_of = _saturated_batch()
-    ids = centre_of if with_ids else None
-    got, want, gg, wg = run_both(
-        img, txt, neg, 0.01, reduction="none", backend="triton", margin=margin, group_ids=ids
-    )  # fmt: skip
-    assert want.min() < 1e-10 and want.max() > 1.0  # saturated and unsaturated rows in one batch
-    _rows_agree(got, want, gg, wg, 4 * (2 + 0.5) / 0.01 * 2.0**-24)  # test_hard_negatives.py's bound
+    oracle.check_saturated_rows("triton", margin, with_ids)
 
 
 @pytest.mark.skipif("cpp" not in ALL_BACKENDS, reason="the C++ extension is not built")
-@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("margin", oracle.MARGINS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_matches_cpp_per_row(margin, dtype, launch):
     # the same design on both backends (the symmetric walk plus the negative block; cpp upcasts 16-bit
     # inputs, Triton keeps them): each row and each gradient row agree
-    img, txt, neg, centre_of = (x.to(dtype) if x.is_floating_point() else x for x in _saturated_batch())
-    kw = dict(group_ids=centre_of, margin=margin, label_smoothing=0.1, false_negative_threshold=0.9)
-    out = []
-    for backend in ("cpp", "triton"):
-        leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt, neg)]
-        tau = torch.tensor(0.01, requires_grad=True)
-        rows = hn_clip_loss(leaves[0], leaves[1], tau, negatives=leaves[2], **kw, reduction="none", backend=backend)
-        upstream = torch.linspace(0.5, 1.5, rows.numel())
-        grads = torch.autograd.grad((rows * upstream).sum(), [*leaves, tau])
-        out.append((rows.detach(), dict(zip(("img", "txt", "negatives", "tau"), grads))))
-    (got, gg), (want, wg) = out[1], out[0]
-    _rows_agree(got, want, gg, wg, 1e-4 if dtype == torch.float32 else 2.0**-7)
+    oracle.check_backends_agree_per_row("cpp", "triton", margin, dtype)
 
 
 def test_group_ids_across_tiles_float32_per_row(launch):
@@ -124,7 +76,7 @@ def test_group_ids_across_tiles_float32_per_row(launch):
     img, txt, neg = (features(r, d, s) for r, s in ((n, 48), (n, 49), (m, 50)))
     ids = torch.randint(0, 12, (n,), generator=torch.Generator().manual_seed(9))
     got, want, gg, wg = run_both(img, txt, neg, 0.1, reduction="none", backend="triton", group_ids=ids)
-    _rows_agree(got, want, gg, wg, 1e-4)
+    rows_agree(got, want, gg, wg, 1e-4)
 
 
 def test_bf16_hard_negatives_near_their_captions_per_row(launch):
@@ -216,17 +168,8 @@ def test_flops_count_the_negative_columns_useful_products(n):
     # dS·k, dSᵀ·q backward, 2·D·3·N·(N + M), as the C++ operator: not the tile pairs past BLOCK_M, the
     # margin's or the mask's products, the GEMMs or the float32 passes the kernels run (tools.work
     # counts those); ids, margin and threshold change nothing. Today's loss states 2·D·3·N²
-    from torch.utils.flop_counter import FlopCounterMode
-
     m, d = 7, 8
-    img, txt, neg = features(n, d, 33), features(n, d, 34), features(m, d, 35)
-
-    def count(family=True, **kw):
-        leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
-        extra = dict(negatives=leaves[2]) if family else {}
-        with FlopCounterMode(display=False) as mode:
-            hn_clip_loss(leaves[0], leaves[1], 0.1, backend="triton", **extra, **kw).backward()
-        return mode.get_total_flops()
+    count = oracle.flop_counter("triton", features(n, d, 33), features(n, d, 34), features(m, d, 35))
 
     assert count(False) == count(False, gamma=0.0) == count(False, group_ids=torch.arange(n)) == 2 * d * 3 * n * n
     for kw in (
@@ -241,14 +184,14 @@ def test_flops_count_the_negative_columns_useful_products(n):
 
 
 @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(**FAMILY_DRAWS)
+@given(**oracle.FAMILY_DRAWS)
 def test_hypothesis_draws_match_the_oracle(**draw):
     # shapes (N 1-7, M 0-9), τ 0.02-1, γ, ε, ids, margins, threshold: the interpreter's own tiles
-    check_draw("triton", **draw)
+    oracle.check_draw("triton", **draw)
 
 
 def test_compile_fullgraph():
-    assert_compiled_equals_eager("triton")
+    oracle.assert_compiled_equals_eager("triton")
 
 
 def _clustered_batch(n, m, dtype):
@@ -285,7 +228,7 @@ def test_16bit_clustered_batch_per_row_gpu_tiles_many_chunks(dtype, margin, monk
         img, txt, neg, 0.01, reduction="none", backend="triton", margin=margin, group_ids=ids, threshold=0.995
     )  # fmt: skip (no ε: it would lift every row)
     assert (want < 1e-12).sum() > 100 and (want > 0.1).sum() > 30, want  # saturated and unsaturated rows
-    tol = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10  # test_hard_negatives.py's 16-bit gradient bounds
+    tol = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10  # family_oracle.py's 16-bit gradient bounds
     for i in range(got.shape[0]):  # a saturated row's loss e^δ moves with its float32 logits' rounding, |Z|·u
         assert rel_err(got[i], want[i]) <= 4 * (2 + 0.5) / 0.01 * 2.0**-24, f"row {i}"
     for name in gg:

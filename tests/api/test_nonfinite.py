@@ -343,8 +343,8 @@ def test_normalized_rows_of_huge_norm_match_float64(backend, norm):
     # the loss is that of the unit rows. Triton formed the raw products x·y before the inverse
     # norms (1e19 · 1e19 overflows float32 at D = 5 only just; 1e37 · 1e37 always): NaN loss and
     # gradients, where torch and cpp (which normalise first) were right. Loss and gradients
-    # against float64: float32's 1e-5 / 1e-4 (test_hard_negatives.check).
-    from test_hard_negatives import check
+    # against float64: float32's 1e-5 / 1e-4 (family_oracle.check).
+    from family_oracle import check
 
     img, txt = (torch.nn.functional.normalize(x, dim=1) * norm for x in _base_pair())
     neg = torch.nn.functional.normalize(torch.randn(3, D, generator=torch.Generator().manual_seed(5)), dim=1) * norm

@@ -10,7 +10,7 @@ import torch
 from cases import make_pair
 from hnclip_kernels import HNClipLoss, LossOptions, hn_clip_loss
 from hnclip_kernels.backends import cpp_directional
-from hnclip_kernels.validation import DEFAULT_FP32_PRECISION
+from hnclip_kernels.validation_options import DEFAULT_FP32_PRECISION
 
 
 def test_constructor_validates_every_option():

@@ -12,8 +12,8 @@ rank order), ``hn_clip_loss(backend="torch")`` in float64:
 
 * local_loss, gather_with_grad:     L_r = (W/N)·Σ_{i on r} ℓ_i; grads of Σ_r' w_r' L_r';
 * local_loss, no gather_with_grad:  same L_r; only the query-side gradient (gathered keys, the
-  negatives included, are constants: the dense float64 oracle below, with separate query and key
-  copies, checked against hn_clip_loss on the value);
+  negatives included, are constants: the dense float64 oracle ``family_oracle.family_rows_f64``, with
+  separate query and key copies, checked against hn_clip_loss on the value);
 * full batch, no gather_with_grad:  L_r = L; grads w_r·dL/d(own features and negatives);
 * full batch, gather_with_grad:     L_r = L; grads (Σ w)·dL/d(own features and negatives).
 
@@ -35,6 +35,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from family_oracle import family_rows_f64
 from helpers import rel_err, spawn_gloo_ranks
 from hnclip_kernels import HNClipLoss, hn_clip_loss
 from hnclip_kernels.backends import cpp_directional
@@ -182,37 +183,6 @@ def _today_unchanged(rank, world):
 # ----------------------------------------------------------------------------- the truth
 
 
-def rows_f64(vq, tq, vk, tk, nk, tau, margin, gamma, eps, threshold, ids):
-    """Per-pair rows ½(CE_i2t + CE_t2i) of the family formula, float64, dense, with the query side
-    (vq, tq) and the key side (vk, tk, nk) as separate tensors of equal values (normalised here)."""
-    vq, tq, vk, tk, nk = (F.normalize(x, dim=1) for x in (vq, tq, vk, tk, nk))
-    n, m = vq.shape[0], nk.shape[0]
-    x = torch.cat([tk, nk])
-    eye_x = torch.zeros(n, n + m, dtype=torch.bool)
-    eye_x[:, :n] = torch.eye(n, dtype=torch.bool)
-    eye = torch.eye(n, dtype=torch.bool)
-    h_i2t = ((tq if margin == "text" else vq) @ x.T).detach().masked_fill(eye_x, 0.0)
-    h_t2i = (tq @ (tk if margin == "text" else vk).T).detach().masked_fill(eye, 0.0)
-    z_i2t = (vq @ x.T + gamma * h_i2t) / tau
-    z_t2i = (tq @ vk.T + gamma * h_t2i) / tau
-    drop_i2t, drop_t2i = eye_x.clone(), eye.clone()
-    if threshold is not None:
-        drop_i2t |= tq.detach() @ x.detach().T >= threshold
-        drop_t2i |= tq.detach() @ tk.detach().T >= threshold
-    if ids is not None:
-        same = ids[:, None] == ids[None, :]
-        drop_i2t[:, :n] |= same
-        drop_t2i |= same
-    out = []
-    for z, drop in ((z_i2t, drop_i2t), (z_t2i, drop_t2i)):
-        pos = z.diagonal()
-        lse = torch.logsumexp((z - pos[:, None]).masked_fill(drop, float("-inf")), dim=1)
-        nll = torch.logaddexp(torch.zeros_like(pos), lse)
-        kept_mean = (z.masked_fill(drop, 0.0).sum(dim=1) + pos) / ((~drop).sum(dim=1) + 1)
-        out.append(nll + eps * (pos - kept_mean))
-    return 0.5 * (out[0] + out[1])
-
-
 def expected(case, k, rank):
     """Float64 (loss, d img, d txt, d negatives, d scale) of ``rank`` in ``case``, from the values
     the ranks hold (features rounded to the case's dtype, the scale to float32 with them)."""
@@ -232,9 +202,10 @@ def expected(case, k, rank):
         label_smoothing=case["eps"], false_negative_threshold=case["threshold"], reduction="none", backend="torch",
     )  # fmt: skip
     local_loss, with_grad = case["mode"]
-    args = (tau, case["margin"], case["gamma"], case["eps"], case["threshold"], ids)
     if local_loss and not with_grad:  # the query side only: keys are constants
-        q_rows = rows_f64(v, t, v.detach(), t.detach(), n.detach(), *args)
+        sides = (F.normalize(x, dim=1) for x in (v, t, v.detach(), t.detach(), n.detach()))
+        kw = dict(label_smoothing=case["eps"], threshold=case["threshold"], group_ids=ids)
+        q_rows = family_rows_f64(*sides, tau, margin=case["margin"], gamma=case["gamma"], **kw)
         assert rel_err(q_rows, rows) < 1e-12, "the dense oracle disagrees with hn_clip_loss"
         loss_r = (world / n_total) * q_rows[sl[rank]].sum()
         obj = w[rank] * loss_r
