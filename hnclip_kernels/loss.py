@@ -144,12 +144,14 @@ def pair_losses(img, txt, tau, options, family, return_stats, *, tau_value=None,
     """The per-pair rows (N,) of one process and, with ``return_stats``, their report (else
     None): ``options`` unbound, ``family`` a checked
     :class:`~hnclip_kernels.validation_family.Family` or None (today's loss)."""
-    n_keys = img.shape[0] + (0 if family is None or family.negatives is None else family.negatives.shape[0])
+    # family_of checked the features when it returned a family; bind checks them otherwise
+    n_negatives = 0 if family is None or family.negatives is None else family.negatives.shape[0]
+    n_keys = img.shape[0] + n_negatives if family is not None else None
     bound = options.bind(img, txt, tau, tau_value=tau_value, names=names, n_keys=n_keys)
     if family is not None:
         _check_family(img, txt, tau, bound, family, n_keys, names)
     if warn_tau:  # hn_clip_loss's warning (HNClipLoss warns about its logit_scale instead)
-        warn_if_tau_looks_like_logit_scale(bound.tau_value)
+        warn_if_tau_looks_like_logit_scale(bound.tau_value, depth=1)
     # autocast would run the reference's matmuls in bf16: accumulation here is float32 by design
     with autocast_disabled(img.device):
         out = symmetric_losses(img, txt, as_tau_tensor(tau, img), bound, return_stats, family)

@@ -95,21 +95,23 @@ def warn_if_not_unit_norm(deviation: Optional[float], names: tuple) -> None:
         )
 
 
-def warn_if_tau_looks_like_logit_scale(tau_value: Optional[float], caller: str = "hn_clip_loss") -> None:
+def warn_if_tau_looks_like_logit_scale(
+    tau_value: Optional[float], caller: str = "hn_clip_loss", depth: int = 0
+) -> None:
     """Warn once when τ > 1 (:func:`scale_mistake` of s = 1/τ is "tau"), naming ``caller``, at
-    the line that called ``caller`` (which must call this function directly): ``hn_clip_loss``,
-    ``saturation_report``. τ ≤ 1 is a temperature some use (SimCLR's 0.5): only the swap is
+    the line that called ``caller``, which calls this function directly (``depth`` 0:
+    ``saturation_report``) or through ``depth`` helpers (``hn_clip_loss`` through ``pair_losses``: 1). τ ≤ 1 is a temperature some use (SimCLR's 0.5): only the swap is
     flagged here."""
     if tau_value is None or scale_mistake(1.0 / tau_value) != "tau":
         return
-    # stacklevel 4: warn_once, this function, the caller, then the line that called it
+    # stacklevel: warn_once, this function, the helpers, the caller, then the line that called it
     warn_once(
         "tau>1",
         f"{caller} got tau = {tau_value:g} > 1: tau is the temperature, and a value above 1 "
         f"is almost always open_clip's logit_scale passed by mistake (1/tau = {1.0 / tau_value:g} "
         "would then be the temperature). Pass tau = 1 / logit_scale.exp() (or 1 / logit_scale "
         "if it is already exponentiated). This warning is shown once.",
-        stacklevel=4,
+        stacklevel=4 + depth,
     )
 
 

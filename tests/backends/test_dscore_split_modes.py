@@ -24,6 +24,7 @@ import torch
 from hnclip_kernels.backends import epilogue
 from hnclip_kernels.backends.triton import config as cfg
 from hnclip_kernels.backends.triton.dscore import _dscore_kernel, dscore_args
+from hnclip_kernels.backends.triton.launch import derived_flags
 from hnclip_kernels.backends.triton.params import Scalars
 from hnclip_kernels.backends.triton.round16 import _round16_kernel, round16_args
 from hnclip_kernels.backends.triton.scales import fit16
@@ -70,7 +71,7 @@ def _stage(dtype):
     sc = Scalars(1.0 / torch.tensor([TAU]), torch.tensor([GAMMA]), None, True, False, "ieee")
     args = dscore_args(ops, (*norms, pos, nll, grad, a, b, None), sc, (w, res_r, res_c), (0, M, 0, N, D, OFFSET))
     _dscore_kernel[(M // TILE, N // TILE)](
-        **args, HAS_MARGIN=True, PREC="ieee", SLICE=SLICE, BLOCK_M=TILE, BLOCK_N=TILE, BLOCK_K=TILE,
+        **args, **derived_flags("dscore", args), HAS_MARGIN=True, PREC="ieee", SLICE=SLICE, BLOCK_M=TILE, BLOCK_N=TILE, BLOCK_K=TILE,
         num_warps=1, num_stages=1,
     )  # fmt: skip
     maxima = (res_r.view(N // SLICE, M), res_c.view(M // SLICE, N)) if round16 else None
@@ -84,7 +85,8 @@ def _round(w32, a, b, rows: bool, tail: bool):
     lo = torch.empty_like(head) if tail else None
     res = torch.full(((N // SLICE) * M if rows else (M // SLICE) * N,), float("nan"))
     _round16_kernel[(M // TILE, N // TILE)](
-        **round16_args(rows, (w32.reshape(-1), (a, b), line), (head, lo, res), (M, N)),
+        **(r16 := round16_args(rows, (w32.reshape(-1), (a, b), line), (head, lo, res), (M, N))),
+        **derived_flags("round16", r16),
         ROWS=rows, SLICE=SLICE, BLOCK_M=TILE, BLOCK_N=TILE, num_warps=1, num_stages=1,
     )  # fmt: skip
     res = res.view(N // SLICE, M) if rows else res.view(M // SLICE, N)

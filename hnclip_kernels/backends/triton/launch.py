@@ -62,7 +62,7 @@ def launch(kernel, name: str, width: int, grid, args, **constexprs):
     it does not read: its flag derives from that, see :func:`derived`).
     By keyword throughout: ``wrap_triton`` binds launch kwargs to the kernel's parameters, and
     the autotuner keys and prunes on them (``cfg.pruner`` reads the kwargs)."""
-    constexprs = {**constexprs, **{flag: _DERIVED[flag](args) for flag in _FLAGS[name]}}
+    constexprs = {**constexprs, **derived_flags(name, args)}
     if cfg.launch_mode() == "autotune":
         kernel(True)[lambda meta: grid(meta)](**args, **constexprs)
         return
@@ -88,6 +88,12 @@ _DERIVED = {
 
 
 _FLAGS: dict[str, tuple[str, ...]] = {}  # launch name -> the flags :func:`launch` derives for its kernel
+
+
+def derived_flags(name: str, args: dict) -> dict[str, bool]:
+    """The constexpr flags of the kernel launched as ``name``, derived from which of ``args``'
+    pointers are None; for a caller that launches a kernel itself (the tests' staged kernels)."""
+    return {flag: _DERIVED[flag](args) for flag in _FLAGS[name]}
 
 
 def derived(name: str, *flags: str):
