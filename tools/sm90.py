@@ -17,7 +17,7 @@ Run it with TRITON_INTERPRET unset. What it does:
    ``drive_directional`` / ``drive_rank``), and the hard-negative family's operator as
    ``backends.family_losses`` runs it (``drive_family``: group ids, the threshold's cosine, the
    mask captions of margin="image_text", and margin="text" as src "family-text") and the family's
-   single-process loss, ``hnclip::triton_family_nll`` (``drive_family_sym``: the pair kernels with
+   single-process loss with the family, ``hnclip::triton_symmetric_nll`` (``drive_family_sym``: the pair kernels with
    group ids, GROUPS, and the N×M block's directional kernels with ids against an empty id set;
    src "family-sym", margin="image_text" as "family-sym-it", no ids as "family-sym-noids"). The operators
    themselves take CPU tensors (only ``backend="triton"``'s dispatch refuses them when Triton is not interpreting), and the
@@ -191,10 +191,10 @@ def drive_rank(m, n, d, dtype, gamma, eps, offset, threshold=None):
 
 def drive_family(n, d, dtype, gamma, eps, threshold=None, margin="image_text"):
     """The hard-negative family as ``backends.family_losses`` runs it on Triton: two calls of
-    ``hnclip::triton_family_directional_nll``, i2t over the keys [t; negatives] (n/4 negatives) and
+    ``hnclip::triton_directional_nll`` with the family's inputs, i2t over the keys [t; negatives] (n/4 negatives) and
     t2i over the images, with group ids (GROUPS); with a threshold also its cosine (COSINE), of the
     mask captions with margin="image_text" (CAPTIONS)."""
-    from hnclip_kernels.backends.triton.family import family_directional_nll_triton
+    from hnclip_kernels.backends.triton.ops import directional_nll_triton
 
     img, txt = _features(n, d, dtype)
     neg = _features(max(n // 4, 1), d, dtype, seed=1)[0]
@@ -205,13 +205,13 @@ def drive_family(n, d, dtype, gamma, eps, threshold=None, margin="image_text"):
     ids_kw = dict(query_groups=ids, key_groups=ids)
     img, keys, txt_q = img.requires_grad_(), keys.requires_grad_(), txt.clone().requires_grad_()
     if margin == "text":
-        i2t = family_directional_nll_triton(img, keys, query_txt=txt, key_txt=keys, **ids_kw, **kw)
-        t2i = family_directional_nll_triton(txt_q, img, query_txt=txt, key_txt=txt, **ids_kw, **kw)
+        i2t = directional_nll_triton(img, keys, query_txt=txt, key_txt=keys, **ids_kw, **kw)
+        t2i = directional_nll_triton(txt_q, img, query_txt=txt, key_txt=txt, **ids_kw, **kw)
     else:
-        i2t = family_directional_nll_triton(
+        i2t = directional_nll_triton(
             img, keys, query_txt=img, key_txt=keys, mask_query=txt, mask_key=keys, **ids_kw, **kw
         )
-        t2i = family_directional_nll_triton(
+        t2i = directional_nll_triton(
             txt_q, img, query_txt=txt, key_txt=img, mask_query=txt, mask_key=txt, **ids_kw, **kw
         )
     (0.5 * (i2t + t2i)).mean().backward()
@@ -219,20 +219,20 @@ def drive_family(n, d, dtype, gamma, eps, threshold=None, margin="image_text"):
 
 def drive_family_sym(n, d, dtype, gamma, eps, threshold=None, margin="text", ids=True):
     """The hard-negative family's single-process loss as ``backends.family_losses`` runs it on
-    Triton: ``hnclip::triton_family_nll`` (``family_pairs_triton``), the symmetric walk's pair
+    Triton: ``hnclip::triton_symmetric_nll`` with the family's inputs (``hn_clip_pairs_triton``), the symmetric walk's pair
     kernels (group ids as their ``gk_ptr``: GROUPS; a threshold: COSINE) plus the directional walk
     over the N×M block of n/4 negatives (offset M; group ids against an empty K = 0 id set:
     GROUPS), forward + backward; ``margin="image_text"`` a logit scale, no margin product."""
-    from hnclip_kernels.backends.triton.family_sym import family_pairs_triton
+    from hnclip_kernels.backends.triton.ops import hn_clip_pairs_triton
 
     img, txt = _features(n, d, dtype)
     neg = _features(max(n // 4, 1), d, dtype, seed=1)[0]
     tau = torch.tensor(0.07, requires_grad=True)
-    pairs = family_pairs_triton(
+    pairs = hn_clip_pairs_triton(
         img.requires_grad_(),
         txt.requires_grad_(),
-        neg.requires_grad_(),
-        torch.arange(n) // 2 if ids else None,
+        negatives=neg.requires_grad_(),
+        group_ids=torch.arange(n) // 2 if ids else None,
         tau=tau,
         gamma=gamma,
         label_smoothing=eps,

@@ -142,14 +142,11 @@ def symmetric_losses(
     and upcast to float32 once elsewhere, so each feature's two gradient halves are summed in float32."""
     kwargs = _op_kwargs(tau, options, return_stats)
     if options.backend == "triton":
-        if family is not None:
-            from .triton.family_sym import family_pairs_triton
+        from .triton.ops import hn_clip_pairs_triton  # one fused op for both directions, family or not
 
-            return family_pairs_triton(img, txt, family.negatives, family.group_ids, margin=family.margin,
-                                       precision=options.precision, **kwargs)  # fmt: skip
-        from .triton.ops import hn_clip_pairs_triton  # one fused op for both directions
-
-        return hn_clip_pairs_triton(img, txt, **kwargs, precision=options.precision)
+        fam = {} if family is None else dict(negatives=family.negatives, group_ids=family.group_ids)
+        margin = Margin.TEXT if family is None else family.margin
+        return hn_clip_pairs_triton(img, txt, **fam, margin=margin, **kwargs, precision=options.precision)
     if img.dtype in (torch.float16, torch.bfloat16):
         # each tensor feeds both directions: upcast once, so its two gradient halves are summed
         # in float32 and rounded to the input dtype once (two bf16 halves summed lose ~1e-3)
@@ -217,9 +214,9 @@ def _family_directional(backend: str, precision: Optional[str]) -> Callable:
 
         return family_directional_nll_cpp
     if backend == "triton":
-        from .triton.family import family_directional_nll_triton
+        from .triton.ops import directional_nll_triton
 
-        return functools.partial(family_directional_nll_triton, precision=precision)
+        return functools.partial(directional_nll_triton, precision=precision)
     return directional_nll_torch
 
 

@@ -1,5 +1,5 @@
-"""The hard-negative family on backend="triton" (``hnclip::triton_family_nll``, and the directional
-``hnclip::triton_family_directional_nll`` the distributed path calls): the float64
+"""The hard-negative family on backend="triton" (``hnclip::triton_symmetric_nll`` with the family's
+inputs, and ``hnclip::triton_directional_nll`` with them, which the distributed path calls): the float64
 oracle of family_oracle.py (loss and every gradient: img, txt, negatives, τ) on the Triton
 kernels in both launch modes of the interpreter (its own small tiles, and the GPU's), per row where
 saturated; triton against cpp per row; the operator's opcheck and torch.compile(fullgraph=True); and that the family operator
@@ -113,7 +113,7 @@ def _family_args(m=4, n=9, d=5, ids=True, mask_captions=True):
 
 @pytest.mark.parametrize("case", ["threshold-ids-captions", "ids-alone", "none"])
 def test_opcheck_family_operator(case):
-    import hnclip_kernels.backends.triton.family  # noqa: F401  (registers the operator)
+    import hnclip_kernels.backends.triton.ops  # noqa: F401  (registers the operator)
 
     masked = case == "threshold-ids-captions"
     q, k, a, b, mq, mk, qg, kg = _family_args(ids=case != "none", mask_captions=masked)
@@ -123,29 +123,31 @@ def test_opcheck_family_operator(case):
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     flags = (3, True, masked, True, True, "ieee")  # offset, normalize, masked, has_margin, smoothing, precision
     args = (q, k, a, b, mq, mk, qg, kg, tau, gamma, eps, thr, *flags)
-    op = torch.ops.hnclip.triton_family_directional_nll
+    op = torch.ops.hnclip.triton_directional_nll
     torch.library.opcheck(op.default, args, test_utils=checks)
     saved = [x.detach() for x in op(*args)[1:]]
     grad = torch.linspace(0.5, 1.0, 4)
     bargs = (grad, q.detach(), k, a, b, mq, mk, qg, kg, tau.detach(), gamma, eps, thr, *saved, *flags, True)
-    torch.library.opcheck(torch.ops.hnclip.triton_family_directional_nll_backward.default, bargs, test_utils=checks)
+    torch.library.opcheck(torch.ops.hnclip.triton_directional_nll_backward.default, bargs, test_utils=checks)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_family_operator_without_family_inputs_is_the_directional_operator(dtype, launch):
-    # the same kernels and arguments: every output and gradient bit-identical, with and without a threshold
-    from hnclip_kernels.backends.triton.family import family_directional_nll_triton
+    # absent family keywords and keywords that leave nothing to mask (mask captions without a
+    # threshold, no key ids): the same kernels and arguments, every output and gradient bit-identical
     from hnclip_kernels.backends.triton.ops import directional_nll_triton
 
-    q, k, a, b, _, _, _, _ = (x.to(dtype) for x in _family_args(ids=False, mask_captions=False))
+    q, k, a, b, mq, mk, _, _ = (x.to(dtype) for x in _family_args(ids=False, mask_captions=True))
+    no_id = torch.empty(0, dtype=torch.long)
     for threshold in (None, 0.3):
         out = []
-        for fn in (directional_nll_triton, family_directional_nll_triton):
+        nothing = {} if threshold is not None else dict(mask_query=mq, mask_key=mk)
+        for family in ({}, dict(query_groups=torch.tensor([0, 1, 1, 2]), key_groups=no_id, **nothing)):
             leaves = [x.clone().requires_grad_(True) for x in (q, k)]
             tau = torch.tensor(0.07, requires_grad=True)
-            loss, stats = fn(leaves[0], leaves[1], query_txt=a, key_txt=b, tau=tau, offset=3, gamma=0.5,
-                             label_smoothing=0.1, normalize=True, return_stats=True,
-                             false_negative_threshold=threshold)  # fmt: skip
+            loss, stats = directional_nll_triton(leaves[0], leaves[1], query_txt=a, key_txt=b, tau=tau, offset=3,
+                                                 gamma=0.5, label_smoothing=0.1, normalize=True, return_stats=True,
+                                                 false_negative_threshold=threshold, **family)  # fmt: skip
             grads = torch.autograd.grad((loss * torch.linspace(0.5, 1.0, 4)).sum(), [*leaves, tau])
             out.append((loss, *[x for x in stats if x is not None], *grads))
         for x, y in zip(*out):
@@ -164,7 +166,7 @@ def test_int32_ids_alone_match_torch(launch):
 
 @pytest.mark.parametrize("n", [10, 70])
 def test_flops_count_the_negative_columns_useful_products(n):
-    # hnclip::triton_family_nll states the useful products of its N × (N + M) logits, S forward and
+    # hnclip::triton_symmetric_nll with negatives states the useful products of its N × (N + M) logits, S forward and
     # dS·k, dSᵀ·q backward, 2·D·3·N·(N + M), as the C++ operator: not the tile pairs past BLOCK_M, the
     # margin's or the mask's products, the GEMMs or the float32 passes the kernels run (tools.work
     # counts those); ids, margin and threshold change nothing. Today's loss states 2·D·3·N²

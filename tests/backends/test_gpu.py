@@ -229,7 +229,7 @@ def test_large_n_against_float64_torch_backend(dtype):
 @pytest.mark.parametrize("margin", ["text", "image_text"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_hard_negative_family_against_float64_torch_backend(dtype, margin):
-    # hnclip::triton_family_nll compiled: N = 1030 (ragged tiles, tile pairs), M = 700 negatives, group ids
+    # hnclip::triton_symmetric_nll with the family compiled: N = 1030 (ragged tiles, tile pairs), M = 700 negatives, group ids
     # across tiles and a threshold, against the torch backend in float64 on the GPU; every gradient per
     # row (each row's norm floored at 1e-3 of the largest: a masked negative's gradient is 0)
     n, m, d = 1030, 700, 256
@@ -360,11 +360,13 @@ def test_library_opcheck_cuda():
     img, txt = (x.requires_grad_() for x in _library_pair(torch.float32, n, d, seed=23))
     tau = torch.tensor(0.07, device=DEV, requires_grad=True)
     gamma, eps, thr = (torch.tensor(x, device=DEV, dtype=torch.float64) for x in (0.5, 0.1, 0.3))
+    no_neg, no_id = img.new_empty((0, d)).detach(), torch.empty(0, device=DEV, dtype=torch.long)
     for masked in (False, True):  # false-negative masking at caption cosine 0.3
-        statics = (True, masked, True, True, "tf32x3")  # normalize, masked, has_margin, smoothing, precision
-        sym = (img, txt, tau, gamma, eps, thr, *statics)
+        # normalize, masked, has_margin, smoothing, precision, the margin's code ("text")
+        statics = (True, masked, True, True, "tf32x3", 0)
+        sym = (img, txt, no_neg, no_id, tau, gamma, eps, thr, *statics)
         torch.library.opcheck(ops.triton_symmetric_nll, sym)
-        detached = [x.detach() for x in (img, txt, tau)]
+        detached = [x.detach() for x in (img, txt, no_neg, no_id, tau)]
         out = ops.triton_symmetric_nll(*detached, gamma, eps, thr, *statics)
         grad = torch.linspace(0.5, 1.5, n, device=DEV)
         torch.library.opcheck(
@@ -373,15 +375,14 @@ def test_library_opcheck_cuda():
         q = img[:m].detach().requires_grad_()
         a, b = txt.detach()[offset : offset + m], txt.detach()
         zero = torch.zeros((), device=DEV, dtype=torch.float64)
+        family = (img.new_empty((0,)).detach(), img.new_empty((0,)).detach(), no_id, no_id)  # none of it
         # offset, normalize, masked, has_margin, smoothing, precision
         dir_statics = (offset, True, masked, True, False, "ieee")
-        direc = (q, txt, a, b, tau, gamma, zero, thr, *dir_statics)
+        direc = (q, txt, a, b, *family, tau, gamma, zero, thr, *dir_statics)
         torch.library.opcheck(ops.triton_directional_nll, direc)
-        out = ops.triton_directional_nll(q.detach(), detached[1], a, b, detached[2], gamma, zero, thr, *dir_statics)
-        torch.library.opcheck(
-            ops.triton_directional_nll_backward,
-            (grad[:m], q.detach(), detached[1], a, b, detached[2], gamma, zero, thr, *out[1:], *dir_statics, True),
-        )
+        ins = (q.detach(), detached[1], a, b, *family, detached[4], gamma, zero, thr)
+        out = ops.triton_directional_nll(*ins, *dir_statics)
+        torch.library.opcheck(ops.triton_directional_nll_backward, (grad[:m], *ins, *out[1:], *dir_statics, True))
 
 
 def test_library_func_grad_and_vmap_cuda():

@@ -1,5 +1,5 @@
-"""``hnclip::triton_family_nll`` (the hard-negative family's single-process loss on the Triton
-kernels): without the family's inputs it is today's symmetric operator bit for bit (every dtype,
+"""``hnclip::triton_symmetric_nll`` with the hard-negative family's inputs (the single-process loss
+on the Triton kernels): absent inputs as None or empty are the same call bit for bit (every dtype,
 both launch modes); opcheck of the operator and its backward; torch's ``triton_op`` finds exactly
 its kernels; its workspace is ``workspace_bytes(negatives=, group_ids=)`` (counted as
 test_workspace.py counts, with several ragged backward chunks); the merged i2t statistics are the
@@ -18,6 +18,7 @@ import hnclip_kernels
 from cases import ALL_BACKENDS, make_pair
 from hnclip_kernels.backends.triton import config as cfg
 from hnclip_kernels.backends.triton import workspace
+from hnclip_kernels.margin import Margin
 
 pytestmark = pytest.mark.skipif("triton" not in ALL_BACKENDS, reason="triton cannot run here")
 
@@ -35,20 +36,21 @@ def _features(n, m, dtype, seed=0):
 @pytest.mark.parametrize("threshold", [None, 0.3])
 def test_without_family_inputs_it_is_the_symmetric_operator(dtype, threshold, launch):
     # M = 0 (None and a (0, D) tensor), no ids, margin "text": the same kernels, outputs and gradients to the bit
-    from hnclip_kernels.backends.triton.family_sym import family_pairs_triton
     from hnclip_kernels.backends.triton.ops import hn_clip_pairs_triton
 
     img, txt, _ = _features(9, 0, dtype, seed=1)
     out = []
-    for fn in (hn_clip_pairs_triton, family_pairs_triton, "empty"):
+    for fn in ("plain", "text", "empty"):
         leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
         tau = torch.tensor(0.05, requires_grad=True)
         kw = dict(tau=tau, gamma=0.5, label_smoothing=0.1, normalize=True, false_negative_threshold=threshold,
                   return_stats=True)  # fmt: skip
         if fn == "empty":
-            rows, stats = family_pairs_triton(*leaves, leaves[0].new_empty((0, D)), **kw)
+            rows, stats = hn_clip_pairs_triton(*leaves, negatives=leaves[0].new_empty((0, D)), **kw)
+        elif fn == "text":
+            rows, stats = hn_clip_pairs_triton(*leaves, negatives=None, group_ids=None, margin=Margin.TEXT, **kw)
         else:
-            rows, stats = fn(*leaves, **kw)
+            rows, stats = hn_clip_pairs_triton(*leaves, **kw)
         grads = torch.autograd.grad((rows * torch.linspace(0.5, 1.5, 9)).sum(), [*leaves, tau])
         out.append([rows.detach(), *[x for s in stats for x in s if x is not None], *grads])
     for got in out[1:]:
@@ -60,20 +62,20 @@ def test_without_family_inputs_it_is_the_symmetric_operator(dtype, threshold, la
 @pytest.mark.parametrize("margin", ["text", "image_text"])
 def test_merged_statistics_are_one_walk_over_all_columns(ids, margin, launch):
     # the symmetric walk's i2t summaries merged with the block's partials: the i2t statistics of one
-    # directional walk of the family operator over the N + M columns (float64 oracle's row losses aside)
-    from hnclip_kernels.backends.triton.family import family_directional_nll_triton
-    from hnclip_kernels.backends.triton.family_sym import family_pairs_triton
+    # directional walk of the directional operator over the N + M columns (float64 oracle's row losses aside)
+    from hnclip_kernels.backends.triton.ops import directional_nll_triton, hn_clip_pairs_triton
 
     n, m = 9, 13
     img, txt, neg = _features(n, m, torch.float32, seed=2)
     group_ids = torch.tensor([0, 0, 1, 2, 3, 1, 4, 5, 6]) if ids else None
     kw = dict(tau=torch.tensor(0.05), gamma=0.5, label_smoothing=0.1, normalize=True, false_negative_threshold=0.8)
-    _, (i2t, _) = family_pairs_triton(img, txt, neg, group_ids, margin=margin, return_stats=True, **kw)
+    _, (i2t, _) = hn_clip_pairs_triton(img, txt, negatives=neg, group_ids=group_ids, margin=margin, return_stats=True,
+                                       **kw)  # fmt: skip
     keys = torch.cat([txt, neg])
     margin_kw = dict(query_txt=txt, key_txt=keys) if margin == "text" else dict(
         query_txt=img, key_txt=keys, mask_query=txt, mask_key=keys)  # fmt: skip
     groups = dict(query_groups=group_ids, key_groups=group_ids) if ids else {}
-    _, want = family_directional_nll_triton(img, keys, offset=0, return_stats=True, **margin_kw, **groups, **kw)
+    _, want = directional_nll_triton(img, keys, offset=0, return_stats=True, **margin_kw, **groups, **kw)
     for name in ("delta", "mean_neg", "dsum", "kept"):
         got, ref = getattr(i2t, name), getattr(want, name)
         assert torch.allclose(got, ref, rtol=2e-6, atol=2e-6), name
@@ -86,33 +88,33 @@ def _op_args(case: str):
     masked = "threshold" in case
     f64 = [torch.tensor(x, dtype=torch.float64) for x in (0.5, 0.1, 0.3 if masked else 0.0)]
     tau = torch.tensor(0.1, requires_grad=True)
-    # normalize, masked, has_margin, smoothing, precision, image_text
-    flags = (True, masked, True, True, "ieee", "image_text" in case)
+    # normalize, masked, has_margin, smoothing, precision, the margin's code
+    flags = (True, masked, True, True, "ieee", (Margin.IMAGE_TEXT if "image_text" in case else Margin.TEXT).code)
     return (img, txt, neg, groups, tau, *f64), flags
 
 
 @pytest.mark.parametrize("case", ["threshold-ids", "ids-alone", "none", "none-image_text", "threshold-image_text"])
 def test_opcheck(case):
-    import hnclip_kernels.backends.triton.family_sym  # noqa: F401  (registers the operator)
+    import hnclip_kernels.backends.triton.ops  # noqa: F401  (registers the operator)
 
     inputs, flags = _op_args(case)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    op = torch.ops.hnclip.triton_family_nll
+    op = torch.ops.hnclip.triton_symmetric_nll
     torch.library.opcheck(op.default, (*inputs, *flags), test_utils=checks)
     saved = [x.detach() for x in op(*inputs, *flags)[1:]]
     grad = torch.linspace(0.5, 1.0, 7)
     bargs = (grad, *(x.detach() for x in inputs), *saved, *flags, True)  # need_features
-    torch.library.opcheck(torch.ops.hnclip.triton_family_nll_backward.default, bargs, test_utils=checks)
+    torch.library.opcheck(torch.ops.hnclip.triton_symmetric_nll_backward.default, bargs, test_utils=checks)
 
 
-KERNELS = {  # each family operator's bodies and the kernels torch's triton_op must find in them
-    "family": {
-        "_family_nll": ["_fwd_kernel", "_merge_kernel"],
-        "_family_nll_backward": ["_dscore_kernel", "_round16_kernel"],
+KERNELS = {  # the bodies taking the family's inputs and the kernels torch's triton_op must find in them
+    "directional": {
+        "_directional_nll": ["_fwd_kernel", "_merge_kernel"],
+        "_directional_nll_backward": ["_dscore_kernel", "_round16_kernel"],
     },
-    "family_sym": {
-        "_family_nll": ["_fold_kernel", "_fwd_kernel", "_fwd_pair_kernel", "_merge_kernel"],
-        "_family_nll_backward": ["_dscore_kernel", "_dscore_pair_kernel", "_round16_kernel"],
+    "symmetric": {
+        "_symmetric_nll": ["_fold_kernel", "_fwd_kernel", "_fwd_pair_kernel", "_merge_kernel"],
+        "_symmetric_nll_backward": ["_dscore_kernel", "_dscore_pair_kernel", "_round16_kernel"],
     },
 }
 
@@ -150,7 +152,7 @@ def counter(monkeypatch):
     the phase set around the forward and the backward calls by the test itself."""
     c = _Counter()
     real_empty = torch.empty
-    layers = (*_LAYERS, "hnclip_kernels.backends.triton.family_sym")
+    layers = (*_LAYERS, "hnclip_kernels.backends.triton.symmetric")
 
     def empty(*args, **kwargs):
         t = real_empty(*args, **kwargs)

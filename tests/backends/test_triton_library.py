@@ -34,6 +34,7 @@ from helpers import assert_close_rel
 from hnclip_kernels import hn_clip_loss
 from hnclip_kernels.backends import triton_directional
 from hnclip_kernels.backends.triton import ops as ht
+from hnclip_kernels.margin import Margin
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter checks (CPU tensors)")
 
@@ -54,6 +55,8 @@ def _sym_args(gamma=0.5, eps=0.1, grad=True, threshold=None):
     return (
         img,
         txt,
+        img.new_empty((0, D)),  # no negatives
+        torch.empty(0, dtype=torch.long),  # no group ids
         tau,
         _hyper(gamma),
         _hyper(eps),
@@ -63,6 +66,7 @@ def _sym_args(gamma=0.5, eps=0.1, grad=True, threshold=None):
         gamma != 0.0,  # has_margin
         eps != 0.0,  # smoothing
         "tf32x3",
+        Margin.TEXT.code,
     )
 
 
@@ -76,11 +80,13 @@ def _dir_args(gamma=0.5, eps=0.1, grad=True, m=4, offset=2, threshold=None):
     a, b = make_pair(N, D, torch.float32, seed=1)
     tau = torch.tensor(0.05, requires_grad=grad)
     masked = threshold is not None
+    no_id = torch.empty(0, dtype=torch.long)
     return (
         q[:m].detach().requires_grad_(grad),
         k,
         a[offset : offset + m],
         b,
+        *(torch.empty(0), torch.empty(0), no_id, no_id),  # no mask captions, no group ids
         tau,
         _hyper(gamma),
         _hyper(eps),
@@ -99,7 +105,7 @@ def test_registration():
     schema = str(OPS.triton_symmetric_nll.default._schema)
     assert (
         "Tensor gamma, Tensor label_smoothing, Tensor threshold, bool normalize, bool masked, bool has_margin, "
-        "bool smoothing, str precision" in schema
+        "bool smoothing, str precision, SymInt margin" in schema
     )
     for name in (
         "triton_symmetric_nll",
@@ -117,19 +123,19 @@ def test_opcheck_symmetric(gamma, eps, threshold):
     torch.library.opcheck(OPS.triton_symmetric_nll, args)
     out = OPS.triton_symmetric_nll(*(x.detach() if isinstance(x, torch.Tensor) else x for x in args))
     grad = torch.linspace(0.5, 1.5, N)
-    img, txt, tau, g, e, c = (args[i].detach() for i in range(6))
-    torch.library.opcheck(OPS.triton_symmetric_nll_backward, (grad, img, txt, tau, g, e, c, *out[1:], *args[6:], True))
+    inputs = (args[i].detach() for i in range(8))  # img, txt, negatives, ids, τ, γ, ε, threshold
+    torch.library.opcheck(OPS.triton_symmetric_nll_backward, (grad, *inputs, *out[1:], *args[8:], True))
 
 
 @pytest.mark.parametrize("gamma, eps, threshold", [(0.0, 0.1, None), (0.5, 0.0, None), (0.5, 0.1, 0.3)])
 def test_opcheck_directional(gamma, eps, threshold):
     args = _dir_args(gamma, eps, threshold=threshold)
     torch.library.opcheck(OPS.triton_directional_nll, args)
-    q, k, a, b, tau, g, e, c = (args[i].detach() for i in range(8))
-    out = OPS.triton_directional_nll(q, k, a, b, tau, g, e, c, *args[8:])
+    inputs = [args[i].detach() for i in range(12)]  # q, k, a, b, the family's four, τ, γ, ε, threshold
+    out = OPS.triton_directional_nll(*inputs, *args[12:])
     torch.library.opcheck(
         OPS.triton_directional_nll_backward,
-        (torch.linspace(-1.0, 1.0, q.shape[0]), q, k, a, b, tau, g, e, c, *out[1:], *args[8:], True),
+        (torch.linspace(-1.0, 1.0, inputs[0].shape[0]), *inputs, *out[1:], *args[12:], True),
     )
 
 
@@ -159,7 +165,7 @@ def test_func_grad_matches_autograd():
 
 
 def test_func_grad_directional():
-    q, k, a, b, tau, _g, _e, _c, offset, *_ = _dir_args(grad=False)
+    q, k, a, b, *_, tau, _g, _e, _c, offset, _, _, _, _, _ = _dir_args(grad=False)
     fn = triton_directional()
 
     def rows(q, k, tau):
@@ -304,19 +310,24 @@ _TRACE = textwrap.dedent("""
     def kernel_of(node):
         return kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
 
-    def fwd(*a):
-        return torch.ops.hnclip.triton_symmetric_nll(*a, True, False, True, True, "tf32x3")
+    def family(v):  # no negatives, no group ids
+        return torch.empty(0, v.shape[1]), torch.empty(0, dtype=torch.long)
 
-    def bwd(*a):
-        return torch.ops.hnclip.triton_symmetric_nll_backward(*a, True, False, True, True, "tf32x3", True)
+    def fwd(v, t, *a):
+        return torch.ops.hnclip.triton_symmetric_nll(v, t, *family(v), *a, True, False, True, True, "tf32x3", 0)
+
+    def bwd(g, v, t, *a):
+        return torch.ops.hnclip.triton_symmetric_nll_backward(g, v, t, *family(v), *a, True, False, True, True,
+                                                              "tf32x3", 0, True)
 
     def inputs(n, d=16):
         return (torch.randn(n, d), torch.randn(n, d), torch.tensor(0.07), torch.tensor(0.5, dtype=torch.float64),
                 torch.tensor(0.1, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
 
-    def stats(n):  # rv, rt, pos, then each direction's delta, mean_neg, dsum and (unmasked: empty) kept
+    def stats(n):  # rv, rt, rn (no negatives), pos, then each direction's delta, mean_neg, dsum and kept (empty)
         vec = lambda: torch.rand(n) + 0.5  # noqa: E731
-        return [vec(), vec(), vec(), vec(), vec(), vec(), torch.empty(0), vec(), vec(), vec(), torch.empty(0)]
+        return [vec(), vec(), torch.empty(0), vec(), vec(), vec(), vec(), torch.empty(0), vec(), vec(), vec(),
+                torch.empty(0)]
 
     out = {name: [[_name(kernel_of(node)), sorted(node.kwargs["tensors_to_clone"]),
                    "gamma_ptr" in node.kwargs["kwargs"]] for node in nodes]
@@ -381,7 +392,8 @@ def test_traced_for_inductor_without_gpu():
         assert takes_gamma == (kernel in ("_fwd_pair_kernel", "_dscore_pair_kernel")), kernel  # γ: a tensor argument
     # triton_op finds the kernels the backward operator launches, and no other (torch hashes them into
     # its cache keys; each kernel has one named launcher): the dS and, for 16-bit features, its rounding
-    assert out["kernels"] == ["_dscore_pair_kernel", "_round16_kernel"], out["kernels"]
+    # (and the negatives' block: the directional dS)
+    assert out["kernels"] == ["_dscore_kernel", "_dscore_pair_kernel", "_round16_kernel"], out["kernels"]
     # the rank op: one walk for both directions, one merge of their 2M lines; one dS launch (one chunk)
     writes.update({"_fwd_rank_kernel": ["row_part_ptr"], "_dscore_rank_kernel": ["w_ptr"]})
     assert [k for k, *_ in out["rank_fwd"]] == ["_fwd_rank_kernel", "_merge_kernel"], out["rank_fwd"]

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 _PROBE = r"""
 import json
 from torch._library.triton import get_inner_triton_kernels
-from hnclip_kernels.backends.triton import distributed_ops, symmetric_op
+from hnclip_kernels.backends.triton import directional, rank, symmetric
 
 def name(k):
     while not hasattr(k, "__name__") or type(k).__name__ != "JITFunction":
@@ -32,13 +32,14 @@ def name(k):
 
 bodies = ("_symmetric_nll", "_symmetric_nll_backward", "_directional_nll", "_directional_nll_backward",
           "_rank_nll", "_rank_nll_backward")
-mod = lambda b: symmetric_op if b.startswith("_symmetric") else distributed_ops
+mod = lambda b: {"_symmetric": symmetric, "_directional": directional, "_rank": rank}[b[: b.index("_nll")]]
 print(json.dumps({b: sorted({name(k) for k in get_inner_triton_kernels(getattr(mod(b), b))}) for b in bodies}))
 """
 
 EXPECTED = {
-    "_symmetric_nll": ["_fold_kernel", "_fwd_pair_kernel", "_merge_kernel"],
-    "_symmetric_nll_backward": ["_dscore_pair_kernel", "_round16_kernel"],
+    # the family's negatives add the directional kernels' walk over their block
+    "_symmetric_nll": ["_fold_kernel", "_fwd_kernel", "_fwd_pair_kernel", "_merge_kernel"],
+    "_symmetric_nll_backward": ["_dscore_kernel", "_dscore_pair_kernel", "_round16_kernel"],
     "_directional_nll": ["_fwd_kernel", "_merge_kernel"],
     "_directional_nll_backward": ["_dscore_kernel", "_round16_kernel"],
     "_rank_nll": ["_fwd_rank_kernel", "_merge_kernel"],

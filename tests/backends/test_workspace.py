@@ -18,7 +18,7 @@ import torch
 import hnclip_kernels
 from cases import check_against_truth, make_pair
 from hnclip_kernels.backends.triton import config as cfg
-from hnclip_kernels.backends.triton import distributed_ops, symmetric_op, workspace
+from hnclip_kernels.backends.triton import directional, rank, symmetric, workspace
 from hnclip_kernels.backends.triton import ops as tops
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only: counts CPU allocations")
@@ -82,8 +82,9 @@ def counter(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", empty)
     for body, walks in (
-        (symmetric_op, ("symmetric_stats", "symmetric_shares")),
-        (distributed_ops, ("directional_stats", "directional_shares", "rank_stats", "rank_shares")),
+        (symmetric, ("symmetric_stats", "symmetric_shares")),
+        (directional, ("directional_stats", "directional_shares")),
+        (rank, ("rank_stats", "rank_shares")),
     ):
         for walk in walks:  # the operator bodies call the walks by these names
             monkeypatch.setattr(body, walk, phased("fwd" if walk.endswith("stats") else "bwd", getattr(body, walk)))

@@ -34,7 +34,7 @@ def _dscore_kernel(
     q_ptr, k_ptr, mq_ptr, mk_ptr,
     stride_qm, stride_qd, stride_kn, stride_kd, stride_mqm, stride_mqd, stride_mkn, stride_mkd,
     rq_ptr, rk_ptr, r_mq_ptr, r_mk_ptr, pos_ptr, nll_ptr, g_ptr, a_ptr, b_ptr, s_ptr,
-    inv_tau_ptr, gamma_ptr, thr_ptr,
+    logit_scale_ptr, gamma_ptr, thr_ptr,
     cq_ptr, ck_ptr, gq_ptr, gk_ptr, K,
     w_ptr, stride_w, res_r_ptr, stride_rr, res_c_ptr, stride_rc,
     row0, row_end, col0, col_end, D, offset,
@@ -55,7 +55,7 @@ def _dscore_kernel(
         s_ptr (M): each row's ε/n_i with masking and label smoothing, else None (SHIFT):
         dS_ik = g_i (P_ik − s_i) on the entries kept (caption cosine not ≥ thr: a NaN cosine is
         kept, ``tiles._caption_keep``), 0 on the masked ones.
-    Scalars: inv_tau_ptr, gamma_ptr, thr_ptr as ``_fwd_kernel``'s (``params.Scalars.pointers``).
+    Scalars: logit_scale_ptr, gamma_ptr, thr_ptr as ``_fwd_kernel``'s (``params.Scalars.pointers``).
     The family's masking: cq_ptr, ck_ptr, gq_ptr, gk_ptr, K as ``_fwd_kernel``'s (the same tile).
     Outputs, the chunk's R × C (R = row_end − row0, C = col_end − col0), row-major: w_ptr, W in
         float32; with ROUND16 |W|'s maxima over SLICE columns into res_r_ptr (⌈C / SLICE⌉, R) and
@@ -65,26 +65,26 @@ def _dscore_kernel(
         the masked 16-bit 128 × 64 dS with the margin is at 255 (sm_90a spills 4 B otherwise).
     Shapes: the chunk's bounds row0, row_end (≤ M), col0, col_end (≤ N); D;
         offset (row i's positive is column offset + i).
-    Constexprs: HAS_MARGIN (γ ≠ 0), PREC (``precision._dot``), SLICE (``cfg.RESIDUAL_SLICE``,
+    Constexprs: HAS_MARGIN (``Scalars.margin_tile``), PREC (``precision._dot``), SLICE (``cfg.RESIDUAL_SLICE``,
         dividing both tile sides), BLOCK_M × BLOCK_N tiles, BLOCK_K the reduction step (the
         forward's: the same tiles to the bit). Derived (``launch.derived``): MASK (thr_ptr or
         gk_ptr), COSINE (thr_ptr), CAPTIONS (cq_ptr), GROUPS (gk_ptr), SHIFT (s_ptr), ROUND16 (res_r_ptr).
     """
     offs_m, mask_m, offs_n, mask_n, _, _ = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
-    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, COSINE)
+    logit_scale, gamma, thr = _load_scalars(logit_scale_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, COSINE)
     rq, r_mq = _load2(rq_ptr, r_mq_ptr, offs_m, mask_m)
     rk, r_mk = _load2(rk_ptr, r_mk_ptr, offs_n, mask_n)
     if CAPTIONS or GROUPS:  # the family's masking (``family_tiles``)
         z = _family_tile((q_ptr, stride_qm, stride_qd), (k_ptr, stride_kn, stride_kd),
                          (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
                          ((cq_ptr, D, 1), (ck_ptr, D, 1)), (gq_ptr, gk_ptr, K),
-                         (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk), D, gamma, inv_tau, thr,
+                         (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk), D, gamma, logit_scale, thr,
                          HAS_MARGIN, COSINE, CAPTIONS, GROUPS, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         z = _logits_tile((q_ptr, stride_qm, stride_qd), (k_ptr, stride_kn, stride_kd),
                          (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
                          (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
-                         D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+                         D, gamma, logit_scale, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, None, None,
                       a_ptr, b_ptr, False, s_ptr, None, MASK, SHIFT, ROUND16)
     _store_w(w, mask, (offs_m, mask_m, row0, row_end, tl.program_id(0) * (BLOCK_M // SLICE)),
@@ -178,7 +178,7 @@ def _store_w(w, mask, rows, cols, w_ptr, w0, stride_w, res_r_ptr, r0, stride_rr,
 def _dscore_pair_kernel(
     v_ptr, t_ptr, stride_vm, stride_vd, stride_tm, stride_td,
     rv_ptr, rt_ptr, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr, a_ptr, b_ptr, s_ptr, s_c_ptr,
-    inv_tau_ptr, gamma_ptr, thr_ptr, gk_ptr, K,
+    logit_scale_ptr, gamma_ptr, thr_ptr, gk_ptr, K,
     w_ptr, res_r_ptr, res_c_ptr, mirror_w, mirror_r, mirror_c,
     row0, row_end, col0, col_end, D,
     HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr, ROUND16: tl.constexpr,
@@ -217,7 +217,7 @@ def _dscore_pair_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m, mask_m, offs_n, mask_n, rows_c, cols_c = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
-    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, COSINE)
+    logit_scale, gamma, thr = _load_scalars(logit_scale_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, COSINE)
     rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
     rv_n, rt_n = _load2(rv_ptr, rt_ptr, offs_n, mask_n)
     v = (v_ptr, stride_vm, stride_vd)
@@ -230,7 +230,7 @@ def _dscore_pair_kernel(
     if diagonal & (local_n >= local_m) & (local_n < local_m + BLOCK_M):
         # the diagonal super-tile: its tiles hold the positives and are formed alone, as the forward forms them
         z = _logits_tile(v, t, t, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
-                         D, gamma, inv_tau, thr, HAS_MARGIN, COSINE, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+                         D, gamma, logit_scale, thr, HAS_MARGIN, COSINE, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         if GROUPS:
             z = _drop_same_group(z, gk_ptr, K, offs_m, mask_m, offs_n)
         w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
@@ -239,7 +239,7 @@ def _dscore_pair_kernel(
                  ROUND16, SLICE, BLOCK_M, BLOCK_N)
     elif (row0 != col0) | (local_n >= local_m + BLOCK_M):
         z, zm = _pair_tiles(v, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
-                            D, gamma, inv_tau, thr, HAS_MARGIN, COSINE, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+                            D, gamma, logit_scale, thr, HAS_MARGIN, COSINE, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         if GROUPS:  # as the forward: (i, j) and (j, i) alike
             z = _drop_same_group(z, gk_ptr, K, offs_m, mask_m, offs_n)
             zm = _drop_same_group(zm, gk_ptr, K, offs_m, mask_m, offs_n)
@@ -260,7 +260,7 @@ def _dscore_rank_kernel(
     v_ptr, t_ptr, va_ptr, ta_ptr,
     stride_vm, stride_vd, stride_tm, stride_td, stride_van, stride_vad, stride_tan, stride_tad,
     rv_ptr, rt_ptr, rva_ptr, rta_ptr, pos_ptr, nll_ptr, g_ptr, a_ptr, b_ptr, s_ptr,
-    inv_tau_ptr, gamma_ptr, thr_ptr,
+    logit_scale_ptr, gamma_ptr, thr_ptr,
     w_ptr, res_r_ptr, res_c_ptr, second_w, second_r, second_c,
     M, N, row0, row_end, col0, col_end, D, offset,
     HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, SHIFT: tl.constexpr, PREC: tl.constexpr,
@@ -288,13 +288,13 @@ def _dscore_rank_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m, mask_m, offs_n, mask_n, rows_c, cols_c = _chunk_tile(row0, row_end, col0, col_end, BLOCK_M, BLOCK_N)
-    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
+    logit_scale, gamma, thr = _load_scalars(logit_scale_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
     rv_m, rt_m = _load2(rv_ptr, rt_ptr, offs_m, mask_m)
     rv_n, rt_n = _load2(rva_ptr, rta_ptr, offs_n, mask_n)
     z, zt = _rank_tiles((v_ptr, stride_vm, stride_vd), (t_ptr, stride_tm, stride_td),
                         (va_ptr, stride_van, stride_vad), (ta_ptr, stride_tan, stride_tad),
                         (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
-                        D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+                        D, gamma, logit_scale, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     rows = (offs_m, mask_m, row0, row_end, pid_m * (BLOCK_M // SLICE))
     cols = (offs_n, mask_n, col0, col_end, pid_n * (BLOCK_N // SLICE))
     w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, None, None,
@@ -317,7 +317,7 @@ def dscore_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
     (their row strides follow from the bounds); ``shapes`` = (row0, row_end, col0, col_end, D, offset)."""
     q, k, mq, mk = features
     rq, rk, r_mq, r_mk, pos, nll, g, a, b, s = per_row
-    inv_tau, gamma, thr = sc.pointers
+    logit_scale, gamma, thr = sc.pointers
     w, res_r, res_c = outputs
     row0, row_end, col0, col_end, d, offset = shapes
     r, c = row_end - row0, col_end - col0  # the buffers' row strides: C, R, C
@@ -327,7 +327,7 @@ def dscore_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
         stride_mqm=mq.stride(0), stride_mqd=mq.stride(1), stride_mkn=mk.stride(0), stride_mkd=mk.stride(1),
         rq_ptr=rq, rk_ptr=rk, r_mq_ptr=r_mq, r_mk_ptr=r_mk, pos_ptr=pos, nll_ptr=nll, g_ptr=g,
         a_ptr=a, b_ptr=b, s_ptr=s,
-        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr, **sc.family.pointers(),
+        logit_scale_ptr=logit_scale, gamma_ptr=gamma, thr_ptr=thr, **sc.family.pointers(),
         w_ptr=w, stride_w=c, res_r_ptr=res_r, stride_rr=r, res_c_ptr=res_c, stride_rc=c,
         row0=row0, row_end=row_end, col0=col0, col_end=col_end, D=d, offset=offset,
     )

@@ -34,7 +34,7 @@ def _chunk_grid(args: dict):
 
 
 def _constexprs(sc: Scalars, width: int) -> dict:  # the dS kernels' explicit constexprs
-    return dict(HAS_MARGIN=sc.has_margin, PREC=sc.prec, SLICE=cfg.RESIDUAL_SLICE, BLOCK_K=cfg.score_block_k(width))
+    return dict(HAS_MARGIN=sc.margin_tile, PREC=sc.prec, SLICE=cfg.RESIDUAL_SLICE, BLOCK_K=cfg.score_block_k(width))
 
 
 def dscore_pair_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
@@ -44,7 +44,7 @@ def dscore_pair_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
     (W_ba's offset, its row maxima's, its column maxima's)); ``shapes`` = (row0, row_end, col0, col_end, D)."""
     v, t = features
     rv, rt, pos, nll, g, nll_c, g_c, a, b, s, s_c = per_row
-    inv_tau, gamma, thr = sc.pointers
+    logit_scale, gamma, thr = sc.pointers
     ids = sc.family.pair_ids()
     w, res_r, res_c, (mirror_w, mirror_r, mirror_c) = outputs
     row0, row_end, col0, col_end, d = shapes
@@ -52,7 +52,7 @@ def dscore_pair_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
         v_ptr=v, t_ptr=t, stride_vm=v.stride(0), stride_vd=v.stride(1), stride_tm=t.stride(0), stride_td=t.stride(1),
         rv_ptr=rv, rt_ptr=rt, pos_ptr=pos, nll_ptr=nll, g_ptr=g, nll_c_ptr=nll_c, g_c_ptr=g_c,
         a_ptr=a, b_ptr=b, s_ptr=s, s_c_ptr=s_c,
-        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr, gk_ptr=ids, K=0 if ids is None else ids.shape[0],
+        logit_scale_ptr=logit_scale, gamma_ptr=gamma, thr_ptr=thr, gk_ptr=ids, K=0 if ids is None else ids.shape[0],
         w_ptr=w, res_r_ptr=res_r, res_c_ptr=res_c, mirror_w=mirror_w, mirror_r=mirror_r, mirror_c=mirror_c,
         row0=row0, row_end=row_end, col0=col0, col_end=col_end, D=d,
     )
@@ -65,7 +65,7 @@ def dscore_rank_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
     row0, row_end, col0, col_end, D, offset)."""
     v, t, va, ta = features
     rv, rt, rva, rta, pos, nll, g, a, b, s = per_row
-    inv_tau, gamma, thr = sc.pointers
+    logit_scale, gamma, thr = sc.pointers
     w, res_r, res_c, (second_w, second_r, second_c) = outputs
     m, n, row0, row_end, col0, col_end, d, offset = shapes
     return dict(
@@ -73,7 +73,7 @@ def dscore_rank_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
         stride_vm=v.stride(0), stride_vd=v.stride(1), stride_tm=t.stride(0), stride_td=t.stride(1),
         stride_van=va.stride(0), stride_vad=va.stride(1), stride_tan=ta.stride(0), stride_tad=ta.stride(1),
         rv_ptr=rv, rt_ptr=rt, rva_ptr=rva, rta_ptr=rta, pos_ptr=pos, nll_ptr=nll, g_ptr=g, a_ptr=a, b_ptr=b, s_ptr=s,
-        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr,
+        logit_scale_ptr=logit_scale, gamma_ptr=gamma, thr_ptr=thr,
         w_ptr=w, res_r_ptr=res_r, res_c_ptr=res_c, second_w=second_w, second_r=second_r, second_c=second_c,
         M=m, N=n, row0=row0, row_end=row_end, col0=col0, col_end=col_end, D=d, offset=offset,
     )

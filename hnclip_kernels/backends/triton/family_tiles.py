@@ -29,7 +29,7 @@ from .tiles import _caption_keep, _col_block, _logits_tile, _row_block
 def _family_tile(
     q, k, margin_q, margin_k, captions, groups,
     rows, cols,
-    D, gamma, inv_tau, thr,
+    D, gamma, logit_scale, thr,
     HAS_MARGIN: tl.constexpr, COSINE: tl.constexpr, CAPTIONS: tl.constexpr, GROUPS: tl.constexpr,
     PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -50,7 +50,7 @@ def _family_tile(
     offs_m, mask_m, rq, r_mq = rows
     offs_n, mask_n, rk, r_mk = cols
     # the threshold's cosine on the margin's product, as today's masked tile (CAPTIONS: after it)
-    z = _logits_tile(q, k, margin_q, margin_k, rows, cols, D, gamma, inv_tau, thr,
+    z = _logits_tile(q, k, margin_q, margin_k, rows, cols, D, gamma, logit_scale, thr,
                      HAS_MARGIN, COSINE and not CAPTIONS, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     if CAPTIONS and COSINE:
         caption_q, caption_k = captions

@@ -10,8 +10,8 @@ state the same for the same call): with P = 2·R·C·D for a logit matrix of R r
 * the directional op (``triton_directional_nll``), M × N: forward P, backward 2 P;
 * a rank's op (``triton_rank_nll``), both directions of M × N, two logit matrices: forward 2 P,
   backward 4 P;
-* the family's loss (``triton_family_nll``), N × (N + M), and its directional op
-  (``triton_family_directional_nll``), M × (N + K) key columns: forward P, backward 2 P;
+* with the hard-negative family's M negatives the loss's i2t rows cover N + M columns: N × (N + M)
+  (both directions read the N × N part), forward P, backward 2 P;
 * a backward asked for dτ alone (no feature gradient): 0.
 
 Not stated: what the kernels execute beyond that: the margin's and the mask's products, the
@@ -35,33 +35,15 @@ def rank_backward(grad, img, txt, all_img, all_txt, *rest, **_):
 
 
 FORMULAS = {
-    "triton_symmetric_nll": glue.forward_flops,
-    "triton_symmetric_nll_backward": glue.backward_flops,
+    "triton_symmetric_nll": glue.family_forward_flops,
+    "triton_symmetric_nll_backward": glue.family_backward_flops,
     "triton_directional_nll": glue.forward_flops,
     "triton_directional_nll_backward": glue.backward_flops,
     "triton_rank_nll": rank_forward,
     "triton_rank_nll_backward": rank_backward,
 }
-FAMILY = {
-    "triton_family_directional_nll": glue.forward_flops,
-    "triton_family_directional_nll_backward": glue.backward_flops,
-}
-FAMILY_SYMMETRIC = {
-    "triton_family_nll": glue.family_forward_flops,
-    "triton_family_nll_backward": glue.family_backward_flops,
-}
-
-
-def register_family() -> None:
-    """Register the family operator's formulas (:mod:`.family`, once it exists)."""
-    glue.register_flops(FAMILY)
 
 
 def register() -> None:
     """Register every formula with ``FlopCounterMode`` (once; the operators must exist)."""
     glue.register_flops(FORMULAS)
-
-
-def register_family_symmetric() -> None:
-    """Register the family loss's formulas (:mod:`.family_sym`, once it exists)."""
-    glue.register_flops(FAMILY_SYMMETRIC)

@@ -39,7 +39,7 @@ from .tiles import (
 def _fwd_kernel(
     q_ptr, k_ptr, mq_ptr, mk_ptr,
     stride_qm, stride_qd, stride_kn, stride_kd, stride_mqm, stride_mqd, stride_mkn, stride_mkd,
-    rq_ptr, rk_ptr, r_mq_ptr, r_mk_ptr, pos_ptr, inv_tau_ptr, gamma_ptr, thr_ptr,
+    rq_ptr, rk_ptr, r_mq_ptr, r_mk_ptr, pos_ptr, logit_scale_ptr, gamma_ptr, thr_ptr,
     cq_ptr, ck_ptr, gq_ptr, gk_ptr, K,
     row_part_ptr,
     M, N, D, offset, cols_per_split, N_BUCKET,
@@ -59,9 +59,9 @@ def _fwd_kernel(
     Per-row inputs (float32):
         rq_ptr (M), rk_ptr (N), r_mq_ptr (M), r_mk_ptr (N): inverse row norms;
         pos_ptr (M): the positive logit Z[i, offset + i].
-    Scalars (``params.Scalars``): inv_tau_ptr 1-element 1/τ; gamma_ptr 1-element γ (None without
-        HAS_MARGIN); thr_ptr the false-negative masking block (``params.threshold_block``; None
-        without a threshold, and COSINE derives from it).
+    Scalars (``params.Scalars``): logit_scale_ptr 1-element logit scale (1/τ, or (1 + γ)/τ);
+        gamma_ptr 1-element γ (None without HAS_MARGIN); thr_ptr the false-negative masking block
+        (``params.threshold_block``; None without a threshold, and COSINE derives from it).
     The hard-negative family's masking (``family_tiles._family_tile``; ``params.Family``): cq_ptr
         (M, D), ck_ptr (N, D) the contiguous masking captions (None: the margin factors'
         product is the cosine; CAPTIONS derives from cq_ptr); gq_ptr (M,), gk_ptr (K,) group ids
@@ -73,7 +73,7 @@ def _fwd_kernel(
         cols_per_split (columns per program along axis 1,
         a multiple of BLOCK_N); N_BUCKET (``config.n_bucket(N)``: read by nothing, a key of the
         autotuner).
-    Constexprs: SMOOTHING (label smoothing: also Σd), HAS_MARGIN (γ ≠ 0), MASK (derived:
+    Constexprs: SMOOTHING (label smoothing: also Σd), HAS_MARGIN (``Scalars.margin_tile``), MASK (derived:
         false-negative masking, an entry whose caption cosine m̂_q·m̂_k ≥ thr, COSINE, or whose
         group ids agree, GROUPS, is no negative), PREC (``precision._dot``), BLOCK_M × BLOCK_N
         tiles, BLOCK_K the reduction step over D. Without CAPTIONS and GROUPS the tile is
@@ -81,7 +81,7 @@ def _fwd_kernel(
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
-    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, COSINE)
+    logit_scale, gamma, thr = _load_scalars(logit_scale_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, COSINE)
     q = (q_ptr, stride_qm, stride_qd)
     k = (k_ptr, stride_kn, stride_kd)
     margin_q = (mq_ptr, stride_mqm, stride_mqd)
@@ -101,11 +101,11 @@ def _fwd_kernel(
         rk, r_mk = _load2(rk_ptr, r_mk_ptr, offs_n, mask_n)
         if CAPTIONS or GROUPS:
             z = _family_tile(q, k, margin_q, margin_k, ((cq_ptr, D, 1), (ck_ptr, D, 1)), (gq_ptr, gk_ptr, K),
-                             (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk), D, gamma, inv_tau, thr,
+                             (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk), D, gamma, logit_scale, thr,
                              HAS_MARGIN, COSINE, CAPTIONS, GROUPS, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         else:
             z = _logits_tile(q, k, margin_q, margin_k, (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
-                             D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+                             D, gamma, logit_scale, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
         if MASK:
             neg = neg & _kept(z)
@@ -125,7 +125,7 @@ def _fwd_kernel(
 def _fwd_rank_kernel(
     v_ptr, t_ptr, va_ptr, ta_ptr,
     stride_vm, stride_vd, stride_tm, stride_td, stride_van, stride_vad, stride_tan, stride_tad,
-    rv_ptr, rt_ptr, rva_ptr, rta_ptr, pos_ptr, inv_tau_ptr, gamma_ptr, thr_ptr,
+    rv_ptr, rt_ptr, rva_ptr, rta_ptr, pos_ptr, logit_scale_ptr, gamma_ptr, thr_ptr,
     row_part_ptr,
     M, N, D, offset, cols_per_split, N_BUCKET,
     SMOOTHING: tl.constexpr, HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
@@ -140,7 +140,7 @@ def _fwd_rank_kernel(
     Features (raw, any float dtype, strided): v_ptr, t_ptr (M, D) the local images and texts,
         va_ptr, ta_ptr (N, D) the gathered ones; strides ``stride_<matrix><axis>``.
     Per-row inputs (float32): rv_ptr, rt_ptr (M), rva_ptr, rta_ptr (N) inverse norms;
-        pos_ptr (2M): the positives, i2t rows then t2i rows (Z[i, offset + i]); inv_tau_ptr,
+        pos_ptr (2M): the positives, i2t rows then t2i rows (Z[i, offset + i]); logit_scale_ptr,
         gamma_ptr, thr_ptr as ``_fwd_kernel``.
     Outputs (float32, planes = 3 + SMOOTHING + MASK): row_part_ptr (splits, planes, 2M): line i
         the i2t row i, line M + i the t2i row i (with MASK over the kept negatives, and their
@@ -149,7 +149,7 @@ def _fwd_rank_kernel(
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
-    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
+    logit_scale, gamma, thr = _load_scalars(logit_scale_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, MASK)
     v = (v_ptr, stride_vm, stride_vd)
     t = (t_ptr, stride_tm, stride_td)
     v_all = (va_ptr, stride_van, stride_vad)
@@ -167,7 +167,7 @@ def _fwd_rank_kernel(
         offs_n, mask_n = _block(n0, n_end, BLOCK_N)
         rv_n, rt_n = _load2(rva_ptr, rta_ptr, offs_n, mask_n)
         z, zt = _rank_tiles(v, t, v_all, t_all, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
-                            D, gamma, inv_tau, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+                            D, gamma, logit_scale, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
         if MASK:
             neg = neg & _kept(z)
@@ -186,7 +186,7 @@ def _fwd_rank_kernel(
 @triton.jit
 def _fwd_pair_kernel(
     v_ptr, t_ptr, stride_vm, stride_vd, stride_tm, stride_td,
-    rv_ptr, rt_ptr, pos_ptr, inv_tau_ptr, gamma_ptr, thr_ptr, gk_ptr,
+    rv_ptr, rt_ptr, pos_ptr, logit_scale_ptr, gamma_ptr, thr_ptr, gk_ptr,
     row_part_ptr, col_part_ptr,
     N, D, block0, col0, cols_per_split, slab_rows, N_BUCKET,
     SMOOTHING: tl.constexpr, HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
@@ -207,7 +207,7 @@ def _fwd_pair_kernel(
 
     Lines: line c < N stands for column c's statistics, line N + r for row r's.
     Inputs: v_ptr, t_ptr (N, D) features (strides ``stride_<v|t><m|d>``), rv_ptr, rt_ptr (N)
-        float32 inverse norms, pos_ptr (N) the positives Z_ii, inv_tau_ptr/gamma_ptr as
+        float32 inverse norms, pos_ptr (N) the positives Z_ii, logit_scale_ptr/gamma_ptr as
         ``_fwd_kernel``, thr_ptr the false-negative masking block (COSINE: the entries whose caption
         cosine is ≥ it leave their row's and their column's summaries, which then count their kept
         entries in one more plane); gk_ptr (N) the hard-negative family's group ids (GROUPS: pairs
@@ -228,7 +228,7 @@ def _fwd_pair_kernel(
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
     planes = 3 + SMOOTHING + MASK
-    inv_tau, gamma, thr = _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, COSINE)
+    logit_scale, gamma, thr = _load_scalars(logit_scale_ptr, gamma_ptr, thr_ptr, HAS_MARGIN, COSINE)
     v = (v_ptr, stride_vm, stride_vd)
     t = (t_ptr, stride_tm, stride_td)
     row0 = (block0 + pid_b) * BLOCK_M
@@ -249,7 +249,7 @@ def _fwd_pair_kernel(
         rt_n = tl.load(rt_ptr + offs_n, mask=mask_n, other=0.0)
         pos_n = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
         z = _logits_tile(v, t, t, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
-                                D, gamma, inv_tau, thr, HAS_MARGIN, COSINE, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+                                D, gamma, logit_scale, thr, HAS_MARGIN, COSINE, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         if GROUPS:
             z = _drop_same_group(z, gk_ptr, N, offs_m, mask_m, offs_n)
         neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None])
@@ -265,7 +265,7 @@ def _fwd_pair_kernel(
         rv_n, rt_n = _load2(rv_ptr, rt_ptr, offs_n, mask_n)
         pos_n = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
         z, zm = _pair_tiles(v, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
-                                   D, gamma, inv_tau, thr, HAS_MARGIN, COSINE, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+                                   D, gamma, logit_scale, thr, HAS_MARGIN, COSINE, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
         if GROUPS:  # the ids agree for (i, j) and (j, i) alike: z and zm lose the same entries
             z = _drop_same_group(z, gk_ptr, N, offs_m, mask_m, offs_n)
             zm = _drop_same_group(zm, gk_ptr, N, offs_m, mask_m, offs_n)
@@ -303,7 +303,7 @@ _fwd_pair_tuned = triton.autotune(cfg.all_candidates("pair"), key=_KEY,
 
 def _constexprs(sc: Scalars, width: int) -> dict:
     """The forward kernels' explicit constexprs (the column tiles BLOCK_N come from the launch)."""
-    return dict(SMOOTHING=sc.smoothing, HAS_MARGIN=sc.has_margin, PREC=sc.prec, BLOCK_M=cfg.fwd_block_m(width),
+    return dict(SMOOTHING=sc.smoothing, HAS_MARGIN=sc.margin_tile, PREC=sc.prec, BLOCK_M=cfg.fwd_block_m(width),
                 BLOCK_K=cfg.score_block_k(width))
 
 
@@ -314,7 +314,7 @@ def fwd_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
     cols_per_split, N_BUCKET)."""
     q, k, mq, mk = features
     rq, rk, r_mq, r_mk, pos = per_row
-    inv_tau, gamma, thr = sc.pointers
+    logit_scale, gamma, thr = sc.pointers
     (row_part,) = outputs
     m, n, d, offset, cols_per_split, n_bucket = shapes
     return dict(
@@ -322,7 +322,7 @@ def fwd_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
         stride_qm=q.stride(0), stride_qd=q.stride(1), stride_kn=k.stride(0), stride_kd=k.stride(1),
         stride_mqm=mq.stride(0), stride_mqd=mq.stride(1), stride_mkn=mk.stride(0), stride_mkd=mk.stride(1),
         rq_ptr=rq, rk_ptr=rk, r_mq_ptr=r_mq, r_mk_ptr=r_mk, pos_ptr=pos,
-        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr, **sc.family.pointers(),
+        logit_scale_ptr=logit_scale, gamma_ptr=gamma, thr_ptr=thr, **sc.family.pointers(),
         row_part_ptr=row_part,
         M=m, N=n, D=d, offset=offset, cols_per_split=cols_per_split, N_BUCKET=n_bucket,
     )
@@ -334,7 +334,7 @@ def fwd_rank_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
     :func:`fwd_args`'."""
     v, t, va, ta = features
     rv, rt, rva, rta, pos = per_row
-    inv_tau, gamma, thr = sc.pointers
+    logit_scale, gamma, thr = sc.pointers
     (row_part,) = outputs
     m, n, d, offset, cols_per_split, n_bucket = shapes
     return dict(
@@ -342,7 +342,7 @@ def fwd_rank_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
         stride_vm=v.stride(0), stride_vd=v.stride(1), stride_tm=t.stride(0), stride_td=t.stride(1),
         stride_van=va.stride(0), stride_vad=va.stride(1), stride_tan=ta.stride(0), stride_tad=ta.stride(1),
         rv_ptr=rv, rt_ptr=rt, rva_ptr=rva, rta_ptr=rta, pos_ptr=pos,
-        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr,
+        logit_scale_ptr=logit_scale, gamma_ptr=gamma, thr_ptr=thr,
         row_part_ptr=row_part,
         M=m, N=n, D=d, offset=offset, cols_per_split=cols_per_split, N_BUCKET=n_bucket,
     )
@@ -354,13 +354,13 @@ def fwd_pair_args(features, per_row, sc: Scalars, outputs, shapes) -> dict:
     col_part); ``shapes`` = (N, D, block0, col0, cols_per_split, slab_rows, N_BUCKET)."""
     v, t = features
     rv, rt, pos = per_row
-    inv_tau, gamma, thr = sc.pointers
+    logit_scale, gamma, thr = sc.pointers
     row_part, col_part = outputs
     n, d, block0, col0, cols_per_split, slab_rows, n_bucket = shapes
     return dict(
         v_ptr=v, t_ptr=t, stride_vm=v.stride(0), stride_vd=v.stride(1), stride_tm=t.stride(0), stride_td=t.stride(1),
         rv_ptr=rv, rt_ptr=rt, pos_ptr=pos,
-        inv_tau_ptr=inv_tau, gamma_ptr=gamma, thr_ptr=thr, gk_ptr=sc.family.pair_ids(),
+        logit_scale_ptr=logit_scale, gamma_ptr=gamma, thr_ptr=thr, gk_ptr=sc.family.pair_ids(),
         row_part_ptr=row_part, col_part_ptr=col_part,
         N=n, D=d, block0=block0, col0=col0, cols_per_split=cols_per_split, slab_rows=slab_rows, N_BUCKET=n_bucket,
     )

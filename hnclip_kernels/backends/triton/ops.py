@@ -1,36 +1,35 @@
 """The Triton backend as operators, ``hnclip::triton_symmetric_nll``, ``hnclip::triton_directional_nll``
-and ``hnclip::triton_rank_nll`` with their ``*_backward`` operators, and their public wrappers
-(importing it also registers the hard-negative family's operator, :mod:`.family`).
+and ``hnclip::triton_rank_nll`` with their ``*_backward`` operators, and their public wrappers.
 
-The bodies are :mod:`.symmetric_op` and :mod:`.distributed_ops`, their outputs by name
-:class:`..outputs.SymmetricOut`, :class:`..outputs.DirectionalOut` and :class:`.outputs.RankOut`;
+The bodies are :mod:`.symmetric`, :mod:`.directional` and :mod:`.rank`, their outputs by name
+:class:`..outputs.FamilyPairsOut`, :class:`..outputs.DirectionalOut` and :class:`.outputs.RankOut`;
 :func:`..glue.fused_op` registers them (``triton_op``, or ``custom_op`` under the interpreter)
-with the glue the C++ operators share. Signatures, flags and registration: ``docs/triton.md``,
-"The operators".
+with the glue the C++ operators share. The hard-negative family's inputs are optional tensors of
+the symmetric and directional operators, empty when absent. Signatures, flags and registration:
+``docs/triton.md``, "The operators".
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...margin import Margin
 from ...validation import check_directional
+from ...validation_family import check_family_directional
 from .. import glue
-from ..outputs import DirectionalOut, SymmetricOut
+from ..outputs import DirectionalOut, FamilyPairsOut
 from . import flops
-from .distributed_ops import (
+from .directional import (
     _directional_grads_fake,
     _directional_nll,
     _directional_nll_backward,
     _directional_nll_fake,
-    _rank_grads_fake,
-    _rank_nll,
-    _rank_nll_backward,
-    _rank_nll_fake,
 )
 from .launch import USE_TRITON_OP
 from .outputs import RankOut
 from .params import scalar_args, tamed
-from .symmetric_op import _symmetric_grads_fake, _symmetric_nll, _symmetric_nll_backward, _symmetric_nll_fake
+from .rank import _rank_grads_fake, _rank_nll, _rank_nll_backward, _rank_nll_fake
+from .symmetric import _symmetric_grads_fake, _symmetric_nll, _symmetric_nll_backward, _symmetric_nll_fake
 
 HNClipTriton = glue.fused_op(
     "triton",
@@ -39,7 +38,8 @@ HNClipTriton = glue.fused_op(
     forward_fake=_symmetric_nll_fake,
     backward=_symmetric_nll_backward,
     backward_fake=_symmetric_grads_fake,
-    tau_input=2,
+    tau_input=4,
+    feature_inputs=(0, 1, 2),
     use_triton_op=USE_TRITON_OP,
 )
 HNClipDirectionalTriton = glue.fused_op(
@@ -49,7 +49,7 @@ HNClipDirectionalTriton = glue.fused_op(
     forward_fake=_directional_nll_fake,
     backward=_directional_nll_backward,
     backward_fake=_directional_grads_fake,
-    tau_input=4,
+    tau_input=8,
     use_triton_op=USE_TRITON_OP,
 )
 HNClipRankTriton = glue.fused_op(
@@ -65,8 +65,6 @@ HNClipRankTriton = glue.fused_op(
 )
 
 flops.register()  # FlopCounterMode's formulas of the six operators
-# the hard-negative family's operators (hnclip::triton_family_directional_nll, ::triton_family_nll) register with these
-from . import family, family_sym  # noqa: E402, F401
 
 
 # ------------------------------------------------------------------ public wrappers
@@ -76,19 +74,23 @@ def directional_nll_triton(
     *,
     query_txt,
     key_txt,
+    mask_query=None,
+    mask_key=None,
+    query_groups=None,
+    key_groups=None,
     tau,
     offset,
     gamma,
     label_smoothing,
     normalize,
     return_stats=False,
-    precision=None,
     false_negative_threshold=None,
+    precision=None,
 ):
     """Triton counterpart of :func:`hnclip_kernels.backends.pytorch.reference.directional_nll_torch`
-    (same keyword-only protocol and result). ``precision``: tensor-core input precision for float32
-    features (``validation.FP32_PRECISIONS``; None: ``DEFAULT_FP32_PRECISION``); ignored for
-    16-bit features.
+    (same keyword-only protocol and result, the family's keywords included). ``precision``:
+    tensor-core input precision for float32 features (``validation.FP32_PRECISIONS``; None:
+    ``DEFAULT_FP32_PRECISION``); ignored for 16-bit features.
 
     Runs ``hnclip::triton_directional_nll``; works under ``torch.compile(fullgraph=True)`` (a new
     γ, ε or τ does not recompile), ``torch.export``, ``torch.func.grad``/``vjp`` and
@@ -96,15 +98,33 @@ def directional_nll_triton(
     ``RuntimeError`` naming backend="torch". ``false_negative_threshold``: as the reference's; the
     kernels compare the caption cosine (m_q·m_k)·ρ_q·ρ_k, the margin's float32 product on each
     tile times the captions' inverse norms whatever ``normalize`` says (``tiles._caption_keep``),
-    with the threshold rounded to float32."""
+    with the threshold rounded to float32.
+
+    The hard-negative family's keywords (each absent: the plain op's kernels and results, bit for
+    bit): ``mask_query`` (M, D), ``mask_key`` (N, D): the captions the threshold compares
+    (detached; their cosine whatever ``normalize`` says), read only with
+    ``false_negative_threshold``. ``query_groups`` (M,), ``key_groups`` (K,), K ≤ N: integer ids
+    on the features' device, column k < K masked in row i when they agree (k ≠ offset + i); with
+    ids alone no caption product is formed. Raises ``ValueError``/``TypeError`` as
+    :func:`hnclip_kernels.validation.check_directional`, then
+    :func:`hnclip_kernels.validation_family.check_family_directional` do."""
     check_directional(queries, keys, query_txt, key_txt, offset)
+    check_family_directional(queries.shape[0], keys.shape[0], mask_query, mask_key, query_groups, key_groups)
     gamma_t, eps_t, has_margin, smoothing, precision = scalar_args(gamma, label_smoothing, precision, queries)
     thr_t, masked = glue.threshold_args(false_negative_threshold, queries)
+    cosine = masked and mask_query is not None
+    empty = queries.new_empty((0,))
+    ids = query_groups is not None and key_groups.shape[0] > 0
+    no_id = torch.empty((0,), dtype=torch.long, device=queries.device)
     out = DirectionalOut._make(
         glue.call(
             HNClipDirectionalTriton,
             torch.ops.hnclip.triton_directional_nll,
             *(tamed(x, normalize) for x in (queries, keys, query_txt, key_txt)),
+            tamed(mask_query.detach()) if cosine else empty,
+            tamed(mask_key.detach()) if cosine else empty,
+            query_groups if ids else no_id,
+            key_groups if ids else no_id,
             tau,
             gamma_t,
             eps_t,
@@ -117,34 +137,49 @@ def directional_nll_triton(
             precision,
         )
     )
-    return (out.loss, out.stats(masked)) if return_stats else out.loss
+    return (out.loss, out.stats(masked or ids)) if return_stats else out.loss
 
 
 def hn_clip_pairs_triton(
     img,
     txt,
     *,
+    negatives=None,
+    group_ids=None,
+    margin=Margin.TEXT,
     tau,
     gamma,
     label_smoothing,
     normalize,
     return_stats=False,
-    precision=None,
     false_negative_threshold=None,
+    precision=None,
 ):
     """Per-pair losses ½(i2t_k + t2i_k), shape (N,): the fused single-process loss
     (``hnclip::triton_symmetric_nll``; composes as :func:`directional_nll_triton` does).
-    ``return_stats``: also ``(i2t, t2i)``, the detached ``epilogue.RowStats`` of both directions.
+
+    ``img``, ``txt`` (N, D) float32, bfloat16 or float16 (16-bit stays 16-bit in the kernels). The
+    hard-negative family (``docs/hard_negatives.md``): ``negatives`` (M, D) in the features' dtype
+    (None: M = 0), i2t columns only; ``group_ids`` (N,) integer (None: no ids), pairs with equal
+    ids masked in both directions; ``margin`` a :class:`hnclip_kernels.margin.Margin` (or its
+    string). Without them it runs the plain loss's kernels. float32 result; gradients reach
+    ``img``, ``txt``, ``negatives`` and ``tau`` (0-dim). ``return_stats``: also ``(i2t, t2i)``,
+    the detached ``epilogue.RowStats`` of both directions (i2t's over the N + M columns).
     ``false_negative_threshold``: as :func:`directional_nll_triton` (off the diagonal super-tiles
-    one caption tile masks Z_IJ and Z_JIᵀ alike: the mask is symmetric to the bit there)."""
+    one caption tile masks Z_IJ and Z_JIᵀ alike: the mask is symmetric to the bit there).
+    ``precision``: as :func:`directional_nll_triton`. The public checks are
+    :func:`hnclip_kernels.validation_family`'s (``hn_clip_loss``)."""
+    if negatives is None:
+        negatives = img.new_empty((0, img.shape[1]))
     gamma_t, eps_t, has_margin, smoothing, precision = scalar_args(gamma, label_smoothing, precision, img)
     thr_t, masked = glue.threshold_args(false_negative_threshold, img)
-    out = SymmetricOut._make(
+    ids = group_ids if group_ids is not None else torch.empty((0,), dtype=torch.long, device=img.device)
+    out = FamilyPairsOut._make(
         glue.call(
             HNClipTriton,
             torch.ops.hnclip.triton_symmetric_nll,
-            tamed(img, normalize),
-            tamed(txt, normalize),
+            *(tamed(x, normalize) for x in (img, txt, negatives)),
+            ids.contiguous(),
             tau,
             gamma_t,
             eps_t,
@@ -154,9 +189,11 @@ def hn_clip_pairs_triton(
             has_margin,
             smoothing,
             precision,
+            Margin.parse(margin).code,
         )
     )
-    return (out.pairs, (out.i2t(masked), out.t2i(masked))) if return_stats else out.pairs
+    kept = masked or group_ids is not None
+    return (out.pairs, (out.i2t(kept), out.t2i(kept))) if return_stats else out.pairs
 
 
 def rank_nll_triton(

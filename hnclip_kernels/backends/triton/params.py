@@ -5,7 +5,8 @@ tensors and take no float argument at all: Inductor types a Python float fp64 in
 kernel, and with γ a float argument the float32 tiles become fp64 and the forward kernel fails
 to compile ("Loop-carried variable run_max has initial type fp32 but is re-assigned to fp64");
 a tensor also lets a compiled graph take a new τ or γ without recompiling. The kernels take the
-host's 1/τ, the value the positives and the epilogue use. A pointer a kernel does not read is
+host's logit scale (1/τ, the value the positives and the epilogue use, or (1 + γ)/τ where the
+margin is the logit's own score). A pointer a kernel does not read is
 None (γ without the margin, the threshold without masking), and the kernel's flag derives from
 it (``triton.heuristics``).
 """
@@ -50,18 +51,24 @@ NO_FAMILY = Family()
 class Scalars(NamedTuple):
     """One operator body's scalars and flags, as its launchers pass them to the kernels.
 
-    inv_tau: (1,) float32, 1/τ on the features' device (the kernels' ``inv_tau_ptr``).
-    gamma: (1,) float32 γ, or None without the margin (``gamma_ptr``, read with HAS_MARGIN).
+    logit_scale: (1,) float32, what the kernels multiply a tile's scores by (``logit_scale_ptr``):
+        1/τ, or (1 + γ)/τ where the margin is the logit's own score (``margin="image_text"`` on the
+        symmetric walk, :func:`scalars`' ``own_score``: no margin tile, a scale).
+    inv_tau: (1,) float32, always 1/τ: the positives, the epilogue and dτ (the margin carries no
+        gradient).
+    gamma: (1,) float32 γ, or None without a margin tile (``gamma_ptr``, read with HAS_MARGIN).
     thr: the false-negative masking block (:func:`threshold_block`), or None (``thr_ptr``; MASK).
-    has_margin: γ ≠ 0, the kernels' HAS_MARGIN. smoothing: ε ≠ 0, the forward's SMOOTHING.
+    margin_tile: the kernels form γ·m̂_q m̂_kᵀ (their HAS_MARGIN): γ ≠ 0 and the margin is not
+        the logit's own score. smoothing: ε ≠ 0, the forward's SMOOTHING.
     prec: the score products' ``input_precision`` for the features' dtype (``cfg.dot_precision``).
     family: the directional kernels' family masking inputs (:class:`Family`; none by default).
     """
 
+    logit_scale: Tensor
     inv_tau: Tensor
     gamma: Optional[Tensor]
     thr: Optional[Tensor]
-    has_margin: bool
+    margin_tile: bool
     smoothing: bool
     prec: str
     family: Family = NO_FAMILY
@@ -73,8 +80,8 @@ class Scalars(NamedTuple):
 
     @property
     def pointers(self) -> tuple:
-        """(inv_tau, gamma, thr): the kernels' ``inv_tau_ptr, gamma_ptr, thr_ptr``, in their order."""
-        return self.inv_tau, self.gamma, self.thr
+        """(logit_scale, gamma, thr): the kernels' ``logit_scale_ptr, gamma_ptr, thr_ptr``, in their order."""
+        return self.logit_scale, self.gamma, self.thr
 
 
 def scalar32(x: Tensor, like: Tensor) -> Tensor:
@@ -91,20 +98,20 @@ def scalars(
     precision: str,
     thr: Optional[Tensor] = None,
     family: Family = NO_FAMILY,
+    own_score: bool = False,
 ) -> Scalars:
     """The :class:`Scalars` of an operator body on features ``like``: 1/τ in float32 (one
     division, on the host), γ (None without ``has_margin``), the masking block ``thr`` (None:
     no masking), the flags, ``precision`` (a resolved mode) for ``like``'s dtype and the directional
-    kernels' ``family`` masking inputs."""
-    return Scalars(
-        1.0 / scalar32(tau, like),
-        scalar32(gamma, like) if has_margin else None,
-        thr,
-        has_margin,
-        smoothing,
-        cfg.dot_precision(like.dtype, precision),
-        family,
-    )
+    kernels' ``family`` masking inputs. ``own_score``: the margin's operands are the logits' own
+    (:func:`hnclip_kernels.margin.margin_operands`), so with γ ≠ 0 the kernels scale by (1 + γ)/τ
+    and form no margin tile."""
+    inv_tau = 1.0 / scalar32(tau, like)
+    gamma32 = scalar32(gamma, like) if has_margin else None
+    prec = cfg.dot_precision(like.dtype, precision)
+    if own_score and has_margin:  # the margin is the logit's own score: one product, a scale
+        return Scalars(inv_tau * (1.0 + gamma32), inv_tau, None, thr, False, smoothing, prec, family)
+    return Scalars(inv_tau, inv_tau, gamma32, thr, has_margin, smoothing, prec, family)
 
 
 def threshold_block(threshold: Tensor, captions, norms, normalize: bool) -> Tensor:

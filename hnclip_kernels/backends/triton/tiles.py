@@ -40,7 +40,7 @@ def _col_block(mat, offs, mask, offs_d, mask_d):
 def _logits_tile(
     q, k, margin_q, margin_k,
     rows, cols,
-    D, gamma, inv_tau, thr,
+    D, gamma, logit_scale, thr,
     HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -52,9 +52,9 @@ def _logits_tile(
         margin_q, margin_k: the margin factors (M, D) and (N, D) (read with HAS_MARGIN or MASK).
     Blocks, each ``(offsets, bounds mask, r, r_margin)``, r the float32 inverse norms:
         rows: this tile's query rows; cols: its key rows (Z's columns).
-    Scalars: D (feature width), gamma (γ, float32), inv_tau (1/τ), thr (with MASK, the
+    Scalars: D (feature width), gamma (γ, float32), logit_scale (``params.Scalars.logit_scale``), thr (with MASK, the
         false-negative threshold and its block, from ``_load_threshold``).
-    Constexprs: HAS_MARGIN (γ ≠ 0), MASK (false-negative masking), PREC (see ``precision._dot``),
+    Constexprs: HAS_MARGIN (``Scalars.margin_tile``), MASK (false-negative masking), PREC (see ``precision._dot``),
         tile sizes.
 
     With MASK an entry whose caption cosine, the margin's own float32 product
@@ -81,7 +81,7 @@ def _logits_tile(
         z += gamma * (acc_margin * r_mq[:, None] * r_mk[None, :])
     if MASK:
         z = tl.where(_caption_keep(acc_margin, offs_m, mask_m, offs_n, mask_n, thr), z, float("-inf"))
-    return z * inv_tau
+    return z * logit_scale
 
 
 @triton.jit
@@ -139,12 +139,13 @@ def _load_count(ptr, plane, offs, mask, SMOOTHING: tl.constexpr):
 
 
 @triton.jit
-def _load_scalars(inv_tau_ptr, gamma_ptr, thr_ptr, HAS_MARGIN: tl.constexpr, MASK: tl.constexpr):
-    """(1/τ, γ, the false-negative threshold as ``_load_threshold`` gives it), read from device
-    memory: the host's 1/τ (``params.Scalars``: the positives and the epilogue use the same
-    float32 value), γ only with HAS_MARGIN, the threshold only with MASK (their pointers are
-    None otherwise; see ``_load_gamma``). Loads only."""
-    return tl.load(inv_tau_ptr), _load_gamma(gamma_ptr, HAS_MARGIN), _load_threshold(thr_ptr, MASK)
+def _load_scalars(logit_scale_ptr, gamma_ptr, thr_ptr, HAS_MARGIN: tl.constexpr, MASK: tl.constexpr):
+    """(the logit scale, γ, the false-negative threshold as ``_load_threshold`` gives it), read from
+    device memory: the host's ``params.Scalars.logit_scale`` (1/τ, the float32 value the positives
+    and the epilogue use, or (1 + γ)/τ where the margin is the logit's own score), γ only with
+    HAS_MARGIN, the threshold only with MASK (their pointers are None otherwise; see
+    ``_load_gamma``). Loads only."""
+    return tl.load(logit_scale_ptr), _load_gamma(gamma_ptr, HAS_MARGIN), _load_threshold(thr_ptr, MASK)
 
 
 @triton.jit
@@ -271,7 +272,7 @@ def _three_products(
 def _pair_tiles(
     v, t,
     rows, cols,
-    D, gamma, inv_tau, thr,
+    D, gamma, logit_scale, thr,
     HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -308,14 +309,14 @@ def _pair_tiles(
         keep = _caption_keep(acc_margin, offs_m, mask_m, offs_n, mask_n, thr)
         z = tl.where(keep, z, float("-inf"))
         zm = tl.where(keep, zm, float("-inf"))
-    return z * inv_tau, zm * inv_tau
+    return z * logit_scale, zm * logit_scale
 
 
 @triton.jit
 def _rank_tiles(
     v, t, v_all, t_all,
     rows, cols,
-    D, gamma, inv_tau, thr,
+    D, gamma, logit_scale, thr,
     HAS_MARGIN: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -346,7 +347,7 @@ def _rank_tiles(
         keep = _caption_keep(acc_margin, offs_m, mask_m, offs_n, mask_n, thr)
         z = tl.where(keep, z, float("-inf"))
         zt = tl.where(keep, zt, float("-inf"))
-    return z * inv_tau, zt * inv_tau
+    return z * logit_scale, zt * logit_scale
 
 
 @triton.jit

@@ -1,6 +1,6 @@
-"""The distributed path's operator bodies: ``hnclip::triton_directional_nll`` (one direction of
-a rank) and ``hnclip::triton_rank_nll`` (a rank's two directions in one op) with their
-backwards (registered in :mod:`.ops`) and fake implementations.
+"""A distributed rank's operator body: ``hnclip::triton_rank_nll`` (the rank's two directions in
+one op: each tile's i2t and t2i logits from 3 products sharing the margin's G) and its backward
+(registered in :mod:`.ops`), with their fake implementations.
 """
 
 from __future__ import annotations
@@ -9,105 +9,11 @@ import torch
 from torch import Tensor
 
 from .. import epilogue
-from ..outputs import DirectionalOut, row_stats, schema
-from .backward import directional_shares, rank_shares
-from .forward import directional_stats, rank_stats
-from .outputs import Grads, RankGrads, RankOut, rank_directions, smoothing_shifts
+from ..outputs import schema
+from .backward import rank_shares
+from .forward import rank_stats
+from .outputs import RankGrads, RankOut, rank_directions, smoothing_shifts
 from .params import scalars, threshold_block
-
-
-def _directional_nll(
-    q: Tensor,
-    k: Tensor,
-    a: Tensor,
-    b: Tensor,
-    tau: Tensor,
-    gamma: Tensor,
-    label_smoothing: Tensor,
-    threshold: Tensor,
-    offset: int,
-    normalize: bool,
-    masked: bool,
-    has_margin: bool,
-    smoothing: bool,
-    precision: str,
-) -> schema(DirectionalOut):
-    """Per-row losses (M,) of one direction and what the backward needs (``DirectionalOut``)."""
-    norms = tuple(epilogue.inv_norms(x, normalize) for x in (q, k, a, b))
-    sc = scalars(
-        q,
-        tau,
-        gamma,
-        has_margin,
-        smoothing,
-        precision,
-        threshold_block(threshold, (a, b), norms[2:], normalize) if masked else None,
-    )
-    pos = epilogue.positive_logits(epilogue.scaled(q, norms[0]), epilogue.scaled(k, norms[1]), offset, sc.inv_tau)
-    stats = directional_stats((q, k, a, b), norms, pos, sc, offset)
-    loss = epilogue.row_losses(stats, k.shape[0], label_smoothing if smoothing else 0.0)
-    return DirectionalOut.of(loss, norms, stats)
-
-
-def _directional_nll_fake(q, k, a, b, tau, gamma, label_smoothing, threshold, offset, normalize, masked, *rest):
-    return DirectionalOut.fake(q, k, masked, torch.float32)
-
-
-def _directional_nll_backward(
-    grad: Tensor,
-    q: Tensor,
-    k: Tensor,
-    a: Tensor,
-    b: Tensor,
-    tau: Tensor,
-    gamma: Tensor,
-    label_smoothing: Tensor,
-    threshold: Tensor,
-    rq: Tensor,
-    rk: Tensor,
-    ra: Tensor,
-    rb: Tensor,
-    pos: Tensor,
-    delta: Tensor,
-    mean_neg: Tensor,
-    dsum: Tensor,
-    kept: Tensor,
-    offset: int,
-    normalize: bool,
-    masked: bool,
-    has_margin: bool,
-    smoothing: bool,
-    precision: str,
-    need_qk: bool,
-) -> Grads:
-    """(dL/dq in q's dtype, dL/dk in k's dtype, dL/dτ in τ's dtype and shape)."""
-    stats = row_stats(pos, delta, mean_neg, dsum, kept, masked)
-    sc = scalars(
-        q,
-        tau,
-        gamma,
-        has_margin,
-        smoothing,
-        precision,
-        threshold_block(threshold, (a, b), (ra, rb), normalize) if masked and need_qk else None,
-    )
-    eps = label_smoothing if smoothing else 0.0
-    g = grad.float().contiguous()
-    if need_qk:
-        shifts = smoothing_shifts(sc, eps, stats, stats)
-        d_q, d_k = directional_shares(
-            (q, k, a, b), (rq, rk, ra, rb), stats, g, sc, offset, None if shifts is None else shifts[:1]
-        )
-    else:  # only τ wants a gradient: it needs the row statistics alone
-        d_q, d_k = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (q, k))
-    d_q_in, d_k_in, dz_z = epilogue.finish_directional(
-        stats, g, q, k, rq, rk, d_q, d_k, offset, sc.inv_tau, eps, normalize
-    )
-    return d_q_in, d_k_in, epilogue.tau_grad(dz_z, sc.inv_tau, tau.dtype, tau.shape)
-
-
-def _directional_grads_fake(grad, q, k, a, b, tau, *rest):
-    return q.new_empty(q.shape), k.new_empty(k.shape), tau.new_empty(tau.shape)
 
 
 def _rank_nll(
@@ -230,6 +136,3 @@ def _rank_nll_backward(
 
 def _rank_grads_fake(grad, img, txt, all_img, all_txt, tau, *rest):
     return tuple(x.new_empty(x.shape) for x in (img, txt, all_img, all_txt, tau))
-
-
-# torch.func-capable Functions of the forward operators (see ..glue)
