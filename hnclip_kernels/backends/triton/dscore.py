@@ -78,15 +78,21 @@ def _dscore_kernel(
         z = _family_tile((q_ptr, stride_qm, stride_qd), (k_ptr, stride_kn, stride_kd),
                          (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
                          ((cq_ptr, D, 1), (ck_ptr, D, 1)), (gq_ptr, gk_ptr, K),
-                         (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk), D, gamma, logit_scale, thr,
-                         HAS_MARGIN, COSINE, CAPTIONS, GROUPS, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+                         (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
+                         D, gamma, logit_scale, thr,
+                         HAS_MARGIN, COSINE, CAPTIONS, GROUPS, PREC,
+                         BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         z = _logits_tile((q_ptr, stride_qm, stride_qd), (k_ptr, stride_kn, stride_kd),
                          (mq_ptr, stride_mqm, stride_mqd), (mk_ptr, stride_mkn, stride_mkd),
                          (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
-                         D, gamma, logit_scale, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
-    w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, None, None,
-                      a_ptr, b_ptr, False, s_ptr, None, MASK, SHIFT, ROUND16)
+                         D, gamma, logit_scale, thr,
+                         HAS_MARGIN, MASK, PREC,
+                         BLOCK_M, BLOCK_N, BLOCK_K)
+    w, mask = _w_tile_directional(z, (offs_m, mask_m), (offs_n, mask_n), offset,
+                                  (pos_ptr, nll_ptr, g_ptr, s_ptr),
+                                  (a_ptr, b_ptr),
+                                  MASK, SHIFT, ROUND16)
     _store_w(w, mask, (offs_m, mask_m, row0, row_end, tl.program_id(0) * (BLOCK_M // SLICE)),
              (offs_n, mask_n, col0, col_end, tl.program_id(1) * (BLOCK_N // SLICE)),
              w_ptr, 0, stride_w, res_r_ptr, 0, stride_rr, res_c_ptr, 0, stride_rc,
@@ -106,16 +112,16 @@ def _weighted_exp(x, g, FOLD: tl.constexpr):
 
 
 @triton.jit
-def _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr, a_ptr, b_ptr,
-            SYMMETRIC: tl.constexpr, s_ptr, s_c_ptr, MASK: tl.constexpr, SHIFT: tl.constexpr, FOLD: tl.constexpr):
-    """W = a_i · dS_ik · b_k (float32) of a tile z of logits (rows ``offs_m``, columns ``offs_n``;
-    row i's positive is column offset + i), with the row scales a, column scales b and the
-    tile's bounds mask. With SYMMETRIC (the single-process loss, offset 0) dS also gains
-    g'_k P'_ki, the softmax of column k (``nll_c_ptr``, ``g_c_ptr``; None without it), so one
-    tile serves i2t and t2i. With MASK (z from ``tiles._logits_tile``, masked entries −inf) only
-    the kept entries are negatives, each less its row's (and column's) smoothing share s = ε/n
-    (``s_ptr``, ``s_c_ptr``; only with SHIFT, label smoothing: without it a masked tile costs
-    what an unmasked one does, the fp16 128x64 dS is at 255 registers). Loads only."""
+def _row_dscore(z, rows, cols, offset, factors, MASK: tl.constexpr, SHIFT: tl.constexpr, FOLD: tl.constexpr):
+    """(the tile's negatives, dS_ik = g_i P_ik of its rows' softmax) of a tile z of logits: ``rows`` =
+    (offsets, bounds mask) of its rows, ``cols`` its columns'; row i's positive is column offset + i.
+    ``factors`` = (pos_ptr, nll_ptr, g_ptr, s_ptr) of the rows (``_dscore_kernel``'s; s_ptr read with
+    SHIFT only). With MASK (z from ``tiles._logits_tile``, masked entries −inf) only the kept entries
+    are negatives, each less its row's smoothing share s = ε/n (SHIFT, label smoothing: without it a
+    masked tile costs what an unmasked one does, the fp16 128x64 dS is at 255 registers). Loads only."""
+    offs_m, mask_m = rows
+    offs_n, mask_n = cols
+    pos_ptr, nll_ptr, g_ptr, s_ptr = factors
     neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
     pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
     nll = tl.load(nll_ptr + offs_m, mask=mask_m, other=0.0)
@@ -129,18 +135,16 @@ def _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, 
     else:
         # mask before exp: the positive's tile entry carries a margin and may overflow
         dscore = _weighted_exp(tl.where(neg, z - pos[:, None] - nll[:, None], float("-inf")), g[:, None], FOLD)
-    if SYMMETRIC:
-        pos_c = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
-        nll_c = tl.load(nll_c_ptr + offs_n, mask=mask_n, other=0.0)
-        g_c = tl.load(g_c_ptr + offs_n, mask=mask_n, other=0.0)
-        if SHIFT:
-            s_c = tl.load(s_c_ptr + offs_n, mask=mask_n, other=0.0)
-            p_c = tl.exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf")))
-            dscore += tl.where(neg, p_c - s_c[None, :], 0.0) * g_c[None, :]
-        else:
-            dscore += _weighted_exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf")), g_c[None, :],
-                                    FOLD)
-    # W_ik = a_i · dS_ik · b_k (a, b: the products' scales, see scales.w_scales)
+    return neg, dscore
+
+
+@triton.jit
+def _scaled_w(dscore, rows, cols, scales):
+    """(W_ik = a_i · dS_ik · b_k in float32, the tile's bounds mask): ``scales`` = (a_ptr, b_ptr),
+    the products' row and column scales (see ``scales.w_scales``)."""
+    offs_m, mask_m = rows
+    offs_n, mask_n = cols
+    a_ptr, b_ptr = scales
     a = tl.load(a_ptr + offs_m, mask=mask_m, other=0.0)
     b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0)
     w = dscore * a[:, None] * b[None, :]
@@ -148,10 +152,43 @@ def _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, 
 
 
 @triton.jit
+def _w_tile_directional(z, rows, cols, offset, factors, scales,
+                        MASK: tl.constexpr, SHIFT: tl.constexpr, FOLD: tl.constexpr):
+    """W = a_i · dS_ik · b_k (float32) of one direction's tile z of logits (``_row_dscore``'s rows,
+    columns, offset and row ``factors``; ``_scaled_w``'s ``scales``), and the tile's bounds mask."""
+    _, dscore = _row_dscore(z, rows, cols, offset, factors, MASK, SHIFT, FOLD)
+    return _scaled_w(dscore, rows, cols, scales)
+
+
+@triton.jit
+def _w_tile_symmetric(z, rows, cols, factors, col_factors, scales,
+                      MASK: tl.constexpr, SHIFT: tl.constexpr, FOLD: tl.constexpr):
+    """W of the single-process loss's tile z (offset 0): ``_w_tile_directional``'s dS of the rows'
+    softmax plus g'_k P'_ki, the softmax of column k (t2i row k), so one tile serves i2t and t2i.
+    ``col_factors`` = (nll_c_ptr, g_c_ptr, s_c_ptr) of the columns (their positives are pos_ptr's,
+    the same diagonal; s_c_ptr read with SHIFT only)."""
+    offs_n, mask_n = cols
+    pos_ptr, _, _, _ = factors
+    nll_c_ptr, g_c_ptr, s_c_ptr = col_factors
+    neg, dscore = _row_dscore(z, rows, cols, 0, factors, MASK, SHIFT, FOLD)
+    pos_c = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
+    nll_c = tl.load(nll_c_ptr + offs_n, mask=mask_n, other=0.0)
+    g_c = tl.load(g_c_ptr + offs_n, mask=mask_n, other=0.0)
+    if SHIFT:
+        s_c = tl.load(s_c_ptr + offs_n, mask=mask_n, other=0.0)
+        p_c = tl.exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf")))
+        dscore += tl.where(neg, p_c - s_c[None, :], 0.0) * g_c[None, :]
+    else:
+        dscore += _weighted_exp(tl.where(neg, z - pos_c[None, :] - nll_c[None, :], float("-inf")), g_c[None, :],
+                                FOLD)
+    return _scaled_w(dscore, rows, cols, scales)
+
+
+@triton.jit
 def _store_w(w, mask, rows, cols, w_ptr, w0, stride_w, res_r_ptr, r0, stride_rr, res_c_ptr, c0, stride_rc,
              ROUND16: tl.constexpr, SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Store a W tile (``_w_tile``) at rows ``rows`` = (offsets, mask, the chunk's first row, its end,
-    the tile's first row slice) and columns ``cols`` alike of a row-major chunk buffer at entry w0
+    """Store a W tile (``_w_tile_directional`` / ``_w_tile_symmetric``) at rows ``rows`` = (offsets,
+    mask, the chunk's first row, its end, the tile's first row slice) and columns ``cols`` alike of a row-major chunk buffer at entry w0
     of ``w_ptr`` (row stride ``stride_w``), in float32. With ROUND16 (16-bit features: the buffer
     is the staging W that :mod:`.round16` rounds with each line's own scale) also |W|'s maxima
     over each SLICE columns at entry r0 of ``res_r_ptr`` (stride ``stride_rr`` between slices) and
@@ -186,7 +223,7 @@ def _dscore_pair_kernel(
     SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The symmetric loss's dS over a chunk pair: chunk (a, b) = [row0, row_end) × [col0, col_end)
-    and its mirror (b, a), both W's (``_w_tile`` with SYMMETRIC, offset 0) from the tile pairs of
+    and its mirror (b, a), both W's (``_w_tile_symmetric``, offset 0) from the tile pairs of
     ``tiles._pair_tiles`` (3 products a pair sharing the margin's G_IJ = t_I t_Jᵀ).
 
     Program (I, J) takes the tile of rows I (BLOCK_M) and columns J (BLOCK_N) of chunk (a, b),
@@ -222,6 +259,8 @@ def _dscore_pair_kernel(
     rv_n, rt_n = _load2(rv_ptr, rt_ptr, offs_n, mask_n)
     v = (v_ptr, stride_vm, stride_vd)
     t = (t_ptr, stride_tm, stride_td)
+    factors = (pos_ptr, nll_ptr, g_ptr, s_ptr)  # the rows' (i2t), then the columns' (t2i) softmax
+    col_factors = (nll_c_ptr, g_c_ptr, s_c_ptr)
     rows = (offs_m, mask_m, row0, row_end, pid_m * (BLOCK_M // SLICE))
     cols = (offs_n, mask_n, col0, col_end, pid_n * (BLOCK_N // SLICE))
     local_m = pid_m * BLOCK_M
@@ -229,27 +268,39 @@ def _dscore_pair_kernel(
     diagonal = row0 == col0
     if diagonal & (local_n >= local_m) & (local_n < local_m + BLOCK_M):
         # the diagonal super-tile: its tiles hold the positives and are formed alone, as the forward forms them
-        z = _logits_tile(v, t, t, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
-                         D, gamma, logit_scale, thr, HAS_MARGIN, COSINE, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        z = _logits_tile(v, t, t, t,
+                         (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
+                         D, gamma, logit_scale, thr,
+                         HAS_MARGIN, COSINE, PREC,
+                         BLOCK_M, BLOCK_N, BLOCK_K)
         if GROUPS:
             z = _drop_same_group(z, gk_ptr, K, offs_m, mask_m, offs_n)
-        w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
-                          a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT, ROUND16)
+        w, mask = _w_tile_symmetric(z, (offs_m, mask_m), (offs_n, mask_n),
+                                    factors, col_factors,
+                                    (a_ptr, b_ptr),
+                                    MASK, SHIFT, ROUND16)
         _store_w(w, mask, rows, cols, w_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
                  ROUND16, SLICE, BLOCK_M, BLOCK_N)
     elif (row0 != col0) | (local_n >= local_m + BLOCK_M):
-        z, zm = _pair_tiles(v, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
-                            D, gamma, logit_scale, thr, HAS_MARGIN, COSINE, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        z, zm = _pair_tiles(v, t,
+                            (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
+                            D, gamma, logit_scale, thr,
+                            HAS_MARGIN, COSINE, PREC,
+                            BLOCK_M, BLOCK_N, BLOCK_K)
         if GROUPS:  # as the forward: (i, j) and (j, i) alike
             z = _drop_same_group(z, gk_ptr, K, offs_m, mask_m, offs_n)
             zm = _drop_same_group(zm, gk_ptr, K, offs_m, mask_m, offs_n)
-        w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, 0, pos_ptr, nll_ptr, g_ptr, nll_c_ptr, g_c_ptr,
-                          a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT, ROUND16)
+        w, mask = _w_tile_symmetric(z, (offs_m, mask_m), (offs_n, mask_n),
+                                    factors, col_factors,
+                                    (a_ptr, b_ptr),
+                                    MASK, SHIFT, ROUND16)
         _store_w(w, mask, rows, cols, w_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
                  ROUND16, SLICE, BLOCK_M, BLOCK_N)
         # the mirror: rows J, columns I of chunk (b, a), a C × R buffer
-        wm, maskm = _w_tile(tl.trans(zm), offs_n, mask_n, offs_m, mask_m, 0, pos_ptr, nll_ptr, g_ptr,
-                            nll_c_ptr, g_c_ptr, a_ptr, b_ptr, True, s_ptr, s_c_ptr, MASK, SHIFT, ROUND16)
+        wm, maskm = _w_tile_symmetric(tl.trans(zm), (offs_n, mask_n), (offs_m, mask_m),
+                                      factors, col_factors,
+                                      (a_ptr, b_ptr),
+                                      MASK, SHIFT, ROUND16)
         _store_w(wm, maskm, cols, rows, w_ptr, mirror_w, rows_c, res_r_ptr, mirror_r, cols_c,
                  res_c_ptr, mirror_c, rows_c, ROUND16, SLICE, BLOCK_N, BLOCK_M)
 
@@ -294,18 +345,24 @@ def _dscore_rank_kernel(
     z, zt = _rank_tiles((v_ptr, stride_vm, stride_vd), (t_ptr, stride_tm, stride_td),
                         (va_ptr, stride_van, stride_vad), (ta_ptr, stride_tan, stride_tad),
                         (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
-                        D, gamma, logit_scale, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+                        D, gamma, logit_scale, thr,
+                        HAS_MARGIN, MASK, PREC,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
     rows = (offs_m, mask_m, row0, row_end, pid_m * (BLOCK_M // SLICE))
     cols = (offs_n, mask_n, col0, col_end, pid_n * (BLOCK_N // SLICE))
-    w, mask = _w_tile(z, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr, nll_ptr, g_ptr, None, None,
-                      a_ptr, b_ptr, False, s_ptr, None, MASK, SHIFT, ROUND16)
+    w, mask = _w_tile_directional(z, (offs_m, mask_m), (offs_n, mask_n), offset,
+                                  (pos_ptr, nll_ptr, g_ptr, s_ptr),
+                                  (a_ptr, b_ptr),
+                                  MASK, SHIFT, ROUND16)
     _store_w(w, mask, rows, cols, w_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
              ROUND16, SLICE, BLOCK_M, BLOCK_N)
     s_t2i = s_ptr  # None without SHIFT: the t2i lines' shifts only exist with it
     if SHIFT:
         s_t2i = s_ptr + M
-    w, mask = _w_tile(zt, offs_m, mask_m, offs_n, mask_n, offset, pos_ptr + M, nll_ptr + M, g_ptr + M,
-                      None, None, a_ptr + M, b_ptr + N, False, s_t2i, None, MASK, SHIFT, ROUND16)
+    w, mask = _w_tile_directional(zt, (offs_m, mask_m), (offs_n, mask_n), offset,
+                                  (pos_ptr + M, nll_ptr + M, g_ptr + M, s_t2i),
+                                  (a_ptr + M, b_ptr + N),
+                                  MASK, SHIFT, ROUND16)
     _store_w(w, mask, rows, cols, w_ptr, second_w, cols_c, res_r_ptr, second_r, rows_c, res_c_ptr,
              second_c, cols_c, ROUND16, SLICE, BLOCK_M, BLOCK_N)
 

@@ -50,8 +50,11 @@ def _family_tile(
     offs_m, mask_m, rq, r_mq = rows
     offs_n, mask_n, rk, r_mk = cols
     # the threshold's cosine on the margin's product, as today's masked tile (CAPTIONS: after it)
-    z = _logits_tile(q, k, margin_q, margin_k, rows, cols, D, gamma, logit_scale, thr,
-                     HAS_MARGIN, COSINE and not CAPTIONS, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    z = _logits_tile(q, k, margin_q, margin_k,
+                     rows, cols,
+                     D, gamma, logit_scale, thr,
+                     HAS_MARGIN, COSINE and not CAPTIONS, PREC,
+                     BLOCK_M, BLOCK_N, BLOCK_K)
     if CAPTIONS and COSINE:
         caption_q, caption_k = captions
         product = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

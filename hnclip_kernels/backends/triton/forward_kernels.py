@@ -100,12 +100,18 @@ def _fwd_kernel(
         offs_n, mask_n = _block(n0, n_end, BLOCK_N)
         rk, r_mk = _load2(rk_ptr, r_mk_ptr, offs_n, mask_n)
         if CAPTIONS or GROUPS:
-            z = _family_tile(q, k, margin_q, margin_k, ((cq_ptr, D, 1), (ck_ptr, D, 1)), (gq_ptr, gk_ptr, K),
-                             (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk), D, gamma, logit_scale, thr,
-                             HAS_MARGIN, COSINE, CAPTIONS, GROUPS, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+            z = _family_tile(q, k, margin_q, margin_k,
+                             ((cq_ptr, D, 1), (ck_ptr, D, 1)), (gq_ptr, gk_ptr, K),
+                             (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
+                             D, gamma, logit_scale, thr,
+                             HAS_MARGIN, COSINE, CAPTIONS, GROUPS, PREC,
+                             BLOCK_M, BLOCK_N, BLOCK_K)
         else:
-            z = _logits_tile(q, k, margin_q, margin_k, (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
-                             D, gamma, logit_scale, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+            z = _logits_tile(q, k, margin_q, margin_k,
+                             (offs_m, mask_m, rq, r_mq), (offs_n, mask_n, rk, r_mk),
+                             D, gamma, logit_scale, thr,
+                             HAS_MARGIN, MASK, PREC,
+                             BLOCK_M, BLOCK_N, BLOCK_K)
         neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
         if MASK:
             neg = neg & _kept(z)
@@ -166,8 +172,11 @@ def _fwd_rank_kernel(
     for n0 in range(n_start, n_end, BLOCK_N):
         offs_n, mask_n = _block(n0, n_end, BLOCK_N)
         rv_n, rt_n = _load2(rva_ptr, rta_ptr, offs_n, mask_n)
-        z, zt = _rank_tiles(v, t, v_all, t_all, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
-                            D, gamma, logit_scale, thr, HAS_MARGIN, MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        z, zt = _rank_tiles(v, t, v_all, t_all,
+                            (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
+                            D, gamma, logit_scale, thr,
+                            HAS_MARGIN, MASK, PREC,
+                            BLOCK_M, BLOCK_N, BLOCK_K)
         neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
         if MASK:
             neg = neg & _kept(z)
@@ -248,8 +257,11 @@ def _fwd_pair_kernel(
         offs_n, mask_n = _block(n0, n_end, BLOCK_N)
         rt_n = tl.load(rt_ptr + offs_n, mask=mask_n, other=0.0)
         pos_n = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
-        z = _logits_tile(v, t, t, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
-                                D, gamma, logit_scale, thr, HAS_MARGIN, COSINE, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        z = _logits_tile(v, t, t, t,
+                         (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rt_n, rt_n),
+                         D, gamma, logit_scale, thr,
+                         HAS_MARGIN, COSINE, PREC,
+                         BLOCK_M, BLOCK_N, BLOCK_K)
         if GROUPS:
             z = _drop_same_group(z, gk_ptr, N, offs_m, mask_m, offs_n)
         neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None])
@@ -264,8 +276,11 @@ def _fwd_pair_kernel(
         offs_n, mask_n = _block(n0, n_end, BLOCK_N)
         rv_n, rt_n = _load2(rv_ptr, rt_ptr, offs_n, mask_n)
         pos_n = tl.load(pos_ptr + offs_n, mask=mask_n, other=0.0)
-        z, zm = _pair_tiles(v, t, (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
-                                   D, gamma, logit_scale, thr, HAS_MARGIN, COSINE, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+        z, zm = _pair_tiles(v, t,
+                            (offs_m, mask_m, rv_m, rt_m), (offs_n, mask_n, rv_n, rt_n),
+                            D, gamma, logit_scale, thr,
+                            HAS_MARGIN, COSINE, PREC,
+                            BLOCK_M, BLOCK_N, BLOCK_K)
         if GROUPS:  # the ids agree for (i, j) and (j, i) alike: z and zm lose the same entries
             z = _drop_same_group(z, gk_ptr, N, offs_m, mask_m, offs_n)
             zm = _drop_same_group(zm, gk_ptr, N, offs_m, mask_m, offs_n)

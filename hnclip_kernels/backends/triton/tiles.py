@@ -298,8 +298,10 @@ def _pair_tiles(
     """
     offs_m, mask_m, rv_m, rt_m = rows
     offs_n, mask_n, rv_n, rt_n = cols
-    acc, acc_mirror, acc_margin = _three_products(v, t, v, t, offs_m, mask_m, offs_n, mask_n, D, HAS_MARGIN or MASK,
-                                                  PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc, acc_mirror, acc_margin = _three_products(v, t, v, t,
+                                                  offs_m, mask_m, offs_n, mask_n,
+                                                  D, HAS_MARGIN or MASK, PREC,
+                                                  BLOCK_M, BLOCK_N, BLOCK_K)
     z = acc * rv_m[:, None] * rt_n[None, :]
     zm = acc_mirror * rv_n[None, :] * rt_m[:, None]
     if HAS_MARGIN:
@@ -335,8 +337,10 @@ def _rank_tiles(
     """
     offs_m, mask_m, rv_m, rt_m = rows
     offs_n, mask_n, rv_n, rt_n = cols
-    acc, acc_t2i, acc_margin = _three_products(v, t, v_all, t_all, offs_m, mask_m, offs_n, mask_n, D,
-                                               HAS_MARGIN or MASK, PREC, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc, acc_t2i, acc_margin = _three_products(v, t, v_all, t_all,
+                                               offs_m, mask_m, offs_n, mask_n,
+                                               D, HAS_MARGIN or MASK, PREC,
+                                               BLOCK_M, BLOCK_N, BLOCK_K)
     z = acc * rv_m[:, None] * rt_n[None, :]
     zt = acc_t2i * rt_m[:, None] * rv_n[None, :]
     if HAS_MARGIN:
