@@ -68,7 +68,8 @@ def _stage(dtype):
     w = torch.full((M * N,), float("nan"))
     res_r = torch.full(((N // SLICE) * M,), float("nan")) if round16 else None
     res_c = torch.full(((M // SLICE) * N,), float("nan")) if round16 else None
-    sc = Scalars(1.0 / torch.tensor([TAU]), torch.tensor([GAMMA]), None, True, False, "ieee")
+    inv_tau = 1.0 / torch.tensor([TAU])
+    sc = Scalars(inv_tau, inv_tau, torch.tensor([GAMMA]), None, True, False, "ieee")  # the kernels scale by 1/τ
     args = dscore_args(ops, (*norms, pos, nll, grad, a, b, None), sc, (w, res_r, res_c), (0, M, 0, N, D, OFFSET))
     _dscore_kernel[(M // TILE, N // TILE)](
         **args, **derived_flags("dscore", args), HAS_MARGIN=True, PREC="ieee", SLICE=SLICE, BLOCK_M=TILE, BLOCK_N=TILE, BLOCK_K=TILE,
