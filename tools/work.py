@@ -10,7 +10,7 @@ label_smoothing=0.0, normalize=True)`` with M local rows against N columns (kind
 of a distributed rank's op, both directions of its M local rows against N gathered columns
 in one call (``rank_nll_triton``, kind "rank", what ``HNClipLoss(local_loss=True)`` runs per
 rank); and of the hard-negative family's loss, ``hn_clip_loss(img, txt, tau, negatives=neg,
-gamma=g, backend="triton")`` with M negative captions (kind "family", ``hnclip::triton_family_nll``;
+gamma=g, backend="triton")`` with M negative captions (kind "family", ``hnclip::triton_symmetric_nll`` with negatives;
 ``--margins`` "text" or "image_text", ``--ids`` G: group ids ``arange(N) // G``, pairs of one
 group masked); τ a tensor that requires grad, as in training.
 

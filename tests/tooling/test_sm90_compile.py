@@ -2,7 +2,7 @@
 
 ``python -m tools.sm90 --quick`` (see its docstring) drives the single-process loss,
 the distributed path's directional op and a rank's op (both directions), the hard-negative family's
-directional op and its single-process loss (``hnclip::triton_family_nll``: the pair kernels with
+directional op and its single-process loss (``hnclip::triton_symmetric_nll`` with negatives: the pair kernels with
 group ids, the negatives' block), forward + backward, for bf16/fp16/fp32 inputs, D 64
 and 768, γ 0 and 0.5, label smoothing 0, and compiles each distinct launch ahead of time for
 sm_90a. No GPU is needed: only Triton's CUDA backend and the ptxas its wheel ships. The test

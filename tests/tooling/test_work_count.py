@@ -112,7 +112,7 @@ FORMULA_CASES = {
     ),
     "rank bf16 γ=0": dict(kind="rank", gamma=0.0, m=128),
     "rank bf16 γ=0.5 masked": dict(kind="rank", gamma=0.5, m=128, false_negative_threshold=0.9),
-    # the hard-negative family (hnclip::triton_family_nll): the N×N walk plus the N×M block; whole
+    # the hard-negative family (hnclip::triton_symmetric_nll with negatives): the N×N walk plus the N×M block; whole
     # tiles: 16-bit M a multiple of 128 (the block's columns), float32 N = 128 (64-row tiles)
     "family bf16 γ=0.5 M=N/2": dict(kind="family", gamma=0.5, m=128),
     "family bf16 γ=0.5 M=3N ids": dict(kind="family", gamma=0.5, n=128, m=384, ids=2),

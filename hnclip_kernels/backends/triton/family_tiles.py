@@ -14,7 +14,7 @@ Two masking inputs beyond the threshold's (each a flag derived from its pointer,
 A kernel calls this tile only with one of them; without both it calls ``_logits_tile`` itself, so
 today's kernels compile to the same code. The symmetric walk's tile pairs (``_fwd_pair_kernel``,
 ``_dscore_pair_kernel``) take group ids alone (``_drop_same_group``): their margin is the captions'
-own G, and ``margin="image_text"`` reaches them as a logit scale (``triton.family_sym``).
+own G, and ``margin="image_text"`` reaches them as a logit scale (``triton.symmetric``).
 """
 from __future__ import annotations
 

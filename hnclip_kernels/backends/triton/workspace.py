@@ -108,7 +108,7 @@ def _backward_bytes(m: int, n: int, d: int, dtype: torch.dtype, symmetric: bool,
 
 
 def family_forward_bytes(n: int, m: int, elem_size: int, smoothing: bool, device=None, masked: bool = False) -> int:
-    """Bytes of the hard-negative family loss's forward (``family_sym``): the symmetric walk's
+    """Bytes of the hard-negative family loss's forward (``triton.symmetric`` with negatives): the symmetric walk's
     (:func:`forward_bytes`), then with M > 0 negatives its running summaries (planes, 2N) while
     the block's row partials (splits, planes, N) and their copy after the walk's i2t summaries
     (1 + splits, planes, N) are live; ``masked``: a threshold or group ids."""
@@ -145,7 +145,7 @@ def workspace_bytes(
     count sizes the grid (default: the current CUDA device, else an H100/H200's 132);
     ``false_negative_threshold``: not None adds the kept-count plane (the per-row ε/n shifts of
     the backward are O(N) vectors, not workspace). The hard-negative family's loss
-    (``hnclip::triton_family_nll``, single process): ``negatives`` = M negative captions (the
+    (``hnclip::triton_symmetric_nll`` with negatives, single process): ``negatives`` = M negative captions (the
     block's row partials forward, its dS chunk backward after the pairs', never together),
     ``group_ids`` True adds the kept-count plane.
 
