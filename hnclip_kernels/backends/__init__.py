@@ -155,13 +155,12 @@ def symmetric_losses(
         # in float32 and rounded to the input dtype once (two bf16 halves summed lose ~1e-3)
         img, txt, family = img.float(), txt.float(), _upcast(family)
     if options.backend == "cpp":
-        if family is not None:
-            from .cpp.family_sym import family_pairs_cpp
-
-            return family_pairs_cpp(img, txt, family.negatives, family.group_ids, margin=family.margin, **kwargs)
         from .cpp.ops import hn_clip_pairs_cpp  # one operator: each logit tile serves i2t and t2i
 
-        return hn_clip_pairs_cpp(img, txt, **kwargs)
+        if family is None:  # today's loss: the family's inputs absent
+            return hn_clip_pairs_cpp(img, txt, negatives=None, group_ids=None, margin=Margin.TEXT, **kwargs)
+        return hn_clip_pairs_cpp(img, txt, negatives=family.negatives, group_ids=family.group_ids,
+                                 margin=family.margin, **kwargs)  # fmt: skip
     ids = None if family is None else family.group_ids
     i2t, t2i = _two_directions(
         directional_nll_torch, (img, txt), (img, txt), family, (ids, ids), dict(offset=0, **kwargs)
@@ -213,9 +212,9 @@ def rank_losses(
 def _family_directional(backend: str, precision: Optional[str]) -> Callable:
     """The directional op that takes the family's inputs, per backend."""
     if backend == "cpp":
-        from .cpp.family import family_directional_nll_cpp
+        from .cpp.ops import directional_nll_cpp
 
-        return family_directional_nll_cpp
+        return directional_nll_cpp
     if backend == "triton":
         from .triton.family import family_directional_nll_triton
 

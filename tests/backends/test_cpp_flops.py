@@ -154,5 +154,6 @@ def test_formulas_on_fake_tensors_state_the_shapes_products():
     with FakeTensorMode(), FlopCounterMode(display=False) as mode:
         q, k, a, b = torch.empty(M, D), torch.empty(N, D), torch.empty(M, D), torch.empty(N, D)
         scalars = [torch.zeros((), dtype=torch.float64) for _ in range(4)]
-        torch.ops.hnclip.cpp_directional_nll(q, k, a, b, *scalars, N - M, True, False, True)
+        no_masks = (torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+        torch.ops.hnclip.cpp_directional_nll(q, k, a, b, *no_masks, *scalars, N - M, True, False, True)
     assert mode.get_total_flops() == 2 * M * N * D
