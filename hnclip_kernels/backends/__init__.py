@@ -157,10 +157,10 @@ def symmetric_losses(
     if options.backend == "cpp":
         from .cpp.ops import hn_clip_pairs_cpp  # one operator: each logit tile serves i2t and t2i
 
-        if family is None:  # today's loss: the family's inputs absent
-            return hn_clip_pairs_cpp(img, txt, negatives=None, group_ids=None, margin=Margin.TEXT, **kwargs)
-        return hn_clip_pairs_cpp(img, txt, negatives=family.negatives, group_ids=family.group_ids,
-                                 margin=family.margin, **kwargs)  # fmt: skip
+        # without the family its inputs are absent: today's loss
+        negatives, group_ids, margin = (None, None, Margin.TEXT) if family is None else (
+            family.negatives, family.group_ids, family.margin)  # fmt: skip
+        return hn_clip_pairs_cpp(img, txt, negatives=negatives, group_ids=group_ids, margin=margin, **kwargs)
     ids = None if family is None else family.group_ids
     i2t, t2i = _two_directions(
         directional_nll_torch, (img, txt), (img, txt), family, (ids, ids), dict(offset=0, **kwargs)
