@@ -3,7 +3,7 @@
 // subtraction (see loops.h). The forward and the backward build them with these functions from
 // the same inputs, so their tiles agree to the bit.
 //   directional: make_factors (the i2t / t2i shortcut below spares the (inner dim 2D) product)
-//   symmetric:   margin_left, L = (v̂ + γ t̂)/τ against R = t̂
+//   symmetric:   margin_left, L = (v̂ + γ m̂)/τ against R = t̂, m̂ the margin's rows (margin_rows)
 #pragma once
 
 #include <ATen/ATen.h>
@@ -138,6 +138,23 @@ Factors make_factors(const Tensor& qh, const Tensor& kh, const Tensor& a, const 
   if (scaled_equals<T>(b, rb, kh)) return {add_scaled<T>(qh, a, ra, gamma, inv_tau), kh};  // i2t: b̂ = k̂
   if (scaled_equals<T>(a, ra, qh)) return {times<T>(qh, inv_tau), add_scaled<T>(kh, b, rb, gamma, T(1))};  // t2i
   return {cat_scaled<T>(qh, a, ra, gamma, inv_tau), cat_scaled<T>(kh, b, rb, 1.0, T(1))};
+}
+
+// The margin's kind, as hnclip_kernels.margin.Margin.code (registration.cpp range-checks the code once)
+enum class MarginKind : int64_t { kText = 0, kImageText = 1 };
+constexpr int64_t kMarginKinds = 2;
+
+// The symmetric margin's factor rows m̂ (the margin γ·sg(m̂_i·t̂_k); L = (v̂ + γ m̂)/τ): the one switch on
+// the margin's kind. kText: the captions t̂ (HN-CLIP's sg(t̂_i·t̂_k)); kImageText: the images v̂ (the
+// detached logit sg(v̂_i·t̂_k): the same tile, no extra product)
+inline const Tensor& margin_rows(MarginKind kind, const Tensor& vh, const Tensor& th) {
+  switch (kind) {
+    case MarginKind::kText:
+      return th;
+    case MarginKind::kImageText:
+      return vh;
+  }
+  TORCH_CHECK(false, "hnclip: unknown margin kind ", static_cast<int64_t>(kind));
 }
 
 // L = (v̂ + γ t̂) / τ: the i2t logits' left factor, margin and temperature included (Z = L t̂ᵀ);

@@ -39,6 +39,8 @@
 #include <cstdint>
 #include <tuple>
 
+#include "factors.h"  // MarginKind
+
 namespace hnclip {
 
 // The operators, inputs already checked by registration.cpp (schemas there). False-negative
@@ -84,7 +86,7 @@ std::tuple<at::Tensor, at::Tensor> directional_bwd(const at::Tensor& q_hat, cons
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 symmetric_fwd(const at::Tensor& v_hat, const at::Tensor& t_hat, const at::Tensor& pos, const at::Tensor& inv_tau,
               double gamma, c10::optional<double> threshold, const c10::optional<at::Tensor>& rc,
-              const c10::optional<at::Tensor>& groups, bool image_text);
+              const c10::optional<at::Tensor>& groups, MarginKind margin);
 
 std::tuple<at::Tensor, at::Tensor> symmetric_bwd(const at::Tensor& v_hat, const at::Tensor& t_hat,
                                                  const at::Tensor& pos, const at::Tensor& inv_tau,
@@ -92,6 +94,6 @@ std::tuple<at::Tensor, at::Tensor> symmetric_bwd(const at::Tensor& v_hat, const 
                                                  const at::Tensor& g, double gamma, c10::optional<double> threshold,
                                                  const at::Tensor& shift_r, const at::Tensor& shift_c,
                                                  const c10::optional<at::Tensor>& rc,
-                                                 const c10::optional<at::Tensor>& groups, bool image_text);
+                                                 const c10::optional<at::Tensor>& groups, MarginKind margin);
 
 }  // namespace hnclip

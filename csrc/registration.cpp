@@ -86,6 +86,13 @@ c10::optional<Tensor> check_groups(const c10::optional<Tensor>& groups, const Te
   return groups->contiguous();
 }
 
+// The margin's kind from its code (hnclip_kernels.margin.Margin.code): the one range check
+MarginKind check_margin(int64_t code) {
+  TORCH_CHECK(code >= 0 && code < kMarginKinds, "hnclip: unknown margin code ", code,
+              " (Margin.code: 0 text, 1 image_text)");
+  return static_cast<MarginKind>(code);
+}
+
 // The registered entry points: check, then run the kernel.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd_op(
     const Tensor& q_hat, const Tensor& k_hat, const Tensor& a, const Tensor& b, const Tensor& ra,
@@ -125,11 +132,12 @@ std::tuple<Tensor, Tensor> directional_bwd_op(const Tensor& q_hat, const Tensor&
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symmetric_fwd_op(
     const Tensor& v_hat, const Tensor& t_hat, const Tensor& pos, const Tensor& inv_tau, double gamma,
     c10::optional<double> threshold, const c10::optional<Tensor>& rc, const c10::optional<Tensor>& groups,
-    bool image_text) {
+    int64_t margin) {
   check_symmetric(v_hat, t_hat, pos);
   check_caption_norms(rc, rc, t_hat, t_hat);
   TORCH_CHECK(!groups.has_value() || threshold.has_value(), "hnclip: groups need a threshold (+inf: ids alone)");
-  return symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma, threshold, rc, check_groups(groups, v_hat), image_text);
+  return symmetric_fwd(v_hat, t_hat, pos, inv_tau, gamma, threshold, rc, check_groups(groups, v_hat),
+                       check_margin(margin));
 }
 
 std::tuple<Tensor, Tensor> symmetric_bwd_op(const Tensor& v_hat, const Tensor& t_hat, const Tensor& pos,
@@ -137,7 +145,7 @@ std::tuple<Tensor, Tensor> symmetric_bwd_op(const Tensor& v_hat, const Tensor& t
                                             const Tensor& g, double gamma, c10::optional<double> threshold,
                                             const Tensor& shift_r, const Tensor& shift_c,
                                             const c10::optional<Tensor>& rc, const c10::optional<Tensor>& groups,
-                                            bool image_text) {
+                                            int64_t margin) {
   check_symmetric(v_hat, t_hat, pos);
   TORCH_CHECK(!groups.has_value() || threshold.has_value(), "hnclip: groups need a threshold (+inf: ids alone)");
   check_caption_norms(rc, rc, t_hat, t_hat);
@@ -147,7 +155,7 @@ std::tuple<Tensor, Tensor> symmetric_bwd_op(const Tensor& v_hat, const Tensor& t
   TORCH_CHECK(!threshold.has_value() || (shift_r.numel() == N && shift_c.numel() == N),
               "hnclip: shift_r and shift_c need N entries with a threshold");
   return symmetric_bwd(v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma, threshold, shift_r, shift_c, rc,
-                       check_groups(groups, v_hat), image_text);
+                       check_groups(groups, v_hat), check_margin(margin));
 }
 
 }  // namespace
@@ -165,13 +173,13 @@ TORCH_LIBRARY(hnclip, m) {
       "Tensor? qg=None, Tensor? kg=None) -> (Tensor d_q_neg, Tensor d_k_neg)");
   m.def(
       "cpp_raw_symmetric_fwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, float gamma, float? threshold, "
-      "Tensor? rc=None, Tensor? groups=None, bool image_text=False) "
+      "Tensor? rc=None, Tensor? groups=None, int margin=0) "
       "-> (Tensor delta_r, Tensor mean_neg_r, Tensor dsum_r, Tensor kept_r, Tensor delta_c, Tensor mean_neg_c, "
       "Tensor dsum_c, Tensor kept_c)");
   m.def(
       "cpp_raw_symmetric_bwd(Tensor v_hat, Tensor t_hat, Tensor pos, Tensor inv_tau, Tensor delta_r, Tensor delta_c, "
       "Tensor g, float gamma, float? threshold, Tensor shift_r, Tensor shift_c, Tensor? rc=None, Tensor? groups=None, "
-      "bool image_text=False) "
+      "int margin=0) "
       "-> (Tensor d_v_neg, Tensor d_t_neg)");
 }
 

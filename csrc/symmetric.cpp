@@ -26,12 +26,12 @@ GroupMask group_mask(const c10::optional<Tensor>& groups, const c10::optional<do
 }  // namespace
 
 // Row (i2t) and column (t2i) statistics of the single-process loss from one product. The family's
-// inputs: group ids (N,) int64 (pairs with equal ids masked in both directions) and image_text (the
-// margin γ·sg(v̂_i·t̂_k) of margin="image_text": L = (v̂ + γ v̂)/τ, the same tile, no extra product).
+// inputs: group ids (N,) int64 (pairs with equal ids masked in both directions) and the margin's kind
+// (its factor rows, margin_rows in factors.h: kImageText's L = (v̂ + γ v̂)/τ, the same tile, no extra product).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symmetric_fwd(
     const Tensor& v_hat, const Tensor& t_hat, const Tensor& pos, const Tensor& inv_tau, double gamma,
     c10::optional<double> threshold, const c10::optional<Tensor>& rc, const c10::optional<Tensor>& groups,
-    bool image_text) {
+    MarginKind margin) {
   at::NoGradGuard no_grad;
   const auto dt = v_hat.scalar_type();
   const int64_t N = v_hat.size(0);
@@ -43,7 +43,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> symme
   const int64_t K = threshold.has_value() ? N : 0;
   Tensor kr = at::empty({K}, opts), kc = at::empty({K}, opts);
   AT_DISPATCH_FLOATING_TYPES(dt, "hnclip_symmetric_fwd", [&] {
-    const Tensor L = margin_left<scalar_t>(vh, image_text ? vh : th, gamma, inv_tau.to(dt).item<scalar_t>());
+    const Tensor L = margin_left<scalar_t>(vh, margin_rows(margin, vh, th), gamma, inv_tau.to(dt).item<scalar_t>());
     SymMask<scalar_t> mask{static_cast<scalar_t>(threshold.value_or(0.0)), kr.data_ptr<scalar_t>(),
                            kc.data_ptr<scalar_t>()};
     if (threshold.has_value() && rc.has_value()) mask.captions = scaled_rows<scalar_t>(th, *rc, opts);
@@ -62,7 +62,7 @@ std::tuple<Tensor, Tensor> symmetric_bwd(const Tensor& v_hat, const Tensor& t_ha
                                          const Tensor& g, double gamma, c10::optional<double> threshold,
                                          const Tensor& shift_r, const Tensor& shift_c,
                                          const c10::optional<Tensor>& rc, const c10::optional<Tensor>& groups,
-                                         bool image_text) {
+                                         MarginKind margin) {
   at::NoGradGuard no_grad;
   const auto dt = v_hat.scalar_type();
   const int64_t N = v_hat.size(0), D = v_hat.size(1);
@@ -88,7 +88,7 @@ std::tuple<Tensor, Tensor> symmetric_bwd(const Tensor& v_hat, const Tensor& t_ha
         row_factor<scalar_t>(dcp[i], gp[i], shifted, nll_c.data_ptr<scalar_t>() + i, w_c.data_ptr<scalar_t>() + i);
       }
     }
-    const Tensor L = margin_left<scalar_t>(vh, image_text ? vh : th, gamma, inv_tau.to(dt).item<scalar_t>());
+    const Tensor L = margin_left<scalar_t>(vh, margin_rows(margin, vh, th), gamma, inv_tau.to(dt).item<scalar_t>());
     SymMask<scalar_t> mask{static_cast<scalar_t>(threshold.value_or(0.0))};
     Tensor s_r, s_c;
     if (threshold.has_value()) {

@@ -152,13 +152,12 @@ def symmetric_losses(
         # in float32 and rounded to the input dtype once (two bf16 halves summed lose ~1e-3)
         img, txt, family = img.float(), txt.float(), _upcast(family)
     if options.backend == "cpp":
-        if family is not None:
-            from .cpp.family_sym import family_pairs_cpp
-
-            return family_pairs_cpp(img, txt, family.negatives, family.group_ids, margin=family.margin, **kwargs)
         from .cpp.ops import hn_clip_pairs_cpp  # one operator: each logit tile serves i2t and t2i
 
-        return hn_clip_pairs_cpp(img, txt, **kwargs)
+        # without the family its inputs are absent: today's loss
+        negatives, group_ids, margin = (None, None, Margin.TEXT) if family is None else (
+            family.negatives, family.group_ids, family.margin)  # fmt: skip
+        return hn_clip_pairs_cpp(img, txt, negatives=negatives, group_ids=group_ids, margin=margin, **kwargs)
     ids = None if family is None else family.group_ids
     i2t, t2i = _two_directions(
         directional_nll_torch, (img, txt), (img, txt), family, (ids, ids), dict(offset=0, **kwargs)
@@ -210,9 +209,9 @@ def rank_losses(
 def _family_directional(backend: str, precision: Optional[str]) -> Callable:
     """The directional op that takes the family's inputs, per backend."""
     if backend == "cpp":
-        from .cpp.family import family_directional_nll_cpp
+        from .cpp.ops import directional_nll_cpp
 
-        return family_directional_nll_cpp
+        return directional_nll_cpp
     if backend == "triton":
         from .triton.ops import directional_nll_triton
 

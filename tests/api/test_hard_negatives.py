@@ -146,7 +146,7 @@ def test_gradcheck_directional_with_mask_captions_and_groups(backend):
     if backend not in ALL_BACKENDS:
         pytest.skip(f"{backend} cannot run here")
     if backend == "cpp":
-        from hnclip_kernels.backends.cpp.family import family_directional_nll_cpp as directional
+        from hnclip_kernels.backends.cpp.ops import directional_nll_cpp as directional
     else:
         from hnclip_kernels.backends.pytorch.reference import directional_nll_torch as directional
 

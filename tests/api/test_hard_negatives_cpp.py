@@ -1,10 +1,9 @@
-"""The hard-negative family on backend="cpp" (``hnclip::cpp_family_nll``, the single-process loss;
-``hnclip::cpp_family_directional_nll``, the distributed loss's direction): the float64
+"""The hard-negative family on backend="cpp" (``hnclip::cpp_symmetric_nll``, the single-process loss;
+``hnclip::cpp_directional_nll``, the distributed loss's direction, with the family's inputs): the float64
 oracle of family_oracle.py (loss and every gradient: img, txt, negatives, τ) on the fused C++
 kernels, per row where saturated; cpp against torch per row; the operator's composability
 (opcheck, torch.compile(fullgraph=True); gradcheck in float64 is test_hard_negatives.py's, run on
-both backends); its work count; and that the
-family operator without family inputs is the directional operator, bit for bit.
+both backends); and its work count.
 
 Tolerances: those of family_oracle.py. Bound: about 15 s on 2 shared cores.
 """
@@ -100,27 +99,13 @@ def test_opcheck_family_operator(case):
     tau = torch.tensor(0.1, requires_grad=True)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     args = (q, k, a, b, mq, mk, qg, kg, tau, gamma, eps, thr, 3, True, masked, True)  # offset 3
-    op = torch.ops.hnclip.cpp_family_directional_nll
+    op = torch.ops.hnclip.cpp_directional_nll
     torch.library.opcheck(op.default, args, test_utils=checks)
     saved = [x.detach() for x in op(*args)[1:]]
     grad = torch.linspace(0.5, 1.0, 4)
     inputs = (q.detach(), k, a, b, mq, mk, qg, kg, tau.detach(), gamma, eps, thr)
     bargs = (grad, *inputs, *saved, 3, True, masked, True, True)  # offset, normalize, masked, need_grad, need_qk
-    torch.library.opcheck(torch.ops.hnclip.cpp_family_directional_nll_backward.default, bargs, test_utils=checks)
-
-
-def test_family_operator_without_family_inputs_is_the_directional_operator():
-    # the same kernels and arguments: every output bit-identical, with and without a threshold
-    q, k, a, b, mq, mk, qg, kg, (gamma, eps, _) = _family_args(ids=False, mask_captions=False)
-    tau = torch.tensor(0.07)
-    for value, masked in ((0.0, False), (0.3, True)):
-        thr = torch.tensor(value, dtype=torch.float64)
-        base = torch.ops.hnclip.cpp_directional_nll(q, k, a, b, tau, gamma, eps, thr, 3, True, masked, True)
-        fam = torch.ops.hnclip.cpp_family_directional_nll(
-            q, k, a, b, mq, mk, qg, kg, tau, gamma, eps, thr, 3, True, masked, True
-        )
-        for x, y in zip(base, fam):
-            assert torch.equal(x, y)
+    torch.library.opcheck(torch.ops.hnclip.cpp_directional_nll_backward.default, bargs, test_utils=checks)
 
 
 def test_compile_fullgraph():
@@ -128,9 +113,9 @@ def test_compile_fullgraph():
 
 
 def test_flops_count_the_negative_columns_useful_products():
-    # hnclip::cpp_family_nll states the useful products of its N × (N + M) logits, S forward and dS·k,
+    # hnclip::cpp_symmetric_nll states the useful products of its N × (N + M) logits, S forward and dS·k,
     # dSᵀ·q backward, 2·D·3·N·(N + M), whatever the margin, ids or threshold make the kernels run
-    # (tests/backends/test_cpp_family_nll.py records that work); today's loss states 2·D·3·N²
+    # (tests/backends/test_cpp_symmetric_family.py records that work); today's loss states 2·D·3·N²
     n, m, d = 10, 7, 8
     count = oracle.flop_counter("cpp", features(n, d, 33), features(n, d, 34), features(m, d, 35))
 

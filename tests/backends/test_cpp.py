@@ -43,6 +43,16 @@ def _f64(x):
     return torch.tensor(x, dtype=torch.float64)
 
 
+_NO_IDS = torch.empty((0,), dtype=torch.long)
+# the directional op's family inputs, absent: mask captions and group ids, empty
+NO_MASKS = (torch.empty((0,)), torch.empty((0,)), _NO_IDS, _NO_IDS)
+
+
+def _no_negatives(img):
+    """The symmetric op's family tensors, absent: negatives (0, D), group ids (0,)."""
+    return img.new_empty((0, img.shape[1])), _NO_IDS
+
+
 # ------------------------------------------------------------------ values and gradients
 
 
@@ -217,13 +227,13 @@ def test_opcheck_registered_operators(masked):
     tau = torch.tensor(0.1, requires_grad=True)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     # offset 3, normalize, masked, need_grad
-    args = (q, k, a, b, tau, _f64(0.5), _f64(0.1), _f64(0.5), 3, True, masked, True)
+    args = (q, k, a, b, *NO_MASKS, tau, _f64(0.5), _f64(0.1), _f64(0.5), 3, True, masked, True)
     torch.library.opcheck(torch.ops.hnclip.cpp_directional_nll.default, args, test_utils=checks)
     saved = [x.detach() for x in torch.ops.hnclip.cpp_directional_nll(*args)[1:]]
     grad = torch.linspace(0.5, 1.0, 4)
     torch.library.opcheck(
         torch.ops.hnclip.cpp_directional_nll_backward.default,
-        (grad, q.detach(), k, a, b, tau.detach(), _f64(0.5), _f64(0.1), _f64(0.5), *saved, 3, True, masked, True, True),
+        (grad, q.detach(), k, a, b, *NO_MASKS, tau.detach(), *args[9:12], *saved, 3, True, masked, True, True),
         test_utils=checks,
     )
 
@@ -278,7 +288,10 @@ def _pairs_both_ways(img, txt, tau, gamma, eps, normalize, upstream, symmetric):
     leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt)]
     t = torch.tensor(tau, dtype=img.dtype, requires_grad=True)
     if symmetric:
-        rows = torch.ops.hnclip.cpp_symmetric_nll(*leaves, t, _f64(gamma), _f64(eps), _f64(0.0), normalize, False)[0]
+        scalars = (_f64(gamma), _f64(eps), _f64(0.0))
+        rows = torch.ops.hnclip.cpp_symmetric_nll(*leaves, *_no_negatives(img), t, *scalars, normalize, False, 0, True)[
+            0
+        ]
     else:
         v, w = leaves
         opts = dict(query_txt=w, key_txt=w, tau=t, offset=0, gamma=gamma, label_smoothing=eps, normalize=normalize)
@@ -329,7 +342,7 @@ def test_symmetric_gradcheck_with_margin():
     tau = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
     for eps, normalize in ((0.0, True), (0.1, False)):
         fn = lambda i, s, eps=eps, normalize=normalize: torch.ops.hnclip.cpp_symmetric_nll(
-            i, txt, s, _f64(0.7), _f64(eps), _f64(0.0), normalize, False
+            i, txt, *_no_negatives(txt), s, _f64(0.7), _f64(eps), _f64(0.0), normalize, False, 0, True
         )[0]  # noqa: E731
         assert torch.autograd.gradcheck(fn, (img, tau))
 
@@ -369,13 +382,14 @@ def test_opcheck_symmetric_operators(masked):
     img.requires_grad_(True)
     tau = torch.tensor(0.1, requires_grad=True)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    args = (img, txt, tau, _f64(0.5), _f64(0.1), _f64(0.3), True, masked)
+    # normalize, masked, margin code 0 (text), need_grad
+    args = (img, txt, *_no_negatives(img), tau, _f64(0.5), _f64(0.1), _f64(0.3), True, masked, 0, True)
     torch.library.opcheck(torch.ops.hnclip.cpp_symmetric_nll.default, args, test_utils=checks)
     saved = [x.detach() for x in torch.ops.hnclip.cpp_symmetric_nll(*args)[1:]]
     grad = torch.linspace(0.5, 1.0, 9)
     torch.library.opcheck(
         torch.ops.hnclip.cpp_symmetric_nll_backward.default,
-        (grad, img.detach(), txt, tau.detach(), _f64(0.5), _f64(0.1), _f64(0.3), *saved, True, masked, True),
+        (grad, img.detach(), txt, *args[2:4], tau.detach(), *args[5:8], *saved, True, masked, 0, True, True),
         test_utils=checks,
     )
 

@@ -20,7 +20,9 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
 try:
+    from hnclip_kernels.backends.cpp import directional as cpp_directional
     from hnclip_kernels.backends.cpp import ops as cpp_ops
+    from hnclip_kernels.backends.cpp import symmetric as cpp_symmetric
 except ImportError as exc:  # pragma: no cover - the extension was not built
     pytest.skip(f"C++ extension unavailable: {exc}", allow_module_level=True)
 
@@ -122,18 +124,22 @@ def test_raw_kernels_formulas_and_a_tau_only_backward():
     img, txt = (x.detach() for x in features(N, N))
     tau, gamma, eps, thr = (torch.tensor(v, dtype=torch.float64) for v in (0.07, 0.5, 0.0, 0.3))
 
-    def symmetric():
-        out = cpp_ops._symmetric_nll(img, txt, tau, gamma, eps, thr, True, True)
-        cpp_ops._symmetric_nll_backward(torch.rand(N), img, txt, tau, gamma, eps, thr, *out[1:], True, True, True)
+    no_negatives, no_ids = img.new_empty((0, D)), torch.empty((0,), dtype=torch.long)
+    masks = (torch.empty(0), torch.empty(0), no_ids, no_ids)
+
+    def symmetric():  # normalize, masked, margin code 0 (text), need_grad
+        out = cpp_symmetric._forward(img, txt, no_negatives, no_ids, tau, gamma, eps, thr, True, True, 0, True)
+        inputs = (img, txt, no_negatives, no_ids, tau, gamma, eps, thr)
+        cpp_symmetric._backward(torch.rand(N), *inputs, *out[1:], True, True, 0, True, True)
 
     assert counted(symmetric) == 6 * 2 * N * N * D
     assert stated(symmetric) == 3 * 2 * N * N * D
     q, k, a, b = (x.detach() for x in features(M, N, M, N, seed=2))
 
     def directional():
-        out = cpp_ops._directional_nll(q, k, a, b, tau, gamma, eps, thr, N - M, True, False, True)
+        out = cpp_directional._forward(q, k, a, b, *masks, tau, gamma, eps, thr, N - M, True, False, True)
         rest = (*out[1:], N - M, True, False, True, True)
-        cpp_ops._directional_nll_backward(torch.rand(M), q, k, a, b, tau, gamma, eps, thr, *rest)
+        cpp_directional._backward(torch.rand(M), q, k, a, b, *masks, tau, gamma, eps, thr, *rest)
 
     assert counted(directional) == (4 + 3) * 2 * M * N * D
     assert stated(directional) == 3 * 2 * M * N * D
@@ -154,5 +160,6 @@ def test_formulas_on_fake_tensors_state_the_shapes_products():
     with FakeTensorMode(), FlopCounterMode(display=False) as mode:
         q, k, a, b = torch.empty(M, D), torch.empty(N, D), torch.empty(M, D), torch.empty(N, D)
         scalars = [torch.zeros((), dtype=torch.float64) for _ in range(4)]
-        torch.ops.hnclip.cpp_directional_nll(q, k, a, b, *scalars, N - M, True, False, True)
+        no_masks = (torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+        torch.ops.hnclip.cpp_directional_nll(q, k, a, b, *no_masks, *scalars, N - M, True, False, True)
     assert mode.get_total_flops() == 2 * M * N * D

@@ -6,12 +6,10 @@ useful products in the real shapes (:func:`..glue.logit_flops`, the convention o
 backends: Triton states the same for the same call): with P = 2·R·C·D for a logit matrix of R
 rows × C columns,
 
-* the loss (``cpp_symmetric_nll``, raw ``cpp_raw_symmetric_fwd``/``_bwd``), N × N (both directions
-  read one S): forward P, backward 2 P;
-* the directional op (``cpp_directional_nll``, raw ``cpp_raw_directional_fwd``/``_bwd``), M × N:
-  forward P, backward 2 P;
-* the family's single-process op (``cpp_family_nll``, :mod:`.family_sym`), N × (N + M), and its
-  directional op (``cpp_family_directional_nll``, :mod:`.family`), M × (N + K) key columns: the same;
+* the loss (``cpp_symmetric_nll``, raw ``cpp_raw_symmetric_fwd``/``_bwd``), N × (N + M) with the
+  family's M negatives (both directions read the N × N part of S): forward P, backward 2 P;
+* the directional op (``cpp_directional_nll``, raw ``cpp_raw_directional_fwd``/``_bwd``), M × N
+  (the family's: N + K key columns): forward P, backward 2 P;
 * a backward asked for dτ alone (no feature gradient): 0.
 
 What the kernels execute differs by call (the margin folded into the left factor, or a second
@@ -27,26 +25,14 @@ from .. import glue
 FORMULAS = {
     "cpp_directional_nll": glue.forward_flops,
     "cpp_directional_nll_backward": glue.backward_flops,
-    "cpp_symmetric_nll": glue.forward_flops,
-    "cpp_symmetric_nll_backward": glue.backward_flops,
+    "cpp_symmetric_nll": glue.family_forward_flops,
+    "cpp_symmetric_nll_backward": glue.family_backward_flops,
     "cpp_raw_directional_fwd": glue.forward_flops,
     # a raw backward kernel always forms the feature gradients (or has them from the forward's shares)
     "cpp_raw_directional_bwd": lambda q_hat, k_hat, *_, **__: glue.backward_flops(None, q_hat, k_hat, True),
     "cpp_raw_symmetric_fwd": glue.forward_flops,
     "cpp_raw_symmetric_bwd": lambda v_hat, t_hat, *_, **__: glue.backward_flops(None, v_hat, t_hat, True),
 }
-FAMILY = {"cpp_family_directional_nll": glue.forward_flops, "cpp_family_directional_nll_backward": glue.backward_flops}
-FAMILY_SYMMETRIC = {"cpp_family_nll": glue.family_forward_flops, "cpp_family_nll_backward": glue.family_backward_flops}
-
-
-def register_family() -> None:
-    """Register the family operator's formulas (:mod:`.family`, once it exists)."""
-    glue.register_flops(FAMILY)
-
-
-def register_family_symmetric() -> None:
-    """Register the family's single-process operator's formulas (:mod:`.family_sym`)."""
-    glue.register_flops(FAMILY_SYMMETRIC)
 
 
 def register() -> None:

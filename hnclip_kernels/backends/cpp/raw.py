@@ -28,7 +28,8 @@ already normalised and scaled; no autograd):
   a strip of tiles (one product), forms ds_ij = g_i P_ij + g_j P'_ji and applies it to t̂ and
   v̂ (two products). The family's inputs (optional): ``groups`` (N,) int64 ids (pairs with equal
   ids masked in both directions; with ids a threshold of +inf forms no caption tile) and
-  ``image_text`` (the margin γ·sg(v̂·t̂ᵀ): L = (v̂ + γ v̂)/τ, the same one product). Four N×N×D
+  ``margin``, the margin's kind as :attr:`hnclip_kernels.margin.Margin.code` (range-checked: an
+  unknown code raises; image_text's margin γ·sg(v̂·t̂ᵀ): L = (v̂ + γ v̂)/τ, the same one product). Four N×N×D
   products for forward + backward, against six for two directional calls (ten when the
   upstream gradient differs per row).
 
@@ -102,7 +103,7 @@ def shift_arg(stats: epilogue.RowStats, label_smoothing: float, masked: bool) ->
 
 
 class FamilyMasks(NamedTuple):
-    """The hard-negative family's masking inputs of ``hnclip::cpp_family_directional_nll``, each an
+    """The hard-negative family's masking inputs of ``hnclip::cpp_directional_nll``, each an
     empty tensor when absent (an operator's inputs are tensors): the mask captions (M, D) and
     (N, D) whose cosine the threshold compares in place of the margin factors (``margin="image_text"``),
     and the int64 group ids (M,) and (K,), K ≤ N (the columns from K on carry none)."""
@@ -163,13 +164,13 @@ def _directional_bwd_fake(
 
 
 @torch.library.register_fake("hnclip::cpp_raw_symmetric_fwd")
-def _symmetric_fwd_fake(v_hat, t_hat, pos, inv_tau, gamma, threshold, rc=None, groups=None, image_text=False):
+def _symmetric_fwd_fake(v_hat, t_hat, pos, inv_tau, gamma, threshold, rc=None, groups=None, margin=0):
     return SymmetricOut.fake(v_hat, threshold is not None, v_hat.dtype)[SYMMETRIC_STATS]
 
 
 @torch.library.register_fake("hnclip::cpp_raw_symmetric_bwd")
 def _symmetric_bwd_fake(
     v_hat, t_hat, pos, inv_tau, delta_r, delta_c, g, gamma, threshold, shift_r, shift_c, rc=None, groups=None,
-    image_text=False,
+    margin=0,
 ):  # fmt: skip
     return v_hat.new_empty(v_hat.shape), t_hat.new_empty(t_hat.shape)

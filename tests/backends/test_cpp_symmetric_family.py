@@ -1,8 +1,8 @@
-"""``hnclip::cpp_family_nll`` (the hard-negative family's single-process loss on the C++ kernels):
-its formulas in ``FlopCounterMode`` (the useful products) beside the products the kernels run
+"""``hnclip::cpp_symmetric_nll`` with the hard-negative family's inputs (the family's
+single-process loss on the C++ kernels): its formulas in ``FlopCounterMode`` (the useful products) beside the products the kernels run
 (``torch.profiler``, as test_cpp_flops.py), opcheck of the operator and its backward, gradcheck in float64 with γ > 0
-(a margin the inputs do not see is still exercised through the other inputs), and that without
-the family's inputs it is today's symmetric operator, bit for bit.
+(a margin the inputs do not see is still exercised through the other inputs), that no negatives
+and an empty (0, D) block are one call, bit for bit, and that an unknown margin code raises.
 
 Shapes of a few dozen rows: the file runs in a few seconds.
 """
@@ -14,8 +14,10 @@ import math
 import pytest
 import torch
 
+from hnclip_kernels.margin import Margin
+
 try:
-    from hnclip_kernels.backends.cpp import family_sym
+    from hnclip_kernels.backends.cpp.ops import hn_clip_pairs_cpp
 except ImportError as exc:  # pragma: no cover - the extension was not built
     pytest.skip(f"C++ extension unavailable: {exc}", allow_module_level=True)
 
@@ -48,8 +50,8 @@ def test_formula_states_the_useful_products_beside_the_kernels(margin, weights, 
 
     def step():
         tau = torch.tensor(0.07, requires_grad=True)
-        loss = family_sym.family_pairs_cpp(
-            img, txt, neg, IDS if ids else None, tau=tau, gamma=0.5, label_smoothing=0.1, normalize=True,
+        loss = hn_clip_pairs_cpp(
+            img, txt, negatives=neg, group_ids=IDS if ids else None, tau=tau, gamma=0.5, label_smoothing=0.1, normalize=True,
             margin=margin, false_negative_threshold=threshold,
         )  # fmt: skip
         (loss * w).sum().backward()
@@ -60,23 +62,28 @@ def test_formula_states_the_useful_products_beside_the_kernels(margin, weights, 
 
 
 @pytest.mark.parametrize("threshold", [None, 0.3])
-def test_without_family_inputs_it_is_the_symmetric_operator(threshold):
-    # M = 0, no ids, margin "text": the same kernels, every output and gradient bit-identical
+def test_no_negatives_and_an_empty_block_are_one_call(threshold):
+    # M = 0 either way, no ids, margin "text": every output and gradient bit-identical
     img, txt = features(N, N, seed=1)
     out = []
-    for fn in (family_sym.family_pairs_cpp, None):
+    for negatives in (None, img.new_empty((0, D))):
         tau = torch.tensor(0.07, requires_grad=True)
         kw = dict(tau=tau, gamma=0.5, label_smoothing=0.1, normalize=True, false_negative_threshold=threshold)
-        if fn is None:
-            from hnclip_kernels.backends.cpp.ops import hn_clip_pairs_cpp
-
-            loss = hn_clip_pairs_cpp(img, txt, **kw)
-        else:
-            loss = fn(img, txt, **kw)
+        loss = hn_clip_pairs_cpp(img, txt, negatives=negatives, margin=Margin.TEXT, **kw)
         weights = torch.linspace(0.5, 1.5, N)
         out.append((loss.detach(), *torch.autograd.grad((loss * weights).sum(), [img, txt, tau])))
     for x, y in zip(*out):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("code", [-1, len(Margin), 99])
+def test_unknown_margin_code_raises(code):
+    # the operator's margin code is range-checked once, by the raw kernels' registration
+    inputs, masked = _args("none")
+    with pytest.raises(RuntimeError, match=f"hnclip: unknown margin code {code} "):
+        torch.ops.hnclip.cpp_symmetric_nll(*inputs, True, masked, code, True)
+    with pytest.raises(RuntimeError, match=f"hnclip: unknown margin code {code} "):
+        torch.ops.hnclip.cpp_raw_symmetric_fwd(*inputs[:2], torch.zeros(7), torch.ones(()), 0.0, None, margin=code)
 
 
 def _args(case: str):
@@ -93,15 +100,15 @@ def _args(case: str):
 @pytest.mark.parametrize("case", ["threshold-ids", "ids-alone", "none", "none-image_text", "threshold-image_text"])
 def test_opcheck(case):
     inputs, masked = _args(case)
-    image_text = "image_text" in case
+    code = (Margin.IMAGE_TEXT if "image_text" in case else Margin.TEXT).code
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    op = torch.ops.hnclip.cpp_family_nll
-    torch.library.opcheck(op.default, (*inputs, True, masked, image_text, True), test_utils=checks)
-    saved = [x.detach() for x in op(*inputs, True, masked, image_text, True)[1:]]
+    op = torch.ops.hnclip.cpp_symmetric_nll
+    torch.library.opcheck(op.default, (*inputs, True, masked, code, True), test_utils=checks)
+    saved = [x.detach() for x in op(*inputs, True, masked, code, True)[1:]]
     grad = torch.linspace(0.5, 1.0, 7)
     detached = [x.detach() for x in inputs]
-    bargs = (grad, *detached, *saved, True, masked, image_text, True, True)  # need_grad, need_features
-    torch.library.opcheck(torch.ops.hnclip.cpp_family_nll_backward.default, bargs, test_utils=checks)
+    bargs = (grad, *detached, *saved, True, masked, code, True, True)  # need_grad, need_features
+    torch.library.opcheck(torch.ops.hnclip.cpp_symmetric_nll_backward.default, bargs, test_utils=checks)
 
 
 @pytest.mark.parametrize("margin", ["text", "image_text"])
@@ -113,8 +120,8 @@ def test_gradcheck_float64(margin, normalize):
     ids = torch.tensor([0, 1, 0, 2])
 
     def fn(a, b, c, s):
-        return family_sym.family_pairs_cpp(
-            a, b, c, ids, tau=s, gamma=0.0, label_smoothing=0.1, normalize=normalize, margin=margin,
+        return hn_clip_pairs_cpp(
+            a, b, negatives=c, group_ids=ids, tau=s, gamma=0.0, label_smoothing=0.1, normalize=normalize, margin=margin,
             false_negative_threshold=0.9,
         )  # fmt: skip
 

@@ -1,0 +1,122 @@
+"""``hnclip::cpp_directional_nll``: one direction on the C++ kernels, the operator body.
+
+M query rows against N key columns, the positive of row i at column ``offset + i``: what the
+distributed loss runs per rank, twice (:func:`hnclip_kernels.backends.rank_losses`). The
+hard-negative family's masking (``docs/hard_negatives.md``) arrives as optional inputs, empty
+tensors when absent (then the call is exactly the plain directional one): mask captions (the
+threshold's cosine compares captions while ``margin="image_text"`` takes the margin from the
+images) and group ids (columns k < K whose id equals the row's are no negatives). Registered
+with its backward, autograd formula, fakes and vmap rule by :func:`..glue.fused_op`.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from ...numerics import compute_dtype
+from .. import epilogue, glue
+from ..outputs import CppDirectionalOut, schema
+from .layouts import DirectionalFlags, DirectionalInputs, Saved, operator
+from .raw import RAW, FamilyMasks, scalars, shift_arg
+
+_GRADS = Tuple[Tensor, Tensor, Tensor]  # dL/dq, dL/dk, dL/dτ
+
+
+def _mask_args(x: DirectionalInputs, f: DirectionalFlags, dt) -> list:
+    """The raw kernels' masking arguments after ``eps``/``shift``: ``ca, cb, ma, mb, qg, kg``."""
+    family = FamilyMasks(x.mask_query, x.mask_key, x.query_groups, x.key_groups)
+    return family.raw_args(x.a, x.b, f.normalize, f.masked, dt)
+
+
+@operator(DirectionalInputs, DirectionalFlags, returns=schema(CppDirectionalOut))
+def _forward(x: DirectionalInputs, f: DirectionalFlags):
+    """Per-row losses (M,) and what the backward needs (``CppDirectionalOut``); ``kept`` (M,) with
+    masking (``masked``: a pair at caption cosine ≥ the threshold, or of equal group ids, is no
+    negative; with ids alone the threshold is +inf, no cosine test), else empty."""
+    sc = scalars(x.q, x.tau, x.gamma, x.label_smoothing, x.threshold, f.masked)
+    rq, rk, ra, rb = (epilogue.inv_norms(t, f.normalize, sc.dt) for t in (x.q, x.k, x.a, x.b))
+    q_hat, k_hat = epilogue.scaled(x.q, rq, sc.dt), epilogue.scaled(x.k, rk, sc.dt)
+    pos = epilogue.positive_logits(q_hat, k_hat, f.offset, sc.inv_tau)
+    raw = RAW.cpp_raw_directional_fwd(
+        q_hat,
+        k_hat,
+        x.a,
+        x.b,
+        ra,
+        rb,
+        pos,
+        sc.inv_tau,
+        f.offset,
+        sc.gamma,
+        f.need_grad,
+        sc.threshold,
+        sc.eps,
+        *_mask_args(x, f, sc.dt),
+    )
+    out = CppDirectionalOut(None, rq, rk, ra, rb, pos, *raw)
+    return out._replace(loss=epilogue.row_losses(out.stats(f.masked), x.k.shape[0], sc.eps))
+
+
+@operator(DirectionalInputs, DirectionalFlags, returns=schema(CppDirectionalOut))
+def _forward_fake(x: DirectionalInputs, f: DirectionalFlags):
+    return CppDirectionalOut.fake(x.q, x.k, f.masked, f.need_grad, compute_dtype(x.q.dtype))
+
+
+_BACKWARD = (("grad", Tensor), DirectionalInputs, Saved(CppDirectionalOut), DirectionalFlags, ("need_qk", bool))
+
+
+@operator(*_BACKWARD, returns=_GRADS)
+def _backward(grad: Tensor, x: DirectionalInputs, out: CppDirectionalOut, f: DirectionalFlags, need_qk: bool):
+    """(dL/dq in q's dtype, dL/dk in k's dtype, dL/dτ in τ's dtype and shape)."""
+    sc = scalars(x.q, x.tau, x.gamma, x.label_smoothing, x.threshold, f.masked)
+    g = grad.to(sc.dt).contiguous()
+    stats = out.stats(f.masked)
+    shift = shift_arg(stats, sc.eps, f.masked)
+    q_hat, k_hat = epilogue.scaled(x.q, out.rq, sc.dt), epilogue.scaled(x.k, out.rk, sc.dt)
+    if need_qk:
+        d_q_neg, d_k_neg = RAW.cpp_raw_directional_bwd(
+            q_hat,
+            k_hat,
+            x.a,
+            x.b,
+            out.ra,
+            out.rb,
+            out.pos,
+            sc.inv_tau,
+            out.delta,
+            out.row_acc,
+            out.col_acc,
+            g,
+            f.offset,
+            sc.gamma,
+            sc.threshold,
+            shift,
+            *_mask_args(x, f, sc.dt),
+        )
+    else:  # only τ wants a gradient: it needs the row statistics alone
+        d_q_neg, d_k_neg = torch.zeros_like(q_hat), torch.zeros_like(k_hat)
+    del q_hat, k_hat  # peak memory: the finisher forms them again after the kernel's temporaries are gone
+    d_q, d_k, dz_z = epilogue.finish_directional(
+        stats, g, x.q, x.k, out.rq, out.rk, d_q_neg, d_k_neg, f.offset, sc.inv_tau, sc.eps, f.normalize
+    )
+    return d_q, d_k, epilogue.tau_grad(dz_z, sc.inv_tau, x.tau.dtype, x.tau.shape)
+
+
+@operator(*_BACKWARD, returns=_GRADS)
+def _backward_fake(grad, x: DirectionalInputs, out, f, need_qk):
+    return x.q.new_empty(x.q.shape), x.k.new_empty(x.k.shape), x.tau.new_empty(x.tau.shape)
+
+
+DirectionalNLL = glue.fused_op(
+    "cpp",
+    "cpp_directional_nll",
+    forward=_forward,
+    forward_fake=_forward_fake,
+    backward=_backward,
+    backward_fake=_backward_fake,
+    tau_input=DirectionalInputs._fields.index("tau"),
+    device_types="cpu",
+)

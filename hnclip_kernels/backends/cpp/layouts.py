@@ -1,0 +1,110 @@
+"""The C++ operators' arguments by name: each operator's tensor inputs and flags as NamedTuple
+layouts, from which :func:`operator` builds the flat signature ``torch.library`` infers the schema
+from, and which the operator bodies receive grouped.
+
+The forward operators take ``(*inputs, *flags)``, their backward operators ``(grad, *inputs,
+*saved, *flags, need_features)`` (:mod:`..glue`'s convention; ``saved``: the forward's outputs
+after the loss, :class:`Saved`). Optional features are empty tensors when absent.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from typing import Callable, NamedTuple
+
+from torch import Tensor
+
+
+class SymmetricInputs(NamedTuple):
+    """``hnclip::cpp_symmetric_nll``'s tensor inputs."""
+
+    img: Tensor  # (N, D)
+    txt: Tensor  # (N, D)
+    negatives: Tensor  # (M, D), M ≥ 0: the i2t rows' extra caption columns
+    group_ids: Tensor  # (N,) int64, or (0,) without ids
+    tau: Tensor
+    gamma: Tensor  # 0-dim float64 (glue.hyperparameter), as ε and the threshold
+    label_smoothing: Tensor
+    threshold: Tensor
+
+
+class SymmetricFlags(NamedTuple):
+    """``hnclip::cpp_symmetric_nll``'s flags."""
+
+    normalize: bool
+    masked: bool  # a threshold or group ids (ids alone: threshold +inf)
+    margin: int  # hnclip_kernels.margin.Margin.code, range-checked by the raw kernels
+    need_grad: bool  # keep the negative block's gradient shares for a backward
+
+
+class DirectionalInputs(NamedTuple):
+    """``hnclip::cpp_directional_nll``'s tensor inputs."""
+
+    q: Tensor  # (M, D)
+    k: Tensor  # (N, D)
+    a: Tensor  # (M, D), (N, D): the margin's factors (stop-gradient)
+    b: Tensor
+    mask_query: Tensor  # (M, D), (N, D): the captions the threshold compares, or (0,)
+    mask_key: Tensor
+    query_groups: Tensor  # (M,), (K ≤ N,) int64 group ids, or (0,)
+    key_groups: Tensor
+    tau: Tensor
+    gamma: Tensor
+    label_smoothing: Tensor
+    threshold: Tensor
+
+
+class DirectionalFlags(NamedTuple):
+    """``hnclip::cpp_directional_nll``'s flags."""
+
+    offset: int
+    normalize: bool
+    masked: bool
+    need_grad: bool  # the forward also forms the negatives' gradient shares
+
+
+class Saved:
+    """The backward's copy of an output ``layout``: its fields after the loss, received as the
+    layout with ``None`` for the loss."""
+
+    def __init__(self, layout: type):
+        self.layout = layout
+        self._fields = layout._fields[1:]
+
+    def _make(self, values):
+        return self.layout._make((None, *values))
+
+
+def _parameters(group) -> list:
+    """The flat parameters of one group: a layout's fields, or one ``(name, type)``."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    if isinstance(group, tuple):
+        return [inspect.Parameter(group[0], kind, annotation=group[1])]
+    hints = typing.get_type_hints(group) if isinstance(group, type) else {}
+    return [inspect.Parameter(f, kind, annotation=hints.get(f, Tensor)) for f in group._fields]
+
+
+def operator(*groups, returns) -> Callable:
+    """Decorate ``body(*values)`` as an operator implementation that takes the ``groups``' fields
+    flat: its signature (whence ``torch.library`` infers the schema) lists them with their types
+    and ``returns``; ``body`` gets one value per group, a layout instance (a NamedTuple layout or
+    :class:`Saved`) or the argument of a ``(name, type)``."""
+    sizes = [len(_parameters(group)) for group in groups]
+
+    def wrap(body: Callable) -> Callable:
+        @functools.wraps(body)
+        def flat(*args):
+            values, start = [], 0
+            for group, size in zip(groups, sizes):
+                part = args[start : start + size]
+                values.append(part[0] if isinstance(group, tuple) else group._make(part))
+                start += size
+            return body(*values)
+
+        params = [p for group in groups for p in _parameters(group)]
+        flat.__signature__ = inspect.Signature(params, return_annotation=returns)
+        return flat
+
+    return wrap

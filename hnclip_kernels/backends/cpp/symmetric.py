@@ -1,0 +1,222 @@
+"""``hnclip::cpp_symmetric_nll``: the single-process loss on the C++ kernels, the operator body.
+
+N images against N texts, both directions from one logit tile (its rows are i2t's, its columns
+t2i's): one product in the forward, three in the backward. The hard-negative family
+(``docs/hard_negatives.md``) arrives as optional inputs, empty when absent (then the call is
+exactly today's loss): group ids (pairs with equal ids masked in both directions), the margin's
+kind as its code (:attr:`hnclip_kernels.margin.Margin.code`; ``image_text``'s margin
+γ·sg(v̂_i·t̂_k) is the logit tile's own score: L = (v̂ + γ v̂)/τ, no extra product), and M ≥ 0
+negative captions: one directional pass over their N×M block for the i2t rows only (no positive
+in it: ``offset`` = M), started from the symmetric kernel's i2t statistics (the raw kernel's
+``prior``), which it returns merged over all N + M columns, with (when a gradient follows) the
+block's gradient shares of P normalised over all N + M columns. The backward runs the symmetric
+backward with the merged statistics and takes the block's part from those shares (a rescale for
+a uniform upstream gradient; else the directional backward's recompute).
+
+Products (multiply-adds, f = 1 when the threshold's caption tile is formed): forward
+(1 + f)·N²·D + (1 + f + 2)·N·M·D (the shares P·n̂, Pᵀ·v̂ only when a gradient follows), backward
+(3 + f)·N²·D + 0 (uniform upstream gradient, as for mean/sum) or (2 + f)·N·M·D, executed
+(``FlopCounterMode`` states the useful products, :mod:`.flops`). The block's key factor is the
+negatives' own row (b̂ = n̂), so the margin folds into the left factor (width 1) for either kind.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from ...margin import Margin, margin_operands
+from ...numerics import compute_dtype
+from .. import epilogue, glue
+from ..outputs import FamilyOut, schema
+from .layouts import Saved, SymmetricFlags, SymmetricInputs, operator
+from .raw import RAW, caption_norms, scalars, shift_arg
+
+_GRADS = Tuple[Tensor, Tensor, Tensor, Tensor]  # dL/dimg, dL/dtxt, dL/dnegatives, dL/dτ
+
+
+class _Setup:
+    """What the forward and the backward form alike from the operator's inputs."""
+
+    def __init__(self, x: SymmetricInputs, f: SymmetricFlags):
+        self.sc = sc = scalars(x.img, x.tau, x.gamma, x.label_smoothing, x.threshold, f.masked)
+        self.ids = x.group_ids if x.group_ids.numel() > 0 else None
+        # the caption tile is formed for a threshold, not for ids alone (threshold +inf)
+        self.cosine = f.masked and not (self.ids is not None and math.isinf(sc.threshold))
+        self.rc = caption_norms((x.txt,), f.normalize, self.cosine, sc.dt)[0]
+        self.m = x.negatives.shape[0]
+
+    def block_args(self, x: SymmetricInputs, f: SymmetricFlags, rv, rt, rn) -> tuple:
+        """The N×M block's margin factors and their inverse norms ``a, b, ra, rb`` (the margin's
+        operands for the image rows against the negatives, which are their own captions)."""
+        margin = Margin.from_code(f.margin)
+        a, b = margin_operands(margin, x.img, x.negatives, x.txt, x.negatives)[:2]
+        ra, rb = margin_operands(margin, rv, rn, rt, rn)[:2]
+        return a, b, ra, rb
+
+    def block_mask_args(self, x: SymmetricInputs) -> list:
+        """The block's ``ca, cb, ma, mb, qg, kg``: the captions t, n whose cosine the threshold
+        compares; the row ids against no column id (K = 0: masking on, so the block's kept counts
+        and ε/n_i come out as the symmetric kernel's, with ids alone no caption tile)."""
+        dt = self.sc.dt
+        if self.cosine:
+            captions = [epilogue.inv_norms(t, True, dt) for t in (x.txt, x.negatives)] + [x.txt, x.negatives]
+        else:
+            captions = [None] * 4
+        if self.ids is None:
+            return captions + [None, None]
+        return captions + [self.ids, self.ids.new_empty((0,))]
+
+
+@operator(SymmetricInputs, SymmetricFlags, returns=schema(FamilyOut))
+def _forward(x: SymmetricInputs, f: SymmetricFlags):
+    """Per-pair losses ½(i2t_k + t2i_k) (N,), i2t over the N + M columns, and what the backward
+    needs (``FamilyOut``; ``kept``: empty without masking, a threshold or ids; the block's shares
+    with ``need_grad`` and M > 0, else (0, D))."""
+    s = _Setup(x, f)
+    sc = s.sc
+    rv, rt, rn = (epilogue.inv_norms(t, f.normalize, sc.dt) for t in (x.img, x.txt, x.negatives))
+    v_hat, t_hat = epilogue.scaled(x.img, rv, sc.dt), epilogue.scaled(x.txt, rt, sc.dt)
+    pos = epilogue.positive_logits(v_hat, t_hat, 0, sc.inv_tau)  # Z_kk, the same for both directions
+    raw = RAW.cpp_raw_symmetric_fwd(
+        v_hat,
+        t_hat,
+        pos,
+        sc.inv_tau,
+        sc.gamma,
+        sc.threshold,
+        s.rc,
+        s.ids,
+        f.margin,
+    )
+    (n, d), m = x.img.shape, s.m
+    out = FamilyOut(None, rv, rt, rn, pos, *raw, v_hat.new_empty((0, d)), v_hat.new_empty((0, d)))
+    if m > 0:  # the negative block, from the symmetric tile's i2t statistics: merged ones out
+        stats = out.i2t(f.masked)
+        prior = torch.stack([*stats[1:4], stats.kept if f.masked else torch.zeros_like(stats.delta)])
+        n_hat = epilogue.scaled(x.negatives, rn, sc.dt)
+        a, b, ra, rb = s.block_args(x, f, rv, rt, rn)
+        block = RAW.cpp_raw_directional_fwd(
+            v_hat,
+            n_hat,
+            a,
+            b,
+            ra,
+            rb,
+            pos,
+            sc.inv_tau,
+            m,
+            sc.gamma,
+            f.need_grad,
+            sc.threshold,
+            sc.eps,
+            *s.block_mask_args(x),
+            prior=prior,
+        )
+        kept = block[3] if f.masked else out.kept_i2t
+        out = out._replace(
+            delta_i2t=block[0], mean_neg_i2t=block[1], dsum_i2t=block[2], kept_i2t=kept, row_acc=block[4],
+            col_acc=block[5],
+        )  # fmt: skip
+    i2t, t2i = out.i2t(f.masked), out.t2i(f.masked)
+    pairs = 0.5 * (epilogue.row_losses(i2t, n + m, sc.eps) + epilogue.row_losses(t2i, n, sc.eps))
+    return out._replace(pairs=pairs)
+
+
+@operator(SymmetricInputs, SymmetricFlags, returns=schema(FamilyOut))
+def _forward_fake(x: SymmetricInputs, f: SymmetricFlags):
+    return FamilyOut.fake(x.img, x.negatives, f.masked, f.need_grad, compute_dtype(x.img.dtype))
+
+
+_BACKWARD = (("grad", Tensor), SymmetricInputs, Saved(FamilyOut), SymmetricFlags, ("need_features", bool))
+
+
+@operator(*_BACKWARD, returns=_GRADS)
+def _backward(grad: Tensor, x: SymmetricInputs, out: FamilyOut, f: SymmetricFlags, need_features: bool):
+    """(dL/dimg, dL/dtxt, dL/dnegatives in their dtypes, dL/dτ in τ's dtype and shape)."""
+    s = _Setup(x, f)
+    sc = s.sc
+    g = 0.5 * grad.to(sc.dt).contiguous()  # each direction's row k gets half of pair k's gradient
+    i2t, t2i = out.i2t(f.masked), out.t2i(f.masked)
+    v_hat, t_hat = epilogue.scaled(x.img, out.rv, sc.dt), epilogue.scaled(x.txt, out.rt, sc.dt)
+    shift_r = shift_arg(i2t, sc.eps, f.masked)
+    if need_features:
+        d_v, d_t = RAW.cpp_raw_symmetric_bwd(
+            v_hat,
+            t_hat,
+            out.pos,
+            sc.inv_tau,
+            out.delta_i2t,
+            out.delta_t2i,
+            g,
+            sc.gamma,
+            sc.threshold,
+            shift_r,
+            shift_arg(t2i, sc.eps, f.masked),
+            s.rc,
+            s.ids,
+            f.margin,
+        )
+    else:  # only τ wants a gradient: it needs the statistics alone
+        d_v, d_t = torch.zeros_like(v_hat), torch.zeros_like(t_hat)
+    if s.m == 0:
+        del v_hat, t_hat  # peak memory: the finisher forms them again
+        d_img, d_txt, dz_z = epilogue.finish_symmetric(
+            i2t, t2i, g, x.img, x.txt, out.rv, out.rt, d_v, d_t, sc.inv_tau, sc.eps, f.normalize
+        )
+        d_neg = x.negatives.new_empty(x.negatives.shape)
+    else:
+        n_hat = epilogue.scaled(x.negatives, out.rn, sc.dt)
+        if need_features:  # the block: its forward's shares (P over all N + M columns), or a recompute
+            a, b, ra, rb = s.block_args(x, f, out.rv, out.rt, out.rn)
+            d_v_block, d_n = RAW.cpp_raw_directional_bwd(
+                v_hat, n_hat, a, b, ra, rb, out.pos, sc.inv_tau, out.delta_i2t, out.row_acc, out.col_acc, g, s.m,
+                sc.gamma, sc.threshold, shift_r, *s.block_mask_args(x),
+            )  # fmt: skip
+            d_v.add_(d_v_block)
+        else:
+            d_n = torch.zeros_like(n_hat)
+        d_keys = torch.cat([d_t, d_n])  # [dt̂; dn̂]: i2t's keys, one buffer
+        keys_hat = torch.cat([t_hat, n_hat])
+        del n_hat, d_t, d_n
+        dz_z = epilogue.add_positive_and_smoothing(i2t, g, v_hat, keys_hat, d_v, d_keys, 0, sc.eps)
+        dz_z = dz_z + epilogue.add_positive_and_smoothing(
+            t2i, g, t_hat, v_hat, d_keys[: x.img.shape[0]], d_v, 0, sc.eps
+        )
+        del v_hat, t_hat, keys_hat
+        d_img, d_txt, d_neg = _unnormalize_with_block(x, out, d_v, d_keys, sc.inv_tau, f.normalize)
+    return d_img, d_txt, d_neg, epilogue.tau_grad(dz_z, sc.inv_tau, x.tau.dtype, x.tau.shape)
+
+
+def _unnormalize_with_block(x: SymmetricInputs, out: FamilyOut, d_v, d_keys, inv_tau, normalize: bool):
+    """dL/dimg, dL/dtxt, dL/dnegatives in their dtypes from dL/dv̂ and dL/d[t̂; n̂] (times τ)."""
+    n = x.img.shape[0]
+    d_keys.mul_(inv_tau)
+    d_img = epilogue.unnormalize_grad(x.img, out.rv, d_v.mul_(inv_tau), normalize).to(x.img.dtype).contiguous()
+    d_t, d_n = d_keys[:n], d_keys[n:]
+    if not normalize:  # unnormalize_grad returns them as they are: an operator's outputs may not alias
+        d_t, d_n = d_t.clone(), d_n.clone()
+    d_txt = epilogue.unnormalize_grad(x.txt, out.rt, d_t, normalize).to(x.txt.dtype).contiguous()
+    d_neg = epilogue.unnormalize_grad(x.negatives, out.rn, d_n, normalize).to(x.negatives.dtype).contiguous()
+    return d_img, d_txt, d_neg
+
+
+@operator(*_BACKWARD, returns=_GRADS)
+def _backward_fake(grad, x: SymmetricInputs, out, f, need_features):
+    return tuple(t.new_empty(t.shape) for t in (x.img, x.txt, x.negatives, x.tau))
+
+
+SymmetricNLL = glue.fused_op(
+    "cpp",
+    "cpp_symmetric_nll",
+    forward=_forward,
+    forward_fake=_forward_fake,
+    backward=_backward,
+    backward_fake=_backward_fake,
+    tau_input=SymmetricInputs._fields.index("tau"),
+    feature_inputs=(0, 1, 2),
+    device_types="cpu",
+)
