@@ -15,7 +15,11 @@ the keyword-only protocol of
 :func:`hnclip_kernels.backends.pytorch.reference.directional_nll_torch`::
 
     fn(queries, keys, *, query_txt, key_txt, tau, offset, gamma, label_smoothing, normalize,
-       return_stats=False, false_negative_threshold=None)
+       return_stats=False, false_negative_threshold=None,
+       mask_query=None, mask_key=None, query_groups=None, key_groups=None)
+
+The hard-negative family is optional inputs of both ops, absent for today's loss: the symmetric
+op's ``negatives``, ``group_ids`` and ``margin``, the directional op's masking captions and group ids.
 
 The fused backends are imported lazily: triton is optional, and the C++ extension may not
 have been built.
@@ -144,9 +148,7 @@ def symmetric_losses(
     if options.backend == "triton":
         from .triton.ops import hn_clip_pairs_triton  # one fused op for both directions, family or not
 
-        fam = {} if family is None else dict(negatives=family.negatives, group_ids=family.group_ids)
-        margin = Margin.TEXT if family is None else family.margin
-        return hn_clip_pairs_triton(img, txt, **fam, margin=margin, **kwargs, precision=options.precision)
+        return hn_clip_pairs_triton(img, txt, **_family_inputs(family), **kwargs, precision=options.precision)
     if img.dtype in (torch.float16, torch.bfloat16):
         # each tensor feeds both directions: upcast once, so its two gradient halves are summed
         # in float32 and rounded to the input dtype once (two bf16 halves summed lose ~1e-3)
@@ -154,10 +156,7 @@ def symmetric_losses(
     if options.backend == "cpp":
         from .cpp.ops import hn_clip_pairs_cpp  # one operator: each logit tile serves i2t and t2i
 
-        # without the family its inputs are absent: today's loss
-        negatives, group_ids, margin = (None, None, Margin.TEXT) if family is None else (
-            family.negatives, family.group_ids, family.margin)  # fmt: skip
-        return hn_clip_pairs_cpp(img, txt, negatives=negatives, group_ids=group_ids, margin=margin, **kwargs)
+        return hn_clip_pairs_cpp(img, txt, **_family_inputs(family), **kwargs)
     ids = None if family is None else family.group_ids
     i2t, t2i = _two_directions(
         directional_nll_torch, (img, txt), (img, txt), family, (ids, ids), dict(offset=0, **kwargs)
@@ -199,24 +198,17 @@ def rank_losses(
     fn = directional_fn(options.backend, options.precision)
     ids = (None, None)
     if family is not None:
-        fn = _family_directional(options.backend, options.precision)
         if family.group_ids is not None:
             ids = (family.group_ids[offset : offset + img.shape[0]], family.group_ids)
     i2t, t2i = _two_directions(fn, (img, txt), (all_img, all_txt), family, ids, kwargs)
     return _pair_average(i2t, t2i, return_stats)
 
 
-def _family_directional(backend: str, precision: Optional[str]) -> Callable:
-    """The directional op that takes the family's inputs, per backend."""
-    if backend == "cpp":
-        from .cpp.ops import directional_nll_cpp
-
-        return directional_nll_cpp
-    if backend == "triton":
-        from .triton.ops import directional_nll_triton
-
-        return functools.partial(directional_nll_triton, precision=precision)
-    return directional_nll_torch
+def _family_inputs(family) -> dict:
+    """The symmetric operators' optional family inputs: absent without the family (today's loss)."""
+    if family is None:
+        return dict(negatives=None, group_ids=None, margin=Margin.TEXT)
+    return dict(negatives=family.negatives, group_ids=family.group_ids, margin=family.margin)
 
 
 def _two_directions(fn, queries, keys, family, ids, kwargs):

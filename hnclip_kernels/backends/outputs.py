@@ -49,9 +49,9 @@ def fake(layout: type, like: Tensor, dtype: torch.dtype, length: int, **shapes):
 
 
 class SymmetricOut(NamedTuple):
-    """``hnclip::triton_symmetric_nll``'s and ``hnclip::cpp_symmetric_nll``'s outputs: each (N,) in
-    the compute dtype (float32; the C++ backend's float64 for float64 features), the ``kept``
-    counts (0,) without masking."""
+    """The symmetric walk's outputs without negatives (the raw C++ symmetric kernel's statistics
+    follow ``pos``): each (N,) in the compute dtype (float32; the C++ backend's float64 for float64
+    features), the ``kept`` counts (0,) without masking."""
 
     pairs: Tensor  # ½(i2t_k + t2i_k)
     rv: Tensor  # 1/‖v_k‖ (ones without normalize)
@@ -139,8 +139,7 @@ DIRECTIONAL_STATS = slice(CppDirectionalOut._fields.index("delta"), None)
 
 
 class FamilyPairsOut(NamedTuple):
-    """The hard-negative family's single-process outputs (``hnclip::triton_family_nll``'s, and the
-    head of :class:`FamilyOut`): :class:`SymmetricOut`'s with the negatives' inverse norms ``rn``
+    """``hnclip::triton_symmetric_nll``'s outputs (and the head of :class:`FamilyOut`): :class:`SymmetricOut`'s with the negatives' inverse norms ``rn``
     (M,) after ``rt``; the i2t statistics are over the N + M columns (the symmetric walk's and the
     negative block's, merged)."""
 
@@ -168,7 +167,7 @@ class FamilyPairsOut(NamedTuple):
 
 
 class FamilyOut(NamedTuple("_FamilyOut", [(f, Tensor) for f in (*FamilyPairsOut._fields, "row_acc", "col_acc")])):
-    """``hnclip::cpp_family_nll``'s outputs: :class:`FamilyPairsOut`'s, then the negative block's
+    """``hnclip::cpp_symmetric_nll``'s outputs: :class:`FamilyPairsOut`'s, then the negative block's
     gradient shares (as :class:`CppDirectionalOut`'s, P normalised over all N + M columns; with
     need_grad and M > 0 row_acc (N, D), col_acc (M, D), else (0, D))."""
 
