@@ -23,7 +23,7 @@ gaps d_k = Z_rk − Z_rp over the negatives k ≠ p and
     μ_r = Σ_{k≠p} q_k d_k         H_r = −Σ_{k≠p} q_k log q_k = δ_r − μ_r.
 
 δ, μ (and Σ_k d_k) are exactly the statistics the fused kernels save per row
-(:class:`hnclip_kernels.backends.epilogue.RowStats`: ``delta``, ``mean_neg``, ``dsum``).
+(:class:`hnclip_kernels.backends.softmax.RowStats`: ``delta``, ``mean_neg``, ``dsum``).
 
 **False-negative masking** (``false_negative_threshold``, not in the paper): the sums over k ≠ p
 run over the row's kept negatives only (a row whose negatives are all masked has δ = −inf, loss
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import validation as _validation
-from .backends.epilogue import RowStats
+from .backends.softmax import RowStats
 from .loss import hn_clip_loss
 from .margin import Margin, margin_operands
 from .numerics import NORM_EPS, compute_dtype

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .backends.epilogue import RowStats
+from .backends.softmax import RowStats
 from .numerics import softplus
 from .validation_scalars import real_number
 
@@ -146,7 +146,7 @@ def report_from_row_stats(
 ) -> SaturationReport:
     """A :class:`SaturationReport` from the row statistics a fused kernel saved in its forward.
 
-    ``i2t`` and ``t2i`` are the two directions' :class:`~hnclip_kernels.backends.epilogue.RowStats`
+    ``i2t`` and ``t2i`` are the two directions' :class:`~hnclip_kernels.backends.softmax.RowStats`
     (only ``delta`` and ``mean_neg`` are read, and ``dsum`` with label smoothing), 1-D tensors of
     the same length M (M = N on one process; a rank's local rows in distributed training, where
     the fields describe those rows only). Fills ``loss``, ``saturated_rows``,
@@ -176,7 +176,7 @@ def report_from_row_stats(
         for field in fields:
             x = getattr(stats, field, None)
             if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{name}.{field} must be a tensor (pass epilogue.RowStats), got {type(x).__name__}")
+                raise TypeError(f"{name}.{field} must be a tensor (pass softmax.RowStats), got {type(x).__name__}")
             if x.dim() != 1 or not x.is_floating_point():
                 raise ValueError(
                     f"{name}.{field} must be a 1-D floating tensor, got {x.dtype} of shape {tuple(x.shape)}"

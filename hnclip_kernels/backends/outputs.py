@@ -5,7 +5,7 @@ rule, the public wrappers read them.
 The first output is the loss; the rest are what the backward operator takes back, in this order,
 after the forward's tensor inputs (:mod:`.glue`). ``kept`` (each row's kept negatives under
 false-negative masking) is an empty tensor without masking (an operator's outputs are tensors);
-in :class:`.epilogue.RowStats` it is None then. The operators return plain tuples (the schema's
+in :class:`.softmax.RowStats` it is None then. The operators return plain tuples (the schema's
 ``Tensor[]``-like tuple; a NamedTuple is a tuple, :func:`schema` is its annotation), so a wrapper
 wraps what it gets with ``._make``.
 """
@@ -17,7 +17,7 @@ from typing import NamedTuple, Tuple
 import torch
 from torch import Tensor
 
-from . import epilogue
+from . import softmax
 
 
 def schema(layout: type) -> type:
@@ -27,11 +27,11 @@ def schema(layout: type) -> type:
 
 
 def row_stats(pos: Tensor, delta: Tensor, mean_neg: Tensor, dsum: Tensor, kept: Tensor, masked: bool):
-    """A direction's ``epilogue.RowStats`` from its outputs (``kept`` None without masking)."""
-    return epilogue.RowStats(pos, delta, mean_neg, dsum, kept if masked else None)
+    """A direction's ``softmax.RowStats`` from its outputs (``kept`` None without masking)."""
+    return softmax.RowStats(pos, delta, mean_neg, dsum, kept if masked else None)
 
 
-def kept_output(stats: epilogue.RowStats) -> Tensor:
+def kept_output(stats: softmax.RowStats) -> Tensor:
     """The ``kept`` output of statistics: their counts, or without masking (None) an empty tensor
     of pos's dtype."""
     return stats.pos.new_empty((0,)) if stats.kept is None else stats.kept
@@ -57,7 +57,7 @@ class SymmetricOut(NamedTuple):
     rv: Tensor  # 1/‖v_k‖ (ones without normalize)
     rt: Tensor  # 1/‖t_k‖
     pos: Tensor  # Z_kk, both directions' positive
-    delta_i2t: Tensor  # the rows' statistics (epilogue.RowStats)
+    delta_i2t: Tensor  # the rows' statistics (softmax.RowStats)
     mean_neg_i2t: Tensor
     dsum_i2t: Tensor
     kept_i2t: Tensor
@@ -66,14 +66,14 @@ class SymmetricOut(NamedTuple):
     dsum_t2i: Tensor
     kept_t2i: Tensor
 
-    def i2t(self, masked: bool) -> epilogue.RowStats:
+    def i2t(self, masked: bool) -> softmax.RowStats:
         return row_stats(self.pos, self.delta_i2t, self.mean_neg_i2t, self.dsum_i2t, self.kept_i2t, masked)
 
-    def t2i(self, masked: bool) -> epilogue.RowStats:
+    def t2i(self, masked: bool) -> softmax.RowStats:
         return row_stats(self.pos, self.delta_t2i, self.mean_neg_t2i, self.dsum_t2i, self.kept_t2i, masked)
 
     @classmethod
-    def of(cls, pairs: Tensor, rv: Tensor, rt: Tensor, i2t: epilogue.RowStats, t2i: epilogue.RowStats):
+    def of(cls, pairs: Tensor, rv: Tensor, rt: Tensor, i2t: softmax.RowStats, t2i: softmax.RowStats):
         """From the two directions' statistics (the same ``pos``)."""
         return cls(pairs, rv, rt, i2t.pos, *i2t[1:4], kept_output(i2t), *t2i[1:4], kept_output(t2i))
 
@@ -97,17 +97,17 @@ class DirectionalOut(NamedTuple):
     rk: Tensor
     ra: Tensor
     rb: Tensor
-    pos: Tensor  # the rows' statistics (epilogue.RowStats)
+    pos: Tensor  # the rows' statistics (softmax.RowStats)
     delta: Tensor
     mean_neg: Tensor
     dsum: Tensor
     kept: Tensor
 
-    def stats(self, masked: bool) -> epilogue.RowStats:
+    def stats(self, masked: bool) -> softmax.RowStats:
         return row_stats(self.pos, self.delta, self.mean_neg, self.dsum, self.kept, masked)
 
     @classmethod
-    def of(cls, loss: Tensor, norms, stats: epilogue.RowStats) -> "DirectionalOut":
+    def of(cls, loss: Tensor, norms, stats: softmax.RowStats) -> "DirectionalOut":
         """From the losses, the four norms (q, k, a, b) and the rows' statistics."""
         return cls(loss, *norms, *stats[:4], kept_output(stats))
 

@@ -39,7 +39,7 @@ def rank_hn_clip_loss(
     both directions; 16-bit features upcast once). ``offset`` and the local tensors are not
     used. Returns the global mean loss.
 
-    ``return_stats``: also ``(i2t, t2i, n_keys)``: the detached ``backends.epilogue.RowStats`` of
+    ``return_stats``: also ``(i2t, t2i, n_keys)``: the detached ``backends.softmax.RowStats`` of
     this rank's rows in both directions and the number of key columns N (what
     :func:`hnclip_kernels.diagnostics.report_from_row_stats` reads).
     ``options``: the loss options bound to these tensors (:meth:`LossOptions.resolved`: the

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from cases import ALL_BACKENDS, masked_case, masked_pairs_f64
 from helpers import hn_clip_loss_f64
 from hnclip_kernels import HNClipLoss, hn_clip_loss
-from hnclip_kernels.backends.epilogue import RowStats
+from hnclip_kernels.backends.softmax import RowStats
 from hnclip_kernels.diagnostics import SaturationReport, report_from_row_stats, saturation_report
 
 GAMMA = 0.5

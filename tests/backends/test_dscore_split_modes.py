@@ -50,7 +50,7 @@ def _inputs(dtype, seed=0):
     neg[torch.arange(M), OFFSET + torch.arange(M)] = False
     gaps = torch.where(neg, z - pos[:, None], -torch.inf)
     nll = torch.logsumexp(gaps, 1).clamp_min(-80.0)
-    nll = torch.nn.functional.softplus(nll)  # LSE_all − Z_pos, as epilogue.row_nll gives it
+    nll = torch.nn.functional.softplus(nll)  # LSE_all − Z_pos, as softmax.row_nll gives it
     # upstream gradients from 2^-120 to 1 (float32's normal range; P spreads the lines further)
     grad = torch.linspace(0.5, 1.5, M, dtype=torch.float64) * torch.pow(2.0, -120.0 * torch.rand(M, generator=g))
     # W's scales: powers of two times the inverse norms, the largest |W| near 2^100 as ``scales._pow2_stage`` puts it

@@ -190,7 +190,7 @@ def test_float32_rows_below_the_subnormal_threshold_under_a_huge_loss_scale(back
     # float32 features, every row at δ ≈ −1/τ (orthonormal captions, images on them): at τ = 1/111
     # the loss e^−109 ≈ 4e-48 is 0 in float32, but under (S · loss).backward() the true gradient
     # (≈ 2e-23 at S = 2^80, 2e-32 at 2^50) is a normal number. The fused kernels weight rows below
-    # δ = −87 in logs (the C++ row_factor, epilogue.row_factors); a threshold below −104 (where e^δ
+    # δ = −87 in logs (the C++ row_factor, backends.softmax.row_factors); a threshold below −104 (where e^δ
     # is 0) takes these rows as ordinary and returns zero gradients. A weight ≥ 2^20 is lifted into
     # the exponent (the C++ lift_weight), which rescues such rows by itself: τ = 1/97 (δ ≈ −95,
     # e^δ a float32 subnormal of ~12 bits) under S = 2^19 is what catches that threshold there.

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ...numerics import compute_dtype
-from .. import epilogue, glue
+from .. import epilogue, glue, softmax
 from ..outputs import CppDirectionalOut, schema
 from .layouts import DirectionalFlags, DirectionalInputs, Saved, operator
 from .raw import RAW, FamilyMasks, scalars, shift_arg
@@ -57,7 +57,7 @@ def _forward(x: DirectionalInputs, f: DirectionalFlags):
         *_mask_args(x, f, sc.dt),
     )
     out = CppDirectionalOut(None, rq, rk, ra, rb, pos, *raw)
-    return out._replace(loss=epilogue.row_losses(out.stats(f.masked), x.k.shape[0], sc.eps))
+    return out._replace(loss=softmax.row_losses(out.stats(f.masked), x.k.shape[0], sc.eps))
 
 
 @operator(DirectionalInputs, DirectionalFlags, returns=schema(CppDirectionalOut))
@@ -99,7 +99,7 @@ def _backward(grad: Tensor, x: DirectionalInputs, out: CppDirectionalOut, f: Dir
     else:  # only τ wants a gradient: it needs the row statistics alone
         d_q_neg, d_k_neg = torch.zeros_like(q_hat), torch.zeros_like(k_hat)
     del q_hat, k_hat  # peak memory: the finisher forms them again after the kernel's temporaries are gone
-    d_q, d_k, dz_z = epilogue.finish_directional(
+    d_q, d_k, dz_z = softmax.finish_directional(
         stats, g, x.q, x.k, out.rq, out.rk, d_q_neg, d_k_neg, f.offset, sc.inv_tau, sc.eps, f.normalize
     )
     return d_q, d_k, epilogue.tau_grad(dz_z, sc.inv_tau, x.tau.dtype, x.tau.shape)

@@ -71,7 +71,7 @@ def directional_nll_cpp(
     positive of row i at column ``offset + i``; margin factors ``query_txt`` (M, D), ``key_txt``
     (N, D) are stop-gradient. float32 result (float64 for float64 inputs); gradients reach
     ``queries``, ``keys`` and ``tau`` (a 0-dim tensor). ``return_stats``: also the detached
-    ``epilogue.RowStats`` the backward uses. ``gamma`` and ``label_smoothing``: Python floats
+    ``backends.softmax.RowStats`` the backward uses. ``gamma`` and ``label_smoothing``: Python floats
     (or 0-dim tensors, which get no gradient); under ``torch.compile`` a new value does not
     recompile. Works under ``torch.func.grad``/``vjp``/``vmap`` (vmap: one kernel call per batch
     entry); second derivatives raise the ``RuntimeError`` naming backend="torch".
@@ -140,7 +140,7 @@ def hn_clip_pairs_cpp(
     i2t's, its columns t2i's): one product in the forward, three in the backward, against six
     for two :func:`directional_nll_cpp` calls. float32 result (float64 for float64 inputs);
     gradients reach ``img``, ``txt``, ``negatives`` and ``tau`` (a 0-dim tensor).
-    ``return_stats``: also ``(i2t, t2i)``, the detached ``epilogue.RowStats`` of both directions
+    ``return_stats``: also ``(i2t, t2i)``, the detached ``backends.softmax.RowStats`` of both directions
     (i2t's over the N + M columns). ``gamma``, ``label_smoothing``,
     ``false_negative_threshold``, ``torch.compile`` and ``torch.func``: as
     :func:`directional_nll_cpp` (the caption tile t̂_I t̂_Jᵀ is formed beside each logit tile).

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ...numerics import compute_dtype
-from .. import epilogue
+from .. import epilogue, softmax
 from ..outputs import DIRECTIONAL_STATS, SYMMETRIC_STATS, CppDirectionalOut, SymmetricOut
 
 try:
@@ -97,9 +97,9 @@ def caption_norms(captions, normalize: bool, masked: bool, dt) -> list:
     return [epilogue.inv_norms(x, True, dt) if masked and not normalize else None for x in captions]
 
 
-def shift_arg(stats: epilogue.RowStats, label_smoothing: float, masked: bool) -> Tensor:
+def shift_arg(stats: softmax.RowStats, label_smoothing: float, masked: bool) -> Tensor:
     """The raw backward kernels' ``shift``: ε/n_i per row with masking, else an empty tensor."""
-    return epilogue.smoothing_shift(stats, label_smoothing) if masked else stats.pos.new_empty((0,))
+    return softmax.smoothing_shift(stats, label_smoothing) if masked else stats.pos.new_empty((0,))
 
 
 class FamilyMasks(NamedTuple):

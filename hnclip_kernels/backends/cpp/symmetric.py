@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ...margin import Margin, margin_operands
 from ...numerics import compute_dtype
-from .. import epilogue, glue
+from .. import epilogue, glue, softmax
 from ..outputs import FamilyOut, schema
 from .layouts import Saved, SymmetricFlags, SymmetricInputs, operator
 from .raw import RAW, caption_norms, scalars, shift_arg
@@ -122,7 +122,7 @@ def _forward(x: SymmetricInputs, f: SymmetricFlags):
             col_acc=block[5],
         )  # fmt: skip
     i2t, t2i = out.i2t(f.masked), out.t2i(f.masked)
-    pairs = 0.5 * (epilogue.row_losses(i2t, n + m, sc.eps) + epilogue.row_losses(t2i, n, sc.eps))
+    pairs = 0.5 * (softmax.row_losses(i2t, n + m, sc.eps) + softmax.row_losses(t2i, n, sc.eps))
     return out._replace(pairs=pairs)
 
 
@@ -164,7 +164,7 @@ def _backward(grad: Tensor, x: SymmetricInputs, out: FamilyOut, f: SymmetricFlag
         d_v, d_t = torch.zeros_like(v_hat), torch.zeros_like(t_hat)
     if s.m == 0:
         del v_hat, t_hat  # peak memory: the finisher forms them again
-        d_img, d_txt, dz_z = epilogue.finish_symmetric(
+        d_img, d_txt, dz_z = softmax.finish_symmetric(
             i2t, t2i, g, x.img, x.txt, out.rv, out.rt, d_v, d_t, sc.inv_tau, sc.eps, f.normalize
         )
         d_neg = x.negatives.new_empty(x.negatives.shape)
@@ -182,10 +182,8 @@ def _backward(grad: Tensor, x: SymmetricInputs, out: FamilyOut, f: SymmetricFlag
         d_keys = torch.cat([d_t, d_n])  # [dt̂; dn̂]: i2t's keys, one buffer
         keys_hat = torch.cat([t_hat, n_hat])
         del n_hat, d_t, d_n
-        dz_z = epilogue.add_positive_and_smoothing(i2t, g, v_hat, keys_hat, d_v, d_keys, 0, sc.eps)
-        dz_z = dz_z + epilogue.add_positive_and_smoothing(
-            t2i, g, t_hat, v_hat, d_keys[: x.img.shape[0]], d_v, 0, sc.eps
-        )
+        dz_z = softmax.add_positive_and_smoothing(i2t, g, v_hat, keys_hat, d_v, d_keys, 0, sc.eps)
+        dz_z = dz_z + softmax.add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_keys[: x.img.shape[0]], d_v, 0, sc.eps)
         del v_hat, t_hat, keys_hat
         d_img, d_txt, d_neg = _unnormalize_with_block(x, out, d_v, d_keys, sc.inv_tau, f.normalize)
     return d_img, d_txt, d_neg, epilogue.tau_grad(dz_z, sc.inv_tau, x.tau.dtype, x.tau.shape)

@@ -16,7 +16,7 @@ import torch
 from ...numerics import NORM_EPS, compute_dtype, ieee_float32, matmul_nt, normalized, softplus
 from ...validation import check_directional
 from ...validation_family import check_family_directional
-from ..epilogue import RowStats, smooths
+from ..softmax import RowStats, smooths
 
 
 def directional_nll_torch(
@@ -72,7 +72,7 @@ def directional_nll_torch(
     Masked entries leave the row exactly as with the threshold above (union of both rules).
 
     Returns a float32 (float64 for float64 inputs) tensor of shape (M,); with
-    ``return_stats``, also the detached row statistics ``backends.epilogue.RowStats`` (what the
+    ``return_stats``, also the detached row statistics ``backends.softmax.RowStats`` (what the
     fused kernels save for their backward; :mod:`hnclip_kernels.diagnostics` reads them).
     """
     check_directional(queries, keys, query_txt, key_txt, offset)

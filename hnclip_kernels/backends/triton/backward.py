@@ -28,7 +28,7 @@ import torch
 import triton
 
 from ...numerics import autocast_disabled, ieee_float32
-from .. import epilogue
+from .. import epilogue, softmax
 from . import config as cfg
 from .dscore_launch import launch_dscore, launch_dscore_pair, launch_dscore_rank
 from .params import Scalars
@@ -48,7 +48,7 @@ def directional_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=No
     ``ops`` = (q, k, margin_q, margin_k), ``norms`` their inverse norms, ``stats`` the forward's
     row statistics, ``g`` (M) each row's upstream gradient, ``sc`` the operator's scalars (with
     ``sc.thr`` the masked entries get no dS); ``shifts`` = (ε/n_i of the rows,) with masking
-    and label smoothing (``epilogue.smoothing_shift``), else None: the kept entries get
+    and label smoothing (``backends.softmax.smoothing_shift``), else None: the kept entries get
     dS_ik = g_i (P_ik − ε/n_i). ``positives`` = (the rows' positive keys (M, D), their inverse
     norms) where they are not among k (the family's negative block, ``offset`` past k): 16-bit
     rounding compensation refers each row to them (the columns keep their error)."""
@@ -56,7 +56,7 @@ def directional_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=No
     s = None if shifts is None else shifts[0]
     round16, tail = _modes(q)
     scale = w_scales(q, k, norms[0], norms[1], (g,), round16, tail)
-    lse, weight = epilogue.row_factors(stats, g, shifted=s is not None)  # g_i P_ik = exp(d_ik − lse_i) weight_i
+    lse, weight = softmax.row_factors(stats, g, shifted=s is not None)  # g_i P_ik = exp(d_ik − lse_i) weight_i
     per_row = (*norms, stats.pos, lse, weight, scale.a, scale.b, s)  # every chunk's alike
 
     def launch_chunk(bounds, buffers):
@@ -81,7 +81,7 @@ def rank_shares(ops, norms, stats, g, sc: Scalars, offset: int, shifts=None):
     dirs = ((v, t_all, norms[0], norms[3]), (t, v_all, norms[1], norms[2]))
     s = None if shifts is None else torch.cat(shifts)
     # per direction, as its directional op forms them (torch's vectorised softplus rounds a loop's tail apart)
-    factors = [(x.pos, *epilogue.row_factors(x, g, shifted=s is not None)) for x in stats]
+    factors = [(x.pos, *softmax.row_factors(x, g, shifted=s is not None)) for x in stats]
     pos, lse, weight = (torch.cat(parts) for parts in zip(*factors))
     round16, tail = _modes(v)
     scales = [w_scales(*d, (g,), round16, tail) for d in dirs]  # the rows' upstream gradient bounds |dS|
@@ -230,7 +230,7 @@ def symmetric_shares(ops, norms, i2t, t2i, sc: Scalars, shifts=None):
     v, t = ops
     s, s_c = (None, None) if shifts is None else shifts
     # g_i P_ik = exp(d_ik − lse_i) weight_i for each direction's rows
-    (lse, weight), (lse_c, weight_c) = (epilogue.row_factors(x, y, shifted=shifts is not None) for x, y in (i2t, t2i))
+    (lse, weight), (lse_c, weight_c) = (softmax.row_factors(x, y, shifted=shifts is not None) for x, y in (i2t, t2i))
     round16, tail = _modes(v)
     scales = w_scales(v, t, norms[0], norms[1], (g, g_c), round16, tail)
     per_row = (*norms, stats.pos, lse, weight, lse_c, weight_c, scales.a, scales.b, s, s_c)  # every pair's alike

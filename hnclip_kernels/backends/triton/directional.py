@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import epilogue
+from .. import epilogue, softmax
 from ..outputs import DirectionalOut, row_stats, schema
 from .backward import directional_shares
 from .forward import directional_stats
@@ -74,7 +74,7 @@ def _directional_nll(
     sc = scalars(q, tau, gamma, has_margin, smoothing, precision, thr, family)
     pos = epilogue.positive_logits(epilogue.scaled(q, norms[0]), epilogue.scaled(k, norms[1]), offset, sc.inv_tau)
     stats = directional_stats((q, k, a, b), norms, pos, sc, offset)
-    loss = epilogue.row_losses(stats, k.shape[0], label_smoothing if smoothing else 0.0)
+    loss = softmax.row_losses(stats, k.shape[0], label_smoothing if smoothing else 0.0)
     return DirectionalOut.of(loss, norms, stats)
 
 
@@ -127,7 +127,7 @@ def _directional_nll_backward(
         )
     else:  # only τ wants a gradient: it needs the row statistics alone
         d_q, d_k = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (q, k))
-    d_q_in, d_k_in, dz_z = epilogue.finish_directional(
+    d_q_in, d_k_in, dz_z = softmax.finish_directional(
         stats, g, q, k, rq, rk, d_q, d_k, offset, sc.inv_tau, eps, normalize
     )
     return d_q_in, d_k_in, epilogue.tau_grad(dz_z, sc.inv_tau, tau.dtype, tau.shape)

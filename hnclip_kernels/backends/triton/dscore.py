@@ -14,7 +14,8 @@ import triton.language as tl
 from .family_tiles import _drop_same_group, _family_tile
 from .launch import derived
 from .params import Scalars
-from .tiles import _block, _kept, _load2, _load_scalars, _logits_tile, _pair_tiles, _rank_tiles
+from .softmax import _row_dscore, _weighted_exp
+from .tiles import _block, _load2, _load_scalars, _logits_tile, _pair_tiles, _rank_tiles
 
 
 @triton.jit
@@ -44,13 +45,13 @@ def _dscore_kernel(
 ):
     """The directional op's W[i − row0, k − col0] = a_i · dS_ik · b_k over one chunk
     [row0, row_end) × [col0, col_end) (dS_ik = g_i P_ik over the negatives, g_i P_ik =
-    exp(d − nll_i)·g_i, ``epilogue.row_factors``), in float32; with ROUND16 the staging W and its
+    exp(d − nll_i)·g_i, ``backends.softmax.row_factors``), in float32; with ROUND16 the staging W and its
     slice maxima. Grid: (⌈rows / BLOCK_M⌉, ⌈columns / BLOCK_N⌉) of the chunk.
 
     Features: as ``forward_kernels._fwd_kernel`` (q_ptr … mk_ptr, their strides).
     Per-row inputs (float32): rq_ptr … r_mk_ptr, pos_ptr as ``_fwd_kernel``'s;
         nll_ptr (M): what each row's gaps lose (P's normaliser, softplus δ or δ); g_ptr (M): the
-        row's weight (the upstream gradient, or g·σ(δ): ``epilogue.row_factors``);
+        row's weight (the upstream gradient, or g·σ(δ): ``backends.softmax.row_factors``);
         a_ptr (M), b_ptr (N): W's row and column scales (:func:`.scales.w_scales`).
         s_ptr (M): each row's ε/n_i with masking and label smoothing, else None (SHIFT):
         dS_ik = g_i (P_ik − s_i) on the entries kept (caption cosine not ≥ thr: a NaN cosine is
@@ -97,45 +98,6 @@ def _dscore_kernel(
              (offs_n, mask_n, col0, col_end, tl.program_id(1) * (BLOCK_N // SLICE)),
              w_ptr, 0, stride_w, res_r_ptr, 0, stride_rr, res_c_ptr, 0, stride_rc,
              ROUND16, SLICE, BLOCK_M, BLOCK_N)
-
-
-@triton.jit
-def _weighted_exp(x, g, FOLD: tl.constexpr):
-    """g·e^x. With FOLD (16-bit features) an entry whose e^x is a float32 subnormal (x < −87) is
-    sign(g)·e^(x + log|g|) instead: under a loss scale g·e^x is a normal number that a column of
-    saturated rows is made of (its own row's mass is far above it, so the row never sees it)."""
-    if FOLD:
-        sub = x < -87.0
-        e = tl.exp(tl.where(sub, x + tl.log(tl.abs(g)), x))
-        return tl.where(sub, tl.where(g < 0, -e, e), e * g)
-    return tl.exp(x) * g
-
-
-@triton.jit
-def _row_dscore(z, rows, cols, offset, factors, MASK: tl.constexpr, SHIFT: tl.constexpr, FOLD: tl.constexpr):
-    """(the tile's negatives, dS_ik = g_i P_ik of its rows' softmax) of a tile z of logits: ``rows`` =
-    (offsets, bounds mask) of its rows, ``cols`` its columns'; row i's positive is column offset + i.
-    ``factors`` = (pos_ptr, nll_ptr, g_ptr, s_ptr) of the rows (``_dscore_kernel``'s; s_ptr read with
-    SHIFT only). With MASK (z from ``tiles._logits_tile``, masked entries −inf) only the kept entries
-    are negatives, each less its row's smoothing share s = ε/n (SHIFT, label smoothing: without it a
-    masked tile costs what an unmasked one does, the fp16 128x64 dS is at 255 registers). Loads only."""
-    offs_m, mask_m = rows
-    offs_n, mask_n = cols
-    pos_ptr, nll_ptr, g_ptr, s_ptr = factors
-    neg = mask_m[:, None] & mask_n[None, :] & (offs_n[None, :] != offs_m[:, None] + offset)
-    pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0.0)
-    nll = tl.load(nll_ptr + offs_m, mask=mask_m, other=0.0)
-    g = tl.load(g_ptr + offs_m, mask=mask_m, other=0.0)
-    if MASK:
-        neg = neg & _kept(z)
-    if SHIFT:
-        s = tl.load(s_ptr + offs_m, mask=mask_m, other=0.0)
-        p = tl.exp(tl.where(neg, z - pos[:, None] - nll[:, None], float("-inf")))
-        dscore = tl.where(neg, p - s[:, None], 0.0) * g[:, None]
-    else:
-        # mask before exp: the positive's tile entry carries a margin and may overflow
-        dscore = _weighted_exp(tl.where(neg, z - pos[:, None] - nll[:, None], float("-inf")), g[:, None], FOLD)
-    return neg, dscore
 
 
 @triton.jit

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import epilogue
+from .. import softmax
 from . import config as cfg
 from .forward_kernels import launch_fwd, launch_fwd_pair, launch_fwd_rank
 from .merge import launch_fold, merge_stats
@@ -29,13 +29,13 @@ def _planes(sc: Scalars) -> int:
 
 
 def symmetric_stats(ops, norms, pos, sc: Scalars):
-    """(rows, columns) ``epilogue.RowStats`` of the symmetric loss (M = N, offset 0) from one
+    """(rows, columns) ``backends.softmax.RowStats`` of the symmetric loss (M = N, offset 0) from one
     walk over the tile pairs: :func:`symmetric_summaries` merged."""
     n = ops[0].shape[0]
     acc = symmetric_summaries(ops, norms, pos, sc)
     return (
-        epilogue.RowStats(pos, *merge_stats(acc, sc.smoothing, n, n, sc.masked)),
-        epilogue.RowStats(pos, *merge_stats(acc, sc.smoothing, 0, n, sc.masked)),
+        softmax.RowStats(pos, *merge_stats(acc, sc.smoothing, n, n, sc.masked)),
+        softmax.RowStats(pos, *merge_stats(acc, sc.smoothing, 0, n, sc.masked)),
     )
 
 
@@ -79,7 +79,7 @@ def symmetric_summaries(ops, norms, pos, sc: Scalars):
 
 
 def directional_stats(ops, norms, pos, sc: Scalars, offset: int):
-    """Statistics of Z's rows (``epilogue.RowStats``) of the directional op: M queries against
+    """Statistics of Z's rows (``backends.softmax.RowStats``) of the directional op: M queries against
     N keys, row i's positive at column ``offset + i``.
 
     ``ops`` = (q, k, margin_q, margin_k) features, ``norms`` their float32 inverse row norms,
@@ -88,7 +88,7 @@ def directional_stats(ops, norms, pos, sc: Scalars, offset: int):
     statistics gain ``kept``). ``_fwd_kernel`` over (row blocks × column splits), row partials
     (splits, planes, M, :func:`directional_partials`) merged by ``_merge_kernel``."""
     row_part = directional_partials(ops, norms, pos, sc, offset)
-    return epilogue.RowStats(pos, *merge_stats(row_part, sc.smoothing, masked=sc.masked))
+    return softmax.RowStats(pos, *merge_stats(row_part, sc.smoothing, masked=sc.masked))
 
 
 def directional_partials(ops, norms, pos, sc: Scalars, offset: int):
@@ -103,7 +103,7 @@ def directional_partials(ops, norms, pos, sc: Scalars, offset: int):
 
 
 def rank_stats(ops, norms, pos, sc: Scalars, offset: int):
-    """A distributed rank's i2t and t2i row statistics, one ``epilogue.RowStats`` of 2M lines
+    """A distributed rank's i2t and t2i row statistics, one ``backends.softmax.RowStats`` of 2M lines
     (i2t rows, then t2i rows), from one walk (``_fwd_rank_kernel``: the margin's G formed once
     per tile for both).
 
@@ -117,4 +117,4 @@ def rank_stats(ops, norms, pos, sc: Scalars, offset: int):
     row_part = torch.empty(splits, _planes(sc), 2 * m, device=v.device, dtype=torch.float32)
     shapes = (m, n, v.shape[1], offset, per_split, cfg.n_bucket(n))
     launch_fwd_rank(sc, lambda _: (row_blocks, splits), ops, (*norms, pos), (row_part,), shapes)
-    return epilogue.RowStats(pos, *merge_stats(row_part, sc.smoothing, masked=sc.masked))
+    return softmax.RowStats(pos, *merge_stats(row_part, sc.smoothing, masked=sc.masked))

@@ -16,22 +16,8 @@ from . import config as cfg
 from .family_tiles import _drop_same_group, _family_tile
 from .launch import derived, launch, wrap_triton
 from .params import Scalars
-from .tiles import (
-    _block,
-    _combine,
-    _count,
-    _gap_stats,
-    _kept,
-    _load2,
-    _load_scalars,
-    _logits_tile,
-    _merge_stats,
-    _pair_tiles,
-    _rank_tiles,
-    _store_count,
-    _store_partial,
-    _tile_stats,
-)
+from .softmax import _combine, _gap_stats, _merge_stats, _store_partial, _tile_stats
+from .tiles import _block, _count, _kept, _load2, _load_scalars, _logits_tile, _pair_tiles, _rank_tiles, _store_count
 
 
 @derived("fwd", "MASK", "COSINE", "CAPTIONS", "GROUPS")

@@ -10,7 +10,8 @@ import triton.language as tl
 
 from . import config as cfg
 from .launch import wrap_triton
-from .tiles import _combine, _load_count, _load_partial, _merge_stats, _store_count, _store_partial
+from .softmax import _combine, _load_partial, _merge_stats, _store_partial
+from .tiles import _load_count, _store_count
 
 
 @triton.jit

@@ -164,7 +164,7 @@ def hn_clip_pairs_triton(
     ids masked in both directions; ``margin`` a :class:`hnclip_kernels.margin.Margin` (or its
     string). Without them it runs the plain loss's kernels. float32 result; gradients reach
     ``img``, ``txt``, ``negatives`` and ``tau`` (0-dim). ``return_stats``: also ``(i2t, t2i)``,
-    the detached ``epilogue.RowStats`` of both directions (i2t's over the N + M columns).
+    the detached ``backends.softmax.RowStats`` of both directions (i2t's over the N + M columns).
     ``false_negative_threshold``: as :func:`directional_nll_triton` (off the diagonal super-tiles
     one caption tile masks Z_IJ and Z_JIᵀ alike: the mask is symmetric to the bit there).
     ``precision``: as :func:`directional_nll_triton`. The public checks are
@@ -220,7 +220,7 @@ def rank_nll_triton(
     2608.18521, Eq. 2, the margins of the local captions against all captions): the same as
     two calls of :func:`directional_nll_triton` (``0.5 * (i2t + t2i)``), each value to the bit,
     with the margin's product formed once for both. ``return_stats``: also ``(i2t, t2i)``, the
-    detached ``epilogue.RowStats`` of each direction. ``false_negative_threshold``: as
+    detached ``backends.softmax.RowStats`` of each direction. ``false_negative_threshold``: as
     :func:`directional_nll_triton` (one caption cosine masks the pair in both directions).
     Raises ``ValueError``/``TypeError`` as :func:`hnclip_kernels.validation.check_directional`
     does for either direction."""

@@ -9,27 +9,27 @@ from typing import NamedTuple, Tuple
 import torch
 from torch import Tensor
 
-from .. import epilogue
+from .. import softmax
 from ..outputs import fake, kept_output
 
 Grads = Tuple[Tensor, Tensor, Tensor]
 RankGrads = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-def smoothing_shifts(sc, eps, rows: epilogue.RowStats, key_rows: epilogue.RowStats):
+def smoothing_shifts(sc, eps, rows: softmax.RowStats, key_rows: softmax.RowStats):
     """The backward's ε/n_i of each side (``rows``: the rows', ``key_rows``: the key side's, or the
-    rows' again for one direction; ``epilogue.smoothing_shift``), read by the dS kernels only with
+    rows' again for one direction; ``backends.softmax.smoothing_shift``), read by the dS kernels only with
     masking and label smoothing (SHIFT); None otherwise."""
     if not (sc.masked and sc.smoothing):
         return None
-    shift = epilogue.smoothing_shift(rows, eps)
-    return shift, (shift if key_rows is rows else epilogue.smoothing_shift(key_rows, eps))
+    shift = softmax.smoothing_shift(rows, eps)
+    return shift, (shift if key_rows is rows else softmax.smoothing_shift(key_rows, eps))
 
 
 def rank_directions(stats, m: int, masked: bool):
     """The (i2t, t2i) ``RowStats`` of a rank's 2M lines (views)."""
     return tuple(
-        epilogue.RowStats(*(x[sl] for x in stats[:4]), stats[4][sl] if masked else None)
+        softmax.RowStats(*(x[sl] for x in stats[:4]), stats[4][sl] if masked else None)
         for sl in (slice(0, m), slice(m, 2 * m))
     )
 
@@ -43,7 +43,7 @@ class RankOut(NamedTuple):
     rt: Tensor
     rv_all: Tensor  # (N,) the gathered features'
     rt_all: Tensor
-    pos: Tensor  # (2M,) the lines' statistics (epilogue.RowStats)
+    pos: Tensor  # (2M,) the lines' statistics (softmax.RowStats)
     delta: Tensor
     mean_neg: Tensor
     dsum: Tensor
@@ -51,11 +51,11 @@ class RankOut(NamedTuple):
 
     def directions(self, masked: bool):
         """The (i2t, t2i) ``RowStats`` (views)."""
-        stats = epilogue.RowStats(self.pos, self.delta, self.mean_neg, self.dsum, self.kept)
+        stats = softmax.RowStats(self.pos, self.delta, self.mean_neg, self.dsum, self.kept)
         return rank_directions(stats, self.rv.shape[0], masked)
 
     @classmethod
-    def of(cls, rows: Tensor, norms, stats: epilogue.RowStats) -> "RankOut":
+    def of(cls, rows: Tensor, norms, stats: softmax.RowStats) -> "RankOut":
         """From the row losses, the four norms (img, txt, all_img, all_txt) and the 2M lines' statistics."""
         return cls(rows, *norms, *stats[:4], kept_output(stats))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import epilogue
+from .. import epilogue, softmax
 from ..outputs import schema
 from .backward import rank_shares
 from .forward import rank_stats
@@ -61,7 +61,7 @@ def _rank_nll(
     # differently in a loop's tail, and the directional op's tails are M long
     eps, n = label_smoothing if smoothing else 0.0, all_img.shape[0]
     i2t, t2i = rank_directions(stats, m, masked)
-    rows = 0.5 * (epilogue.row_losses(i2t, n, eps) + epilogue.row_losses(t2i, n, eps))
+    rows = 0.5 * (softmax.row_losses(i2t, n, eps) + softmax.row_losses(t2i, n, eps))
     return RankOut.of(rows, norms, stats)
 
 
@@ -101,7 +101,7 @@ def _rank_nll_backward(
     """(dL/dimg, dL/dtxt, dL/dall_img, dL/dall_txt in their dtypes, dL/dτ in τ's dtype and shape):
     i2t gives img and all_txt theirs, t2i txt and all_img (the margin is a constant)."""
     m = img.shape[0]
-    i2t, t2i = rank_directions(epilogue.RowStats(pos, delta, mean_neg, dsum, kept), m, masked)
+    i2t, t2i = rank_directions(softmax.RowStats(pos, delta, mean_neg, dsum, kept), m, masked)
     sc = scalars(
         img,
         tau,
@@ -121,10 +121,10 @@ def _rank_nll_backward(
         )
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t, d_va, d_ta = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in ops)
-    d_img, d_all_txt, dz_i2t = epilogue.finish_directional(
+    d_img, d_all_txt, dz_i2t = softmax.finish_directional(
         i2t, g, img, all_txt, rv, rt_all, d_v, d_ta, offset, inv_tau, eps, normalize
     )
-    d_txt, d_all_img, dz_t2i = epilogue.finish_directional(
+    d_txt, d_all_img, dz_t2i = softmax.finish_directional(
         t2i, g, txt, all_img, rt, rv_all, d_t, d_va, offset, inv_tau, eps, normalize
     )
     # dτ as autograd would sum the two directional ops' (each in τ's dtype)

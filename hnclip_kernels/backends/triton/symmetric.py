@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ...margin import Margin, margin_operands
-from .. import epilogue
+from .. import epilogue, softmax
 from ..outputs import FamilyPairsOut, kept_output, schema
 from .backward import directional_shares, symmetric_shares
 from .forward import directional_partials, symmetric_stats, symmetric_summaries
@@ -107,15 +107,15 @@ def _symmetric_nll(
         i2t, t2i = symmetric_stats((img, txt), norms[:2], pos, s.pair)
     else:  # the block's partials of the same rows (no positive among its M columns), after the walk's summaries
         acc = symmetric_summaries((img, txt), norms[:2], pos, s.pair)
-        t2i = epilogue.RowStats(pos, *merge_stats(acc, smoothing, 0, n, s.masked))
+        t2i = softmax.RowStats(pos, *merge_stats(acc, smoothing, 0, n, s.masked))
         block = directional_partials(*s.block_ops, pos, s.block, offset=m)
         rows = torch.empty((1 + block.shape[0], *block.shape[1:]), device=img.device, dtype=torch.float32)
         rows[0].copy_(acc[0, :, n:])
         rows[1:].copy_(block)
         del acc, block
-        i2t = epilogue.RowStats(pos, *merge_stats(rows, smoothing, masked=s.masked))
+        i2t = softmax.RowStats(pos, *merge_stats(rows, smoothing, masked=s.masked))
     eps = label_smoothing if smoothing else 0.0
-    pairs = 0.5 * (epilogue.row_losses(i2t, n + m, eps) + epilogue.row_losses(t2i, n, eps))
+    pairs = 0.5 * (softmax.row_losses(i2t, n + m, eps) + softmax.row_losses(t2i, n, eps))
     return FamilyPairsOut(pairs, *norms, pos, *i2t[1:4], kept_output(i2t), *t2i[1:4], kept_output(t2i))
 
 
@@ -179,10 +179,10 @@ def _symmetric_nll_backward(
         d_v, d_t = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (img, txt))
     v_hat, t_hat = epilogue.scaled(img, rv), epilogue.scaled(txt, rt)
     # i2t's keys: the captions, then the negatives (their n̂ only for the uniform smoothing term)
-    n_hat = epilogue.scaled(negatives, rn) if m > 0 and epilogue.smooths(eps) and not s.masked else None
+    n_hat = epilogue.scaled(negatives, rn) if m > 0 and softmax.smooths(eps) and not s.masked else None
     more = (n_hat, d_n) if m > 0 else None
-    dz_z = epilogue.add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v, d_t, 0, eps, more_keys=more)
-    dz_z = dz_z + epilogue.add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_t, d_v, 0, eps)
+    dz_z = softmax.add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v, d_t, 0, eps, more_keys=more)
+    dz_z = dz_z + softmax.add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_t, d_v, 0, eps)
     del v_hat, t_hat, n_hat  # peak memory: free before the normalisation's temporaries
     inv_tau = s.pair.inv_tau
     grads = []

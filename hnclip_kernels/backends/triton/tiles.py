@@ -1,5 +1,6 @@
-"""Tile helpers shared by the forward and backward kernels: forming a tile of logits,
-loading γ, block offsets, a tile's statistics, the online-LSE combine, partial stores and loads.
+"""Tile helpers shared by the forward and backward kernels of every loss kind: forming a tile of
+logits, loading γ, block offsets, kept-negative counts (the softmax kind's statistics of a tile
+and their online merge are in :mod:`.softmax`).
 
 False-negative masking (MASK, a threshold c): ``_logits_tile`` / ``_pair_tiles``
 form the caption tile G = m_q m_kᵀ where the margin is formed (also at γ = 0) and return the
@@ -176,68 +177,6 @@ def _load2(ptr1, ptr2, offs, mask):
 
 
 @triton.jit
-def _tile_stats(d, neg, AXIS: tl.constexpr):
-    """(max, Σexp(d − max), Σexp(d − max)·d, Σd) of a tile of gaps along AXIS
-    (d is −inf off the negatives ``neg``; so is the max of a line without negatives)."""
-    top = tl.max(d, axis=AXIS)
-    safe = tl.where(top == float("-inf"), 0.0, top)  # no -inf - -inf
-    if AXIS == 1:
-        p = tl.exp(d - safe[:, None])
-    else:
-        p = tl.exp(d - safe[None, :])
-    d0 = tl.where(neg, d, 0.0)
-    return top, tl.sum(p, axis=AXIS), tl.sum(p * d0, axis=AXIS), tl.sum(d0, axis=AXIS)
-
-
-@triton.jit
-def _combine(first, second):
-    """Merge two (max, Σexp, Σexp·d) summaries, each relative to its own max (−inf: empty).
-    Rescaling to the joint max keeps tiny sums (a saturated row's exp(−90)) representable."""
-    m1, s1, w1 = first
-    m2, s2, w2 = second
-    m = tl.maximum(m1, m2)
-    safe = tl.where(m == float("-inf"), 0.0, m)  # no -inf - -inf
-    e1 = tl.exp(m1 - safe)
-    e2 = tl.exp(m2 - safe)
-    return m, s1 * e1 + s2 * e2, w1 * e1 + w2 * e2
-
-
-@triton.jit
-def _store_partial(ptr, plane, offs, mask, stats, SMOOTHING: tl.constexpr):
-    """Store a block's summary ``stats`` = (max, Σexp, Σexp·d, Σd) at ``ptr + offs``, one
-    plane (``plane`` entries apart) per statistic; Σd only with label SMOOTHING."""
-    top, sum_exp, wsum, dsum = stats
-    tl.store(ptr + offs, top, mask=mask)
-    tl.store(ptr + plane + offs, sum_exp, mask=mask)
-    tl.store(ptr + 2 * plane + offs, wsum, mask=mask)
-    if SMOOTHING:
-        tl.store(ptr + 3 * plane + offs, dsum, mask=mask)
-
-
-@triton.jit
-def _load_partial(ptr, plane, offs, mask, SMOOTHING: tl.constexpr):
-    """Load a block's summary (max, Σexp, Σexp·d, Σd) stored by ``_store_partial``; outside
-    ``mask`` the empty summary (−inf, 0, 0, 0), which ``_merge_stats`` leaves the other
-    summary unchanged to the bit."""
-    top = tl.load(ptr + offs, mask=mask, other=float("-inf"))
-    sum_exp = tl.load(ptr + plane + offs, mask=mask, other=0.0)
-    wsum = tl.load(ptr + 2 * plane + offs, mask=mask, other=0.0)
-    dsum = tl.zeros_like(wsum)
-    if SMOOTHING:
-        dsum = tl.load(ptr + 3 * plane + offs, mask=mask, other=0.0)
-    return top, sum_exp, wsum, dsum
-
-
-@triton.jit
-def _merge_stats(first, second):
-    """Merge two (max, Σexp, Σexp·d, Σd) summaries (``_combine`` plus the sum of Σd)."""
-    m1, s1, w1, d1 = first
-    m2, s2, w2, d2 = second
-    m, s, w = _combine((m1, s1, w1), (m2, s2, w2))
-    return m, s, w, d1 + d2
-
-
-@triton.jit
 def _three_products(
     v_rows, t_rows, v_cols, t_cols,
     offs_m, mask_m, offs_n, mask_n,
@@ -352,14 +291,3 @@ def _rank_tiles(
         z = tl.where(keep, z, float("-inf"))
         zt = tl.where(keep, zt, float("-inf"))
     return z * logit_scale, zt * logit_scale
-
-
-@triton.jit
-def _gap_stats(z, pos, neg, AXIS: tl.constexpr):
-    """``_tile_stats`` of the gaps d = z − pos over the negatives ``neg``, along AXIS; ``pos``
-    the positives of the lines reduced (rows for AXIS 1, columns for AXIS 0)."""
-    if AXIS == 1:
-        d = tl.where(neg, z - pos[:, None], float("-inf"))
-    else:
-        d = tl.where(neg, z - pos[None, :], float("-inf"))
-    return _tile_stats(d, neg, AXIS)
