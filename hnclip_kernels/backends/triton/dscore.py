@@ -318,11 +318,13 @@ def _dscore_rank_kernel(
                                   MASK, SHIFT, ROUND16)
     _store_w(w, mask, rows, cols, w_ptr, 0, cols_c, res_r_ptr, 0, rows_c, res_c_ptr, 0, cols_c,
              ROUND16, SLICE, BLOCK_M, BLOCK_N)
-    s_t2i = s_ptr  # None without SHIFT: the t2i lines' shifts only exist with it
+    # s_ptr is None without SHIFT (the t2i lines' shifts only exist with it); a local bound to None
+    # inside the tuple breaks torch's TTIR mutation analysis (every input then counts as written)
+    t2i_factors = (pos_ptr + M, nll_ptr + M, g_ptr + M, s_ptr)
     if SHIFT:
-        s_t2i = s_ptr + M
+        t2i_factors = (pos_ptr + M, nll_ptr + M, g_ptr + M, s_ptr + M)
     w, mask = _w_tile_directional(zt, (offs_m, mask_m), (offs_n, mask_n), offset,
-                                  (pos_ptr + M, nll_ptr + M, g_ptr + M, s_t2i),
+                                  t2i_factors,
                                   (a_ptr + M, b_ptr + N),
                                   MASK, SHIFT, ROUND16)
     _store_w(w, mask, rows, cols, w_ptr, second_w, cols_c, res_r_ptr, second_r, rows_c, res_c_ptr,
