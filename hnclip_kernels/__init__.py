@@ -1,6 +1,6 @@
 """hnclip-kernels: the HN-CLIP contrastive loss (arXiv 2608.18521), exact, fast and memory-lean.
 
-Public API: :func:`hn_clip_loss`, :class:`HNClipLoss` (drop-in for open_clip's ClipLoss),
+Public API: :func:`hn_clip_loss`, :func:`hn_siglip_loss` (the sigmoid loss), :class:`HNClipLoss` (drop-in for open_clip's ClipLoss),
 :func:`gather_features`, :func:`workspace_bytes`, :func:`chunked_encode` / :func:`chunked_features`
 (encoders run in recomputed chunks: contrastive batches beyond the encoders' activation memory).
 Backends: ``hnclip_kernels.backends.pytorch.reference`` (pure PyTorch),
@@ -13,6 +13,7 @@ from .clip_loss import HNClipLoss
 from .distributed import gather_features
 from .loss import hn_clip_loss
 from .options import LossOptions
+from .siglip import hn_siglip_loss
 
 
 def workspace_bytes(
@@ -52,6 +53,7 @@ def workspace_bytes(
 
 __all__ = [
     "hn_clip_loss",
+    "hn_siglip_loss",
     "HNClipLoss",
     "gather_features",
     "LossOptions",

@@ -36,6 +36,7 @@ import torch
 from ..margin import Margin, margin_operands
 from ..plausibility import warn_once
 from .pytorch.reference import directional_nll_torch
+from .pytorch.sigmoid_pairs import sigmoid_pairs_torch
 
 
 def triton_directional() -> Callable:
@@ -123,6 +124,27 @@ def directional_fn(backend: str, precision: Optional[str] = None) -> Callable:
     if backend == "cpp":
         return cpp_directional()
     return directional_nll_torch
+
+
+def sigmoid_fn(backend: str, precision: Optional[str] = None) -> Callable:
+    """The sigmoid (SigLIP) pairs op of a resolved backend, with the keyword-only protocol of
+    :func:`hnclip_kernels.backends.pytorch.sigmoid_pairs.sigmoid_pairs_torch`::
+
+        fn(img, txt, logit_scale, logit_bias, *, offset, gamma, margin, normalize,
+           negatives=None, query_groups=None, key_groups=None, groups_positive=False)
+
+    R image rows against the C captions and M negatives as columns, row i's positive at
+    ``offset + i``: one process has R = C = N and offset 0; a rank its local rows."""
+    if backend == "triton":
+        triton_directional()  # the install hint first
+        from .triton.sigmoid_pairs import sigmoid_pairs_triton
+
+        return functools.partial(sigmoid_pairs_triton, precision=precision)
+    if backend == "cpp":
+        from .cpp.sigmoid_pairs import sigmoid_pairs_cpp
+
+        return sigmoid_pairs_cpp
+    return sigmoid_pairs_torch
 
 
 def symmetric_losses(

@@ -1,0 +1,57 @@
+"""A float64 oracle of the sigmoid (SigLIP) loss with the adaptive margin, written from the
+formula (docs/siglip.md), independently of the torch backend: one row at a time, its pairs'
+softplus in closed form, gradients by autograd in float64.
+
+    z_ij = s·(v̂_i·k̂_j + γ·sg(h_ij)·[y_ij = −1]) + b,   r_i = Σ_j log(1 + exp(−y_ij·z_ij))
+
+over the columns k = [txt; negatives]; y = +1 on the positive j = offset + i (and, with
+``groups_positive``, the caption columns of the row's group), −1 elsewhere; without
+``groups_positive`` the row's group's other caption columns are dropped. h: "text" t̂_{offset+i}·k̂_j,
+"image_text" v̂_i·k̂_j.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _unit(x, normalize):
+    x = x.double()
+    return x / x.norm(dim=1, keepdim=True).clamp_min(1e-300) if normalize else x
+
+
+def _log1p_exp(x):
+    """log(1 + e^x) without overflow, in float64."""
+    return x.clamp_min(0.0) + torch.log1p(torch.exp(-x.abs()))
+
+
+def sigmoid_rows_f64(img, txt, logit_scale, logit_bias=None, *, negatives=None, offset=0, gamma=0.5,
+                     margin="text", normalize=True, query_groups=None, key_groups=None,
+                     groups_positive=False):  # fmt: skip
+    """(R,) float64 row losses; differentiable in float64 wrt every float input that requires grad
+    (pass float64 leaves to read the oracle's gradients)."""
+    v = _unit(img, normalize)
+    cols = [txt] if negatives is None or negatives.shape[0] == 0 else [txt, negatives]
+    k = _unit(torch.cat([c.double() for c in cols]), normalize)
+    c = txt.shape[0]
+    s = torch.as_tensor(logit_scale).double()
+    b = torch.zeros((), dtype=torch.float64) if logit_bias is None else torch.as_tensor(logit_bias).double()
+    rows = []
+    for i in range(v.shape[0]):
+        own = k[offset + i].detach()
+        total = torch.zeros((), dtype=torch.float64)
+        for j in range(k.shape[0]):
+            same = query_groups is not None and j < c and int(query_groups[i]) == int(key_groups[j])
+            if j == offset + i or (same and groups_positive):
+                y = 1.0
+            elif same:
+                continue  # masked: neither a positive nor a negative
+            else:
+                y = -1.0
+            score = v[i] @ k[j]
+            if y < 0:
+                h = (own @ k[j].detach()) if margin == "text" else (v[i].detach() @ k[j].detach())
+                score = score + gamma * h
+            total = total + _log1p_exp(-y * (s * score + b))
+        rows.append(total)
+    return torch.stack(rows)
