@@ -21,8 +21,9 @@ def _unit(x, normalize):
 
 
 def _log1p_exp(x):
-    """log(1 + e^x) without overflow, in float64."""
-    return x.clamp_min(0.0) + torch.log1p(torch.exp(-x.abs()))
+    """log(1 + e^x) without overflow, in float64; its derivative e^x / (1 + e^x) everywhere (a
+    max(x, 0) + log1p(e^-|x|) form gets autograd's subgradient 0 of |x| and max at x = 0)."""
+    return torch.logaddexp(torch.zeros_like(x), x)
 
 
 def sigmoid_rows_f64(img, txt, logit_scale, logit_bias=None, *, negatives=None, offset=0, gamma=0.5,
