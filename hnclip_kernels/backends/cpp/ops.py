@@ -40,6 +40,7 @@ from .. import glue
 from ..outputs import CppDirectionalOut, FamilyOut
 from . import flops
 from .directional import DirectionalNLL
+from .sigmoid_pairs import sigmoid_pairs_cpp  # noqa: F401  (registers hnclip::cpp_sigmoid_nll; its public entry)
 from .symmetric import SymmetricNLL
 
 flops.register()  # FlopCounterMode's formulas of the operators and the raw kernels
