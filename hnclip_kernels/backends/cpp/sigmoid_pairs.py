@@ -124,8 +124,11 @@ def sigmoid_pairs_cpp(
     ``torch.compile`` a new value does not recompile). Gradients reach img, txt, negatives, s, b.
 
     Raises:
-        RuntimeError: shapes that do not fit (the raw kernels' checks), non-CPU tensors.
+        ValueError: an offset outside [0, C − R].
+        RuntimeError: other shapes that do not fit (the raw kernels' checks), non-CPU tensors.
     """
+    if not 0 <= offset <= txt.shape[0] - img.shape[0]:
+        raise ValueError(f"need 0 <= offset <= C - R, got offset {offset}, R {img.shape[0]}, C {txt.shape[0]}")
     if negatives is None:
         negatives = img.new_empty((0, img.shape[1]))
     bias = torch.zeros_like(logit_scale) if logit_bias is None else logit_bias
