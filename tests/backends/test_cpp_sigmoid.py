@@ -124,6 +124,9 @@ def test_opcheck():
         torch.tensor(-2.0, requires_grad=True), torch.tensor(0.5, dtype=torch.float64), 2, True, 1, True,
     )  # fmt: skip
     torch.library.opcheck(torch.ops.hnclip.cpp_sigmoid_nll.default, args)
+    raw = (img.detach(), torch.cat([txt, neg]).detach(), torch.zeros(4), torch.tensor(4.0), torch.tensor(-2.0))
+    torch.library.opcheck(torch.ops.hnclip.cpp_raw_sigmoid_fwd.default, (*raw, 2, 7, 0.5, 1))
+    torch.library.opcheck(torch.ops.hnclip.cpp_raw_sigmoid_bwd.default, (*raw, torch.ones(4), 2, 7, 0.5, 0))
 
 
 def test_compile_fullgraph_equals_eager():
