@@ -28,6 +28,8 @@
 //   sweeps.h             the row sweep (RowSweep<T, Sweep mode>) and the symmetric kernels
 //   directional.cpp      directional_fwd / directional_bwd
 //   symmetric.cpp        symmetric_fwd / symmetric_bwd
+//   sigmoid.h            the sigmoid (SigLIP) kind: a pair's softplus loss and its gradient
+//   sigmoid_pairs.cpp    sigmoid_fwd / sigmoid_bwd (and the kind's float32 clones)
 //   registration.cpp     the argument checks and the torch.ops.hnclip registration
 #pragma once
 
@@ -95,5 +97,26 @@ std::tuple<at::Tensor, at::Tensor> symmetric_bwd(const at::Tensor& v_hat, const 
                                                  const at::Tensor& shift_r, const at::Tensor& shift_c,
                                                  const c10::optional<at::Tensor>& rc,
                                                  const c10::optional<at::Tensor>& groups, MarginKind margin);
+
+// The sigmoid (SigLIP) operators' arguments besides the features (sigmoid_pairs.cpp): s and b
+// (0-dim), row i's positive at caption offset + i of the first ``captions`` columns (the rest:
+// negatives), γ and the margin's kind; group ids qg (R,), kg (captions,) int64 (absent: none),
+// same-group caption columns positives with ``groups_positive``, else masked.
+struct SigmoidArgs {
+  at::Tensor scale, bias;
+  int64_t offset = 0, captions = 0;
+  double gamma = 0.0;
+  MarginKind margin = MarginKind::kText;
+  c10::optional<at::Tensor> qg, kg;
+  bool groups_positive = false;
+};
+
+// Per-row Σ softplus(−y z), Σ dz·S and Σ dz (dz = σ(z) − [y = 1], S = z − b), each (R,)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sigmoid_fwd(const at::Tensor& v_hat, const at::Tensor& k_hat,
+                                                           const at::Tensor& pos, const SigmoidArgs& a);
+
+// dL/dv̂ (R, D) and dL/dk̂ (N, D) for upstream row gradients g (R,)
+std::tuple<at::Tensor, at::Tensor> sigmoid_bwd(const at::Tensor& v_hat, const at::Tensor& k_hat,
+                                               const at::Tensor& pos, const at::Tensor& g, const SigmoidArgs& a);
 
 }  // namespace hnclip

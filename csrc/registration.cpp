@@ -93,6 +93,66 @@ MarginKind check_margin(int64_t code) {
   return static_cast<MarginKind>(code);
 }
 
+// The sigmoid operators' arguments: features (R, D), (N, D) float32/float64 CPU, positives
+// offset + i inside the first ``captions`` columns, s and b 0-dim, group ids in pairs (int64 (R,),
+// (captions,)), the margin's code range-checked
+SigmoidArgs check_sigmoid(const Tensor& vh, const Tensor& kh, const Tensor& pos, const Tensor& scale,
+                          const Tensor& bias, int64_t offset, int64_t captions, double gamma, int64_t margin,
+                          const c10::optional<Tensor>& qg, const c10::optional<Tensor>& kg, bool groups_positive) {
+  TORCH_CHECK(vh.dim() == 2 && kh.dim() == 2, "hnclip: v_hat and k_hat must be 2-D");
+  TORCH_CHECK(vh.device().is_cpu() && kh.device().is_cpu() && pos.device().is_cpu(),
+              "hnclip: the C++ kernel runs on CPU tensors");
+  TORCH_CHECK(vh.scalar_type() == at::kFloat || vh.scalar_type() == at::kDouble,
+              "hnclip: v_hat must be float32 or float64, got ", vh.scalar_type());
+  TORCH_CHECK(kh.scalar_type() == vh.scalar_type(), "hnclip: v_hat and k_hat dtypes differ");
+  TORCH_CHECK(kh.size(1) == vh.size(1), "hnclip: feature dims differ");
+  const int64_t R = vh.size(0);
+  TORCH_CHECK(pos.numel() == R, "hnclip: pos needs R entries");
+  TORCH_CHECK(scale.numel() == 1 && bias.numel() == 1, "hnclip: scale and bias must hold one number each");
+  TORCH_CHECK(offset >= 0 && offset + R <= captions && captions <= kh.size(0),
+              "hnclip: need 0 <= offset, offset + R <= captions <= N, got offset ", offset, ", R ", R, ", captions ",
+              captions, ", N ", kh.size(0));
+  TORCH_CHECK(qg.has_value() == kg.has_value(), "hnclip: qg and kg are passed together");
+  SigmoidArgs a;
+  if (qg.has_value()) {
+    TORCH_CHECK(qg->scalar_type() == at::kLong && kg->scalar_type() == at::kLong, "hnclip: qg and kg must be int64");
+    TORCH_CHECK(qg->device().is_cpu() && kg->device().is_cpu(), "hnclip: qg and kg must be CPU tensors");
+    TORCH_CHECK(qg->dim() == 1 && kg->dim() == 1 && qg->numel() == R && kg->numel() == captions,
+                "hnclip: qg must be (R,) and kg (captions,)");
+    a.qg = qg->contiguous();
+    a.kg = kg->contiguous();
+  }
+  a.scale = scale.reshape({});
+  a.bias = bias.reshape({});
+  a.offset = offset;
+  a.captions = captions;
+  a.gamma = gamma;
+  a.margin = check_margin(margin);
+  a.groups_positive = groups_positive;
+  return a;
+}
+
+std::tuple<Tensor, Tensor, Tensor> sigmoid_fwd_op(const Tensor& v_hat, const Tensor& k_hat, const Tensor& pos,
+                                                  const Tensor& scale, const Tensor& bias, int64_t offset,
+                                                  int64_t captions, double gamma, int64_t margin,
+                                                  const c10::optional<Tensor>& qg, const c10::optional<Tensor>& kg,
+                                                  bool groups_positive) {
+  const SigmoidArgs a =
+      check_sigmoid(v_hat, k_hat, pos, scale, bias, offset, captions, gamma, margin, qg, kg, groups_positive);
+  return sigmoid_fwd(v_hat, k_hat, pos, a);
+}
+
+std::tuple<Tensor, Tensor> sigmoid_bwd_op(const Tensor& v_hat, const Tensor& k_hat, const Tensor& pos,
+                                          const Tensor& scale, const Tensor& bias, const Tensor& g, int64_t offset,
+                                          int64_t captions, double gamma, int64_t margin,
+                                          const c10::optional<Tensor>& qg, const c10::optional<Tensor>& kg,
+                                          bool groups_positive) {
+  const SigmoidArgs a =
+      check_sigmoid(v_hat, k_hat, pos, scale, bias, offset, captions, gamma, margin, qg, kg, groups_positive);
+  TORCH_CHECK(g.numel() == v_hat.size(0), "hnclip: g needs R entries");
+  return sigmoid_bwd(v_hat, k_hat, pos, g, a);
+}
+
 // The registered entry points: check, then run the kernel.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> directional_fwd_op(
     const Tensor& q_hat, const Tensor& k_hat, const Tensor& a, const Tensor& b, const Tensor& ra,
@@ -181,6 +241,14 @@ TORCH_LIBRARY(hnclip, m) {
       "Tensor g, float gamma, float? threshold, Tensor shift_r, Tensor shift_c, Tensor? rc=None, Tensor? groups=None, "
       "int margin=0) "
       "-> (Tensor d_v_neg, Tensor d_t_neg)");
+  m.def(
+      "cpp_raw_sigmoid_fwd(Tensor v_hat, Tensor k_hat, Tensor pos, Tensor scale, Tensor bias, int offset, "
+      "int captions, float gamma, int margin, Tensor? qg=None, Tensor? kg=None, bool groups_positive=False) "
+      "-> (Tensor loss, Tensor ds_rows, Tensor db_rows)");
+  m.def(
+      "cpp_raw_sigmoid_bwd(Tensor v_hat, Tensor k_hat, Tensor pos, Tensor scale, Tensor bias, Tensor g, int offset, "
+      "int captions, float gamma, int margin, Tensor? qg=None, Tensor? kg=None, bool groups_positive=False) "
+      "-> (Tensor d_v, Tensor d_k)");
 }
 
 TORCH_LIBRARY_IMPL(hnclip, CPU, m) {
@@ -188,6 +256,8 @@ TORCH_LIBRARY_IMPL(hnclip, CPU, m) {
   m.impl("cpp_raw_directional_bwd", &directional_bwd_op);
   m.impl("cpp_raw_symmetric_fwd", &symmetric_fwd_op);
   m.impl("cpp_raw_symmetric_bwd", &symmetric_bwd_op);
+  m.impl("cpp_raw_sigmoid_fwd", &sigmoid_fwd_op);
+  m.impl("cpp_raw_sigmoid_bwd", &sigmoid_bwd_op);
 }
 
 }  // namespace hnclip

@@ -10,7 +10,9 @@ rows × C columns,
   family's M negatives (both directions read the N × N part of S): forward P, backward 2 P;
 * the directional op (``cpp_directional_nll``, raw ``cpp_raw_directional_fwd``/``_bwd``), M × N
   (the family's: N + K key columns): forward P, backward 2 P;
-* a backward asked for dτ alone (no feature gradient): 0.
+* the sigmoid loss (``cpp_sigmoid_nll``, raw ``cpp_raw_sigmoid_fwd``/``_bwd``), R × (C + M):
+  forward P, backward 2 P;
+* a backward asked for dτ (the sigmoid loss: ds) alone (no feature gradient): 0.
 
 What the kernels execute differs by call (the margin folded into the left factor, or a second
 factor of width D; the captions' tile under masking; the backward's recomputation; the negatives'
@@ -32,6 +34,11 @@ FORMULAS = {
     "cpp_raw_directional_bwd": lambda q_hat, k_hat, *_, **__: glue.backward_flops(None, q_hat, k_hat, True),
     "cpp_raw_symmetric_fwd": glue.forward_flops,
     "cpp_raw_symmetric_bwd": lambda v_hat, t_hat, *_, **__: glue.backward_flops(None, v_hat, t_hat, True),
+    # the sigmoid loss: img against [txt; negatives] (the raw kernels: v̂ against k̂, all columns)
+    "cpp_sigmoid_nll": glue.family_forward_flops,
+    "cpp_sigmoid_nll_backward": glue.family_backward_flops,
+    "cpp_raw_sigmoid_fwd": glue.forward_flops,
+    "cpp_raw_sigmoid_bwd": lambda v_hat, k_hat, *_, **__: glue.backward_flops(None, v_hat, k_hat, True),
 }
 
 

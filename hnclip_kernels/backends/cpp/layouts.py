@@ -65,6 +65,28 @@ class DirectionalFlags(NamedTuple):
     need_grad: bool  # the forward also forms the negatives' gradient shares
 
 
+class SigmoidInputs(NamedTuple):
+    """``hnclip::cpp_sigmoid_nll``'s tensor inputs."""
+
+    img: Tensor  # (R, D)
+    txt: Tensor  # (C, D), C ≥ offset + R
+    negatives: Tensor  # (M, D), M ≥ 0: extra columns, label −1
+    query_groups: Tensor  # (R,), (C,) int64 group ids, or (0,) without ids
+    key_groups: Tensor
+    logit_scale: Tensor  # s, 0-dim
+    logit_bias: Tensor  # b, 0-dim (a zero without a bias)
+    gamma: Tensor  # 0-dim float64 (glue.hyperparameter)
+
+
+class SigmoidFlags(NamedTuple):
+    """``hnclip::cpp_sigmoid_nll``'s flags."""
+
+    offset: int  # row i's positive: caption offset + i
+    normalize: bool
+    margin: int  # hnclip_kernels.margin.Margin.code, range-checked by the raw kernels
+    groups_positive: bool  # same-group captions: positives (else masked)
+
+
 class Saved:
     """The backward's copy of an output ``layout``: its fields after the loss, received as the
     layout with ``None`` for the loss."""

@@ -7,8 +7,10 @@ argument conventions and fakes), together with the O(N·D) algebra of :mod:`..ep
 the hard-negative family's inputs optional in both. Each has a ``*_backward`` operator,
 registered with their autograd formulas, fakes and vmap rules by :func:`..glue.fused_op` (the
 same glue as the Triton backend's ``hnclip::triton_*``). This module holds their public entries
-and registers their FLOP formulas. Being registered operators they compose with
-``torch.compile(fullgraph=True)`` (no graph break) and ``torch.autograd.gradcheck``.
+and registers their FLOP formulas (and those of the sigmoid loss's ``hnclip::cpp_sigmoid_nll``,
+whose body and public entry ``sigmoid_pairs_cpp`` are in :mod:`.sigmoid_pairs`). Being
+registered operators they compose with ``torch.compile(fullgraph=True)`` (no graph break) and
+``torch.autograd.gradcheck``.
 γ and ε reach the operators as 0-dim float64 tensors, not ``float`` arguments, so a γ
 schedule under ``torch.compile`` reuses one graph instead of recompiling per value.
 The ``*_backward`` operators' own autograd formula raises: a second derivative through
@@ -40,6 +42,7 @@ from .. import glue
 from ..outputs import CppDirectionalOut, FamilyOut
 from . import flops
 from .directional import DirectionalNLL
+from .sigmoid_pairs import sigmoid_pairs_cpp  # noqa: F401  (registers hnclip::cpp_sigmoid_nll; its public entry)
 from .symmetric import SymmetricNLL
 
 flops.register()  # FlopCounterMode's formulas of the operators and the raw kernels

@@ -33,6 +33,13 @@ already normalised and scaled; no autograd):
   products for forward + backward, against six for two directional calls (ten when the
   upstream gradient differs per row).
 
+* ``torch.ops.hnclip.cpp_raw_sigmoid_fwd`` / ``cpp_raw_sigmoid_bwd``: the sigmoid (SigLIP) loss
+  (``csrc/sigmoid_pairs.cpp``), R rows v̂ against the columns k̂ = [captions; negatives], the
+  positive at caption ``offset + i`` with its score ``pos`` (s·v̂_i·k̂_{offset+i}), s and b 0-dim,
+  γ, the margin's code, group ids ``qg`` (R,), ``kg`` (captions,) masked or (``groups_positive``)
+  positives. The forward returns each row's loss, Σ dz·S and Σ dz (dL/ds·s and dL/db for an
+  upstream gradient of 1), the backward dL/dv̂ and dL/dk̂ for row gradients ``g``.
+
 Importing this module raises ImportError when the extension was not built.
 """
 
@@ -174,3 +181,15 @@ def _symmetric_bwd_fake(
     margin=0,
 ):  # fmt: skip
     return v_hat.new_empty(v_hat.shape), t_hat.new_empty(t_hat.shape)
+
+
+@torch.library.register_fake("hnclip::cpp_raw_sigmoid_fwd")
+def _sigmoid_fwd_fake(v_hat, k_hat, pos, scale, bias, offset, captions, gamma, margin, qg=None, kg=None,
+                      groups_positive=False):  # fmt: skip
+    return tuple(v_hat.new_empty((v_hat.shape[0],)) for _ in range(3))
+
+
+@torch.library.register_fake("hnclip::cpp_raw_sigmoid_bwd")
+def _sigmoid_bwd_fake(v_hat, k_hat, pos, scale, bias, g, offset, captions, gamma, margin, qg=None, kg=None,
+                      groups_positive=False):  # fmt: skip
+    return v_hat.new_empty(v_hat.shape), k_hat.new_empty(k_hat.shape)
