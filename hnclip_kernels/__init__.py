@@ -1,6 +1,7 @@
 """hnclip-kernels: the HN-CLIP contrastive loss (arXiv 2608.18521), exact, fast and memory-lean.
 
 Public API: :func:`hn_clip_loss`, :func:`hn_siglip_loss` (the sigmoid loss), :class:`HNClipLoss` (drop-in for open_clip's ClipLoss),
+:class:`HNSigLipLoss` (drop-in for open_clip's SigLipLoss),
 :func:`gather_features`, :func:`workspace_bytes`, :func:`chunked_encode` / :func:`chunked_features`
 (encoders run in recomputed chunks: contrastive batches beyond the encoders' activation memory).
 Backends: ``hnclip_kernels.backends.pytorch.reference`` (pure PyTorch),
@@ -14,6 +15,7 @@ from .distributed import gather_features
 from .loss import hn_clip_loss
 from .options import LossOptions
 from .siglip import hn_siglip_loss
+from .siglip_loss import HNSigLipLoss
 
 
 def workspace_bytes(
@@ -55,6 +57,7 @@ __all__ = [
     "hn_clip_loss",
     "hn_siglip_loss",
     "HNClipLoss",
+    "HNSigLipLoss",
     "gather_features",
     "LossOptions",
     "workspace_bytes",

@@ -287,8 +287,8 @@ def _rng_kept(tensors):
 
 def chunked_features(
     model, images: torch.Tensor, texts: Inputs, chunk_size: int, *, calls: Optional[int] = None
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An open_clip model's ``(image_features, text_features, logit_scale)``, as its ``forward``
+) -> Tuple[torch.Tensor, ...]:
+    """An open_clip model's ``(image_features, text_features, logit_scale[, logit_bias])``, as its ``forward``
     returns them (features L2-normalised, ``logit_scale`` exponentiated), with both towers run
     ``chunk_size`` pairs at a time (:func:`chunked_encode`): all image chunks first, then all
     text chunks. Feed them to one :class:`hnclip_kernels.HNClipLoss` call::
@@ -305,17 +305,19 @@ def chunked_features(
         calls: encoder calls per tower, as :func:`chunked_encode`'s; None (default): agreed
             across ranks under ``torch.distributed`` by one all_reduce for both towers.
 
+    Returns:
+        ``(image_features, text_features, logit_scale)``, and ``logit_bias`` fourth for a SigLIP
+        model (``init_logit_bias``: open_clip's forward returns it too), which feeds
+        :class:`hnclip_kernels.HNSigLipLoss`: ``loss_fn(*chunked_features(model, images, texts, 32))``.
+
     Raises:
-        TypeError / ValueError: as :func:`chunked_encode`; a model with a ``logit_bias``
-            (SigLIP) raises TypeError.
+        TypeError / ValueError: as :func:`chunked_encode`.
     """
-    if getattr(model, "logit_bias", None) is not None:
-        raise TypeError(
-            "chunked_features returns CLIP's (image, text, logit_scale); this model has a logit_bias "
-            "(SigLIP), which HN-CLIP does not use"
-        )
     if calls is None:  # one agreement for both towers (same N)
         calls = agree_tower_calls(tower_calls(_batch_size(images), check_chunk_size(chunk_size)), like=images)[0]
     image = chunked_encode(lambda x: model.encode_image(x, normalize=True), images, chunk_size, calls=calls)
     text = chunked_encode(lambda x: model.encode_text(x, normalize=True), texts, chunk_size, calls=calls)
+    bias = getattr(model, "logit_bias", None)
+    if bias is not None:  # SigLIP: open_clip's forward returns the bias too, for SigLipLoss / HNSigLipLoss
+        return image, text, model.logit_scale.exp(), bias
     return image, text, model.logit_scale.exp()

@@ -111,3 +111,20 @@ def scalar_tensor(name: str, x, like: torch.Tensor, *, positive: bool) -> torch.
         need = "finite and > 0 (already exponentiated: logit_scale.exp())" if positive else "finite"
         raise ValueError(f"{name} must be {need}, got {value}")
     return tensor
+
+
+def logit_bound(img, txt, negatives, s, b, options: SigmoidOptions) -> Optional[float]:
+    """The largest |z| of the sigmoid loss's pairs: s·(1 + γ)·‖v‖‖k‖ + |b| (row norms 1 with
+    ``normalize``, else read in one host sync); None where nothing is read (``torch.compile``,
+    meta tensors, a tensor γ)."""
+    if torch.compiler.is_compiling() or img.device.type == "meta" or isinstance(options.gamma, torch.Tensor):
+        return None
+    keys = (txt,) if negatives is None else (txt, negatives)
+    if options.normalize:
+        norm_v = norm_k = 1.0
+    else:
+        extremes = validation.row_norm_extremes(img, *keys)
+        norm_v, norm_k = extremes[0][0], max(e[0] for e in extremes[1:])
+    return float(s.detach()) * (1.0 + options.gamma) * norm_v * max(norm_k, norm_v) + (
+        0.0 if b is None else abs(float(b.detach()))
+    )

@@ -7,11 +7,10 @@ from typing import Optional, Union
 
 import torch
 
-from . import validation
 from .backends import sigmoid_fn
 from .loss import reduce_rows
 from .numerics import autocast_disabled, compute_dtype
-from .options_sigmoid import SigmoidOptions, scalar_tensor
+from .options_sigmoid import SigmoidOptions, logit_bound, scalar_tensor
 from .validation_family import family_arguments
 
 Scalar = Union[float, torch.Tensor]
@@ -125,17 +124,9 @@ def check_logit_range(img, txt, negatives, s, b, options: SigmoidOptions) -> Non
     """ValueError where the logits (and so a row's sum) could overflow the compute dtype:
     |z| ≤ s·(1 + γ)·‖v‖‖k‖ + |b| (norms 1 with ``normalize``). One host sync with
     ``normalize=False``; nothing is read under ``torch.compile`` or on meta tensors."""
-    if torch.compiler.is_compiling() or img.device.type == "meta" or isinstance(options.gamma, torch.Tensor):
+    bound = logit_bound(img, txt, negatives, s, b, options)
+    if bound is None:
         return
-    keys = (txt,) if negatives is None else (txt, negatives)
-    if options.normalize:
-        norm_v = norm_k = 1.0
-    else:
-        extremes = validation.row_norm_extremes(img, *keys)
-        norm_v, norm_k = extremes[0][0], max(e[0] for e in extremes[1:])
-    bound = float(s.detach()) * (1.0 + options.gamma) * norm_v * max(norm_k, norm_v) + (
-        0.0 if b is None else abs(float(b.detach()))
-    )
     columns = txt.shape[0] + (0 if negatives is None else negatives.shape[0])
     limit = torch.finfo(compute_dtype(img.dtype)).max
     if not math.isfinite(bound) or bound * columns * img.shape[0] >= limit:

@@ -6,6 +6,7 @@ Usage (every argument but the ``--hn-*`` flags goes to ``open_clip_train.main`` 
         [--hn-gamma 0.5] [--hn-label-smoothing 0.0] [--hn-backend auto] [--hn-log-stats]
         [--hn-false-negative-threshold C] [--hn-chunk-size C]
         [--hn-negatives-key COL] [--hn-group-key COL] [--hn-margin {text,image_text}]
+        [--siglip [--hn-group-mode {mask,positive}]]
     torchrun --nproc_per_node 8 -m hnclip_kernels.train -- --local-loss --gather-with-grad ...
 
 Flags:
@@ -29,7 +30,14 @@ Flags:
                             are the loss's ``negatives`` (extra image→text columns; docs/hard_negatives.md)
     --hn-group-key COL      a CSV column of group ids (equal values: no negatives of each other)
     --hn-margin M           "text" (default) or "image_text" (the margin from the image-text score)
+    --hn-group-mode M       with --siglip: equal group ids are "mask"ed (default) or "positive" (label +1)
     The two column flags: :mod:`hnclip_kernels.train_negatives` (a CSV --train-data, no --torchcompile).
+
+``--siglip`` (open_clip_train's flag: a model with ``init_logit_bias``, e.g. a ``*-SigLIP`` config)
+trains with :class:`hnclip_kernels.HNSigLipLoss` where open_clip builds ``SigLipLoss`` (its
+``--loss-dist-impl`` validated and kept: one caption gather for every value), with ``--hn-gamma``,
+``--hn-margin``, ``--hn-backend``, ``--hn-chunk-size`` and the column flags; ``--hn-label-smoothing``,
+``--hn-false-negative-threshold`` and ``--hn-log-stats`` have no sigmoid meaning and are refused.
 
 open_clip's ``--accum-freq K`` (K > 1) is refused: its cached features give ``logit_scale`` K
 times its gradient (the loss runs K times a step) and its re-forward draws new dropout masks;
@@ -55,8 +63,8 @@ after the module name when passing ``--logs`` (torchrun's parser takes it for ``
 Errors:
     SystemExit(2) with an argparse message, before anything is built: a bad or unknown ``--hn-*``
         flag, ``--accum-freq`` > 1, ``--hn-chunk-size`` with ``--torchcompile`` (untested), a backend that cannot run on the run's device, a CSV ``--train-data``/``--val-data`` that
-        cannot be read or whose header lacks the image or caption column, or a run whose loss is not ClipLoss (``--siglip``, ``--distill-model``, CoCa models,
-        ``--horovod``); use ``python -m open_clip_train.main`` for those.
+        cannot be read or whose header lacks the image or caption column, or a run whose loss is neither ClipLoss nor SigLipLoss (``--distill-model``, CoCa models,
+        ``--horovod``; :mod:`hnclip_kernels.train_loss`); use ``python -m open_clip_train.main`` for those.
     MissingTrainExtra (an ImportError) naming ``pip install "open_clip_torch[training]"`` when
         open_clip_train or its dependencies (webdataset, pandas, ...) cannot be imported; run
         with ``-m`` it exits 1 with that message.
@@ -74,7 +82,7 @@ import sys
 
 import torch
 
-from . import train_negatives
+from . import train_loss, train_negatives
 from .backends import resolve_backend
 from .chunked import check_chunk_size, chunked_features
 from .clip_loss import HNClipLoss
@@ -123,6 +131,7 @@ def _parser() -> argparse.ArgumentParser:
         "contrastive batch, the activation memory that of C pairs (default: no chunking)",
     )
     train_negatives.add_arguments(p)
+    train_loss.add_arguments(p)
     return p
 
 
@@ -179,29 +188,6 @@ def _check_csv_header(parser, args) -> None:
             )
 
 
-class StatsLoggingHNClipLoss(HNClipLoss):
-    """``HNClipLoss(return_stats=True)`` that logs rank 0's report every ``log_every`` calls
-    (one call per optimizer step: ``--accum-freq`` > 1, k calls a step, is refused)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, return_stats=True, **kwargs)
-        self.log_every, self.calls = 1, 0
-
-    def _get_name(self):  # the run's log names the loss as without the flag (with return_stats=True)
-        return "HNClipLoss"
-
-    def forward(self, *args, **kwargs):
-        out = super().forward(*args, **kwargs)
-        if self.rank == 0 and self.last_stats is not None and self.calls % self.log_every == 0:
-            r = self.last_stats
-            logging.info(
-                f"HN-CLIP stats (call {self.calls}, rank 0's {r.rows} directional rows): loss {r.loss:.6g} "
-                f"saturated_rows {r.saturated_rows:.4f} effective_negatives {r.effective_negatives:.3f}"
-            )
-        self.calls += 1
-        return out
-
-
 class MissingTrainExtra(ImportError):
     """open_clip_train or its training dependencies are not installed."""
 
@@ -209,27 +195,13 @@ class MissingTrainExtra(ImportError):
 def _import_open_clip_train():
     try:
         import open_clip_train.main as oc_main
-        from open_clip.loss import ClipLoss
         from open_clip_train.params import parse_args
     except ImportError as exc:
         raise MissingTrainExtra(
             f"{_PROG} runs open_clip_train, which could not be imported ({exc}); "
             f"install it with: {_INSTALL}  (or the hnclip-kernels[train] extra)"
         ) from exc
-    return oc_main, ClipLoss, parse_args
-
-
-def _not_clip_loss(args) -> str | None:
-    """Why open_clip would build a loss other than a plain ClipLoss for ``args``, or None."""
-    if args.horovod:
-        return "--horovod (HNClipLoss runs on torch.distributed: launch with torchrun)"
-    if args.siglip:
-        return "--siglip (open_clip builds SigLipLoss)"
-    if args.distill_model is not None and args.distill_pretrained is not None:
-        return "--distill-model (open_clip builds DistillClipLoss)"
-    if "coca" in args.model.lower():
-        return f"model {args.model!r} (open_clip builds CoCaLoss for CoCa models)"
-    return None
+    return oc_main, parse_args
 
 
 def main(argv=None):
@@ -255,14 +227,9 @@ def main(argv=None):
     if "-h" in rest or "--help" in rest:
         parser.print_help()
         print()  # open_clip's own help follows
-    oc_main, ClipLoss, parse_args = _import_open_clip_train()
+    oc_main, parse_args = _import_open_clip_train()
     oc_args = parse_args(rest)
-    why = _not_clip_loss(oc_args)
-    if why is not None:
-        parser.error(
-            f"HN-CLIP replaces only open_clip's ClipLoss, not the loss of {why}; "
-            "run python -m open_clip_train.main for that"
-        )
+    train_loss.check_loss_flags(parser, hn, oc_args)
     _check_backend_device(parser, hn.hn_backend, oc_args)
     _check_csv_header(parser, oc_args)
     _check_chunking(parser, hn, oc_args)
@@ -271,20 +238,7 @@ def main(argv=None):
     original = oc_main.create_loss
 
     def create_loss(args):
-        loss = original(args)
-        if type(loss) is not ClipLoss:  # not reached for the runs checked above; guards new losses
-            raise ValueError(f"HN-CLIP replaces only open_clip's ClipLoss, got {type(loss).__name__}")
-        loss_cls = StatsLoggingHNClipLoss if hn.hn_log_stats else HNClipLoss
-        loss = loss_cls(
-            local_loss=args.local_loss,
-            gather_with_grad=args.gather_with_grad,
-            cache_labels=True,
-            rank=args.rank,
-            world_size=args.world_size,
-            **kwargs,
-        )
-        if hn.hn_log_stats:
-            loss.log_every = max(1, int(args.log_every_n_steps))
+        loss = train_loss.hn_loss(original(args), args, hn, kwargs)
         logging.info(f"Contrastive loss: {loss}")
         return loss
 
@@ -375,10 +329,10 @@ def _chunked_forward(model, chunk_size, image=None, text=None):
     """open_clip ``CLIP.forward``'s outputs (dict under ``output_dict``), its towers chunked."""
     if image is None or text is None:  # not what train_one_epoch calls: the model's own forward
         return type(model).forward(model, image, text)
-    image_features, text_features, logit_scale = chunked_features(model, image, text, chunk_size)
+    out = chunked_features(model, image, text, chunk_size)  # logit_bias fourth for a SigLIP model
     if getattr(model, "output_dict", False):
-        return {"image_features": image_features, "text_features": text_features, "logit_scale": logit_scale}
-    return image_features, text_features, logit_scale
+        return dict(zip(("image_features", "text_features", "logit_scale", "logit_bias"), out))
+    return out
 
 
 def _torch_loggers() -> list:

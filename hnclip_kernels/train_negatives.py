@@ -217,10 +217,8 @@ def family_forward(model, image=None, text=None, *, chunk_size=None, groups: boo
     if chunk_size is None:
         out = type(model).forward(model, image, captions)
     else:
-        image_features, text_features, logit_scale = chunked_features(
-            model, image, captions, chunk_size, calls=pair_calls
-        )
-        out = {"image_features": image_features, "text_features": text_features, "logit_scale": logit_scale}
+        features = chunked_features(model, image, captions, chunk_size, calls=pair_calls)  # a SigLIP model's bias 4th
+        out = dict(zip(("image_features", "text_features", "logit_scale", "logit_bias"), features))
     if not isinstance(out, dict):
         raise TypeError(
             "the hard-negative forward needs open_clip's output dict (output_dict=True, as open_clip_train)"

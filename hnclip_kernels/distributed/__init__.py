@@ -45,12 +45,15 @@ from .consensus import collective_check, family_checks, local_checks
 from .family import family_rank_loss
 from .gather import AUTOGRAD_GATHER, HAS_DISTRIBUTED, dist, gather_features, gather_sizes, require_distributed
 from .per_rank import rank_hn_clip_loss
+from .sigmoid import distributed_siglip_loss, sigmoid_rank_loss
 
 __all__ = [
     "gather_features",
     "gather_sizes",
     "rank_hn_clip_loss",
     "distributed_hn_clip_loss",
+    "distributed_siglip_loss",
+    "sigmoid_rank_loss",
     "AUTOGRAD_GATHER",
 ]
 

@@ -5,8 +5,9 @@
 matrix, each rank seeing only its own batch. :func:`clip_model_loss` instead takes the
 embeddings from ``get_image_features`` / ``get_text_features`` and τ = 1 / exp(logit_scale)
 and runs :class:`hnclip_kernels.HNClipLoss` on them (fused kernels: no N×N tensor; under
-``torch.distributed`` local rows against the gathered batch). :class:`HNClipTrainer` is a
-``transformers.Trainer`` whose ``compute_loss`` is :func:`clip_model_loss`.
+``torch.distributed`` local rows against the gathered batch). A ``SiglipModel`` (a model with a
+``logit_bias``) gets the sigmoid loss, :class:`hnclip_kernels.HNSigLipLoss`, the same way.
+:class:`HNClipTrainer` is a ``transformers.Trainer`` whose ``compute_loss`` is :func:`clip_model_loss`.
 
 Needs the ``[hf]`` extra (``pip install "hnclip-kernels[hf]"``: ``transformers[torch]`` 5.x).
 """
@@ -33,7 +34,8 @@ from ..clip_loss import HNClipLoss
 from ..distributed.gather import HAS_DISTRIBUTED, dist, gather_sizes
 from ..plausibility import warn_if_implausible_model_logit_scale
 from ..sharding import squeeze_scalar_parameters, unsqueeze_scalar_parameters
-from .transformers_embeddings import embeddings
+from ..siglip_loss import HNSigLipLoss
+from .transformers_embeddings import embeddings, is_sigmoid_model
 from .transformers_negatives import NEGATIVE_KEYS, collate_hard_negatives, flat_negatives
 
 __all__ = ["clip_model_loss", "HNClipTrainer", "collate_hard_negatives"]
@@ -65,6 +67,20 @@ def _loss_module(gamma, label_smoothing, false_negative_threshold, backend, marg
     return _ModelLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=world_size, **options)
 
 
+def _sigmoid_module(gamma, label_smoothing, false_negative_threshold, backend, margin, group_mode) -> HNSigLipLoss:
+    """The sigmoid loss of a model with a ``logit_bias`` (``SiglipModel``): local image rows
+    against the gathered captions under ``torch.distributed``."""
+    if label_smoothing or false_negative_threshold is not None:
+        raise ValueError(
+            "label_smoothing and false_negative_threshold have no meaning in the sigmoid loss of this SigLIP "
+            "model (a model with a logit_bias); leave them unset (group_ids with group_mode='mask' drop "
+            "known duplicates)"
+        )
+    rank, world_size = _distributed_layout()
+    return HNSigLipLoss(rank=rank, world_size=world_size, gamma=gamma, margin=margin, group_mode=group_mode,
+                        backend=backend, normalize=True)  # fmt: skip
+
+
 def clip_model_loss(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -81,6 +97,7 @@ def clip_model_loss(
     negative_attention_mask: Optional[torch.Tensor] = None,
     group_ids: Optional[torch.Tensor] = None,
     margin: str = "text",
+    group_mode: str = "mask",
 ):
     """HN-CLIP loss (arXiv 2608.18521, Eq. 2) of a ``transformers`` CLIP batch, never forming N×N logits.
 
@@ -126,6 +143,15 @@ def clip_model_loss(
             flattened first (:func:`~hnclip_kernels.integrations.transformers_negatives.flat_negatives`).
         group_ids: None or (N,) integer pair ids: equal ids are no negatives of each other.
         margin: "text" (default) or "image_text" (LLaVE-style hardness), as ``hn_clip_loss``'s.
+        group_mode: what equal ``group_ids`` mean for a SigLIP model: "mask" (default) or
+            "positive" (label +1); a CLIP model takes "mask" only.
+
+    SigLIP: a model with a ``logit_bias`` (``transformers.SiglipModel``) trains with the sigmoid
+    loss (:class:`hnclip_kernels.HNSigLipLoss`, ``docs/siglip.md``): s = exp(``logit_scale``),
+    b = ``logit_bias``, the embeddings L2-normalised inside. At γ = 0 on one process it equals
+    ``model(..., return_loss=True).loss``; across ranks each rank's image rows meet every rank's
+    captions (its share ``(W/N)·Σ`` of the global loss). ``label_smoothing`` and
+    ``false_negative_threshold`` raise ``ValueError`` there.
 
     FSDP2 and DeepSpeed ZeRO: ``fully_shard`` and ``deepspeed.initialize`` take no 0-dim parameter,
     and CLIPModel's ``logit_scale`` is one; make it (1,) before wrapping and 0-dim again in the
@@ -141,20 +167,27 @@ def clip_model_loss(
         taken as ``CLIPModel`` takes it, quietly.
 
     Raises:
-        TypeError: a model without the CLIP embedding methods, or with a ``logit_bias`` (SigLIP);
-            a ``chunk_size`` that is not an integer (a bool, a float).
+        TypeError: a model without the CLIP embedding methods; a ``chunk_size`` that is not an integer (a bool, a float).
         ValueError: ``torch.nn.DataParallel``; ``chunk_size`` < 1; and every error of :class:`hnclip_kernels.HNClipLoss`
-            (bad options at once, bad features or τ at the loss).
+            (bad options at once, bad features or τ at the loss), or of :class:`hnclip_kernels.HNSigLipLoss`
+            for a SigLIP model.
     """
-    loss_fn = _loss_module(gamma, label_smoothing, false_negative_threshold, backend, margin)  # bad options first
+    if is_sigmoid_model(model):  # SiglipModel: the sigmoid loss with its logit_bias
+        loss_fn = _sigmoid_module(gamma, label_smoothing, false_negative_threshold, backend, margin, group_mode)
+    else:
+        loss_fn = _loss_module(gamma, label_smoothing, false_negative_threshold, backend, margin)  # bad options first
+        if group_mode != "mask":
+            raise ValueError(f"group_mode={group_mode!r} is the sigmoid loss's (a SigLIP model); CLIP takes 'mask'")
     chunk_size = check_chunk_size(chunk_size)
     neg_ids, neg_mask = flat_negatives(negative_input_ids, negative_attention_mask)
     negatives = None if neg_ids is None else (neg_ids, neg_mask)
-    image, text, scale, negative = embeddings(model, input_ids, pixel_values, attention_mask, chunk_size, negatives)
+    image, text, scale, negative, bias = embeddings(
+        model, input_ids, pixel_values, attention_mask, chunk_size, negatives
+    )
     family = {} if group_ids is None else {"group_ids": group_ids}  # only what is given: else today's call
     if negative is not None:
         family["negatives"] = negative
-    loss = loss_fn(image, text, scale, **family)
+    loss = loss_fn(image, text, scale, bias, **family) if bias is not None else loss_fn(image, text, scale, **family)
     if not return_outputs:
         return loss
     return loss, CLIPOutput(loss=loss, image_embeds=F.normalize(image, dim=-1), text_embeds=F.normalize(text, dim=-1))
@@ -171,7 +204,9 @@ class HNClipTrainer(transformers.Trainer):
 
         trainer = HNClipTrainer(model=model, args=args, train_dataset=ds, data_collator=collate,
                                 gamma=0.5, label_smoothing=0.0, false_negative_threshold=None,
-                                backend="auto", chunk_size=None, margin="text")
+                                backend="auto", chunk_size=None, margin="text", group_mode="mask")
+
+    A ``SiglipModel`` trains with the sigmoid loss (:func:`clip_model_loss`; ``group_mode`` is its).
 
     Batches are dicts with ``input_ids``, ``pixel_values`` and optionally ``attention_mask``,
     ``negative_input_ids``, ``negative_attention_mask`` and ``group_ids`` (hard negatives: the
@@ -217,6 +252,7 @@ class HNClipTrainer(transformers.Trainer):
         backend: str = "auto",
         chunk_size: Optional[int] = None,
         margin: str = "text",
+        group_mode: str = "mask",
         **kwargs,
     ):
         # bad options fail here, where they are written, not at the first step
@@ -247,6 +283,8 @@ class HNClipTrainer(transformers.Trainer):
         if chunk_size is not None:  # passed on only when set: without it the call is today's
             self.hn_options["chunk_size"] = chunk_size
         self.hn_options["margin"] = margin
+        if group_mode != "mask":  # the sigmoid loss's (SigLIP models); passed on only when set
+            self.hn_options["group_mode"] = group_mode
         # FSDP and DeepSpeed take no 0-dim parameter: train them (1,), save them 0-dim (_save)
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
         self.scalar_names = unsqueeze_scalar_parameters(self.model) if sharded else ()

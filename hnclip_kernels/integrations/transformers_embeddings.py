@@ -11,7 +11,7 @@ from torch import nn
 
 from ..chunked import agree_tower_calls, padded_encode, tower_calls
 
-__all__ = ["embeddings"]
+__all__ = ["embeddings", "is_sigmoid_model"]
 
 _MISSING = object()
 
@@ -48,15 +48,17 @@ def _check_clip(clip) -> None:
             f"model must be a transformers CLIPModel (or a model with get_image_features, "
             f"get_text_features and logit_scale), got {type(clip).__name__} without {', '.join(missing)}"
         )
-    if getattr(clip, "logit_bias", None) is not None:
-        raise TypeError(
-            f"model {type(clip).__name__} has a logit_bias (a SigLIP-style sigmoid loss); HN-CLIP is a "
-            "softmax (InfoNCE) loss and has no bias term"
-        )
+
+
+def is_sigmoid_model(model) -> bool:
+    """Does the (possibly wrapped) model train with the sigmoid loss, i.e. has it a ``logit_bias``
+    (``transformers.SiglipModel``)?"""
+    return getattr(_unwrap(model), "logit_bias", None) is not None
 
 
 def _features(clip, input_ids, pixel_values, attention_mask, chunk_size=None, negatives=None, calls=(1, 0)):
-    """(image embeddings, text embeddings, s = exp(logit_scale), negative embeddings or None), as
+    """(image embeddings, text embeddings, s = exp(logit_scale), negative embeddings or None, b =
+    the model's ``logit_bias`` (float32 or better) or None), as
     ``CLIPModel.forward`` forms them before its normalisation and N×N product; s in float32 or
     better (a bf16 model's exp(logit_scale) in bf16 would be another temperature: s = 100 rounds
     to 100.5). ``negatives``: None or (ids, mask) of the hard-negative captions, run through the
@@ -79,8 +81,10 @@ def _features(clip, input_ids, pixel_values, attention_mask, chunk_size=None, ne
     negative = padded_encode(text_encoder, inputs, chunk_size, negative_calls, filler=captions)
     if negatives is None and negative is not None:  # padding only: (0, D), it rides on the captions
         text, negative = torch.cat([text, negative]), None
-    scale = clip.logit_scale
-    return image, text, scale.to(torch.promote_types(scale.dtype, torch.float32)).exp(), negative
+    scale, bias = clip.logit_scale, getattr(clip, "logit_bias", None)
+    if bias is not None:  # SiglipModel: z = s·(v·t) + b, b read as s is (float32 or better)
+        bias = bias.to(torch.promote_types(bias.dtype, torch.float32))
+    return image, text, scale.to(torch.promote_types(scale.dtype, torch.float32)).exp(), negative, bias
 
 
 def _is_fsdp2(module) -> bool:

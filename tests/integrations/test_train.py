@@ -326,7 +326,6 @@ def test_comma_csv_without_separator_flag_is_an_argparse_error(data, monkeypatch
 @pytest.mark.parametrize(
     "extra, words",
     [
-        (["--siglip"], "--siglip (open_clip builds SigLipLoss)"),
         (["--model", "coca_ViT-B-32"], "CoCaLoss"),
         (["--distill-model", "ViT-B-32", "--distill-pretrained", "x"], "DistillClipLoss"),
         (["--horovod"], "--horovod"),
