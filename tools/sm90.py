@@ -19,7 +19,9 @@ Run it with TRITON_INTERPRET unset. What it does:
    mask captions of margin="image_text", and margin="text" as src "family-text") and the family's
    single-process loss with the family, ``hnclip::triton_symmetric_nll`` (``drive_family_sym``: the pair kernels with
    group ids, GROUPS, and the N×M block's directional kernels with ids against an empty id set;
-   src "family-sym", margin="image_text" as "family-sym-it", no ids as "family-sym-noids"). The operators
+   src "family-sym", margin="image_text" as "family-sym-it", no ids as "family-sym-noids"), and the
+   sigmoid (SigLIP) loss's operator (``drive_sigmoid``: src "sigmoid", "sigmoid-it", and a rank's
+   rows with same-group positives, "sigmoid-rank"). The operators
    themselves take CPU tensors (only ``backend="triton"``'s dispatch refuses them when Triton is not interpreting), and the
    launchers' own choices (tiles, precision, autotune candidates) see real ``JITFunction`` /
    ``Autotuner`` objects, i.e. the GPU configuration.
@@ -241,6 +243,28 @@ def drive_family_sym(n, d, dtype, gamma, eps, threshold=None, margin="text", ids
         false_negative_threshold=threshold,
     )
     pairs.mean().backward()
+
+
+def drive_sigmoid(n, d, dtype, gamma, eps, threshold=None, margin="text", local_m=None):
+    """The sigmoid (SigLIP) loss as ``hn_siglip_loss`` runs it on Triton (``sigmoid_pairs_triton``:
+    ``hnclip::triton_sigmoid_nll``), forward + backward with s and b learnable: n rows against n
+    captions and n/4 negatives with group ids masking (GROUPS), or (``local_m``) a rank's local_m rows
+    against the n gathered captions at offset local_m with same-group captions as positives. ``eps``
+    and ``threshold`` have no sigmoid meaning (the drive ignores them)."""
+    from hnclip_kernels.backends.triton.sigmoid_pairs import sigmoid_pairs_triton
+
+    del eps, threshold
+    img, txt = _features(n, d, dtype)
+    s, b = torch.tensor(10.0, requires_grad=True), torch.tensor(-10.0, requires_grad=True)
+    ids = torch.arange(n) // 2
+    if local_m is None:
+        neg = _features(max(n // 4, 1), d, dtype, seed=1)[0].requires_grad_()
+        kw = dict(negatives=neg, query_groups=ids, key_groups=ids, margin=margin)
+    else:
+        img = img[local_m : 2 * local_m].clone()
+        kw = dict(offset=local_m, query_groups=ids[local_m : 2 * local_m], key_groups=ids, groups_positive=True)
+    rows = sigmoid_pairs_triton(img.requires_grad_(), txt.requires_grad_(), s, b, gamma=gamma, **kw)
+    rows.mean().backward()
 
 
 # ------------------------------------------------------------------ 2. capture launches
@@ -611,7 +635,19 @@ def fmt_kib(b: int) -> str:
     return f"{b / 1024:.2f}".rstrip("0").rstrip(".")
 
 
-SOURCES = ("single", "dir", "rank", "family", "family-text", "family-sym", "family-sym-it", "family-sym-noids")
+SOURCES = (
+    "single",
+    "dir",
+    "rank",
+    "family",
+    "family-text",
+    "family-sym",
+    "family-sym-it",
+    "family-sym-noids",
+    "sigmoid",
+    "sigmoid-it",
+    "sigmoid-rank",
+)
 
 
 def capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars=False, i64_ints=False, thresholds=(None,),
@@ -635,6 +671,9 @@ def capture_all(dtypes, ds, gammas, smoothings, n, local_m, wide_scalars=False, 
                 lambda d=d, dtype=dtype, a=args: drive_family_sym(n, d, dtype, margin="image_text", **a),
             ),
             ("family-sym-noids", lambda d=d, dtype=dtype, a=args: drive_family_sym(n, d, dtype, ids=False, **a)),
+            ("sigmoid", lambda d=d, dtype=dtype, a=args: drive_sigmoid(n, d, dtype, **a)),
+            ("sigmoid-it", lambda d=d, dtype=dtype, a=args: drive_sigmoid(n, d, dtype, margin="image_text", **a)),
+            ("sigmoid-rank", lambda d=d, dtype=dtype, a=args: drive_sigmoid(n, d, dtype, local_m=local_m, **a)),
         ):
             if src not in sources:
                 continue

@@ -12,7 +12,11 @@ in one call (``rank_nll_triton``, kind "rank", what ``HNClipLoss(local_loss=True
 rank); and of the hard-negative family's loss, ``hn_clip_loss(img, txt, tau, negatives=neg,
 gamma=g, backend="triton")`` with M negative captions (kind "family", ``hnclip::triton_symmetric_nll`` with negatives;
 ``--margins`` "text" or "image_text", ``--ids`` G: group ids ``arange(N) // G``, pairs of one
-group masked); τ a tensor that requires grad, as in training.
+group masked); of the sigmoid (SigLIP) loss, ``sigmoid_pairs_triton(img, txt, s, b, gamma=g,
+margin=..., negatives=neg)`` (kind "sigmoid", ``hnclip::triton_sigmoid_nll``, N rows against the
+N + M keys, ``--m`` its negatives, default 0; ``--margins``, ``--ids`` as the family's, ids masking)
+and of a rank's sigmoid rows (kind "sigmoid_rank": M local rows against N gathered captions at
+offset N − M); τ (s and b) a tensor that requires grad, as in training.
 
 How: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1), under the GPU launch
 configuration: HNCLIP_TRITON_LAUNCH=gpu is set while a case runs, and the launcher then
@@ -65,9 +69,12 @@ from triton.runtime import interpreter as _interpreter  # noqa: E402
 import hnclip_kernels  # noqa: E402
 from hnclip_kernels.backends import triton_directional  # noqa: E402
 from hnclip_kernels.backends.triton.ops import rank_nll_triton  # noqa: E402
+from hnclip_kernels.backends.triton.sigmoid_pairs import sigmoid_pairs_triton  # noqa: E402
+from hnclip_kernels.margin import Margin  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-KINDS = ("loss", "directional", "rank", "family")
+KINDS = ("loss", "directional", "rank", "family", "sigmoid", "sigmoid_rank")
+FAMILY_OPTIONS = ("family", "sigmoid")  # the kinds that take ``margin`` and ``ids``
 MARGINS = ("text", "image_text")
 USEFUL_PRODUCTS = 3  # q kᵀ forward; dS·k and dSᵀ·q backward (per direction; a rank's op has two)
 COLUMNS = [
@@ -209,7 +216,10 @@ def count_products(
     kind "family": hn_clip_loss on (n, d) img/txt with m negative captions (default n; m = 0
     with neither ids nor ``margin="image_text"`` is today's loss), ``margin`` "text" or
     "image_text", ``ids`` a group size G (group ids ``arange(n) // G``; None: no ids); one
-    product is 2·n·n·d flops, the useful work 3·(n + m)/n of them.
+    product is 2·n·n·d flops, the useful work 3·(n + m)/n of them. kind "sigmoid": the sigmoid
+    loss's n rows against n captions and m negatives (default 0), ``margin`` and ``ids`` as the
+    family's (ids masking), counted as the family's; kind "sigmoid_rank": m rows (default n // 4)
+    against n captions at offset n - m, counted as the directional op's.
     ``false_negative_threshold``: masking on (the kernels then form the captions' product G
     at γ = 0 too).
     """
@@ -217,27 +227,31 @@ def count_products(
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if margin not in MARGINS:
         raise ValueError(f"margin must be one of {MARGINS}, got {margin!r}")
-    if kind != "family" and (margin != "text" or ids is not None):
-        raise ValueError(f"margin={margin!r} and ids={ids!r} are kind 'family' options; got kind {kind!r}")
+    if kind not in FAMILY_OPTIONS and (margin != "text" or ids is not None):
+        raise ValueError(f"margin={margin!r} and ids={ids!r} are kinds {FAMILY_OPTIONS}' options; got kind {kind!r}")
     if ids is not None and ids < 1:
         raise ValueError(f"ids is a group size G >= 1 (group ids arange(n) // G), got {ids!r}")
-    if kind == "family":
-        m = n if m is None else m
+    if kind in FAMILY_OPTIONS:
+        m = (n if kind == "family" else 0) if m is None else m
         if m < 0:
             raise ValueError(f"m={m} negatives: pass m >= 0")
     else:
-        m = n if kind == "loss" else (m or max(1, n // 4))
+        m = n if kind == "loss" else (m or max(1, n // 4))  # directional, rank, sigmoid_rank
         if m > n:
             raise ValueError(f"m={m} local rows cannot exceed n={n} columns")
     gen = torch.Generator().manual_seed(seed)
     dt = DTYPES[dtype]
     tau = torch.tensor(0.07, requires_grad=True)
-    if kind in ("loss", "family"):
+    if kind in ("loss", "family", "sigmoid"):
         img = torch.randn(n, d, generator=gen).to(dt).requires_grad_()
         txt = torch.randn(n, d, generator=gen).to(dt).requires_grad_()
-        if kind == "family":
+        if kind in FAMILY_OPTIONS:
             neg = torch.randn(m, d, generator=gen).to(dt).requires_grad_()
             group_ids = None if ids is None else torch.arange(n) // ids
+    elif kind == "sigmoid_rank":
+        offset = n - m
+        img = torch.randn(m, d, generator=gen).to(dt).requires_grad_()
+        txt = torch.randn(n, d, generator=gen).to(dt).requires_grad_()
     elif kind == "directional":
         offset = n - m  # the last rank's rows
         q = torch.randn(m, d, generator=gen).to(dt).requires_grad_()
@@ -248,8 +262,14 @@ def count_products(
         offset = n - m
         all_img, all_txt = (torch.randn(n, d, generator=gen).to(dt).requires_grad_() for _ in range(2))
         img, txt = (x.detach()[offset : offset + m].clone().requires_grad_() for x in (all_img, all_txt))
+    sb = (torch.tensor(10.0, requires_grad=True), torch.tensor(-10.0, requires_grad=True))  # s and b
     with gpu_launch(), count_matmul_flops() as count:
-        if kind in ("loss", "family"):
+        if kind == "sigmoid":
+            kw = dict(negatives=neg if m else None, query_groups=group_ids, key_groups=group_ids)
+            loss = sigmoid_pairs_triton(img, txt, *sb, gamma=gamma, margin=Margin(margin), **kw).sum()
+        elif kind == "sigmoid_rank":
+            loss = sigmoid_pairs_triton(img, txt, *sb, offset=offset, gamma=gamma).sum()
+        elif kind in ("loss", "family"):
             family = dict(negatives=neg, group_ids=group_ids, margin=margin) if kind == "family" else {}
             loss = hnclip_kernels.hn_clip_loss(
                 img,
@@ -292,7 +312,7 @@ def count_products(
             "no tl.dot ran in Triton's interpreter: are the kernels interpreted (TRITON_INTERPRET=1 "
             "before triton was first imported)?"
         )
-    if kind == "family":  # N×N×D products; the useful S = v [t; n]ᵀ is N×(N + M)
+    if kind in FAMILY_OPTIONS:  # N×N×D products; the useful S = v [t; n]ᵀ is N×(N + M)
         unit, useful = 2 * n * n * d, USEFUL_PRODUCTS * (n + m) / n
     else:
         unit, useful = 2 * m * n * d, USEFUL_PRODUCTS * (2 if kind == "rank" else 1)
@@ -333,7 +353,8 @@ def parse_args(argv=None):
         "--m",
         type=int,
         default=None,
-        help="directional, rank: local rows M (default N // 4); family: negatives M (default N)",
+        help="directional, rank, sigmoid_rank: local rows M (default N // 4); family: negatives M (default N); "
+        "sigmoid: negatives M (default 0)",
     )
     ap.add_argument("--dims", type=_csv_list(int), default=[512, 768], help="embedding dims D")
     ap.add_argument("--dtypes", type=_csv_list(str), default=["bfloat16"], help=",".join(DTYPES))
@@ -384,9 +405,11 @@ def main(argv=None) -> list:
     if args.ids is not None and args.ids < 1:
         raise SystemExit(f"--ids is a group size G >= 1 (group ids arange(N) // G), got {args.ids}")
     rows = [
-        count_products(args.n, d, dtype, gamma, kind, args.m, margin=margin, ids=args.ids if kind == "family" else None)
+        count_products(
+            args.n, d, dtype, gamma, kind, args.m, margin=margin, ids=args.ids if kind in FAMILY_OPTIONS else None
+        )
         for kind in args.kinds
-        for margin in (args.margins if kind == "family" else ["text"])
+        for margin in (args.margins if kind in FAMILY_OPTIONS else ["text"])
         for dtype in args.dtypes
         for d in args.dims
         for gamma in args.gammas

@@ -66,3 +66,24 @@ def feature_grads(img: Tensor, txt: Tensor, negatives: Tensor, out: SigmoidOut, 
     if not normalize:  # unnormalize_grad returns views of d_k then: an operator's outputs may not alias
         d_txt, d_neg = d_txt.clone(), d_neg.clone()
     return d_img, d_txt, d_neg
+
+
+# The Triton operator packs its scalars as scale_bias = (s, b) and its columns as keys = [txt;
+# negatives], and its forward returns the factors (2, R) = (Σ_j dz_ij·w_ij, Σ_j dz_ij) (w without s).
+
+
+def packed_scale_bias_grad(g: Tensor, factors: Tensor) -> Tensor:
+    """(dL/ds, dL/db) as a (2,) tensor in ``factors``' dtype: ``g`` (R,) the rows' upstream
+    gradient, ``factors`` (2, R) the kernels' per-row (Σ dz·w, Σ dz)."""
+    return (factors * g.to(factors.dtype)[None, :]).sum(dim=1)
+
+
+def scaled_feature_grads(logit_scale: Tensor, shares, features, norms, normalize: bool):
+    """(dL/dimg, dL/dkeys), each in its features' dtype: ``shares`` = (dS·K̂ (R, D), dSᵀ·V̂ (C + M, D))
+    from the kernels (float32), scaled by s (``logit_scale``, a 0-dim tensor) and chained through
+    x̂ = x / max(‖x‖, eps) where ``normalize`` (``features`` = (img, keys), ``norms`` their inverse
+    norms)."""
+    return tuple(
+        epilogue.unnormalize_grad(x, r, d * logit_scale, normalize).to(x.dtype)
+        for x, r, d in zip(features, norms, shares)
+    )

@@ -138,7 +138,13 @@ def defined_names(path: pathlib.Path) -> frozenset:
 def operators_loaded() -> bool:
     """Import the modules that register the ``hnclip::`` operators; whether all of them loaded."""
     loaded = True
-    for module in (f"{PACKAGE}.backends.cpp.ops", f"{PACKAGE}.backends.triton.ops"):
+    # the sigmoid operators register when their backend's sigmoid entry is first imported
+    for module in (
+        f"{PACKAGE}.backends.cpp.ops",
+        f"{PACKAGE}.backends.cpp.sigmoid_pairs",
+        f"{PACKAGE}.backends.triton.ops",
+        f"{PACKAGE}.backends.triton.sigmoid_pairs",
+    ):
         try:
             importlib.import_module(module)
         except ImportError:  # triton not installed, or the C++ extension not built

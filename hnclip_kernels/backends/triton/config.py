@@ -138,6 +138,16 @@ CANDIDATES = {
         ],
         4: [_cfg(4, 2, BLOCK_M=64, BLOCK_N=16)],
     },
+    # the sigmoid loss (``sigmoid_kernels``): the forward's and the dS kernel's tiles (x and, with the
+    # text margin, the margin's product live together, as in "fwd" / "dscore")
+    "sig_fwd": {
+        2: [_cfg(8, 3, BLOCK_N=64), _cfg(8, 4, BLOCK_N=64)],
+        4: [_cfg(4, 3, BLOCK_N=32), _cfg(8, 2, BLOCK_N=64)],
+    },
+    "sig_dscore": {
+        2: [_cfg(8, 3, BLOCK_M=64, BLOCK_N=128), _cfg(4, 4, BLOCK_M=128, BLOCK_N=64)],
+        4: [_cfg(4, 3, BLOCK_M=64, BLOCK_N=32), _cfg(8, 2, BLOCK_M=64, BLOCK_N=64)],
+    },
     # 16-bit W's rounding of a staged float32 chunk (``round16._round16_kernel``): elementwise, memory-bound
     "round16": {2: [_cfg(4, 2, BLOCK_M=64, BLOCK_N=64)]},
     # (the backward's GEMMs are torch's: cuBLAS on CUDA, see backward.py's walks)
@@ -223,6 +233,8 @@ def heuristic(kernel: str, elem_size: int) -> Fixed:
             "dscore_pair": dict(BLOCK_M=t, BLOCK_N=t),
             "dscore_rank": dict(BLOCK_M=t, BLOCK_N=t),
             "round16": dict(BLOCK_M=t, BLOCK_N=t),
+            "sig_fwd": dict(BLOCK_N=t),
+            "sig_dscore": dict(BLOCK_M=t, BLOCK_N=t),
         }[kernel]
         return Fixed(tiles, 1, 1)
     c = candidates(kernel, elem_size)[0]

@@ -47,3 +47,16 @@ FORMULAS = {
 def register() -> None:
     """Register every formula with ``FlopCounterMode`` (once; the operators must exist)."""
     glue.register_flops(FORMULAS)
+
+
+# the sigmoid loss's operator (``triton_sigmoid_nll``, :mod:`.sigmoid_pairs`): R images against the
+# C + M keys [captions; negatives], one logit matrix: forward P, backward 2 P (0 for dL/ds, dL/db alone)
+SIGMOID_FORMULAS = {
+    "triton_sigmoid_nll": glue.forward_flops,
+    "triton_sigmoid_nll_backward": glue.backward_flops,
+}
+
+
+def register_sigmoid() -> None:
+    """Register the sigmoid operator's formulas (once it exists)."""
+    glue.register_flops(SIGMOID_FORMULAS)

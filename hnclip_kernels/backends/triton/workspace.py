@@ -184,3 +184,20 @@ def workspace_bytes(
     return forward_bytes(
         m, n, _SIZES[dtype], columns, label_smoothing != 0.0, device, masked=false_negative_threshold is not None
     ) + backward_bytes(m, n, d, dtype, symmetric=columns)
+
+
+def sigmoid_bytes(rows: int, columns: int, d: int, dtype: torch.dtype, device=None) -> int:
+    """Bytes the Triton sigmoid (SigLIP) loss (``hnclip::triton_sigmoid_nll``) allocates beyond its
+    inputs and outputs for one forward and backward, in the GPU launch configuration: R = ``rows``
+    image rows against ``columns`` = C + M keys, features of ``dtype`` and width D. The forward's
+    row partials (splits, 3, R) float32, freed before it returns, plus the backward's dS chunk (the
+    directional op's, :func:`backward_bytes` with ``rank=False``); none without feature gradients.
+    (With negatives, ``sigmoid_pairs_triton`` also concatenates the keys [txt; negatives], an
+    (C + M, D) input of the operator.) Raises ValueError as :func:`workspace_bytes`."""
+    if dtype not in _SIZES:
+        raise ValueError(f"sigmoid_bytes: dtype must be one of {sorted(map(str, _SIZES))}, got {dtype}")
+    if rows < 1 or columns < 1 or d < 1:
+        raise ValueError(f"sigmoid_bytes: rows, columns and d must be positive, got {rows}, {columns}, {d}")
+    with cfg.forced_launch("gpu"):
+        _, _, splits, _ = cfg.fwd_grid(rows, columns, _SIZES[dtype], False, _device(device))
+    return 4 * 3 * splits * rows + backward_bytes(rows, columns, d, dtype, rank=False)
