@@ -26,6 +26,14 @@ def _log1p_exp(x):
     return torch.logaddexp(torch.zeros_like(x), x)
 
 
+# h(i, j) per margin kind, from (v̂_i, the row's own caption k̂_{offset+i}, column k̂_j), all
+# detached: a kind missing here fails tests/api/test_margin_kinds.py with a KeyError
+SIGMOID_MARGIN = {
+    "text": lambda v, own, k: own @ k,
+    "image_text": lambda v, own, k: v @ k,
+}
+
+
 def sigmoid_rows_f64(img, txt, logit_scale, logit_bias=None, *, negatives=None, offset=0, gamma=0.5,
                      margin="text", normalize=True, query_groups=None, key_groups=None,
                      groups_positive=False):  # fmt: skip
@@ -51,8 +59,7 @@ def sigmoid_rows_f64(img, txt, logit_scale, logit_bias=None, *, negatives=None, 
                 y = -1.0
             score = v[i] @ k[j]
             if y < 0:
-                h = (own @ k[j].detach()) if margin == "text" else (v[i].detach() @ k[j].detach())
-                score = score + gamma * h
+                score = score + gamma * SIGMOID_MARGIN[str(margin)](v[i].detach(), own, k[j].detach())
             total = total + _log1p_exp(-y * (s * score + b))
         rows.append(total)
     return torch.stack(rows)
