@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Union
 
 import torch
@@ -13,13 +12,14 @@ from .backends import symmetric_losses
 from .distributed import rank_loss
 from .loss import module_family_loss
 from .module_checks import check_horovod, check_layout, check_positional_flags, checked_attribute
+from .module_group import HoldsProcessGroup
 from .numerics import autocast_disabled
 from .options import LossOptions, as_tau_tensor, option_attribute, tau_from_scale
 from .plausibility import warn_if_implausible_logit_scale
 from .reports import report_of_call
 
 
-class HNClipLoss(nn.Module):
+class HNClipLoss(HoldsProcessGroup, nn.Module):
     """HN-CLIP contrastive loss (arXiv 2608.18521) with open_clip's ``ClipLoss`` interface.
 
     ``python -m hnclip_kernels.train`` runs open_clip's trainer with it (see
@@ -193,30 +193,6 @@ class HNClipLoss(nn.Module):
     false_negative_threshold = option_attribute("false_negative_threshold")
     margin = option_attribute("margin")
 
-    # A process group cannot be copied or pickled ("cannot pickle ... ProcessGroup"), yet EMA/SWA
-    # (``AveragedModel``) deep-copy the model, and checkpoints pickle it.
-    def __deepcopy__(self, memo):
-        """A deep copy that shares ``group`` (a process group is a handle on the job's
-        communicator, not state of the loss: every copy talks to the same ranks)."""
-        group = self.__dict__.get("group")
-        if group is not None:
-            memo[id(group)] = group
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            new.__dict__[key] = copy.deepcopy(value, memo)  # as stored: no attribute checks in between
-        return new
-
-    def __getstate__(self):
-        """Pickled state without ``group``: the default group (``group=None``) stays the default
-        group after unpickling; any other group is dropped, and the first ``forward`` with
-        ``world_size > 1`` raises until ``loss.group`` is set again in the new process."""
-        state = super().__getstate__().copy()
-        group = state.get("group")
-        state["group"] = None
-        state["_group_dropped"] = group is not None and not _is_default_group(group)
-        return state
-
     def extra_repr(self) -> str:
         return (
             f"local_loss={self.local_loss}, gather_with_grad={self.gather_with_grad}, "
@@ -299,11 +275,7 @@ class HNClipLoss(nn.Module):
             if family is not None:  # None: M = 0 and no other family option, today's loss below
                 loss, self.last_stats = family
                 return {"contrastive_loss": loss} if output_dict else loss
-        if self.world_size > 1 and self.group is None and self.__dict__.get("_group_dropped", False):
-            raise ValueError(
-                "this HNClipLoss was unpickled without its process group (process groups cannot be "
-                "pickled): set loss.group to the group of this process before the first forward"
-            )
+        self.check_group_kept()
         if self.world_size == 1:
             loss = self._single_process(image_features, text_features, tau, tau_value)
         else:
@@ -337,10 +309,3 @@ class HNClipLoss(nn.Module):
 
 for _name in ("local_loss", "gather_with_grad", "cache_labels", "use_horovod", "return_stats", "rank", "world_size"):
     setattr(HNClipLoss, _name, checked_attribute(_name))
-
-
-def _is_default_group(group) -> bool:
-    dist = getattr(torch, "distributed", None)
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return False
-    return group is dist.group.WORLD or group is dist.distributed_c10d._get_default_group()

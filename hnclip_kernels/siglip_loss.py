@@ -9,6 +9,7 @@ from torch import nn
 
 from .distributed import sigmoid_rank_loss
 from .module_checks import check_layout, check_positional_flags
+from .module_group import HoldsProcessGroup
 from .options_sigmoid import SigmoidOptions
 from .siglip import sigmoid_rows
 
@@ -17,7 +18,7 @@ DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
 NAMES = ("image_features", "text_features")
 
 
-class HNSigLipLoss(nn.Module):
+class HNSigLipLoss(HoldsProcessGroup, nn.Module):
     """The sigmoid loss of SigLIP with HN-CLIP's adaptive margin (:func:`hnclip_kernels.hn_siglip_loss`),
     with open_clip's ``SigLipLoss`` interface (``docs/siglip.md``). Swap it in where open_clip
     builds ``SigLipLoss`` (``open_clip.create_loss``)::
@@ -136,6 +137,7 @@ class HNSigLipLoss(nn.Module):
             TypeError, ValueError: as :func:`hnclip_kernels.hn_siglip_loss`; across ranks on
                 every rank (:func:`hnclip_kernels.distributed.distributed_siglip_loss`).
         """
+        self.check_group_kept()
         if self.world_size == 1:
             rows = sigmoid_rows(
                 image_features, text_features, logit_scale, logit_bias, self.options, negatives, group_ids, NAMES

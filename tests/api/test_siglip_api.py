@@ -3,7 +3,9 @@ oracle (tests/sigmoid_oracle.py) and open_clip's ``SigLipLoss``."""
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sigmoid_oracle import sigmoid_rows_f64
 
-from hnclip_kernels import hn_siglip_loss
+from hnclip_kernels import HNSigLipLoss, hn_siglip_loss
 
 open_clip_loss = pytest.importorskip("open_clip.loss")
 
@@ -164,3 +166,28 @@ def test_features_checked_by_name():
         hn_siglip_loss([[1.0]], torch.ones(1, 1), 1.0)
     with pytest.raises(ValueError, match="same shape"):
         hn_siglip_loss(torch.ones(2, 3), torch.ones(3, 3), 1.0)
+
+
+# ---- HNSigLipLoss holding a process group, copied (EMA/SWA) and pickled (checkpoints), as HNClipLoss
+def _group():
+    return torch.distributed.ProcessGroupGloo(torch.distributed.HashStore(), 0, 1)
+
+
+def test_siglip_module_deepcopy_shares_the_process_group():
+    group = _group()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), HNSigLipLoss(group=group, gamma=0.3))
+    for copied in (copy.deepcopy(model), torch.optim.swa_utils.AveragedModel(model).module):
+        assert copied[1].group is group and copied[1].options.gamma == 0.3
+        assert copied[0].weight is not model[0].weight
+
+
+def test_siglip_module_pickle_drops_a_process_group_and_asks_for_it():
+    loss = HNSigLipLoss(group=_group(), rank=0, world_size=2)
+    restored = pickle.loads(pickle.dumps(loss))
+    assert restored.group is None and restored.world_size == 2
+    img, txt = _features(3, 4, 0), _features(3, 4, 1)
+    with pytest.raises(ValueError, match="unpickled without its process group"):
+        restored(img, txt, 10.0, -5.0)
+    plain = pickle.loads(pickle.dumps(HNSigLipLoss(gamma=0.2)))  # no group: nothing to ask for
+    want = sigmoid_rows_f64(img, txt, 10.0, -5.0, gamma=0.2, normalize=False).mean()
+    torch.testing.assert_close(plain(img, txt, 10.0, -5.0).double(), want, rtol=1e-5, atol=0)
