@@ -114,7 +114,7 @@ The sigmoid arms need a bias b: one learnable scalar per arm, in the AdamW with 
 (open_clip excludes biases and scalars from decay), the same lr and schedule. *Its initial
 value b₀* is the arm's calibrated bias: the zero of ∂L/∂b of the arm's own loss, summed over
 the cell's first-epoch batches of 64, at the initialisation (no update; s = 100; float64;
-bisection): where the predicted positives Σ σ(z_ij) equal the positives, the bias's own
+a bracketed root finder): where the predicted positives Σ σ(z_ij) equal the positives, the bias's own
 stationary point with the features fixed, i.e. the value a bias learnt to convergence on this
 model would take. The reason: SigLIP's init t' = log 10, b = −10 (s = 10) is a from-scratch
 one. Random features have cosines ≈ 0, so every pair starts at z ≈ −10, σ ≈ 4.5e-5, about the
@@ -678,7 +678,8 @@ def fine_tune(arm: str, init: int, seed: int, state: dict, data: dict, args, pro
 
 def calibrate_bias(arm: str, state: dict, init: int, seed: int, data: dict, args) -> float:
     """A sigmoid arm's initial bias b₀: the zero of ∂L/∂b of the arm's own loss, summed over the cell's
-    first-epoch batches of 64, at the initialisation (no update, s = 100), in float64, by bisection.
+    first-epoch batches of 64, at the initialisation (no update, s = 100), in float64, by a bracketed
+    root finder (Illinois, with bisection steps while the bracket is wide).
 
     At b₀ the predicted positives Σ σ(z_ij) equal the positives: the bias's stationary point with the
     features fixed (the loss is convex in b, its slope increasing from −batches to N − batches).
@@ -696,12 +697,24 @@ def calibrate_bias(arm: str, state: dict, init: int, seed: int, data: dict, args
         return torch.autograd.grad(total, bias)[0].item()
 
     lo, hi = -BIAS_BRACKET, BIAS_BRACKET
-    if not slope(lo) < 0 < slope(hi):
+    f_lo, f_hi = slope(lo), slope(hi)
+    if not f_lo < 0 < f_hi:
         raise RuntimeError(f"the bias calibration's bracket [{lo}, {hi}] does not hold the zero of dL/db")
-    while hi - lo > 1e-9:
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if slope(mid) < 0 else (lo, mid)
-    return 0.5 * (lo + hi)
+    kept = 0  # Illinois (regula falsi that halves an endpoint kept twice); bisection where it stalls
+    for _ in range(200):
+        x = (lo * f_hi - hi * f_lo) / (f_hi - f_lo)
+        if not lo < x < hi or hi - lo > 0.5 * BIAS_BRACKET:
+            x = 0.5 * (lo + hi)
+        f = slope(x)
+        if f == 0.0 or hi - lo < 1e-9:
+            return x
+        if f < 0:
+            lo, f_lo, f_hi, kept = x, f, f_hi * 0.5 if kept == 1 else f_hi, 1
+        else:
+            hi, f_hi, f_lo, kept = x, f, f_lo * 0.5 if kept == -1 else f_lo, -1
+        if abs(f) < 1e-13:
+            return x
+    raise RuntimeError("the bias calibration did not converge")
 
 
 # ---------------------------------------------------------------- the run
