@@ -505,11 +505,31 @@ TABLES = {
 }
 ONE_RUN = dict(TABLES, **{"study-readme": readme_table})  # what one run's output alone gives
 del ONE_RUN["study-replication"]
+
+
+def same_cells(data: dict, other: dict) -> str:
+    """How many of a run's initialisation and ClipLoss rows (final.csv and regime.csv) repeat those
+    of ``other`` bit for bit, over the cells both ran: the shared arm's cells re-run."""
+    found = []
+    for name in ("final", "regime"):
+        theirs = {tuple(sorted(r.items())) for r in other[name] if r["arm"] in (INIT_ARM, BASE)}
+        ours = [
+            tuple(sorted((k, v) for k, v in r.items() if k not in ("logit_bias_init", "logit_bias")))
+            for r in data[name]
+            if r["arm"] in (INIT_ARM, BASE)
+        ]
+        found.append(f"{sum(r in theirs for r in ours)} of {len(ours)} {name}.csv rows")
+    return (
+        f"The initialisation and ClipLoss rows repeat {label(other)}'s bit for bit (the same cells and "
+        f"thread count): {' and '.join(found)} identical."
+    )
+
+
 SIGLIP_TABLES = {  # the committed SigLIP run's regions (docs/studies.md)
     "study-siglip-results": TABLES["study-results"],
     "study-siglip-levels": levels_table,
     "study-siglip-regime": regime_table,
-    "study-siglip-run": run_table,
+    "study-siglip-run": lambda d: run_table(d) + "\n\n" + same_cells(d, load(COMMITTED)),
 }
 TABLES.update(SIGLIP_TABLES)
 SOURCES = dict.fromkeys(SIGLIP_TABLES, SIGLIP)  # a table's committed run (the others: COMMITTED)
