@@ -99,13 +99,57 @@ difference counts as detected when its Holm-adjusted p < 0.05; where none is det
 minimum detectable difference (80% power, α = 0.05, the model's standard error and df) is
 reported. No bootstrap.
 
-**Budget.** Default: 3 initialisations × 10 seeds × 6 arms; see ``DEFAULT``. 1 torch thread.
+**Arm set ``siglip``** (``--arm-set siglip``; its own protocol, revision S1, fixed before its
+run; everything above holds for it unless said here, and the main arm set stays revision 5).
+Per cell, from the same initialisation, on exactly the same batches of 64 (the cell's order
+seed), the same steps, optimizer, schedule and s = 100 clamped at 100 as arms 1–3:
+
+1. ``ClipLoss``: open_clip's ClipLoss, the reference arm (the main arm set's arm 1, the same
+   code and cells).
+2. ``SigLIP``: open_clip's ``SigLipLoss`` (the sigmoid loss; ``HNSigLipLoss`` at γ = 0 equals it,
+   but the reference is the independent implementation, as ClipLoss is for HN-CLIP).
+3. ``HN-SigLIP``: ``hnclip_kernels.HNSigLipLoss(gamma=0.5, margin="text")`` (backend "auto").
+
+The sigmoid arms need a bias b: one learnable scalar per arm, in the AdamW with no weight decay
+(open_clip excludes biases and scalars from decay), the same lr and schedule. *Its initial
+value b₀* is the arm's calibrated bias: the zero of ∂L/∂b of the arm's own loss, summed over
+the cell's first-epoch batches of 64, at the initialisation (no update; s = 100; float64;
+a bracketed root finder): where the predicted positives Σ σ(z_ij) equal the positives, the bias's own
+stationary point with the features fixed, i.e. the value a bias learnt to convergence on this
+model would take. The reason: SigLIP's init t' = log 10, b = −10 (s = 10) is a from-scratch
+one. Random features have cosines ≈ 0, so every pair starts at z ≈ −10, σ ≈ 4.5e-5, about the
+positive rate of the paper's batch of 32k (log(1/32 768) = −10.4): "close to the prior", no
+massive over-correction at the start, in the paper's words. A contrastively pretrained model's
+cosines are not ≈ 0: at the study's s = 100, b = −10 puts the decision threshold at cos 0.1, and
+a negative at cos 0.3 starts at z = 20, a loss of 20 with full gradient, however many negatives
+sit there (an earlier, uncommitted attempt with b = −10 at s = 100 was reported
+to collapse both sigmoid arms, t→i R@1 0.095 / 0.064 against ClipLoss's 0.698); at s = 10 every
+z ≤ 0, the pretrained positives are predicted negative, and the arms would train 10× hotter than
+arms 1–3 at a temperature the model was never at. Neither can be left to learning: AdamW at lr
+5e-4 moves a scalar by about lr per step at most, so over the 32 steps of an arm (warmup and
+cosine: Σ lr_t ≈ 0.008) b and ln s move by about 0.01 at most. The calibrated b₀ applies the paper's principle (start where the loss
+is calibrated: no over-correction of the prior) to the pretrained model, and keeps s = 100, the
+scale of every other arm, so the comparison with ClipLoss is of the loss, not of the temperature.
+b₀ is calibrated per arm: HN-SigLIP's margin raises its negatives' logits by s·γ·h (up to 50 at
+s = 100, h the captions' cosine), which a learnt bias absorbs on average; its own b₀ does that and
+leaves the margin's relative weight on the near-duplicates. b₀ uses the cell's training batches
+only (never held-out data); ``final.csv`` records each sigmoid arm's b₀ (``logit_bias_init``) and
+its last value (``logit_bias``).
+
+*Primary comparison* of this arm set (named before its run): HN-SigLIP γ = 0.5 against SigLIP,
+text→image R@1 on the held-out pool at the last epoch, under the crossed model. Secondary: SigLIP
+against ClipLoss and HN-SigLIP against ClipLoss. Holm over this arm set's family: 3 comparisons
+× 4 metrics = 12. Written to its own ``--out`` (default ``<tmp>/hnclip_fine_tune_study_siglip``);
+the stage-1 initialisations (and their cache) are the main arm set's.
+
+**Budget.** Default: 3 initialisations × 10 seeds × 6 arms (``--arm-set siglip``: 3 arms); see ``DEFAULT``. 1 torch thread.
 ``--quick`` is a smoke test of the same code (2 initialisations × 2 seeds, tiny sizes, 1 epoch),
 with its own default ``--out`` and ``--cache`` (``..._quick``): it never writes over a full run.
 
     python examples/fine_tune_study.py --quick
     python examples/fine_tune_study.py                      # the default run
     python examples/fine_tune_study.py --seeds 10 --seed-offset 10 --init-seeds 3 --init-offset 3
+    python examples/fine_tune_study.py --arm-set siglip       # ClipLoss, SigLIP, HN-SigLIP
 
 Writes under ``--out`` (default: ``<tmp>/hnclip_fine_tune_study``, ``--quick``:
 ``<tmp>/hnclip_fine_tune_study_quick``): ``final.csv`` (arm × initialisation × seed: the
@@ -114,7 +158,8 @@ seed × epoch), ``stage1.csv``, ``run.json`` (configuration, leakage check, vers
 wall time) and ``study.png`` (``study_plots.py``: the regime per epoch, R@1 per arm with
 intervals), and prints the tables (``study_tables.py``). The docs'
 tables are generated from the committed copies in ``examples/results/fine_tune_study/`` (the default run) and
-``examples/results/fine_tune_study_replication/`` (``--init-offset 3 --seed-offset 10``).
+``examples/results/fine_tune_study_replication/`` (``--init-offset 3 --seed-offset 10``) and
+``examples/results/fine_tune_study_siglip/`` (``--arm-set siglip``).
 
 *Revisions.* 1–3 (one initialisation, seeds 0–4, a percentile bootstrap): stage 1 moved from
 coarse to dense captions and more steps; no stage-2 ClipLoss batch reached InfoNCE < 1e-3. 4:
@@ -203,9 +248,15 @@ ARMS = (
     "HN-CLIP 4×batch, same steps",
 )
 BIG_ARMS = ARMS[4:]
+SIGLIP_ARMS = ("ClipLoss", "SigLIP", "HN-SigLIP")  # --arm-set siglip
+SIGMOID_ARMS = SIGLIP_ARMS[1:]  # the arms with a learnable bias
+ARM_SETS = {"main": ARMS, "siglip": SIGLIP_ARMS}
+SIGLIP_REVISION = "S1"
+BIAS_BRACKET = 250.0  # |b₀| bound of the calibration's bisection: |s·(cos + γ·h)| ≤ 150 at s = 100
 INIT_ARM = "initialisation"
 METRICS = ("t2i_R@1", "i2t_R@1", "t2i_group_acc", "i2t_group_acc")  # the Holm family's metrics
 PRIMARY = ("HN-CLIP", "t2i_R@1")
+SIGLIP_PRIMARY = ("HN-SigLIP", "SigLIP", "t2i_R@1")  # (arm, against, metric)
 
 
 # ---------------------------------------------------------------- vocabulary and data
@@ -524,12 +575,16 @@ def _encode(model, images: torch.Tensor, tokens: torch.Tensor, chunked: bool):
 
 
 def make_loss(arm: str):
-    from open_clip.loss import ClipLoss
+    from open_clip.loss import ClipLoss, SigLipLoss
 
-    from hnclip_kernels import HNClipLoss
+    from hnclip_kernels import HNClipLoss, HNSigLipLoss
 
     if arm == "ClipLoss":
         return ClipLoss()
+    if arm == "SigLIP":
+        return SigLipLoss()
+    if arm == "HN-SigLIP":
+        return HNSigLipLoss(gamma=GAMMA, margin="text", backend="auto")
     if arm == "HN-CLIP+FN":
         return HNClipLoss(gamma=GAMMA, backend="auto", false_negative_threshold=FN_THRESHOLD)
     return HNClipLoss(gamma=GAMMA, backend="auto")
@@ -558,15 +613,19 @@ def held_out_metrics(model, data: dict) -> dict:
     return dict(out, tau=1.0 / float(scale))
 
 
+def first_epoch_batches(init: int, seed: int, n_pool: int) -> list:
+    """The cell's first-epoch batches of 64 (the first pass of the order every arm of 64 sees)."""
+    gen = torch.Generator().manual_seed(cell_seed("order", init, seed))
+    order = torch.randperm(n_pool, generator=gen)
+    return [order[b * BATCH : (b + 1) * BATCH] for b in range(n_pool // BATCH)]
+
+
 def start_regime(state: dict, init: int, seed: int, data: dict, args) -> dict:
     """The initialisation (no update) on the cell's first-epoch batches of 64: epoch 0."""
     model = _init_model(state, args.width)
-    gen = torch.Generator().manual_seed(cell_seed("order", init, seed))
-    order = torch.randperm(data["train"]["images"].shape[0], generator=gen)
     values, zeros, dups = [], [], []
     with torch.no_grad():
-        for b in range(order.numel() // BATCH):
-            idx = order[b * BATCH : (b + 1) * BATCH]
+        for idx in first_epoch_batches(init, seed, data["train"]["images"].shape[0]):
             img_f, txt_f, scale = model(data["train"]["images"][idx], data["train"]["tokens"][idx])
             v, z = batch_saturation(img_f, txt_f, scale)
             values.append(v)
@@ -580,6 +639,11 @@ def fine_tune(arm: str, init: int, seed: int, state: dict, data: dict, args, pro
     model = _init_model(state, args.width)
     loss_fn = make_loss(arm)
     opt = _optimizer(model, args.lr)
+    bias = None
+    if arm in SIGMOID_ARMS:  # the arm's learnable bias, from its calibrated value; no weight decay
+        b0 = calibrate_bias(arm, state, init, seed, data, args)
+        bias = torch.nn.Parameter(torch.tensor(b0, dtype=torch.float32))
+        opt.add_param_group(dict(params=[bias], weight_decay=0.0))
     n_pool = data["train"]["images"].shape[0]
     plan = arm_plan(arm, n_pool, args.epochs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(max(1, plan["total"] // 10), plan["total"]))
@@ -597,7 +661,7 @@ def fine_tune(arm: str, init: int, seed: int, state: dict, data: dict, args, pro
             idx, order = order[: plan["batch"]], order[plan["batch"] :]
             images, tokens = data["train"]["images"][idx], data["train"]["tokens"][idx]
             img_f, txt_f, scale = _encode(model, images, tokens, arm in BIG_ARMS)
-            loss = loss_fn(img_f, txt_f, scale)
+            loss = loss_fn(img_f, txt_f, scale) if bias is None else loss_fn(img_f, txt_f, scale, bias)
             v, z = batch_saturation(img_f, txt_f, scale)
             _step(loss, opt, sched, model, 100.0)
             losses.append(loss.item())
@@ -606,7 +670,51 @@ def fine_tune(arm: str, init: int, seed: int, state: dict, data: dict, args, pro
             dups.append(dup_fraction(idx))
             progress(plan["batch"] // BATCH)
         regime.append(dict(epoch=epoch, train_loss=sum(losses) / len(losses), **regime_row(values, zeros, dups)))
-    return held_out_metrics(model, data), regime
+    metrics = held_out_metrics(model, data)
+    if bias is not None:
+        metrics.update(logit_bias_init=b0, logit_bias=bias.item())
+    return metrics, regime
+
+
+def calibrate_bias(arm: str, state: dict, init: int, seed: int, data: dict, args) -> float:
+    """A sigmoid arm's initial bias b₀: the zero of ∂L/∂b of the arm's own loss, summed over the cell's
+    first-epoch batches of 64, at the initialisation (no update, s = 100), in float64, by a bracketed
+    root finder (Illinois, with bisection steps while the bracket is wide).
+
+    At b₀ the predicted positives Σ σ(z_ij) equal the positives: the bias's stationary point with the
+    features fixed (the loss is convex in b, its slope increasing from −batches to N − batches).
+    """
+    model, loss_fn = _init_model(state, args.width), make_loss(arm)
+    feats = []
+    with torch.no_grad():
+        for idx in first_epoch_batches(init, seed, data["train"]["images"].shape[0]):
+            img_f, txt_f, scale = model(data["train"]["images"][idx], data["train"]["tokens"][idx])
+            feats.append((img_f.double(), txt_f.double(), scale.double()))
+
+    def slope(b: float) -> float:
+        bias = torch.tensor(b, dtype=torch.float64, requires_grad=True)
+        total = sum(loss_fn(i, t, s, bias) for i, t, s in feats)
+        return torch.autograd.grad(total, bias)[0].item()
+
+    lo, hi = -BIAS_BRACKET, BIAS_BRACKET
+    f_lo, f_hi = slope(lo), slope(hi)
+    if not f_lo < 0 < f_hi:
+        raise RuntimeError(f"the bias calibration's bracket [{lo}, {hi}] does not hold the zero of dL/db")
+    kept = 0  # Illinois (regula falsi that halves an endpoint kept twice); bisection where it stalls
+    for _ in range(200):
+        x = (lo * f_hi - hi * f_lo) / (f_hi - f_lo)
+        if not lo < x < hi or hi - lo > 0.5 * BIAS_BRACKET:
+            x = 0.5 * (lo + hi)
+        f = slope(x)
+        if f == 0.0 or hi - lo < 1e-9:
+            return x
+        if f < 0:
+            lo, f_lo, f_hi, kept = x, f, f_hi * 0.5 if kept == 1 else f_hi, 1
+        else:
+            hi, f_hi, f_lo, kept = x, f, f_lo * 0.5 if kept == -1 else f_lo, -1
+        if abs(f) < 1e-13:
+            return x
+    raise RuntimeError("the bias calibration did not converge")
 
 
 # ---------------------------------------------------------------- the run
@@ -615,11 +723,21 @@ def fine_tune(arm: str, init: int, seed: int, state: dict, data: dict, args, pro
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"a smoke test: {QUICK}")
+    parser.add_argument(
+        "--arm-set",
+        choices=sorted(ARM_SETS),
+        default="main",
+        help="main: the 6 arms of revision 5; siglip: ClipLoss, SigLIP, HN-SigLIP (revision S1)",
+    )
     for key, value in DEFAULT.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help=f"default {value}")
     parser.add_argument("--lr", type=float, default=5e-4, help="stage-2 peak learning rate")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (results are reproducible per count)")
-    parser.add_argument("--out", default=None, help="default <tmp>/hnclip_fine_tune_study (--quick: ..._quick)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="default <tmp>/hnclip_fine_tune_study (--arm-set siglip: ..._siglip; --quick: ..._quick)",
+    )
     parser.add_argument(
         "--cache", default=None, help="default <tmp>/hnclip_fine_tune_study_cache (--quick: ..._quick_cache)"
     )
@@ -627,7 +745,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else DEFAULT
     name = "hnclip_fine_tune_study" + ("_quick" if args.quick else "")  # a smoke run never overwrites a real one
-    args.out = args.out or os.path.join(tempfile.gettempdir(), name)
+    suffix = "" if args.arm_set == "main" else "_" + args.arm_set  # the arm sets share stage 1's cache
+    args.out = args.out or os.path.join(tempfile.gettempdir(), name + suffix)
     args.cache = args.cache or os.path.join(tempfile.gettempdir(), name + "_cache")
     for key, value in preset.items():
         if getattr(args, key) is None:
@@ -643,6 +762,13 @@ def parse_args(argv=None):
     if args.width % 32:
         parser.error("--width must be a multiple of 32 (attention heads of 32)")
     return args
+
+
+def with_bias(metrics: dict, arm_set: str) -> dict:
+    """A final.csv row's metrics; the siglip arm set's rows all have the bias columns (nan: no bias)."""
+    if arm_set != "siglip":
+        return metrics
+    return dict(metrics, **{k: metrics.get(k, float("nan")) for k in ("logit_bias_init", "logit_bias")})
 
 
 def _cpu_name() -> str:
@@ -665,8 +791,8 @@ def main(argv=None) -> dict:
     os.makedirs(args.out, exist_ok=True)
     t0, c0 = time.perf_counter(), _cpu_seconds()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    arms, missing = list(ARMS), {}
-    if not big_batch_available():
+    arms, missing = list(ARM_SETS[args.arm_set]), {}
+    if args.arm_set == "main" and not big_batch_available():
         for arm in BIG_ARMS:
             missing[arm] = "hnclip_kernels.chunked_encode is not available in this install"
             arms.remove(arm)
@@ -684,6 +810,8 @@ def main(argv=None) -> dict:
         run = dict(
             version=VERSION,
             complete=complete,
+            arm_set=args.arm_set,
+            **(dict(arm_set_revision=SIGLIP_REVISION) if args.arm_set == "siglip" else {}),
             config={k: getattr(args, k) for k in list(DEFAULT) + ["lr", "threads"]},
             quick=args.quick,
             arms=arms,
@@ -742,12 +870,13 @@ def main(argv=None) -> dict:
             for init, state in states.items():
                 data = dict(train=trains[(init, seed)], eval=evals[seed])
                 key = dict(init=init, seed=seed)
-                final.append(dict(arm=INIT_ARM, **key, **held_out_metrics(_init_model(state, args.width), data)))
+                init_metrics = held_out_metrics(_init_model(state, args.width), data)
+                final.append(dict(arm=INIT_ARM, **key, **with_bias(init_metrics, args.arm_set)))
                 regime.append(dict(arm=INIT_ARM, **key, epoch=0, **start_regime(state, init, seed, data, args)))
                 for arm in arms:
                     bar.set_postfix_str(f"seed {seed} init {init} {arm}")
                     metrics, rows = fine_tune(arm, init, seed, state, data, args, bar.update)
-                    final.append(dict(arm=arm, **key, **metrics))
+                    final.append(dict(arm=arm, **key, **with_bias(metrics, args.arm_set)))
                     regime += [dict(arm=arm, **key, **r) for r in rows]
                 demo.write_csv(os.path.join(args.out, "final.csv"), final)  # so far: a run stopped early keeps them
                 demo.write_csv(os.path.join(args.out, "regime.csv"), regime)

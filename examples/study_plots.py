@@ -5,8 +5,8 @@
 Four panels: (a) per epoch, the fraction of directional rows whose float32 positive-logit
 gradient rounds to 0 and (b) the median batch InfoNCE, each arm's own training batches, epoch 0
 the initialisation; (c) each arm's held-out R@1 at the last epoch, t→i and i→t, with the
-crossed model's 95% intervals (``study_stats.crossed_t``); (d) Δ R@1 against ClipLoss with the
-same intervals, a filled marker where the difference is detected (Holm p < 0.05 over the family).
+crossed model's 95% intervals (``study_stats.crossed_t``); (d) Δ R@1 against ClipLoss (the siglip
+arm set: each comparison of its family, arm − reference) with the same intervals, a filled marker where the difference is detected (Holm p < 0.05 over the family).
 """
 
 from __future__ import annotations
@@ -83,15 +83,18 @@ def plot(folder: str, path: str) -> str:
     ax.grid(alpha=0.3)
 
     ax = axes[1, 1]
-    rows = {(r["arm"], r["metric"]): r for r in tb.comparisons(final, arms)}
-    others = arms[1:]
+    which = tb.arm_set(data)
+    rows = {(r["arm"], r["ref"], r["metric"]): r for r in tb.data_comparisons(data)}
+    pairs = tb.family(arms, which)  # the main arm set: every arm against ClipLoss
     for j, (metric, label, marker) in enumerate(DIRECTIONS):
-        for i, arm in enumerate(others):
-            r = rows[(arm, metric)]
+        for i, (arm, ref) in enumerate(pairs):
+            r = rows[(arm, ref, metric)]
             _interval(ax, i, j, r["x"], marker, label, filled=tb._detected(r))
     ax.axhline(0.0, color="k", lw=0.8)
-    ax.set_xticks(range(len(others)), [n.replace(", ", ",\n") for n in others], fontsize=7, rotation=20)
-    ax.set(title="(d) Δ R@1 − ClipLoss (95%, crossed model; filled: Holm p < 0.05)")
+    names = [tb.pair_name(dict(arm=a, ref=r), which).replace(", ", ",\n") for a, r in pairs]
+    ax.set_xticks(range(len(pairs)), names, fontsize=7, rotation=20)
+    what = "Δ R@1 − ClipLoss" if which == "main" else "Δ R@1, arm − reference"
+    ax.set(title=f"(d) {what} (95%, crossed model; filled: Holm p < 0.05)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.suptitle(f"fine-tuning study: {tb.label(data)}, {tb.design(data)[2]}", fontsize=10)

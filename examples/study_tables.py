@@ -4,8 +4,10 @@
     python examples/study_tables.py [DIR]            # every table of a run's output (default: the committed run)
     python examples/study_tables.py --emit NAME      # one table of the committed run (tools.docs_tables calls this)
 
-The committed run is ``examples/results/fine_tune_study/``; the docs' generated regions
-``study-*`` (docs/studies.md, README.md) are these tables, checked by tests/docs/test_tables.py.
+The committed runs are ``examples/results/fine_tune_study/`` (and its ``_replication``) and, for the
+``study-siglip-*`` tables, ``examples/results/fine_tune_study_siglip/`` (``--arm-set siglip``); the
+docs' generated regions ``study-*`` (docs/studies.md, README.md) are these tables, checked by
+tests/docs/test_tables.py.
 Every sentence here is computed from the CSVs; nothing is typed in by hand.
 """
 
@@ -23,10 +25,19 @@ import study_stats as st  # noqa: E402
 
 COMMITTED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fine_tune_study")
 REPLICATION = COMMITTED + "_replication"  # the same protocol on fresh initialisations and seeds
+SIGLIP = COMMITTED + "_siglip"  # --arm-set siglip: ClipLoss, SigLIP, HN-SigLIP
 BASE, INIT_ARM = "ClipLoss", "initialisation"
 METRICS = ("t2i_R@1", "i2t_R@1", "t2i_group_acc", "i2t_group_acc")
 LABEL = {"t2i_R@1": "t→i R@1", "i2t_R@1": "i→t R@1", "t2i_group_acc": "t→i group acc", "i2t_group_acc": "i→t group acc"}
 PRIMARY = ("HN-CLIP", "t2i_R@1")
+# per arm set: the family's (arm, reference) pairs (None: every arm against ClipLoss) and the primary
+FAMILIES = {
+    "main": dict(pairs=None, primary=("HN-CLIP", BASE, "t2i_R@1")),
+    "siglip": dict(
+        pairs=[("HN-SigLIP", "SigLIP"), ("SigLIP", BASE), ("HN-SigLIP", BASE)],
+        primary=("HN-SigLIP", "SigLIP", "t2i_R@1"),
+    ),
+}
 ALPHA = 0.05
 
 
@@ -44,6 +55,11 @@ def load(folder: str) -> dict:
     return dict(final=rows("final.csv"), regime=regime, stage1=rows("stage1.csv"), run=run, folder=folder)
 
 
+def arm_set(data: dict) -> str:
+    """The run's arm set (``--arm-set``; runs before it have the main one)."""
+    return data["run"].get("arm_set", "main")
+
+
 def label(data: dict) -> str:
     """What the tables call a run: the two committed runs by name, any other by its folder."""
     where = os.path.realpath(data["folder"])
@@ -51,6 +67,8 @@ def label(data: dict) -> str:
         return "the default run"
     if where == os.path.realpath(REPLICATION):
         return "the replication"
+    if where == os.path.realpath(SIGLIP):
+        return "the SigLIP run"
     return f"the run in `{data['folder']}`"
 
 
@@ -69,21 +87,45 @@ def grid(final: list) -> list:
     return [(i, s) for i in sorted(inits) for s in seeds]
 
 
-def comparisons(final: list, arms: list) -> list:
-    """Every arm × metric against ClipLoss, paired within each (init, seed) cell, under the crossed
-    two-way random-effects model (``study_stats.crossed_t``); Holm over the family."""
+def family(arms: list, which: str = "main") -> list:
+    """The (arm, reference) pairs an arm set compares: the main one every arm against ClipLoss, the
+    siglip one HN-SigLIP against SigLIP (its primary) and each sigmoid arm against ClipLoss."""
+    pairs = FAMILIES[which]["pairs"]
+    if pairs is None:
+        return [(a, BASE) for a in arms if a != BASE]
+    return [(a, ref) for a, ref in pairs if a in arms and ref in arms]
+
+
+def is_primary(r: dict, which: str = "main") -> bool:
+    return (r["arm"], r["ref"], r["metric"]) == FAMILIES[which]["primary"]
+
+
+def comparisons(final: list, arms: list, which: str = "main") -> list:
+    """Every (arm, reference) pair of the arm set's family (:func:`family`) × metric, paired within each
+    (init, seed) cell, under the crossed two-way random-effects model (``study_stats.crossed_t``); Holm
+    over the family; the primary first."""
     by = {(r["arm"], _key(r)): r for r in final}
     keys = grid(final)
     out = []
-    for arm in [a for a in arms if a != BASE]:
+    for arm, ref in family(arms, which):
         for metric in METRICS:
-            diffs = {k: float(by[(arm, k)][metric]) - float(by[(BASE, k)][metric]) for k in keys}
+            diffs = {k: float(by[(arm, k)][metric]) - float(by[(ref, k)][metric]) for k in keys}
             x, s = st.crossed_t(diffs), st.sign_test(list(diffs.values()))
-            out.append(dict(arm=arm, metric=metric, x=x, sign=s, mdd=st.min_detectable_se(x["se"], x["df"])))
+            mdd = st.min_detectable_se(x["se"], x["df"])
+            out.append(dict(arm=arm, ref=ref, metric=metric, x=x, sign=s, mdd=mdd))
     for row, p in zip(out, st.holm([r["x"]["p"] for r in out])):
         row["holm_p"] = p
-    primary = [r for r in out if (r["arm"], r["metric"]) == PRIMARY]
-    return primary + [r for r in out if (r["arm"], r["metric"]) != PRIMARY]
+    return [r for r in out if is_primary(r, which)] + [r for r in out if not is_primary(r, which)]
+
+
+def data_comparisons(data: dict) -> list:
+    """:func:`comparisons` of a loaded run, for its arm set."""
+    return comparisons(data["final"], data["run"]["arms"], arm_set(data))
+
+
+def pair_name(r: dict, which: str = "main") -> str:
+    """A comparison's name in the tables: the arm (main: every one against ClipLoss), or "arm − reference"."""
+    return r["arm"] if which == "main" else f"{r['arm']} − {r['ref']}"
 
 
 def _num(x: float, sign: bool = True) -> str:
@@ -144,12 +186,17 @@ def shared(data: dict) -> str:
 
 def results_table(data: dict) -> str:
     """The paired comparisons, primary first, with the design line above them."""
-    run, rows = data["run"], comparisons(data["final"], data["run"]["arms"])
+    run, rows, which = data["run"], data_comparisons(data), arm_set(data)
     k, n, what = design(data)
+    delta = (
+        "Δ = arm − ClipLoss"
+        if which == "main"
+        else "Δ = arm − reference (HN-SigLIP − SigLIP, the primary; each sigmoid arm − ClipLoss)"
+    )
     head = (
         f"{what} = {n} cells; held-out pool {run['held_out_pairs']} pairs per seed; last epoch "
         f"({run['config']['epochs']}). The design is crossed: an initialisation is shared by its seeds, and a seed's "
-        f"cells share {shared(data)}. Δ = arm − ClipLoss within each cell: mean [95% interval of the crossed two-way "
+        f"cells share {shared(data)}. {delta} within each cell: mean [95% interval of the crossed two-way "
         f"random-effects model, initialisation × seed both random, Satterthwaite df], the components' sds "
         f"(initialisation / seed / cell), wins/losses/ties with the exact sign-test p (descriptive: it treats the "
         f"cells as independent), the model's p Holm-adjusted over all {len(rows)} comparisons, and the verdict at "
@@ -158,8 +205,8 @@ def results_table(data: dict) -> str:
     body = []
     for r in rows:
         t, s = r["x"], r["sign"]
-        name = f"**{r['arm']}**" if (r["arm"], r["metric"]) == PRIMARY else r["arm"]
-        metric = f"**{LABEL[r['metric']]}** (primary)" if (r["arm"], r["metric"]) == PRIMARY else LABEL[r["metric"]]
+        name = f"**{pair_name(r, which)}**" if is_primary(r, which) else pair_name(r, which)
+        metric = f"**{LABEL[r['metric']]}** (primary)" if is_primary(r, which) else LABEL[r["metric"]]
         body.append(
             [
                 name,
@@ -173,7 +220,8 @@ def results_table(data: dict) -> str:
             ]
         )
     table = md_table(
-        ["arm vs ClipLoss", "metric", "Δ [95%]", "df", "sd init / seed / cell", "W/L/T, sign p", "Holm p", "verdict"],
+        ["arm vs ClipLoss" if which == "main" else "comparison"]
+        + ["metric", "Δ [95%]", "df", "sd init / seed / cell", "W/L/T, sign p", "Holm p", "verdict"],
         body,
     )
     return head + "\n\n" + table
@@ -205,7 +253,32 @@ def levels_table(data: dict) -> str:
         "Against the initialisation (descriptive, outside the Holm family), the last epoch's t→i R@1 − epoch 0's, "
         "paired within each cell, mean [the crossed model's 95% interval]: " + "; ".join(parts) + "."
     )
-    return table + "\n\n" + line
+    return table + "\n\n" + line + bias_sentence(data)
+
+
+def _b(x: float) -> str:
+    return f"{x:.1f}".replace("-", "−")
+
+
+def bias_sentence(data: dict) -> str:
+    """The sigmoid arms' bias (the siglip arm set): its calibrated start b₀ and how far training moved it."""
+    rows = [r for r in data["final"] if r.get("logit_bias_init") not in (None, "", "nan")]
+    if not rows:
+        return ""
+    parts = []
+    for arm in [a for a in data["run"]["arms"] if any(r["arm"] == a for r in rows)]:
+        b0 = [float(r["logit_bias_init"]) for r in rows if r["arm"] == arm]
+        moved = [float(r["logit_bias"]) - float(r["logit_bias_init"]) for r in rows if r["arm"] == arm]
+        parts.append(
+            f"{arm} b₀ {_b(sum(b0) / len(b0))} (cells {_b(min(b0))} to {_b(max(b0))}), moved by "
+            f"{sum(moved) / len(moved):+.4f} on average (|change| ≤ {max(map(abs, moved)):.4f})"
+        )
+    return (
+        "\n\nThe sigmoid arms' learnable bias, over the cells: its calibrated start b₀ (the zero of the arm's own "
+        "dL/db on the cell's first-epoch batches at the initialisation) and its change by the last step: "
+        + "; ".join(parts)
+        + "."
+    )
 
 
 def regime_table(data: dict) -> str:
@@ -293,7 +366,13 @@ def run_table(data: dict) -> str:
         f"Run: stage-1 width {cfg['width']}, {cfg['s1_train']} scenes; pool {run['pool_pairs']} pairs, "
         f"{cfg['epochs']} epochs, lr {cfg['lr']}; {cfg['threads']} torch thread; {run['cpu_seconds'] / 60:.1f} "
         f"CPU-minutes (user+sys) and {run['wall_seconds'] / 60:.1f} minutes wall, stage 1 included where trained "
-        f"(load average {run['load_average_at_start']} at the start); {run['cpu']}, torch {run['torch']}.",
+        f"(load average {run['load_average_at_start']} at the start); {run['cpu']}, torch {run['torch']}."
+        + (
+            " Every initialisation was reused from stage 1's cache (trained beforehand by the same script and "
+            "configuration): the run's CPU and wall time are stage 2's."
+            if run["stage1"] and all(r.get("reused") for r in run["stage1"])
+            else ""
+        ),
     ]
     if not run.get("complete", True):
         done = len({_key(r) for r in data["final"]})
@@ -306,14 +385,14 @@ def run_table(data: dict) -> str:
 
 def conclusions(data: dict) -> str:
     """The sentences of conclusion, each computed from the comparisons."""
-    rows = comparisons(data["final"], data["run"]["arms"])
+    rows, which = data_comparisons(data), arm_set(data)
     p = rows[0]
     t = p["x"]
     out = [
-        f"- Primary (HN-CLIP γ = 0.5 − ClipLoss, t→i R@1): Δ = {_num(t['mean'])} "
+        f"- Primary ({p['arm']} γ = 0.5 − {p['ref']}, t→i R@1): Δ = {_num(t['mean'])} "
         f"[{_num(t['low'])}, {_num(t['high'])}] over {t['n']} cells ({t['df']:.1f} df), Holm p {_p_is(p['holm_p'])}: "
         + (
-            f"HN-CLIP is {_relation(p)} ClipLoss."
+            f"{p['arm']} is {_relation(p)} {p['ref']}."
             if _detected(p)
             else f"no difference detected; the smallest difference this run could detect is ±{p['mdd']:.3f}."
         )
@@ -321,12 +400,12 @@ def conclusions(data: dict) -> str:
     found = [r for r in rows[1:] if _detected(r)]
     for r in found:
         out.append(
-            f"- {r['arm']} is {_relation(r)} ClipLoss on {LABEL[r['metric']]}: Δ = {_num(r['x']['mean'])} "
+            f"- {r['arm']} is {_relation(r)} {r['ref']} on {LABEL[r['metric']]}: Δ = {_num(r['x']['mean'])} "
             f"[{_num(r['x']['low'])}, {_num(r['x']['high'])}] ({r['x']['df']:.1f} df), Holm p {_p_is(r['holm_p'])}."
         )
     none = [r for r in rows[1:] if not _detected(r)]
     if none:
-        parts = [f"{r['arm']} on {LABEL[r['metric']]} (MDD {r['mdd']:.3f})" for r in none]
+        parts = [f"{pair_name(r, which)} on {LABEL[r['metric']]} (MDD {r['mdd']:.3f})" for r in none]
         out.append("- No difference detected (Holm p ≥ 0.05) for: " + "; ".join(parts) + ".")
     return "\n".join(out)
 
@@ -334,12 +413,12 @@ def conclusions(data: dict) -> str:
 def readme_table(data: dict, rep: dict = None) -> str:
     """The README's short version: every arm on the primary metric (and, given ``rep``, the
     replication's verdict), then what the other metrics show."""
-    every = comparisons(data["final"], data["run"]["arms"])
+    every, which = data_comparisons(data), arm_set(data)
     rows = [r for r in every if r["metric"] == PRIMARY[1]]
     again = {(r["arm"], r["metric"]): r for r in comparisons(rep["final"], rep["run"]["arms"])} if rep else {}
     body = [
         [
-            r["arm"] + (" (primary)" if (r["arm"], r["metric"]) == PRIMARY else ""),
+            pair_name(r, which) + (" (primary)" if is_primary(r, which) else ""),
             f"{_num(r['x']['mean'])} [{_num(r['x']['low'])}, {_num(r['x']['high'])}]",
             f"{r['sign']['wins']}/{r['sign']['losses']}/{r['sign']['ties']}",
             _p(r["holm_p"]),
@@ -353,19 +432,22 @@ def readme_table(data: dict, rep: dict = None) -> str:
         for r in rows
     ]
     head = (
-        f"Δ t→i R@1 against ClipLoss at the last epoch, {design(data)[2]} "
+        f"Δ t→i R@1 {'against ClipLoss' if which == 'main' else '(arm − reference)'} at the last epoch, "
+        f"{design(data)[2]} "
         f"(mean [95% interval of the crossed initialisation × seed random-effects model], wins/losses/ties, "
         f"Holm p over all {len(every)} comparisons):"
     )
     others = [r for r in every if r["metric"] != PRIMARY[1] and _detected(r)]
     tail = f"In {label(data)}, on the other metrics (i→t R@1, group accuracy both ways), " + (
         "differences are detected for: "
-        + "; ".join(f"{r['arm']} {verdict(r)} on {LABEL[r['metric']]} ({_num(r['x']['mean'])})" for r in others)
+        + "; ".join(
+            f"{pair_name(r, which)} {verdict(r)} on {LABEL[r['metric']]} ({_num(r['x']['mean'])})" for r in others
+        )
         + "; none for the rest."
         if others
         else "no difference is detected."
     )
-    header = ["arm vs ClipLoss", "Δ", "W/L/T", "Holm p", "verdict"] + (
+    header = ["arm vs ClipLoss" if which == "main" else "comparison", "Δ", "W/L/T", "Holm p", "verdict"] + (
         [f"replication ({design(rep)[2]}, fresh): Δ, verdict"] if rep else []
     )
     return head + "\n\n" + md_table(header, body) + "\n\n" + tail
@@ -425,6 +507,34 @@ ONE_RUN = dict(TABLES, **{"study-readme": readme_table})  # what one run's outpu
 del ONE_RUN["study-replication"]
 
 
+def same_cells(data: dict, other: dict) -> str:
+    """How many of a run's initialisation and ClipLoss rows (final.csv and regime.csv) repeat those
+    of ``other`` bit for bit, over the cells both ran: the shared arm's cells re-run."""
+    found = []
+    for name in ("final", "regime"):
+        theirs = {tuple(sorted(r.items())) for r in other[name] if r["arm"] in (INIT_ARM, BASE)}
+        ours = [
+            tuple(sorted((k, v) for k, v in r.items() if k not in ("logit_bias_init", "logit_bias")))
+            for r in data[name]
+            if r["arm"] in (INIT_ARM, BASE)
+        ]
+        found.append(f"{sum(r in theirs for r in ours)} of {len(ours)} {name}.csv rows")
+    return (
+        f"The initialisation and ClipLoss rows repeat {label(other)}'s bit for bit (the same cells and "
+        f"thread count): {' and '.join(found)} identical."
+    )
+
+
+SIGLIP_TABLES = {  # the committed SigLIP run's regions (docs/studies.md)
+    "study-siglip-results": TABLES["study-results"],
+    "study-siglip-levels": levels_table,
+    "study-siglip-regime": regime_table,
+    "study-siglip-run": lambda d: run_table(d) + "\n\n" + same_cells(d, load(COMMITTED)),
+}
+TABLES.update(SIGLIP_TABLES)
+SOURCES = dict.fromkeys(SIGLIP_TABLES, SIGLIP)  # a table's committed run (the others: COMMITTED)
+
+
 def render_all(folder: str) -> str:
     """Every table of one run (the replication table compares the two committed runs: not here)."""
     data = load(folder)
@@ -433,14 +543,14 @@ def render_all(folder: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("folder", nargs="?", default=COMMITTED)
+    ap.add_argument("folder", nargs="?", default=None, help="a run's output (default: the committed runs)")
     ap.add_argument("--emit", choices=sorted(TABLES), help="print one table")
     a = ap.parse_args(argv)
     if a.emit:
-        print(TABLES[a.emit](load(a.folder)))
-    elif a.folder == COMMITTED:  # the committed runs: every region of the docs
-        data = load(a.folder)
-        print("\n\n".join(f"## {name}\n\n{make(data)}" for name, make in TABLES.items()))
+        print(TABLES[a.emit](load(a.folder or SOURCES.get(a.emit, COMMITTED))))
+    elif a.folder is None or a.folder == COMMITTED:  # the committed runs: every region of the docs
+        data = {where: load(where) for where in (COMMITTED, SIGLIP)}
+        print("\n\n".join(f"## {name}\n\n{make(data[SOURCES.get(name, COMMITTED)])}" for name, make in TABLES.items()))
     else:
         print(render_all(a.folder))
     return 0

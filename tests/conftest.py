@@ -75,7 +75,7 @@ FULL_TIER = (
     "tests/integrations/test_transformers.py::test_two_gloo_processes_equal_the_global_batch",  # 26 s
     "tests/integrations/test_deepspeed.py",  # 41 s
     "tests/integrations/test_example.py",  # 26 s
-    "tests/integrations/test_fine_tune_study.py",  # 22 s idle, 70 s at load 5 on 2 cores
+    "tests/integrations/test_fine_tune_study.py",  # 22 s idle, 70 s at load 5 on 2 cores; + 35 s at load 8 (--arm-set siglip)
     "tests/integrations/test_long_clip_example.py",  # 31 s
     "tests/integrations/test_train.py",  # 16 s
     "tests/integrations/test_train_checks.py::test_the_cli_exits_with_one_line",  # 7-11 s: torch's and open_clip's imports

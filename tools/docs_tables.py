@@ -29,6 +29,9 @@ interpreters (``tools.work`` TRITON_INTERPRET=1, ``tools.sm90`` unset):
   (docs/studies.md, README.md), computed by ``examples/study_tables.py`` from the committed runs'
   CSVs in ``examples/results/fine_tune_study/`` (and ``..._replication/``, written by
   ``examples/fine_tune_study.py``). Instant.
+* ``study-siglip-results``, ``study-siglip-levels``, ``study-siglip-regime``, ``study-siglip-run``:
+  the same for the study's SigLIP arm set (``--arm-set siglip``: ClipLoss, SigLIP, HN-SigLIP), from
+  ``examples/results/fine_tune_study_siglip/`` (docs/studies.md). Instant.
 
 ``tests/docs/test_tables.py`` regenerates every table and fails where the docs differ.
 """
@@ -188,11 +191,16 @@ TABLES = {
     ),
 }
 STUDY_TABLES = ("study-results", "study-levels", "study-regime", "study-run", "study-readme", "study-replication")
-for _name in STUDY_TABLES:  # the fine-tuning study: its committed CSVs, through examples/study_tables.py
+SIGLIP_STUDY_TABLES = ("study-siglip-results", "study-siglip-levels", "study-siglip-regime", "study-siglip-run")
+for _name in STUDY_TABLES + SIGLIP_STUDY_TABLES:  # the fine-tuning study: its committed CSVs, via study_tables.py
     TABLES[_name] = (
         [sys.executable, os.path.join("examples", "study_tables.py"), "--emit", _name],
         False,
-        "the committed run `examples/results/fine_tune_study/`"
+        (
+            "the committed run `examples/results/fine_tune_study_siglip/` (`--arm-set siglip`)"
+            if _name in SIGLIP_STUDY_TABLES
+            else "the committed run `examples/results/fine_tune_study/`"
+        )
         + (
             " and its replication `examples/results/fine_tune_study_replication/`"
             if _name == "study-replication"

@@ -42,7 +42,7 @@ def test_docs_table_is_what_its_tool_prints(name):
     _check(name)
 
 
-@pytest.mark.parametrize("name", docs_tables.STUDY_TABLES)
+@pytest.mark.parametrize("name", docs_tables.STUDY_TABLES + docs_tables.SIGLIP_STUDY_TABLES)
 def test_study_table_is_what_the_committed_runs_give(name):
     """The fine-tuning study's regions (default tier: about a second each) against its committed CSVs."""
     _check(name)

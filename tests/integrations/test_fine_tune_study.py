@@ -97,3 +97,40 @@ def test_quick_run_outputs_are_well_formed(tmp_path, capsys):
     assert [r["reused"] for r in again["stage1"]] == [True]
     pick = lambda rows: [repr(r) for r in rows if r["init"] == 1 and r["seed"] == 0]  # noqa: E731 (repr: nan == nan)
     assert pick(again["final"]) == pick(result["final"]) and pick(again["regime"]) == pick(result["regime"])
+
+
+def test_quick_siglip_arm_set_end_to_end(tmp_path):
+    """``--arm-set siglip --quick``: ClipLoss, SigLIP and HN-SigLIP per cell, every sigmoid arm's bias
+    calibrated and learned, the arm set's family of 12 comparisons with HN-SigLIP − SigLIP first."""
+    out = tmp_path / "siglip"
+    result = study.main(
+        ["--quick", "--arm-set", "siglip", "--no-progress", "--out", str(out), "--cache", str(tmp_path / "cache")]
+    )
+    for name in ("final.csv", "regime.csv", "stage1.csv", "run.json", "study.png"):
+        assert (out / name).stat().st_size > 0, name
+    run = json.loads((out / "run.json").read_text())
+    assert run["arm_set"] == "siglip" and run["arm_set_revision"] == study.SIGLIP_REVISION
+    assert run["arms"] == list(study.SIGLIP_ARMS) and not run["missing"]
+    q = study.QUICK
+    pairs = {(i, s) for i in range(q["init_seeds"]) for s in range(q["seeds"])}
+    final = _rows(out / "final.csv")
+    assert {(r["arm"], int(r["init"]), int(r["seed"])) for r in final} == {
+        (a, i, s) for a in [study.INIT_ARM, *study.SIGLIP_ARMS] for i, s in pairs
+    }
+    for r in final:
+        b0, b = float(r["logit_bias_init"]), float(r["logit_bias"])
+        if r["arm"] in study.SIGMOID_ARMS:
+            assert math.isfinite(b0) and b != b0  # calibrated, then learned
+        else:
+            assert math.isnan(b0) and math.isnan(b)
+    rows = study_tables.data_comparisons(study_tables.load(str(out)))
+    assert len(rows) == 12
+    assert (rows[0]["arm"], rows[0]["ref"], rows[0]["metric"]) == study.SIGLIP_PRIMARY
+    assert {(r["arm"], r["ref"]) for r in rows} == {
+        ("HN-SigLIP", "SigLIP"),
+        ("SigLIP", "ClipLoss"),
+        ("HN-SigLIP", "ClipLoss"),
+    }
+    assert all(r["holm_p"] >= r["x"]["p"] for r in rows)
+    assert "Primary (HN-SigLIP γ = 0.5 − SigLIP, t→i R@1)" in result["tables"]
+    assert "The sigmoid arms' learnable bias" in result["tables"]
