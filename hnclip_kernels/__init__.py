@@ -1,7 +1,8 @@
 """hnclip-kernels: the HN-CLIP contrastive loss (arXiv 2608.18521), exact, fast and memory-lean.
 
 Public API: :func:`hn_clip_loss`, :func:`hn_siglip_loss` (the sigmoid loss), :class:`HNClipLoss` (drop-in for open_clip's ClipLoss),
-:class:`HNSigLipLoss` (drop-in for open_clip's SigLipLoss),
+:class:`HNSigLipLoss` (drop-in for open_clip's SigLipLoss), :func:`sigmoid_saturation_report`
+(the pairs a naive float32 sigmoid-loss gradient loses),
 :func:`gather_features`, :func:`workspace_bytes`, :func:`chunked_encode` / :func:`chunked_features`
 (encoders run in recomputed chunks: contrastive batches beyond the encoders' activation memory).
 Backends: ``hnclip_kernels.backends.pytorch.reference`` (pure PyTorch),
@@ -11,6 +12,7 @@ Backends: ``hnclip_kernels.backends.pytorch.reference`` (pure PyTorch),
 
 from .chunked import chunked_encode, chunked_features
 from .clip_loss import HNClipLoss
+from .diagnostics_sigmoid import SigmoidSaturationReport, sigmoid_saturation_report
 from .distributed import gather_features
 from .loss import hn_clip_loss
 from .options import LossOptions
@@ -56,6 +58,8 @@ def workspace_bytes(
 __all__ = [
     "hn_clip_loss",
     "hn_siglip_loss",
+    "sigmoid_saturation_report",
+    "SigmoidSaturationReport",
     "HNClipLoss",
     "HNSigLipLoss",
     "gather_features",

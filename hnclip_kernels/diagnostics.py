@@ -33,7 +33,6 @@ mask removed (the kernels' ``kept`` counts give it at no extra pass).
 
 from __future__ import annotations
 
-import numbers
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -46,18 +45,10 @@ from .margin import Margin, margin_operands
 from .numerics import NORM_EPS, compute_dtype
 from .options import LossOptions
 from .plausibility import warn_if_tau_looks_like_logit_scale
-from .reports import SaturationReport, check_threshold, report_from_row_stats, stats_fields
+from .reports import SaturationReport, check_chunk_rows, check_threshold, report_from_row_stats, stats_fields
 from .validation_family import family_arguments
 
 __all__ = ["SaturationReport", "saturation_report", "report_from_row_stats"]
-
-
-def _check_chunk_rows(chunk_rows) -> int:
-    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, numbers.Integral):
-        raise TypeError(f"chunk_rows must be an int, got {type(chunk_rows).__name__}")
-    if int(chunk_rows) < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    return int(chunk_rows)
 
 
 def _normalised(x: torch.Tensor, dtype: torch.dtype, normalize: bool) -> torch.Tensor:
@@ -189,7 +180,7 @@ def _checked(img, txt, tau, options: LossOptions, threshold, chunk_rows, negativ
     :func:`saturation_report` documents its errors."""
     negatives, group_ids = family_arguments(img, txt, negatives, group_ids)
     thr = check_threshold(threshold)
-    chunk = _check_chunk_rows(chunk_rows)
+    chunk = check_chunk_rows(chunk_rows)
     if img.device.type == "meta":
         raise ValueError("saturation_report needs tensors with values; img and txt are on the meta device")
     n = img.shape[0]

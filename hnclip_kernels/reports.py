@@ -79,6 +79,15 @@ class SaturationReport:
         return dataclasses.asdict(self)
 
 
+def check_chunk_rows(chunk_rows) -> int:
+    """``chunk_rows`` of the diagnostics' chunked passes: TypeError unless an int, ValueError below 1."""
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, numbers.Integral):
+        raise TypeError(f"chunk_rows must be an int, got {type(chunk_rows).__name__}")
+    if int(chunk_rows) < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    return int(chunk_rows)
+
+
 def check_threshold(threshold) -> float:
     if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real):
         raise TypeError(f"threshold must be a real number (float), got {type(threshold).__name__}")
