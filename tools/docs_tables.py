@@ -30,6 +30,9 @@ interpreters (``tools.work`` TRITON_INTERPRET=1, ``tools.sm90`` unset):
   CSVs in ``examples/results/fine_tune_study/`` (and ``..._replication/``, written by
   ``examples/fine_tune_study.py``). Instant.
 
+* ``bench-sigmoid-cpu``: the sigmoid loss's CPU sweep (docs/benchmarks.md), from the committed
+  ``benchmarks/results/cpu_sigmoid_results.csv`` (``python -m benchmarks.sigmoid --markdown``). Instant.
+
 ``tests/docs/test_tables.py`` regenerates every table and fails where the docs differ.
 """
 
@@ -187,6 +190,11 @@ TABLES = {
         "`python -m tools.sm90 --quick --markdown`",
     ),
 }
+TABLES["bench-sigmoid-cpu"] = (
+    [sys.executable, "-m", "benchmarks.sigmoid", "--markdown"],
+    False,
+    "the committed sweep `benchmarks/results/cpu_sigmoid_results.csv` (`python -m benchmarks.sigmoid --markdown`)",
+)
 STUDY_TABLES = ("study-results", "study-levels", "study-regime", "study-run", "study-readme", "study-replication")
 for _name in STUDY_TABLES:  # the fine-tuning study: its committed CSVs, through examples/study_tables.py
     TABLES[_name] = (
