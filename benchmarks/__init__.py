@@ -45,6 +45,10 @@ Outputs under --out (default benchmarks/out): DEVICE_results.csv, DEVICE_time_vs
 DEVICE_memory_vs_n.png, and the table (with time ratios against hnclip-triton on a GPU,
 hnclip-cpp on a CPU, falling back to hnclip-torch) on stdout.
 
+The sigmoid (SigLIP) loss runs through the same command with ``--loss sigmoid`` (its providers,
+hnclip-cpp/-triton at γ = 0.5 and 0, hnclip-torch, open_clip's SigLipLoss and siglip-kernel, in
+``benchmarks/sigmoid.py``); it writes DEVICE_sigmoid_results.csv and DEVICE_sigmoid_*.png.
+
 The hard-negative loss against the number of negative captions M (with NegCLIP's plain
 N × (N + M) logits as a provider) has its own command: ``python -m benchmarks.negatives``
 (``benchmarks/negatives.py``).

@@ -117,18 +117,19 @@ PROVIDERS = {
 OURS = tuple(name for name in PROVIDERS if name.startswith("hnclip-"))
 
 
-def unavailable(name: str, device: str, deep: bool = True) -> Optional[str]:
-    """Why provider ``name`` cannot run on ``device`` here, or None.
+def unavailable(name: str, device: str, deep: bool = True, table: Optional[dict] = None) -> Optional[str]:
+    """Why provider ``name`` of ``table`` (default: the InfoNCE ``PROVIDERS``) cannot run on
+    ``device`` here, or None.
 
     ``deep`` imports the module (catches broken installs); without it only its presence is
     checked, so a parent process need not pay for imports its workers will do anyway.
     """
-    p = PROVIDERS[name]
+    p = (PROVIDERS if table is None else table)[name]
     if device not in p.devices:
         return p.note
     if importlib.util.find_spec(p.module) is None:
         return f"{p.module} is not importable (pip install {p.pip})"
-    if name == "hnclip-cpp":
+    if name.startswith("hnclip-cpp"):
         from hnclip_kernels.backends import cpp_directional
 
         if cpp_directional() is None:

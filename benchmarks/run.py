@@ -2,10 +2,11 @@
 
     python -m benchmarks.run                  # the GPU sweep if CUDA is available, else the CPU one
     python -m benchmarks.run --device cpu --quick
+    python -m benchmarks.run --loss sigmoid   # the sigmoid (SigLIP) loss's providers
 
 Prints a table, and writes DEVICE_results.csv, DEVICE_time_vs_n.png and
-DEVICE_memory_vs_n.png under --out (default benchmarks/out). See benchmarks/__init__.py
-for what each number means.
+DEVICE_memory_vs_n.png (DEVICE_sigmoid_* with --loss sigmoid) under --out (default
+benchmarks/out). See benchmarks/__init__.py for what each number means.
 """
 
 from __future__ import annotations
@@ -24,8 +25,14 @@ import time
 import torch
 from tqdm import tqdm
 
-from . import measure, report
+from . import measure, report, sigmoid
 from .providers import PROVIDERS, unavailable
+
+# --loss -> (the providers, the CPU targets judged at the end, the output files' prefix suffix)
+LOSSES = {
+    "infonce": (PROVIDERS, report.CPU_TARGETS, ""),
+    "sigmoid": (sigmoid.PROVIDERS, sigmoid.TARGETS, "_sigmoid"),
+}
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # (device, quick) -> defaults; every one can be overridden on the command line
@@ -91,13 +98,23 @@ def parse_args(argv=None):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument(
+        "--loss",
+        choices=list(LOSSES),
+        default="infonce",
+        help="infonce: HN-CLIP's softmax loss (default); sigmoid: the SigLIP loss (benchmarks/sigmoid.py)",
+    )
     ap.add_argument("--quick", action="store_true", help="a small sweep (fewer sizes, shorter timing)")
     ap.add_argument("--out", default=os.path.join("benchmarks", "out"), help="output folder")
     ap.add_argument("--sizes", type=_csv_list(int), help="batch sizes N, e.g. 4096,16384")
     ap.add_argument("--dims", type=_csv_list(int), help="embedding dims D, e.g. 512,768")
     ap.add_argument("--dtypes", type=_csv_list(str), help=f"from {','.join(DTYPES)}")
     ap.add_argument("--modes", type=_csv_list(str), help=f"from {','.join(measure.MODES)}")
-    ap.add_argument("--providers", type=_csv_list(str), default=list(PROVIDERS), help=",".join(PROVIDERS))
+    ap.add_argument(
+        "--providers",
+        type=_csv_list(str),
+        help=f"infonce: {','.join(PROVIDERS)}; sigmoid: {','.join(sigmoid.PROVIDERS)} (default: all of --loss's)",
+    )
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--rep-ms", type=float, help="GPU: do_bench rep time per cell (ms)")
     ap.add_argument("--reps", type=int, help="CPU: timed calls per cell at most (at least min(3, reps))")
@@ -116,10 +133,13 @@ def parse_args(argv=None):
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one provider's CPU cells
     ap.add_argument("--deadline-epoch", type=float, help=argparse.SUPPRESS)  # internal: the parent's budget
     args = ap.parse_args(argv)
+    args.table = LOSSES[args.loss][0]
+    if args.providers is None:
+        args.providers = list(args.table)
     for name, values, allowed in (
         ("--dtypes", args.dtypes, DTYPES),
         ("--modes", args.modes, measure.MODES),
-        ("--providers", args.providers, PROVIDERS),
+        ("--providers", args.providers, args.table),
     ):
         bad = [v for v in values or () if v not in allowed]
         if bad:
@@ -144,7 +164,7 @@ def _cells(args, providers):
         for d in args.dims
         for p in providers
         for m in args.modes
-        if dt in (PROVIDERS[p].dtypes or (dt,))
+        if dt in (args.table[p].dtypes or (dt,))
     ]
     return sorted(cells, key=lambda c: (c[2] != min(args.sizes), args.dtypes.index(c[1]), c[2]))
 
@@ -189,7 +209,7 @@ def sweep(args, providers, deadline=None, emit=None):
         if status is None:
             try:
                 if prov not in loss_fns:
-                    loss_fns[prov] = PROVIDERS[prov].build(torch.device(args.device))
+                    loss_fns[prov] = args.table[prov].build(torch.device(args.device))
                 row.update(_measure(args, loss_fns[prov], n, d, dt, mode, warm))
                 status = "ok"
                 last[(prov, dt, mode)] = (n, d, row["median_ms"])
@@ -272,7 +292,7 @@ def main(argv=None) -> int:
     deadline = start + args.budget_s if args.budget_s else None
     runnable, rows = [], []
     for prov in args.providers:
-        reason = unavailable(prov, args.device, deep=args.device == "cuda")
+        reason = unavailable(prov, args.device, deep=args.device == "cuda", table=args.table)
         if reason:
             print(f"skipping {prov}: {reason}", file=sys.stderr)
             rows += _skipped_rows(args, prov, reason)
@@ -303,7 +323,8 @@ def main(argv=None) -> int:
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
     report.finalize(rows, meta)
-    order = list(PROVIDERS)
+    _, targets, suffix = LOSSES[args.loss]
+    order = list(args.table)
     rows.sort(
         key=lambda r: (
             args.dtypes.index(r["dtype"]),
@@ -315,13 +336,14 @@ def main(argv=None) -> int:
     )
     print(report.format_table(rows, order, REFERENCE[args.device]))
     if args.device == "cpu":
-        print(report.format_targets(rows))
+        if targets:
+            print(report.format_targets(rows, targets))
         print(load_before)  # beside the targets it qualifies (also on stderr before the sweep)
         print(report.load_note("after the sweep"))
     os.makedirs(args.out, exist_ok=True)
-    csv_path = os.path.join(args.out, f"{args.device}_results.csv")
+    csv_path = os.path.join(args.out, f"{args.device}{suffix}_results.csv")
     report.write_csv(rows, csv_path)
-    pngs = report.plot(rows, args.out, args.device, order)
+    pngs = report.plot(rows, args.out, args.device + suffix, order)
     print(f"\nwrote {csv_path}, {', '.join(pngs)} in {time.monotonic() - start:.0f} s")
     return 0
 

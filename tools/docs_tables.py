@@ -33,6 +33,9 @@ interpreters (``tools.work`` TRITON_INTERPRET=1, ``tools.sm90`` unset):
   the same for the study's SigLIP arm set (``--arm-set siglip``: ClipLoss, SigLIP, HN-SigLIP), from
   ``examples/results/fine_tune_study_siglip/`` (docs/studies.md). Instant.
 
+* ``bench-sigmoid-cpu``: the sigmoid loss's CPU sweep (docs/benchmarks.md), from the committed
+  ``benchmarks/results/cpu_sigmoid_results.csv`` (``python -m benchmarks.sigmoid --markdown``). Instant.
+
 ``tests/docs/test_tables.py`` regenerates every table and fails where the docs differ.
 """
 
@@ -190,6 +193,11 @@ TABLES = {
         "`python -m tools.sm90 --quick --markdown`",
     ),
 }
+TABLES["bench-sigmoid-cpu"] = (
+    [sys.executable, "-m", "benchmarks.sigmoid", "--markdown"],
+    False,
+    "the committed sweep `benchmarks/results/cpu_sigmoid_results.csv` (`python -m benchmarks.sigmoid --markdown`)",
+)
 STUDY_TABLES = ("study-results", "study-levels", "study-regime", "study-run", "study-readme", "study-replication")
 SIGLIP_STUDY_TABLES = ("study-siglip-results", "study-siglip-levels", "study-siglip-regime", "study-siglip-run")
 for _name in STUDY_TABLES + SIGLIP_STUDY_TABLES:  # the fine-tuning study: its committed CSVs, via study_tables.py

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-command GPU check of this checkout on a CUDA machine: the GPU tests, the torch.compile /
-# torch.library checks, the benchmark sweep and the MMA-work count, each step under its own
+# torch.library checks, the benchmark sweep, the MMA-work count and the sigmoid loss's sweep, each step under its own
 # timeout, so that the whole run ends within one wall-clock budget (GPU_CHECK_BUDGET_S, 570 s by
 # default: it fits a 10-minute command):
 #
@@ -16,9 +16,9 @@
 #
 # Wheels: optional packages the machine may lack travel in .whl/ (ignored through
 # .git/info/exclude), copied along with the checkout. Build it on a machine with PyPI with
-# `bash tools/gpu_wheels.sh` (open_clip_torch 3.3.0, ftfy, wcwidth, inf-cl 1.2.1; about 2.3 MiB).
-# Without .whl/ the wheels step is skipped, and open_clip / inf-cl are benchmarked only if the
-# machine has them.
+# `bash tools/gpu_wheels.sh` (open_clip_torch 3.3.0, ftfy, wcwidth, inf-cl 1.2.1, siglip-kernel
+# 0.1.2; about 2.4 MiB). Without .whl/ the wheels step is skipped, and open_clip / inf-cl /
+# siglip-kernel are benchmarked only if the machine has them.
 #
 # Steps, in order; each has its own timeout (cut so that the whole run ends within
 # GPU_CHECK_BUDGET_S), its log under logs/, and a failed step does not stop the next:
@@ -38,12 +38,16 @@
 #            on CUDA (full level: dynamic shapes, the directional operator); 1 to 3 minutes
 #   bench    python -m benchmarks.run --device cuda --out OUTDIR/bench --budget-s B, B = 210 s
 #            (the default sweep's budget) or less when earlier steps ran long
-#   work     python -m tools.work: the MMA-work counter; last, with what is left, because it
+#   work     python -m tools.work: the MMA-work counter; with what is left, because it
 #            runs in Triton's interpreter on the CPU (no GPU needed); skipped without tools/work.py
+#   sigbench python -m benchmarks.run --loss sigmoid --device cuda --dims 512 --modes fwd+bwd
+#            --out OUTDIR/sigbench --budget-s B, B = 120 s or less: the sigmoid (SigLIP) loss's sweep
+#            (hnclip-triton, open_clip's SigLipLoss, siglip-kernel, ...); its CSV and plots go in logs.tar.gz
 # Outputs, at most 8 files at the top of OUTDIR (few files, so a remote runner can copy them back):
 #   summary.txt (step statuses, test result line, bench status counts), versions.txt,
 #   tests.log, bench.log, cuda_results.csv, cuda_time_vs_n.png, cuda_memory_vs_n.png,
-#   logs.tar.gz (every step's log, the tests' JUnit XML, the bench folder).
+#   logs.tar.gz (every step's log, the tests' JUnit XML, the bench folder, the sigbench folder with
+#   cuda_sigmoid_results.csv and its plots).
 # Exit status: 0 when no step failed or timed out (skipped steps do not count), else 1.
 #
 # Knobs (environment):
@@ -52,8 +56,8 @@
 #   GPU_TEST_PYTEST_ARGS="-x"      extra pytest arguments (default -x: stop at the first failure)
 #   HNCLIP_AUTOTUNE                passed through to the tests when set (default there: 0)
 #   GPU_CHECK_BUDGET_S=570         wall-clock budget of the whole script, in seconds
-#   GPU_CHECK_SKIP=a,b             steps to skip (wheels,info,imports,tests,compile,bench,work)
-#   GPU_CHECK_BENCH_ARGS, GPU_CHECK_WORK_ARGS   extra arguments of those commands
+#   GPU_CHECK_SKIP=a,b             steps to skip (wheels,info,imports,tests,compile,bench,work,sigbench)
+#   GPU_CHECK_BENCH_ARGS, GPU_CHECK_WORK_ARGS, GPU_CHECK_SIGBENCH_ARGS   extra arguments of those commands
 #   GPU_CHECK_SITE=/tmp/site       where the wheels are installed
 #   PYTHON=python3                 the interpreter that has torch and triton
 # shellcheck disable=SC2317  # finish, step_info and step_imports run through trap and bash -c
@@ -67,10 +71,11 @@ OUTDIR=${1:-${OUT:-$REPO/benchmarks/out/gpu_check}}
 mkdir -p "$OUTDIR" && OUTDIR=$(cd "$OUTDIR" && pwd) || exit 2
 LOGDIR=$OUTDIR/logs
 BENCH_OUT=$OUTDIR/bench
+SIGBENCH_OUT=$OUTDIR/sigbench
 SUMMARY=$OUTDIR/summary.txt
 TOP_FILES=(summary.txt versions.txt tests.log bench.log cuda_results.csv cuda_time_vs_n.png cuda_memory_vs_n.png
            logs.tar.gz)
-rm -rf "$LOGDIR" "$BENCH_OUT"
+rm -rf "$LOGDIR" "$BENCH_OUT" "$SIGBENCH_OUT"
 for f in "${TOP_FILES[@]}"; do rm -f "${OUTDIR:?}/$f"; done
 mkdir -p "$LOGDIR"
 
@@ -84,15 +89,16 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export HNCLIP_NO_CPP=1
 export REPO PY OUTDIR LOGDIR SITE
 
-STEPS=(wheels info imports tests compile bench work)
+STEPS=(wheels info imports tests compile bench work sigbench)
 # seconds: the most a step may take, and the least worth starting it with (also what the
 # steps before it leave over for it)
-declare -A MAX=([wheels]=90 [info]=60 [imports]=60 [tests]=300 [compile]=240 [bench]=300 [work]=120)
-declare -A MIN=([wheels]=15 [info]=15 [imports]=15 [tests]=60 [compile]=60 [bench]=90 [work]=30)
+declare -A MAX=([wheels]=90 [info]=60 [imports]=60 [tests]=300 [compile]=240 [bench]=300 [work]=120 [sigbench]=165)
+declare -A MIN=([wheels]=15 [info]=15 [imports]=15 [tests]=60 [compile]=60 [bench]=90 [work]=30 [sigbench]=75)
 [ "$GPU_TEST_LEVEL" = full ] && MAX[tests]=$BUDGET && MAX[compile]=$BUDGET
 PACK_S=15  # kept for packing the outputs at the end
 BENCH_BUDGET_MAX=210  # benchmarks/run.py's default GPU budget
 BENCH_OVERHEAD_S=60   # imports, the matmul calibration, the cell running at the deadline, plots
+SIGBENCH_BUDGET_MAX=120  # the sigmoid sweep's budget at most
 
 STEP_NO=0
 FAILED=0
@@ -169,8 +175,9 @@ finish() {
     local dirs=()
     [ -d "$LOGDIR" ] && dirs+=(logs)
     [ -d "$BENCH_OUT" ] && dirs+=(bench)
+    [ -d "$SIGBENCH_OUT" ] && dirs+=(sigbench)
     if ((${#dirs[@]})) && tar -czf "$OUTDIR/logs.tar.gz" -C "$OUTDIR" "${dirs[@]}"; then
-        rm -rf "$LOGDIR" "$BENCH_OUT"  # the device tool brings back at most 8 files
+        rm -rf "$LOGDIR" "$BENCH_OUT" "$SIGBENCH_OUT"  # the device tool brings back at most 8 files
     fi
     echo
     cat "$SUMMARY"
@@ -215,7 +222,7 @@ print(f"platform    {platform.platform()}  cpus {os.cpu_count()}")
 for key in ("PYTHONPATH", "HNCLIP_NO_CPP", "GPU_TEST_LEVEL", "HNCLIP_AUTOTUNE", "TRITON_CACHE_DIR"):
     print(f"env {key}={os.environ.get(key, '')}")
 MODULES = [("torch", "torch"), ("triton", "triton"), ("open_clip", "open_clip_torch"), ("inf_cl", "inf-cl"),
-           ("memeff", "memeff"), ("numpy", "numpy"), ("torchvision", "torchvision"), ("timm", "timm"),
+           ("memeff", "memeff"), ("siglip_kernel", "siglip-kernel"), ("numpy", "numpy"), ("torchvision", "torchvision"), ("timm", "timm"),
            ("ftfy", "ftfy"), ("wcwidth", "wcwidth"), ("huggingface_hub", "huggingface_hub"),
            ("matplotlib", "matplotlib"), ("tqdm", "tqdm"), ("pytest", "pytest"), ("xdist", "pytest-xdist"),
            ("hypothesis", "hypothesis")]
@@ -303,6 +310,12 @@ from benchmarks.providers import PROVIDERS, unavailable
 for name in PROVIDERS:
     why = unavailable(name, "cuda")
     print(f"provider  {name:22s} {'ok' if why is None else why}")
+from benchmarks import sigmoid
+
+for name in sigmoid.PROVIDERS:  # --loss sigmoid (sigbench): its peers beyond the InfoNCE sweep's
+    if name not in PROVIDERS:
+        why = unavailable(name, "cuda", table=sigmoid.PROVIDERS)
+        print(f"provider  {name:22s} {'ok' if why is None else why}")
 for line in bad:
     print("BROKEN   ", line)
 sys.exit(1 if bad else 0)
@@ -311,7 +324,7 @@ EOF
 export -f step_imports
 if plan imports; then
     run imports bash -c step_imports
-    peers=$(grep -E '^provider  (open_clip|inf-cl|memeff) ' "$LOG" | awk '{ print $2 "=" ($3 == "ok" ? "ok" : "no") }' | tr '\n' ' ')
+    peers=$(grep -E '^provider  (open_clip|inf-cl|memeff|siglip-kernel) ' "$LOG" | awk '{ print $2 "=" ($3 == "ok" ? "ok" : "no") }' | tr '\n' ' ')
     broken=$(grep -c '^BROKEN' "$LOG")
     record imports "$(verdict)" "$DUR" "broken modules: $broken; peers: ${peers:-?}"
 fi
@@ -355,17 +368,8 @@ elif plan compile; then
 fi
 
 # ------------------------------------------------------------------ bench
-if ((!HAVE_CUDA)); then
-    STEP_NO=$((STEP_NO + 1))
-    record bench SKIP 0 "no CUDA device"
-elif plan bench; then
-    bench_budget=$((LIMIT - BENCH_OVERHEAD_S))
-    ((bench_budget > BENCH_BUDGET_MAX)) && bench_budget=$BENCH_BUDGET_MAX
-    ((bench_budget < 30)) && bench_budget=30
-    # shellcheck disable=SC2086
-    run bench "$PY" -m benchmarks.run --device cuda --out "$BENCH_OUT" --budget-s "$bench_budget" \
-        ${GPU_CHECK_BENCH_ARGS:-}
-    counts=$("$PY" - "$BENCH_OUT/cuda_results.csv" << 'EOF' 2> /dev/null
+status_counts() {  # CSV: each provider's cells by status, one line
+    "$PY" - "$1" << 'EOF' 2> /dev/null
 import collections
 import csv
 import sys
@@ -376,7 +380,19 @@ with open(sys.argv[1], newline="") as f:
         by[row["provider"]][row["status"].split(":")[0]] += 1
 print("; ".join(f"{p} " + ",".join(f"{s} {n}" for s, n in c.most_common()) for p, c in by.items()))
 EOF
-)
+}
+
+if ((!HAVE_CUDA)); then
+    STEP_NO=$((STEP_NO + 1))
+    record bench SKIP 0 "no CUDA device"
+elif plan bench; then
+    bench_budget=$((LIMIT - BENCH_OVERHEAD_S))
+    ((bench_budget > BENCH_BUDGET_MAX)) && bench_budget=$BENCH_BUDGET_MAX
+    ((bench_budget < 30)) && bench_budget=30
+    # shellcheck disable=SC2086
+    run bench "$PY" -m benchmarks.run --device cuda --out "$BENCH_OUT" --budget-s "$bench_budget" \
+        ${GPU_CHECK_BENCH_ARGS:-}
+    counts=$(status_counts "$BENCH_OUT/cuda_results.csv")
     record bench "$(verdict)" "$DUR" "budget ${bench_budget}s; ${counts:-no cuda_results.csv}"
 fi
 
@@ -388,6 +404,21 @@ elif plan work; then
     # shellcheck disable=SC2086
     run work "$PY" -m tools.work ${GPU_CHECK_WORK_ARGS:-}
     record work "$(verdict)" "$DUR" "$(grep -cE '^(loss|directional) ' "$LOG") rows (table in logs)"
+fi
+
+# ------------------------------------------------------------------ sigbench
+if ((!HAVE_CUDA)); then
+    STEP_NO=$((STEP_NO + 1))
+    record sigbench SKIP 0 "no CUDA device"
+elif plan sigbench; then
+    sig_budget=$((LIMIT - BENCH_OVERHEAD_S))
+    ((sig_budget > SIGBENCH_BUDGET_MAX)) && sig_budget=$SIGBENCH_BUDGET_MAX
+    ((sig_budget < 15)) && sig_budget=15
+    # shellcheck disable=SC2086
+    run sigbench "$PY" -m benchmarks.run --loss sigmoid --device cuda --dims 512 --modes fwd+bwd \
+        --out "$SIGBENCH_OUT" --budget-s "$sig_budget" ${GPU_CHECK_SIGBENCH_ARGS:-}
+    counts=$(status_counts "$SIGBENCH_OUT/cuda_sigmoid_results.csv")
+    record sigbench "$(verdict)" "$DUR" "budget ${sig_budget}s; ${counts:-no cuda_sigmoid_results.csv}"
 fi
 
 exit $((FAILED > 0))

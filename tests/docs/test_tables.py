@@ -48,6 +48,11 @@ def test_study_table_is_what_the_committed_runs_give(name):
     _check(name)
 
 
+def test_sigmoid_benchmark_table_is_what_the_committed_sweep_gives():
+    """docs/benchmarks.md's sigmoid table against benchmarks/results/cpu_sigmoid_results.csv (about a second)."""
+    _check("bench-sigmoid-cpu")
+
+
 @pytest.mark.sm90
 def test_docs_register_table_is_what_tools_sm90_prints(capsys):
     from tools.sm90 import missing_toolchain

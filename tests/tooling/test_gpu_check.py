@@ -17,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 import test_gpu
 
 SCRIPTS = [os.path.join(REPO, "tools", name) for name in ("gpu_check.sh", "gpu_wheels.sh")]
-STEPS = ("wheels", "info", "imports", "tests", "compile", "bench", "work")
+STEPS = ("wheels", "info", "imports", "tests", "compile", "bench", "work", "sigbench")
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
@@ -52,6 +52,7 @@ def test_gpu_check_runs_without_gpu(tmp_path):
         "compile": "SKIP",
         "bench": "SKIP",
         "work": "SKIP",
+        "sigbench": "SKIP",
     }, summary
     assert "no CUDA device" in summary and "failed or timed-out steps: 0" in summary
     # what the device tool brings back: at most 8 files, no folders left over
@@ -64,6 +65,17 @@ def test_gpu_check_runs_without_gpu(tmp_path):
     with tarfile.open(out / "logs.tar.gz") as tar:
         text = tar.extractfile(imports_log[0]).read().decode()
     assert "ok        hnclip_kernels.backends.triton.ops" in text and "BROKEN" not in text, text
+    assert "provider  siglip-kernel" in text, text  # the sigmoid sweep's peer is reported too
+
+
+def test_sigbench_step_runs_the_sigmoid_sweep_last():
+    with open(SCRIPTS[0]) as f:
+        script = f.read()
+    assert "STEPS=(" + " ".join(STEPS) + ")" in script
+    assert "-m benchmarks.run --loss sigmoid --device cuda" in script
+    assert "cuda_sigmoid_results.csv" in script
+    with open(SCRIPTS[1]) as f:
+        assert "siglip-kernel==0.1.2" in f.read()
 
 
 def test_quick_level_coverage():
