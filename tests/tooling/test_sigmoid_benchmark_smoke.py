@@ -121,3 +121,9 @@ def test_the_cli_run_writes_the_sigmoid_files(tmp_path):
     with open(tmp_path / "cpu_sigmoid_results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert {r["provider"] for r in rows if r["status"] == "ok"} == set(CPU)
+    assert {r["workspace_mb"] for r in rows} == {"n/a"}  # workspace_bytes is the InfoNCE path's
+
+
+def test_the_committed_csv_states_no_infonce_workspace():
+    with open(os.path.join(REPO, "benchmarks", "results", "cpu_sigmoid_results.csv"), newline="") as f:
+        assert {r["workspace_mb"] for r in csv.DictReader(f)} == {"n/a"}
