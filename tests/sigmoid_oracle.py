@@ -38,7 +38,9 @@ def sigmoid_rows_f64(img, txt, logit_scale, logit_bias=None, *, negatives=None, 
                      margin="text", normalize=True, query_groups=None, key_groups=None,
                      groups_positive=False):  # fmt: skip
     """(R,) float64 row losses; differentiable in float64 wrt every float input that requires grad
-    (pass float64 leaves to read the oracle's gradients)."""
+    (pass float64 leaves to read the oracle's gradients). ``logit_scale`` / ``logit_bias`` may be
+    (R, C + M) per pair, which reads each pair's term of ds and db (a float32 sum over the pairs is
+    accurate to eps·Σ|term|, not to eps·|Σ term|)."""
     v = _unit(img, normalize)
     cols = [txt] if negatives is None or negatives.shape[0] == 0 else [txt, negatives]
     k = _unit(torch.cat([c.double() for c in cols]), normalize)
@@ -60,6 +62,8 @@ def sigmoid_rows_f64(img, txt, logit_scale, logit_bias=None, *, negatives=None, 
             score = v[i] @ k[j]
             if y < 0:
                 score = score + gamma * SIGMOID_MARGIN[str(margin)](v[i].detach(), own, k[j].detach())
-            total = total + _log1p_exp(-y * (s * score + b))
+            s_ij = s[i, j] if s.dim() == 2 else s
+            b_ij = b[i, j] if b.dim() == 2 else b
+            total = total + _log1p_exp(-y * (s_ij * score + b_ij))
         rows.append(total)
     return torch.stack(rows)
