@@ -104,9 +104,14 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
             backend ("auto" as for today's loss), also with ``world_size > 1`` (each rank's
             negatives and ids gathered like its captions, M_r may differ and be 0; 16-bit
             features upcast to float32 before the gather).
+        group_mode: what equal ``group_ids`` mean: "mask" (default: no negatives of each other) or
+            "supcon" / "mil_nce" (positives, multi-positive targets; see
+            :func:`hnclip_kernels.hn_clip_loss` and ``docs/hard_negatives.md#multi-positive-targets``),
+            across ranks too (a group may span ranks); then every ``forward`` needs ``group_ids``,
+            ``backend`` is "torch" or "auto" (which picks it) and ``return_stats`` is False.
 
     ``gamma``, ``label_smoothing``, ``backend``, ``normalize``, ``precision`` and
-    ``false_negative_threshold`` (and ``margin``) are checked at
+    ``false_negative_threshold`` (and ``margin``, ``group_mode``) are checked at
     construction: a bad value raises ``TypeError``/``ValueError`` there, not at the first forward.
     As attributes they live in ``self.options`` only: ``loss.gamma = 0.3`` (a γ warm-up) is
     validated with the constructor's errors and used from the next ``forward`` on (under
@@ -152,6 +157,7 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
         return_stats: bool = False,
         false_negative_threshold=None,
         margin: str = "text",
+        group_mode: str = "mask",
     ):
         super().__init__()
         check_positional_flags(
@@ -174,6 +180,7 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
             precision=precision,
             false_negative_threshold=false_negative_threshold,
             margin=margin,
+            group_mode=group_mode,
         )
         self.local_loss = local_loss
         self.gather_with_grad = gather_with_grad
@@ -192,6 +199,7 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
     precision = option_attribute("precision")
     false_negative_threshold = option_attribute("false_negative_threshold")
     margin = option_attribute("margin")
+    group_mode = option_attribute("group_mode")
 
     def extra_repr(self) -> str:
         return (
@@ -199,7 +207,8 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
             f"rank={self.rank}, world_size={self.world_size}, gamma={self.gamma}, "
             f"label_smoothing={self.label_smoothing}, backend={self.backend!r}, "
             f"normalize={self.normalize}, precision={self.precision!r}, return_stats={self.return_stats}, "
-            f"false_negative_threshold={self.false_negative_threshold}, margin={self.margin!r}"
+            f"false_negative_threshold={self.false_negative_threshold}, margin={self.margin!r}, "
+            f"group_mode={self.group_mode!r}"
         )
 
     def _single_process(self, image_features, text_features, tau, tau_value):

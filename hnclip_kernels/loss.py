@@ -12,6 +12,7 @@ from .numerics import autocast_disabled
 from .options import LossOptions, as_tau_tensor
 from .plausibility import warn_if_tau_looks_like_logit_scale
 from .reports import report_of_call
+from .validation_family import check_positive_stats
 from .validation_rows import check_small_rows
 
 
@@ -39,6 +40,7 @@ def hn_clip_loss(
     negatives: Optional[torch.Tensor] = None,
     group_ids: Optional[torch.Tensor] = None,
     margin: str = "text",
+    group_mode: str = "mask",
 ):
     """HN-CLIP contrastive loss with adaptive similarity margins (arXiv 2608.18521, Eq. 2).
 
@@ -92,6 +94,12 @@ def hn_clip_loss(
             sg(v_i·t_k) in t2i), a :class:`~hnclip_kernels.margin.Margin`. ``negatives``,
             ``group_ids`` and ``margin="image_text"`` are the hard-negative family
             (``docs/hard_negatives.md``), on every backend; without them nothing changes, bit for bit.
+        group_mode: what equal ``group_ids`` mean: "mask" (default, above) or, as positives
+            (multi-positive targets, ``docs/hard_negatives.md#multi-positive-targets``), "supcon"
+            (row i's target spread uniformly over its group P(i): LSE_i − mean_{p∈P(i)} Z_ip) or
+            "mil_nce" (−log Σ_{p∈P(i)} softmax(Z_i)_p), in both directions; positives get no margin
+            and are never masked; ε and the threshold as documented there. Needs ``group_ids``;
+            backend="torch" only so far ("auto" picks it); no ``return_stats``.
 
     Returns:
         float32 loss (float64 for float64 inputs): a scalar, or shape (N,) for "none";
@@ -119,7 +127,9 @@ def hn_clip_loss(
             ``false_negative_threshold`` outside (−1, 1], a backend that cannot run on these
             tensors; ``negatives`` not 2-D, of another D or device than ``txt`` (another dtype
             or non-floating: ``TypeError``); ``group_ids`` not of shape (N,) or on another device
-            (non-integer: ``TypeError``); ``margin`` not "text"/"image_text". Under
+            (non-integer: ``TypeError``); ``margin`` not "text"/"image_text"; ``group_mode`` not
+            "mask"/"supcon"/"mil_nce", a positive one without ``group_ids``, with ``return_stats``
+            or on backend "cpp"/"triton". Under
             ``torch.compile`` value checks are skipped (no graph breaks).
     """
     tau = validation.plain_number(tau)
@@ -132,8 +142,9 @@ def hn_clip_loss(
         precision=precision,
         false_negative_threshold=false_negative_threshold,
         margin=margin,
+        group_mode=group_mode,
     )
-    family = validation_family.family_of(img, txt, negatives, group_ids, options.margin)
+    family = validation_family.family_of(img, txt, negatives, group_ids, options.margin, group_mode=options.group_mode)
     if not isinstance(return_stats, bool):
         raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
     rows, report = pair_losses(img, txt, tau, options, family, return_stats, warn_tau=True)
@@ -145,6 +156,7 @@ def pair_losses(img, txt, tau, options, family, return_stats, *, tau_value=None,
     None): ``options`` unbound, ``family`` a checked
     :class:`~hnclip_kernels.validation_family.Family` or None (today's loss)."""
     # family_of checked the features when it returned a family; bind checks them otherwise
+    check_positive_stats(options.group_mode, return_stats)
     n_negatives = 0 if family is None or family.negatives is None else family.negatives.shape[0]
     n_keys = img.shape[0] + n_negatives if family is not None else None
     bound = options.bind(img, txt, tau, tau_value=tau_value, names=names, n_keys=n_keys)
@@ -185,7 +197,9 @@ def module_family_loss(
     the checked options turn out to be today's (M = 0, no ids, margin "text"). ``problem``: the
     error of an invalid logit_scale, raised once the family arguments are checked."""
     names = ("image_features", "text_features")
-    family = validation_family.family_of(img, txt, negatives, group_ids, options.margin, names)
+    family = validation_family.family_of(
+        img, txt, negatives, group_ids, options.margin, names, group_mode=options.group_mode
+    )
     if family is None:
         return None
     if problem is not None:

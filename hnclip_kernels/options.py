@@ -21,6 +21,7 @@ from typing import Optional, Union
 import torch
 
 from . import validation
+from .group_mode import POSITIVE_BACKENDS, GroupMode
 from .margin import Margin
 from .numerics import compute_dtype
 from .validation_options import check_false_negative_threshold, check_options, check_precision, resolve_precision
@@ -50,13 +51,18 @@ class LossOptions:
         margin: the margin's detached score, a :class:`~hnclip_kernels.margin.Margin` (given as
             "text", sg(t_i·x), the paper's, default, or "image_text", sg(v_i·x)); see
             ``docs/hard_negatives.md``.
+        group_mode: what equal ``group_ids`` mean, a :class:`~hnclip_kernels.group_mode.GroupMode`
+            (given as "mask", the default: no negatives of each other; "supcon" or "mil_nce":
+            positives, ``docs/hard_negatives.md#multi-positive-targets``). The positive modes run
+            on backend="torch" ("auto" resolves to it); "cpp" and "triton" raise ``ValueError``.
 
     Raises:
         TypeError: non-real ``gamma``/``label_smoothing``, non-bool ``normalize``,
             non-string ``precision``, non-real ``false_negative_threshold``.
         ValueError: γ < 0 or non-finite, ε outside [0, 1), unknown ``reduction``,
             ``backend`` or ``precision``, ``false_negative_threshold`` outside (−1, 1],
-            ``margin`` not "text" or "image_text" (a non-string: ``TypeError``).
+            ``margin`` not "text" or "image_text" (a non-string: ``TypeError``), ``group_mode``
+            not "mask", "supcon" or "mil_nce" (a non-string: ``TypeError``).
     """
 
     gamma: Union[float, torch.Tensor] = 0.5
@@ -68,6 +74,7 @@ class LossOptions:
     tau_value: Optional[float] = None
     false_negative_threshold: Optional[float] = None
     margin: Margin = Margin.TEXT
+    group_mode: GroupMode = GroupMode.MASK
 
     def __post_init__(self):
         for name in ("gamma", "label_smoothing"):  # NumPy scalars, one-element tensors: hyperparameter
@@ -78,6 +85,7 @@ class LossOptions:
             object.__setattr__(self, "false_negative_threshold", plain_number(self.false_negative_threshold))
         check_false_negative_threshold(self.false_negative_threshold)
         object.__setattr__(self, "margin", Margin.parse(self.margin))
+        object.__setattr__(self, "group_mode", GroupMode.parse(self.group_mode))
 
     def bind(
         self,
@@ -150,10 +158,20 @@ class LossOptions:
         return value
 
     def resolved(self, like: torch.Tensor, tau_value: Optional[float] = None) -> "LossOptions":
-        """The backend that runs tensors like ``like`` and its precision, with ``tau_value``."""
+        """The backend that runs tensors like ``like`` and its precision, with ``tau_value``.
+
+        Raises: :func:`~hnclip_kernels.backends.resolve_backend`'s errors; ``ValueError`` for a
+        positive ``group_mode`` on a backend without multi-positive rows (``"auto"`` picks one)."""
         from .backends import resolve_backend
 
-        backend = resolve_backend(self.backend, like)
+        positives = self.group_mode.positives
+        backend = resolve_backend(POSITIVE_BACKENDS[0] if positives and self.backend == "auto" else self.backend, like)
+        if positives and backend not in POSITIVE_BACKENDS:
+            raise ValueError(
+                f"group_mode={self.group_mode.value!r} (group ids as positives) runs on backend="
+                f"{' or '.join(repr(b) for b in POSITIVE_BACKENDS)} only so far, not backend={backend!r} (which takes "
+                f"group_mode='mask'); pass backend='torch' (or 'auto', which picks it)"
+            )
         precision = None
         if backend == "triton":
             precision = resolve_precision(self.precision)

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from .group_mode import GroupMode
 from .margin import Margin
 from .plausibility import warn_if_not_unit_norm
 from .validation import FLOAT_DTYPES, check_features, finite_limit, largest_intermediate, row_norm_extremes
@@ -104,13 +105,22 @@ class Family:
     margin: Margin = Margin.TEXT
 
 
-def family_of(img, txt, negatives, group_ids, margin: Margin, names=("img", "txt")) -> Optional[Family]:
+def family_of(
+    img, txt, negatives, group_ids, margin: Margin, names=("img", "txt"), group_mode: GroupMode = GroupMode.MASK
+) -> Optional[Family]:
     """The one answer to "is this call the hard-negative family?": a :class:`Family` of the
     checked ``negatives`` (M, D) and ``group_ids`` (N,) (``img``/``txt`` checked first), or None
     where the call is today's loss (no negatives or M = 0, no ids, margin TEXT).
 
     Raises: the ``TypeError``/``ValueError`` of :func:`validation.check_features`,
-    :func:`check_negatives` and :func:`check_group_ids`."""
+    :func:`check_negatives` and :func:`check_group_ids`; ``ValueError`` for a positive
+    ``group_mode`` (:class:`~hnclip_kernels.group_mode.GroupMode`) without ``group_ids``."""
+    if group_mode.positives and group_ids is None:
+        raise ValueError(
+            f"group_mode={group_mode.value!r} makes pairs with equal group_ids positives, but no group_ids were "
+            "passed; pass group_ids (N,) (torch.arange(N) for one pair per group: the plain loss), or "
+            "group_mode='mask'"
+        )
     if negatives is None and group_ids is None and margin is Margin.TEXT:
         return None
     check_features(img, txt, *names)
@@ -118,6 +128,16 @@ def family_of(img, txt, negatives, group_ids, margin: Margin, names=("img", "txt
     if negatives is None and group_ids is None and margin is Margin.TEXT:  # M = 0
         return None
     return Family(negatives, group_ids, margin)
+
+
+def check_positive_stats(group_mode: GroupMode, return_stats: bool) -> None:
+    """``return_stats`` with a positive ``group_mode``: refused (the report's row statistics
+    assume one positive per row)."""
+    if return_stats and group_mode.positives:
+        raise ValueError(
+            f"return_stats=True is not supported with group_mode={group_mode.value!r}: the saturation report's "
+            "row statistics assume one positive per row; pass return_stats=False (or group_mode='mask')"
+        )
 
 
 def check_family_range(

@@ -16,7 +16,10 @@ the keyword-only protocol of
 
     fn(queries, keys, *, query_txt, key_txt, tau, offset, gamma, label_smoothing, normalize,
        return_stats=False, false_negative_threshold=None,
-       mask_query=None, mask_key=None, query_groups=None, key_groups=None)
+       mask_query=None, mask_key=None, query_groups=None, key_groups=None, group_mode=<mask>)
+
+(``group_mode``: the torch op only, passed only when it makes the ids positives,
+``docs/hard_negatives.md#multi-positive-targets``; the fused ops refuse it by name.)
 
 The hard-negative family is optional inputs of both ops, absent for today's loss: the symmetric
 op's ``negatives``, ``group_ids`` and ``margin``, the directional op's masking captions and group ids.
@@ -33,6 +36,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..group_mode import POSITIVE_BACKENDS
 from ..margin import Margin, margin_operands
 from ..plausibility import warn_once
 from .pytorch.reference import directional_nll_torch
@@ -162,7 +166,8 @@ def symmetric_losses(
     ``family``: None (today's loss) or a :class:`~hnclip_kernels.validation_family.Family`
     (``docs/hard_negatives.md``): i2t rows over the N captions and its M ``negatives``, t2i rows
     over the N images, the margin's operands from :func:`~hnclip_kernels.margin.margin_operands`,
-    pairs with equal ``group_ids`` masked (the negatives carry no id). Triton and cpp: one operator
+    pairs with equal ``group_ids`` masked, or with a positive ``options.group_mode`` positives (the
+    negatives carry no id). Triton and cpp: one operator
     for both directions (each logit tile serves i2t and t2i; the negatives' N × M block in one more
     walk); torch: two directional calls of the reference. 16-bit features run as they are on Triton
     and upcast to float32 once elsewhere, so each feature's two gradient halves are summed in float32."""
@@ -271,6 +276,10 @@ def _op_kwargs(tau: torch.Tensor, options, return_stats: bool, **extra) -> dict:
     )
     if options.false_negative_threshold is not None:  # absent otherwise: each op's default, None
         kwargs["false_negative_threshold"] = options.false_negative_threshold
+    if options.group_mode.positives:  # absent otherwise ("mask", today's); only the torch op takes it
+        if options.backend not in POSITIVE_BACKENDS:  # LossOptions.resolved refused it already
+            raise ValueError(f"group_mode={options.group_mode.value!r} runs on backend='torch' only")
+        kwargs["group_mode"] = options.group_mode
     return kwargs
 
 

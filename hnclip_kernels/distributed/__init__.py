@@ -78,6 +78,7 @@ def distributed_hn_clip_loss(
     negatives: Optional[torch.Tensor] = None,
     group_ids: Optional[torch.Tensor] = None,
     margin: str = "text",
+    group_mode: str = "mask",
 ) -> torch.Tensor:
     """HN-CLIP loss of this rank's share of the global batch (a collective: call on every rank).
 
@@ -105,6 +106,10 @@ def distributed_hn_clip_loss(
     concatenated batch (pairs, negatives and ids in rank order), rows and gradients as in the
     modes above. ``margin`` must be the same on every rank. Where no rank passes negatives
     (M_r > 0) or ids and ``margin="text"``, the call is today's, bit for bit.
+    ``group_mode``: "mask" (default) or "supcon" / "mil_nce", the ids as positives
+    (``docs/hard_negatives.md#multi-positive-targets``), the same on every rank: a row's positives
+    are every column of its group, on any rank (the ids are gathered); backend "torch" only so far,
+    ``group_ids`` on every rank, no ``return_stats``.
     """
 
     def options():  # built inside the checks, so a bad option on one rank raises on every rank
@@ -116,6 +121,7 @@ def distributed_hn_clip_loss(
             precision=precision,
             false_negative_threshold=false_negative_threshold,
             margin=margin,
+            group_mode=group_mode,
         )
 
     tau = validation.plain_number(tau)
@@ -200,7 +206,8 @@ def _single_checks(image_features, text_features, tau, options, rank, group, tau
     """:func:`collective_check`'s result on one process, raising here."""
     status, exc, _, bound = local_checks(image_features, text_features, tau, options, rank, 1, group, tau_value)
     negatives = group_ids = None
-    if exc is None and family is not None:
+    if exc is None and (family is not None or bound.group_mode.positives):  # positives need ids: checked there
+        family = (None, None) if family is None else family
         status, exc, negatives, group_ids = family_checks(image_features, text_features, *family, bound, tau)
     if exc is not None:
         raise exc

@@ -16,6 +16,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .. import validation
+from ..group_mode import GroupMode
 from ..margin import Margin
 from ..options import LossOptions
 from ..plausibility import warn_if_not_unit_norm
@@ -25,7 +26,9 @@ from .gather import dist, group_rank_world, meta_device
 # metadata vector layout, one int64 row per rank
 _STATUS, _N_IMG, _N_TXT, _DIM, _DTYPE, _FLAGS, _GAMMA, _EPS, _WORLD, _PREC, _TAU, _IMG_NORM, _TXT_NORM = range(13)
 _THRESHOLD = 13  # the false-negative threshold's float64 bits, NO_THRESHOLD for None
-_N_NEG, _FAMILY = 14, 15  # the hard-negative family: M_r (0 for None), bit 0 group_ids given, bit 1 margin
+# the hard-negative family: M_r (0 for None); bit 0 group_ids given, bits 1-2 the margin's code,
+# bits 3- the group mode's code
+_N_NEG, _FAMILY = 14, 15
 _META_LEN = 16
 NO_THRESHOLD = -(1 << 63)  # -0.0's bits: a threshold is sent as float(c) + 0.0, which is +0.0 for -0.0
 _STATUS_TEXT = {
@@ -163,7 +166,9 @@ def family_checks(image_features, text_features, negatives, group_ids, bound, ta
     norms enter this rank's overflow bound (the local batch's; the global bound covers img/txt)."""
     names = ("image_features", "text_features")
     try:
-        family = family_of(image_features, text_features, negatives, group_ids, bound.margin, names)
+        family = family_of(
+            image_features, text_features, negatives, group_ids, bound.margin, names, group_mode=bound.group_mode
+        )
     except (TypeError, ValueError) as exc:
         return 5, exc, None, None
     negatives, group_ids = (None, None) if family is None else (family.negatives, family.group_ids)
@@ -191,7 +196,8 @@ def collective_check(
         image_features, text_features, tau, options, rank, world_size, group, tau_value
     )
     negatives = group_ids = None
-    if status == 0 and family is not None:
+    if status == 0 and (family is not None or bound.group_mode.positives):  # positives need ids: checked there
+        family = (None, None) if family is None else family
         status, exc, negatives, group_ids = family_checks(image_features, text_features, *family, bound, tau)
     like = image_features if isinstance(image_features, torch.Tensor) else None
     if requested is not None:
@@ -213,7 +219,7 @@ def collective_check(
     if status == 0:
         _range_fields(row, bound.tau_value, image_features, text_features, bound.normalize)
         row[_N_NEG] = 0 if negatives is None else negatives.shape[0]
-        row[_FAMILY] = int(group_ids is not None) | bound.margin.code << 1
+        row[_FAMILY] = int(group_ids is not None) | bound.margin.code << 1 | bound.group_mode.code << 3
     mine = torch.tensor(row, dtype=torch.int64, device=meta_device(group, like))
     rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group=group))]
     dist.all_gather(rows, mine, group=group)
@@ -241,9 +247,12 @@ def collective_check(
     if len({m[_THRESHOLD] for m in meta}) > 1:
         values = [None if m[_THRESHOLD] == NO_THRESHOLD else _bits_float(m[_THRESHOLD]) for m in meta]
         problems.append(f"false_negative_threshold values differ across ranks: {values}")
-    if len({m[_FAMILY] >> 1 for m in meta}) > 1:
-        margins = [Margin.from_code(m[_FAMILY] >> 1).value for m in meta]
+    if len({m[_FAMILY] >> 1 & 0b11 for m in meta}) > 1:
+        margins = [Margin.from_code(m[_FAMILY] >> 1 & 0b11).value for m in meta]
         problems.append(f"margin differs across ranks: {margins}")
+    if len({m[_FAMILY] >> 3 for m in meta}) > 1:
+        modes = [GroupMode.from_code(m[_FAMILY] >> 3).value for m in meta]
+        problems.append(f"group_mode differs across ranks: {modes}")
     if len({m[_FAMILY] & 1 for m in meta}) > 1:
         problems.append(
             f"group_ids were given on ranks {[r for r, m in enumerate(meta) if m[_FAMILY] & 1]} only: pass them on "

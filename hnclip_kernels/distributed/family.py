@@ -4,7 +4,8 @@
 Rank r holds n_r pairs and m_r negatives (m_r may differ across ranks and be 0). The global
 batch is the concatenation in rank order of the pairs (N = Σ n_r), of the negatives
 (K = Σ m_r) and of the ids, so every image sees every rank's negatives, and the loss is the
-single-process family loss of that batch. ``local_loss=True``: this rank's rows only, i2t of its
+single-process family loss of that batch; with a positive ``group_mode`` (the ids as positives) a
+row's group spans ranks as the gathered ids say. ``local_loss=True``: this rank's rows only, i2t of its
 images over [all captions; all negatives], t2i of its captions over all images, scaled as
 today's rank loss (``(W/N)·Σ_{i on r} ℓ_i``). Negatives follow the captions' gather semantics:
 through the gather with ``gather_with_grad`` (gradients summed into the owner), else this rank's
@@ -29,7 +30,7 @@ import torch
 from ..backends import rank_losses, symmetric_losses
 from ..numerics import autocast_disabled
 from ..options import LossOptions, as_tau_tensor
-from ..validation_family import Family
+from ..validation_family import Family, check_positive_stats
 from .gather import gather_features, gather_ids, gather_rows
 
 
@@ -58,6 +59,7 @@ def family_rank_loss(
     ``bound``: the options bound to these tensors, backend "torch", "cpp" or "triton". float16 and
     bfloat16 features (and negatives) run in float32 from the gather on (module docstring); their
     gradients come back in their dtypes."""
+    check_positive_stats(bound.group_mode, return_stats)  # before any gather (options agree on every rank)
     neg_sizes, family = family
     negatives, group_ids = family.negatives, family.group_ids
     if image_features.dtype in (torch.float16, torch.bfloat16):  # one float32 gradient sum per feature

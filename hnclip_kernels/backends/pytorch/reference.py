@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from ...group_mode import GroupMode
 from ...numerics import NORM_EPS, compute_dtype, ieee_float32, matmul_nt, normalized, softplus
 from ...validation import check_directional
 from ...validation_family import check_family_directional
 from ..softmax import RowStats, smooths
+from .positives import positive_rows
 
 
 def directional_nll_torch(
@@ -36,6 +38,7 @@ def directional_nll_torch(
     mask_key=None,
     query_groups=None,
     key_groups=None,
+    group_mode: GroupMode = GroupMode.MASK,
 ):
     """Per-row cross-entropy of one direction of the HN-CLIP logits (arXiv 2608.18521, Eq. 2).
 
@@ -71,6 +74,11 @@ def directional_nll_torch(
 
     Masked entries leave the row exactly as with the threshold above (union of both rules).
 
+    * ``group_mode`` (a :class:`~hnclip_kernels.group_mode.GroupMode`, the ids required):
+      ``"supcon"`` or ``"mil_nce"`` make column k < K a *positive* of row i when the ids are equal
+      (:mod:`.positives`): P(i) = {offset + i} ∪ {k < K: same id}; positives get no margin and are
+      never masked, the threshold masks only the other columns, ``return_stats`` is refused.
+
     Returns a float32 (float64 for float64 inputs) tensor of shape (M,); with
     ``return_stats``, also the detached row statistics ``backends.softmax.RowStats`` (what the
     fused kernels save for their backward; :mod:`hnclip_kernels.diagnostics` reads them).
@@ -87,6 +95,10 @@ def directional_nll_torch(
     with ieee_float32(a.device):  # never TF32 (open_clip's trainer allows it); matmul_nt does the same
         margin = a @ b.T
     margin[rows, pos_cols] = 0.0  # the positive carries no margin
+    positives = None
+    if group_mode.positives:
+        positives = _positives(group_mode, query_groups, key_groups, rows, pos_cols, n, return_stats)
+        margin = margin.masked_fill(positives, 0.0)  # nor does any positive
     logits = (matmul_nt(q, k) + gamma * margin) / tau.to(dt)
     pos = logits[rows, pos_cols]
     delta = logits - pos[:, None]  # Z_ik - Z_i,pos: exactly 0 at the positive
@@ -99,6 +111,10 @@ def directional_nll_torch(
             cosine = margin if normalize else margin * _inv_norms(a)[:, None] * _inv_norms(b)[None, :]
             if mask_query is not None:
                 cosine = _caption_cosine(mask_query.detach().to(dt), mask_key.detach().to(dt), normalize)
+        if positives is not None:  # the ids name positives here, the threshold masks the rest
+            masked = _family_mask(cosine, false_negative_threshold, None, None, n)
+            masked = torch.zeros_like(positives) if masked is None else masked & ~positives
+            return positive_rows(delta, positives, masked, label_smoothing, group_mode, _lse_of_kept)
         masked = _family_mask(cosine, false_negative_threshold, query_groups, key_groups, n)
         if masked is not None:
             return _masked_rows(delta, pos, is_pos, masked, label_smoothing, return_stats)
@@ -112,6 +128,25 @@ def directional_nll_torch(
     if not return_stats:
         return nll
     return nll, _row_stats(pos, delta.detach(), is_pos, lse_neg.detach())
+
+
+def _positives(group_mode, query_groups, key_groups, rows, pos_cols, n, return_stats):
+    """(M, N) bool P: each row's own positive and the first K columns of its group."""
+    if query_groups is None or key_groups is None:
+        raise ValueError(
+            f"group_mode={group_mode.value!r} needs query_groups and key_groups (the ids of its positives)"
+        )
+    if return_stats:
+        raise ValueError(
+            f"return_stats=True is not supported with group_mode={group_mode.value!r}: the row statistics assume "
+            "one positive per row; use group_mode='mask' for the report"
+        )
+    check_family_directional(rows.shape[0], n, None, None, query_groups, key_groups)
+    same = query_groups[:, None] == key_groups[None, :]
+    if same.shape[1] < n:  # the negative captions' columns carry no id: never positives
+        same = torch.cat([same, same.new_zeros(same.shape[0], n - same.shape[1])], dim=1)
+    same[rows, pos_cols] = True
+    return same
 
 
 def _inv_norms(x):

@@ -1,0 +1,251 @@
+"""Multi-positive targets: ``group_mode="supcon"`` / ``"mil_nce"`` of ``hn_clip_loss`` and
+``HNClipLoss`` (docs/hard_negatives.md, "Multi-positive targets").
+
+Every value and gradient (img, txt, negatives, τ) per row against the float64 oracle
+``tests/positives_oracle.py`` (written from the formulas, independently of the reference), with
+an uneven upstream gradient per row (so a wrong row weight cannot hide in a mean). Tolerances
+(relative, per row, :func:`row_error`, rows floored at 1e-4 of the largest): float64 inputs 1e-10 (the reference's float64
+against another order of the same sums; measured ≤ 3e-15), float32 inputs 1e-4 (float32's
+gradient bound of the README, measured ≤ 1e-6). The singleton-group reduction to the plain loss,
+the all-one-group edge, every refusal and the default's bit-identity are checked here too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from family_oracle import features
+from helpers import rel_err
+from hnclip_kernels import HNClipLoss, LossOptions, hn_clip_loss
+from hnclip_kernels.backends import cpp_directional
+from positives_oracle import positives_f64
+
+MODES = ["supcon", "mil_nce"]
+N, D = 7, 8
+IDS = torch.tensor([0, 3, 0, 1, 3, 3, 5])  # groups of 2, 3, 1 and 1
+TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
+FLOOR = 1e-4  # a row's norm floor, relative to the largest row's (row_error)
+
+
+def run_rows(img, txt, neg, tau, ids, mode, dtype=torch.float64, backend="torch", **kw):
+    """(rows, grads) of ``hn_clip_loss(reduction="none")`` and of the oracle on the same values,
+    both weighted by the same uneven upstream per row."""
+    img, txt = img.to(dtype), txt.to(dtype)
+    neg = None if neg is None else neg.to(dtype)
+    leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt) + (() if neg is None else (neg,))]
+    tau_t = torch.tensor(tau, dtype=dtype, requires_grad=True)
+    api = dict(kw)
+    if "threshold" in api:
+        api["false_negative_threshold"] = api.pop("threshold")
+    got = hn_clip_loss(
+        leaves[0], leaves[1], tau_t, negatives=leaves[2] if neg is not None else None, group_ids=ids,
+        group_mode=mode, reduction="none", backend=backend, **api,
+    )  # fmt: skip
+    upstream = torch.linspace(0.5, 1.5, got.numel(), dtype=torch.float64)
+    got_grads = torch.autograd.grad((got.double() * upstream).sum(), leaves + [tau_t])
+    ref = [x.detach().double().requires_grad_(True) for x in leaves]
+    ref_tau = torch.tensor(float(tau_t.detach()), dtype=torch.float64, requires_grad=True)
+    want = positives_f64(ref[0], ref[1], ref_tau, ids, mode, ref[2] if neg is not None else None, **kw)
+    want_grads = torch.autograd.grad((want * upstream).sum(), ref + [ref_tau])
+    names = ["img", "txt"] + (["negatives"] if neg is not None else []) + ["tau"]
+    return got, want, dict(zip(names, got_grads)), dict(zip(names, want_grads))
+
+
+def row_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The worst row's ‖got_i − want_i‖ / ‖want_i‖, each row's norm floored at ``FLOOR`` of the largest
+    row's (a gradient row that is a cancellation remnant, e.g. ~1e-12 of a row whose raw gradient is
+    along the feature and projected out by the normalisation, carries both sides' rounding of the
+    large terms); the relative error for a scalar."""
+    got, want = got.double(), want.double()
+    if want.dim() == 0:
+        return rel_err(got, want)
+    got, want = got.reshape(want.shape[0], -1), want.reshape(want.shape[0], -1)
+    norms = want.norm(dim=1)
+    floor = FLOOR * norms.max().clamp_min(1e-300)
+    return ((got - want).norm(dim=1) / torch.maximum(norms, floor)).max().item()
+
+
+def rows_agree(got, want, gg, wg, tol):
+    """Rows and every gradient per row within ``tol`` (:func:`row_error`)."""
+    errors = worst(got, want, gg, wg)
+    assert all(e <= tol for e in errors.values()), errors
+
+
+def worst(got, want, gg, wg):
+    """The worst per-row relative error (:func:`row_error`) of the rows and of every gradient."""
+    out = {"loss": row_error(got, want)}
+    out.update({f"d {name}": row_error(gg[name], wg[name]) for name in gg})
+    return out
+
+
+CASES = {
+    "plain": dict(),
+    "negatives": dict(m=5),
+    "smoothing": dict(m=5, label_smoothing=0.1),
+    "threshold": dict(m=5, threshold=0.3),
+    "image_text": dict(m=5, margin="image_text", gamma=2.0),
+    "unnormalized": dict(m=3, normalize=False, label_smoothing=0.2),
+    "gamma0": dict(gamma=0.0, label_smoothing=0.1, threshold=0.3),
+}
+
+
+def _case(name, seed=1):
+    kw = dict(CASES[name])
+    m = kw.pop("m", 0)
+    img, txt, neg = features(N, D, seed), features(N, D, seed + 1), features(m, D, seed + 2)
+    if kw.get("normalize") is False:
+        img, txt, neg = (F.normalize(x.double(), dim=1) * 1.01 for x in (img, txt, neg))
+    if "threshold" in kw:  # every caption cosine away from the threshold (float32 vs float64 compare)
+        xs = F.normalize(torch.cat([txt, neg]).double(), dim=1)
+        assert ((F.normalize(txt.double(), dim=1) @ xs.T - kw["threshold"]).abs() > 1e-4).all()
+    return img, txt, neg if m else None, kw
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", MODES)
+def test_rows_and_gradients_match_the_oracle(mode, case, dtype):
+    img, txt, neg, kw = _case(case)
+    got, want, gg, wg = run_rows(img, txt, neg, 0.1, IDS, mode, dtype, **kw)
+    rows_agree(got, want, gg, wg, TOL[dtype])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 7),
+    d=st.integers(2, 6),
+    m=st.integers(0, 6),
+    tau=st.sampled_from([0.02, 0.07, 0.3, 1.0]),
+    gamma=st.sampled_from([0.0, 0.5, 2.0]),
+    eps=st.sampled_from([0.0, 0.1]),
+    n_groups=st.sampled_from([1, 2, 3, 8]),
+    margin=st.sampled_from(["text", "image_text"]),
+    threshold=st.sampled_from([None, 0.4]),
+    mode=st.sampled_from(MODES),
+    seed=st.integers(0, 2**16),
+)
+def test_drawn_group_structures_match_the_oracle(n, d, m, tau, gamma, eps, n_groups, margin, threshold, mode, seed):
+    """Random group structures (1 group … all singletons), sizes, τ, γ, ε, margins, thresholds."""
+    img, txt, neg = features(n, d, seed), features(n, d, seed + 1), features(m, d, seed + 2)
+    if threshold is not None:
+        xs = F.normalize(torch.cat([txt, neg]).double(), dim=1)
+        assume(((F.normalize(txt.double(), dim=1) @ xs.T - threshold).abs() > 1e-4).all())
+    ids = torch.randint(0, n_groups, (n,), generator=torch.Generator().manual_seed(seed))
+    kw = dict(margin=margin, gamma=gamma, label_smoothing=eps, threshold=threshold)
+    got, want, gg, wg = run_rows(img, txt, neg if m else None, tau, ids, mode, **kw)
+    rows_agree(got, want, gg, wg, TOL[torch.float64])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kw", [dict(), dict(label_smoothing=0.1, false_negative_threshold=0.3)], ids=["plain", "eps"])
+def test_singleton_groups_are_the_plain_loss(mode, kw):
+    """Every pair its own group: both modes are today's loss (values and gradients, float64)."""
+    img, txt, neg = features(N, D, 3, torch.float64), features(N, D, 4, torch.float64), features(4, D, 5, torch.float64)
+    out = []
+    for extra in (dict(group_ids=torch.arange(N), group_mode=mode), dict()):
+        leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
+        rows = hn_clip_loss(*leaves[:2], 0.1, negatives=leaves[2], reduction="none", backend="torch", **kw, **extra)
+        out.append((rows.detach(), *torch.autograd.grad((rows * torch.linspace(0.5, 1.5, N)).sum(), leaves)))
+    for name, got, want in zip(("rows", "d img", "d txt", "d negatives"), *out):
+        assert rel_err(got, want) <= 1e-13, name
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_group(mode):
+    """Every pair in one group: without negatives and ε, MIL-NCE's rows are 0 (every class a
+    positive) and SupCon's are LSE_i − mean_k Z_ik > 0 (the oracle); with negatives both are the oracle's."""
+    img, txt, neg = features(N, D, 6), features(N, D, 7), features(3, D, 8)
+    ids = torch.zeros(N, dtype=torch.long)
+    got, want, gg, wg = run_rows(img, txt, None, 0.07, ids, mode)
+    if mode == "mil_nce":  # exactly 0 here; the oracle's log-softmax form leaves rounding (≤ 1e-13)
+        assert torch.equal(got, torch.zeros_like(got))
+        assert all(torch.count_nonzero(g) == 0 for g in gg.values())
+        assert want.abs().max() < 1e-13 and all(w.abs().max() < 1e-12 for w in wg.values())
+    else:
+        assert (got > 0).all()
+        rows_agree(got, want, gg, wg, TOL[torch.float64])
+    rows_agree(*run_rows(img, txt, neg, 0.07, ids, mode, label_smoothing=0.1), TOL[torch.float64])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_module_is_the_function(mode):
+    """``HNClipLoss(group_mode=...)`` (one process, logit_scale = 1/τ) is hn_clip_loss's mean, and
+    its attribute is the typed option (repr, assignment validated)."""
+    img, txt = features(N, D, 9, torch.float64), features(N, D, 10, torch.float64)
+    module = HNClipLoss(normalize=True, group_mode=mode)
+    want = hn_clip_loss(img, txt, 0.05, group_ids=IDS, group_mode=mode)
+    assert torch.equal(module(img, txt, 20.0, group_ids=IDS), want)
+    assert f"group_mode='{mode}'" in repr(module) and module.group_mode == mode
+    with pytest.raises(ValueError, match="group_mode must be one of"):
+        module.group_mode = "positives"
+    assert module.group_mode == mode
+
+
+def test_default_is_bit_identical():
+    """group_mode="mask" (given or not) is today's call, bit for bit, with and without ids."""
+    backends = ["torch"] + (["cpp"] if cpp_directional() is not None else [])
+    img, txt = features(N, D, 11), features(N, D, 12)
+    for backend in backends:
+        for ids in (None, IDS):
+            out = []
+            for extra in (dict(), dict(group_mode="mask")):
+                leaves = [x.clone().requires_grad_(True) for x in (img, txt)]
+                loss = hn_clip_loss(*leaves, 0.07, group_ids=ids, backend=backend, **extra)
+                out.append((loss, *torch.autograd.grad(loss, leaves)))
+            assert all(torch.equal(a, b) for a, b in zip(*out)), (backend, ids)
+
+
+def test_saturated_rows_keep_their_value():
+    """τ = 0.01, each group's pairs near one centre: rows far below float32's epsilon keep their
+    value in float32 (the softplus forms), per row against the oracle within 1e-5 (measured 1.9e-7);
+    the gradients within 1e-3 (measured 2.3e-4): within a group they are p_ip − 1/|P(i)| (SupCon) of
+    positives whose logits differ by O(1) at τ = 0.01, so float32's rounding of the logits
+    (2.5/τ·2^-24 ≈ 1.5e-5 absolute) is a 1e-4 relative error of that difference: conditioning, the
+    same on any float32 implementation."""
+    centres = F.normalize(features(4, 16, 13, torch.float64), dim=1)
+    ids = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3])
+    img = (centres[ids] + 0.01 * features(8, 16, 14, torch.float64)).float()
+    txt = (centres[ids] + 0.01 * features(8, 16, 15, torch.float64)).float()
+    for mode in MODES:
+        got, want, gg, wg = run_rows(img, txt, None, 0.01, ids, mode, torch.float32, gamma=0.0)
+        if mode == "mil_nce":
+            assert want.min() < 1e-12  # saturated: below float32's epsilon
+        errors = worst(got, want, gg, wg)
+        assert errors.pop("loss") <= 1e-5 and all(e <= 1e-3 for e in errors.values()), (mode, errors)
+
+
+# ----------------------------------------------------------------------------- the refusals
+
+
+def test_refusals_name_the_option():
+    img, txt = features(N, D, 16), features(N, D, 17)
+    with pytest.raises(ValueError, match="group_mode must be one of.*'positive' is hn_siglip_loss's"):
+        hn_clip_loss(img, txt, 0.07, group_ids=IDS, group_mode="positive")
+    with pytest.raises(TypeError, match="group_mode must be a string"):
+        LossOptions(group_mode=1)
+    with pytest.raises(ValueError, match="group_mode='supcon'.*no group_ids were passed"):
+        hn_clip_loss(img, txt, 0.07, group_mode="supcon")
+    with pytest.raises(ValueError, match="group_mode='mil_nce'.*no group_ids were passed"):
+        HNClipLoss(normalize=True, group_mode="mil_nce")(img, txt, 14.0)
+    with pytest.raises(ValueError, match="return_stats=True is not supported with group_mode='supcon'"):
+        hn_clip_loss(img, txt, 0.07, group_ids=IDS, group_mode="supcon", return_stats=True)
+    with pytest.raises(ValueError, match="return_stats=True is not supported with group_mode='mil_nce'"):
+        HNClipLoss(normalize=True, group_mode="mil_nce", return_stats=True)(img, txt, 14.0, group_ids=IDS)
+    for backend in ("cpp", "triton"):
+        with pytest.raises(ValueError, match=f"group_mode='supcon'.*backend='torch'.*not backend='{backend}'"):
+            hn_clip_loss(img, txt, 0.07, group_ids=IDS, group_mode="supcon", backend=backend)
+        with pytest.raises(ValueError, match=f"group_mode='mil_nce'.*not backend='{backend}'"):
+            HNClipLoss(normalize=True, group_mode="mil_nce", backend=backend)(img, txt, 14.0, group_ids=IDS)
+
+
+def test_auto_picks_torch():
+    """backend="auto" runs the positive modes on the torch reference (float32 on CPU, where "auto"
+    is otherwise cpp): the same bits as backend="torch"."""
+    img, txt = features(N, D, 18), features(N, D, 19)
+    for mode in MODES:
+        auto = hn_clip_loss(img, txt, 0.07, group_ids=IDS, group_mode=mode)
+        assert torch.equal(auto, hn_clip_loss(img, txt, 0.07, group_ids=IDS, group_mode=mode, backend="torch"))
