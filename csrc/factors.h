@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 
 namespace hnclip {
@@ -155,6 +156,38 @@ inline const Tensor& margin_rows(MarginKind kind, const Tensor& vh, const Tensor
       return vh;
   }
   TORCH_CHECK(false, "hnclip: unknown margin kind ", static_cast<int64_t>(kind));
+}
+
+// What equal group ids mean, as hnclip_kernels.group_mode.GroupMode.code (registration.cpp range-checks
+// the code once): kMask drops same-group pairs from the softmax (the sweeps' GroupMask); kSupcon and
+// kMilNce make them positives (positives.cpp), whose dS is the one switch below
+enum class GroupModeKind : int64_t { kMask = 0, kSupcon = 1, kMilNce = 2 };
+constexpr int64_t kGroupModes = 3;
+
+// A row's factors for its positives' dS (hnclip_kernels.backends.softmax.positive_factors), all relative
+// to the row's own positive Z_i,pos: lse_c = LSE over the row's classes C(i) = P(i) ∪ K(i), lse_p = LSE
+// over P(i), neg_mass = σ(L_K − L_P) (the negatives' share of the row's mass), count = |P(i)|, shift =
+// ε/|C(i)|, eps = ε
+template <typename T>
+struct PositiveRow {
+  T lse_c, lse_p, neg_mass, count, shift, eps;
+};
+
+// dL/dZ_ip / g_i of row i's positive p at gap d = Z_ip − Z_i,pos (the row's own positive: d = 0): the
+// softmax p_ip less the mode's target (1 − ε)·w_ip and the smoothing share ε/|C(i)|; the one switch on
+// the group mode. kSupcon: w = 1/|P(i)|. kMilNce: w = softmax_P(Z_i)_p = e^(d − lse_p), and since
+// p_ip = w·(1 − neg_mass), p_ip − (1 − ε)·w = w·(ε − neg_mass): no cancellation on a saturated row.
+template <typename T>
+inline T positive_dz(GroupModeKind kind, T d, const PositiveRow<T>& r) {
+  switch (kind) {
+    case GroupModeKind::kSupcon:
+      return std::exp(d - r.lse_c) - (T(1) - r.eps) / r.count - r.shift;
+    case GroupModeKind::kMilNce:
+      return std::exp(d - r.lse_p) * (r.eps - r.neg_mass) - r.shift;
+    case GroupModeKind::kMask:
+      break;
+  }
+  TORCH_CHECK(false, "hnclip: group mode ", static_cast<int64_t>(kind), " has no positives");
 }
 
 // L = (v̂ + γ t̂) / τ: the i2t logits' left factor, margin and temperature included (Z = L t̂ᵀ);

@@ -28,6 +28,7 @@
 //   sweeps.h             the row sweep (RowSweep<T, Sweep mode>) and the symmetric kernels
 //   directional.cpp      directional_fwd / directional_bwd
 //   symmetric.cpp        symmetric_fwd / symmetric_bwd
+//   positives.cpp        positive_fwd / positive_bwd (group_mode's positives, beside either)
 //   sigmoid.h            the sigmoid (SigLIP) kind: a pair's softplus loss and its gradient
 //   sigmoid_pairs.cpp    sigmoid_fwd / sigmoid_bwd (and the kind's float32 clones)
 //   registration.cpp     the argument checks and the torch.ops.hnclip registration
@@ -41,7 +42,7 @@
 #include <cstdint>
 #include <tuple>
 
-#include "factors.h"  // MarginKind
+#include "factors.h"  // MarginKind, GroupModeKind
 
 namespace hnclip {
 
@@ -97,6 +98,22 @@ std::tuple<at::Tensor, at::Tensor> symmetric_bwd(const at::Tensor& v_hat, const 
                                                  const at::Tensor& shift_r, const at::Tensor& shift_c,
                                                  const c10::optional<at::Tensor>& rc,
                                                  const c10::optional<at::Tensor>& groups, MarginKind margin);
+
+// The multi-positive targets' pass (positives.cpp; group_mode "supcon" / "mil_nce"): q̂ (M, D) against
+// k̂ (N, D), row i's own positive at column offset + i with logit pos[i], its other positives the
+// columns j < K with kg[j] == qg[i] (qg (M,), kg (K ≤ N,) int64). positive_fwd: (4, M) over the other
+// positives, as the negatives' statistics: LSE of the gaps d = Z_ij − pos_i, softmax-weighted mean
+// gap, Σd, count. positive_bwd: the positives' shares (times τ) of dL/dq̂ (M, D) and dL/dk̂ (N, D) for
+// row gradients g (M,), each dS = g·positive_dz (factors.h) with the rows' ``factors`` (5, M):
+// lse_c, lse_p, neg_mass, count, shift (PositiveRow), and Σ_p dS·d per row (M,).
+at::Tensor positive_fwd(const at::Tensor& q_hat, const at::Tensor& k_hat, const at::Tensor& pos,
+                        const at::Tensor& inv_tau, int64_t offset, const at::Tensor& qg, const at::Tensor& kg);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> positive_bwd(const at::Tensor& q_hat, const at::Tensor& k_hat,
+                                                            const at::Tensor& pos, const at::Tensor& inv_tau,
+                                                            int64_t offset, const at::Tensor& qg,
+                                                            const at::Tensor& kg, const at::Tensor& factors,
+                                                            const at::Tensor& g, double eps, GroupModeKind kind);
 
 // The sigmoid (SigLIP) operators' arguments besides the features (sigmoid_pairs.cpp): s and b
 // (0-dim), row i's positive at caption offset + i of the first ``captions`` columns (the rest:

@@ -1,7 +1,7 @@
 // torch.ops.hnclip.cpp_raw_*: the raw kernels' operator schemas (no autograd: hnclip_kernels/backends/cpp/ops.py
 // wraps them in the hnclip::cpp_* operators), the argument checks, and the CPU registration. The
 // Python side (hnclip_kernels/backends/cpp/ops.py) calls these names and schemas; the kernels
-// behind them (directional.cpp, symmetric.cpp) assume the checks below have passed.
+// behind them (directional.cpp, symmetric.cpp, positives.cpp, sigmoid_pairs.cpp) assume the checks below have passed.
 #include <Python.h>
 
 #include <ATen/ATen.h>
@@ -91,6 +91,55 @@ MarginKind check_margin(int64_t code) {
   TORCH_CHECK(code >= 0 && code < kMarginKinds, "hnclip: unknown margin code ", code,
               " (Margin.code: 0 text, 1 image_text)");
   return static_cast<MarginKind>(code);
+}
+
+// The group mode from its code (hnclip_kernels.group_mode.GroupMode.code): the one range check; the
+// positives' kernels take the positive modes only
+GroupModeKind check_positive_mode(int64_t code) {
+  TORCH_CHECK(code >= 0 && code < kGroupModes, "hnclip: unknown group mode code ", code,
+              " (GroupMode.code: 0 mask, 1 supcon, 2 mil_nce)");
+  TORCH_CHECK(code != static_cast<int64_t>(GroupModeKind::kMask),
+              "hnclip: the positives' kernels take group mode 1 (supcon) or 2 (mil_nce), got 0 (mask)");
+  return static_cast<GroupModeKind>(code);
+}
+
+// The positives' kernels' arguments: q̂ (M, D), k̂ (N, D) float32/float64 CPU, own positives offset + i < N,
+// ids int64 (M,) and (K ≤ N,)
+void check_positives(const Tensor& qh, const Tensor& kh, const Tensor& pos, int64_t offset, const Tensor& qg,
+                     const Tensor& kg) {
+  TORCH_CHECK(qh.dim() == 2 && kh.dim() == 2 && qh.size(1) == kh.size(1), "hnclip: q_hat, k_hat must be 2-D, same D");
+  TORCH_CHECK(qh.device().is_cpu() && kh.device().is_cpu() && pos.device().is_cpu() && qg.device().is_cpu() &&
+                  kg.device().is_cpu(),
+              "hnclip: the C++ kernel runs on CPU tensors");
+  TORCH_CHECK(qh.scalar_type() == at::kFloat || qh.scalar_type() == at::kDouble,
+              "hnclip: q_hat must be float32 or float64, got ", qh.scalar_type());
+  TORCH_CHECK(kh.scalar_type() == qh.scalar_type(), "hnclip: q_hat and k_hat dtypes differ");
+  const int64_t M = qh.size(0), N = kh.size(0);
+  TORCH_CHECK(pos.numel() == M, "hnclip: pos needs M entries");
+  TORCH_CHECK(offset >= 0 && offset + M <= N, "hnclip: need 0 <= offset, offset + M <= N, got offset ", offset,
+              ", M ", M, ", N ", N);
+  TORCH_CHECK(qg.scalar_type() == at::kLong && kg.scalar_type() == at::kLong && qg.dim() == 1 && kg.dim() == 1 &&
+                  qg.numel() == M && kg.numel() <= N,
+              "hnclip: qg must be int64 (M,) and kg int64 (K,) with K <= N");
+}
+
+Tensor positive_fwd_op(const Tensor& q_hat, const Tensor& k_hat, const Tensor& pos, const Tensor& inv_tau,
+                       int64_t offset, const Tensor& qg, const Tensor& kg) {
+  check_positives(q_hat, k_hat, pos, offset, qg, kg);
+  return positive_fwd(q_hat, k_hat, pos, inv_tau, offset, qg.contiguous(), kg.contiguous());
+}
+
+std::tuple<Tensor, Tensor, Tensor> positive_bwd_op(const Tensor& q_hat, const Tensor& k_hat, const Tensor& pos,
+                                                   const Tensor& inv_tau, int64_t offset, const Tensor& qg,
+                                                   const Tensor& kg, const Tensor& factors, const Tensor& g,
+                                                   double eps, int64_t group_mode) {
+  check_positives(q_hat, k_hat, pos, offset, qg, kg);
+  const GroupModeKind kind = check_positive_mode(group_mode);
+  const int64_t M = q_hat.size(0);
+  TORCH_CHECK(factors.dim() == 2 && factors.size(0) == 5 && factors.size(1) == M && factors.device().is_cpu(),
+              "hnclip: factors must be a (5, M) CPU tensor");
+  TORCH_CHECK(g.numel() == M && g.device().is_cpu(), "hnclip: g needs M entries");
+  return positive_bwd(q_hat, k_hat, pos, inv_tau, offset, qg.contiguous(), kg.contiguous(), factors, g, eps, kind);
 }
 
 // The sigmoid operators' arguments: features (R, D), (N, D) float32/float64 CPU, positives
@@ -242,6 +291,12 @@ TORCH_LIBRARY(hnclip, m) {
       "int margin=0) "
       "-> (Tensor d_v_neg, Tensor d_t_neg)");
   m.def(
+      "cpp_raw_positive_fwd(Tensor q_hat, Tensor k_hat, Tensor pos, Tensor inv_tau, int offset, Tensor qg, Tensor kg) "
+      "-> Tensor stats");
+  m.def(
+      "cpp_raw_positive_bwd(Tensor q_hat, Tensor k_hat, Tensor pos, Tensor inv_tau, int offset, Tensor qg, Tensor kg, "
+      "Tensor factors, Tensor g, float eps, int group_mode) -> (Tensor d_q_pos, Tensor d_k_pos, Tensor dz_d)");
+  m.def(
       "cpp_raw_sigmoid_fwd(Tensor v_hat, Tensor k_hat, Tensor pos, Tensor scale, Tensor bias, int offset, "
       "int captions, float gamma, int margin, Tensor? qg=None, Tensor? kg=None, bool groups_positive=False) "
       "-> (Tensor loss, Tensor ds_rows, Tensor db_rows)");
@@ -256,6 +311,8 @@ TORCH_LIBRARY_IMPL(hnclip, CPU, m) {
   m.impl("cpp_raw_directional_bwd", &directional_bwd_op);
   m.impl("cpp_raw_symmetric_fwd", &symmetric_fwd_op);
   m.impl("cpp_raw_symmetric_bwd", &symmetric_bwd_op);
+  m.impl("cpp_raw_positive_fwd", &positive_fwd_op);
+  m.impl("cpp_raw_positive_bwd", &positive_bwd_op);
   m.impl("cpp_raw_sigmoid_fwd", &sigmoid_fwd_op);
   m.impl("cpp_raw_sigmoid_bwd", &sigmoid_bwd_op);
 }

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 
 # the backends whose operators form the multi-positive rows; the others refuse them by name
-POSITIVE_BACKENDS = ("torch",)
+POSITIVE_BACKENDS = ("torch", "cpp")
 
 
 class GroupMode(str, enum.Enum):

@@ -165,13 +165,16 @@ class LossOptions:
         from .backends import resolve_backend
 
         positives = self.group_mode.positives
-        backend = resolve_backend(POSITIVE_BACKENDS[0] if positives and self.backend == "auto" else self.backend, like)
+        backend = resolve_backend(self.backend, like)
         if positives and backend not in POSITIVE_BACKENDS:
-            raise ValueError(
-                f"group_mode={self.group_mode.value!r} (group ids as positives) runs on backend="
-                f"{' or '.join(repr(b) for b in POSITIVE_BACKENDS)} only so far, not backend={backend!r} (which takes "
-                f"group_mode='mask'); pass backend='torch' (or 'auto', which picks it)"
-            )
+            if self.backend == "auto":  # the fused backend "auto" picked has no multi-positive rows: the reference
+                backend = resolve_backend("torch", like)
+            else:
+                raise ValueError(
+                    f"group_mode={self.group_mode.value!r} (group ids as positives) runs on backend="
+                    f"{' or '.join(repr(b) for b in POSITIVE_BACKENDS)} only so far, not backend={backend!r} (which "
+                    f"takes group_mode='mask'); pass backend='torch' (or 'auto', which picks one)"
+                )
         precision = None
         if backend == "triton":
             precision = resolve_precision(self.precision)

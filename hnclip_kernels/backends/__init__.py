@@ -18,8 +18,9 @@ the keyword-only protocol of
        return_stats=False, false_negative_threshold=None,
        mask_query=None, mask_key=None, query_groups=None, key_groups=None, group_mode=<mask>)
 
-(``group_mode``: the torch op only, passed only when it makes the ids positives,
-``docs/hard_negatives.md#multi-positive-targets``; the fused ops refuse it by name.)
+(``group_mode``: passed only when it makes the ids positives,
+``docs/hard_negatives.md#multi-positive-targets``; the torch and cpp ops take it, Triton refuses
+it by name.)
 
 The hard-negative family is optional inputs of both ops, absent for today's loss: the symmetric
 op's ``negatives``, ``group_ids`` and ``margin``, the directional op's masking captions and group ids.
@@ -276,9 +277,10 @@ def _op_kwargs(tau: torch.Tensor, options, return_stats: bool, **extra) -> dict:
     )
     if options.false_negative_threshold is not None:  # absent otherwise: each op's default, None
         kwargs["false_negative_threshold"] = options.false_negative_threshold
-    if options.group_mode.positives:  # absent otherwise ("mask", today's); only the torch op takes it
+    if options.group_mode.positives:  # absent otherwise ("mask", today's); the torch and cpp ops take it
         if options.backend not in POSITIVE_BACKENDS:  # LossOptions.resolved refused it already
-            raise ValueError(f"group_mode={options.group_mode.value!r} runs on backend='torch' only")
+            names = " or ".join(repr(b) for b in POSITIVE_BACKENDS)
+            raise ValueError(f"group_mode={options.group_mode.value!r} runs on backend={names} only")
         kwargs["group_mode"] = options.group_mode
     return kwargs
 

@@ -117,25 +117,35 @@ class DirectionalOut(NamedTuple):
         return fake(cls, q, dtype, m, rk=n, rb=n, kept=m if masked else 0)
 
 
+def positives_shape(rows: int, positives: bool) -> tuple:
+    """The shape of a multi-positive ``positives`` output (the other positives' four statistics per
+    row, ``csrc/positives.cpp``): (4, rows) under ``group_mode="supcon"``/``"mil_nce"``, else (0,)."""
+    return (4, rows) if positives else (0,)
+
+
 class CppDirectionalOut(
-    NamedTuple("_CppDirectionalOut", [(f, Tensor) for f in (*DirectionalOut._fields, "row_acc", "col_acc")])
+    NamedTuple(
+        "_CppDirectionalOut", [(f, Tensor) for f in (*DirectionalOut._fields, "row_acc", "col_acc", "positives")]
+    )
 ):
     """``hnclip::cpp_directional_nll``'s outputs: :class:`DirectionalOut`'s, then the negatives'
     gradient shares the forward kept for the backward (``need_grad``: row_acc (M, D), col_acc
-    (N, D); else (0, D))."""
+    (N, D); else (0, D)), then the other positives' statistics (:func:`positives_shape`)."""
 
     __slots__ = ()
     stats = DirectionalOut.stats
 
     @classmethod
-    def fake(cls, q: Tensor, k: Tensor, masked: bool, need_grad: bool, dtype: torch.dtype) -> "CppDirectionalOut":
+    def fake(
+        cls, q: Tensor, k: Tensor, masked: bool, need_grad: bool, dtype: torch.dtype, positives: bool = False
+    ) -> "CppDirectionalOut":
         (m, d), n = q.shape, k.shape[0]
         acc = {"row_acc": (m if need_grad else 0, d), "col_acc": (n if need_grad else 0, d)}
-        return fake(cls, q, dtype, m, rk=n, rb=n, kept=m if masked else 0, **acc)
+        return fake(cls, q, dtype, m, rk=n, rb=n, kept=m if masked else 0, positives=positives_shape(m, positives), **acc)
 
 
-# the raw C++ directional kernel's outputs: CppDirectionalOut's fields from delta on
-DIRECTIONAL_STATS = slice(CppDirectionalOut._fields.index("delta"), None)
+# the raw C++ directional kernel's outputs: CppDirectionalOut's fields from delta to col_acc
+DIRECTIONAL_STATS = slice(CppDirectionalOut._fields.index("delta"), CppDirectionalOut._fields.index("col_acc") + 1)
 
 
 class FamilyPairsOut(NamedTuple):
@@ -166,18 +176,25 @@ class FamilyPairsOut(NamedTuple):
         return fake(cls, img, dtype, n, rn=negatives.shape[0], kept_i2t=kept, kept_t2i=kept)
 
 
-class FamilyOut(NamedTuple("_FamilyOut", [(f, Tensor) for f in (*FamilyPairsOut._fields, "row_acc", "col_acc")])):
+_FAMILY_FIELDS = (*FamilyPairsOut._fields, "row_acc", "col_acc", "positives_i2t", "positives_t2i")
+
+
+class FamilyOut(NamedTuple("_FamilyOut", [(f, Tensor) for f in _FAMILY_FIELDS])):
     """``hnclip::cpp_symmetric_nll``'s outputs: :class:`FamilyPairsOut`'s, then the negative block's
     gradient shares (as :class:`CppDirectionalOut`'s, P normalised over all N + M columns; with
-    need_grad and M > 0 row_acc (N, D), col_acc (M, D), else (0, D))."""
+    need_grad and M > 0 row_acc (N, D), col_acc (M, D), else (0, D)), then each direction's other
+    positives' statistics (:func:`positives_shape`)."""
 
     i2t = SymmetricOut.i2t
     t2i = SymmetricOut.t2i
 
     @classmethod
-    def fake(cls, img: Tensor, negatives: Tensor, masked: bool, need_grad: bool, dtype: torch.dtype) -> "FamilyOut":
+    def fake(
+        cls, img: Tensor, negatives: Tensor, masked: bool, need_grad: bool, dtype: torch.dtype, positives: bool = False
+    ) -> "FamilyOut":
         (n, d), m = img.shape, negatives.shape[0]
         shares = need_grad and m > 0
         acc = {"row_acc": (n if shares else 0, d), "col_acc": (m if shares else 0, d)}
         kept = n if masked else 0
-        return fake(cls, img, dtype, n, rn=m, kept_i2t=kept, kept_t2i=kept, **acc)
+        extra = positives_shape(n, positives)
+        return fake(cls, img, dtype, n, rn=m, kept_i2t=kept, kept_t2i=kept, positives_i2t=extra, positives_t2i=extra, **acc)

@@ -20,6 +20,12 @@ classes the row keeps: nll_i − (ε/n_i)·dsum_i, and dL/dZ_ik = g_i (P_ik − 
 the kernels apply themselves (the masked columns get nothing, so the "uniform" term is not
 uniform any more); the epilogue adds the positive's −ε/n_i·g_i (:func:`smoothing_shift`).
 
+Multi-positive targets (``group_mode="supcon"`` / ``"mil_nce"``, ``docs/hard_negatives.md``): the
+kernels' statistics are over the row's kept negatives K(i) (the group's columns masked as under
+"mask"), and a positives' pass returns the same four numbers over its other positives P(i) ∖ {pos}
+(``extra``, (4, M)). From the two: :func:`positive_losses`, :func:`positive_factors` (what the dS
+kernels read) and :func:`positive_dz_z` (the τ term).
+
 A loss kind provides: its statistics (:class:`RowStats`), the rows' losses from them
 (:func:`row_losses`, :func:`pair_losses`), the per-row factors its dS kernels read
 (:func:`row_factors`) and the finishers (:func:`finish_directional`, :func:`finish_symmetric`)
@@ -174,18 +180,32 @@ def _add_positive_masked(stats: RowStats, g, q_hat, k_hat, d_q, d_k, offset: int
 
 
 def finish_directional(
-    stats: RowStats, g, q, k, rq, rk, d_q_neg, d_k_neg, offset: int, inv_tau, label_smoothing: float, normalize: bool
+    stats: RowStats,
+    g,
+    q,
+    k,
+    rq,
+    rk,
+    d_q_neg,
+    d_k_neg,
+    offset: int,
+    inv_tau,
+    label_smoothing: float,
+    normalize: bool,
+    dz_z=None,
 ):
     """(dL/dq, dL/dk in the inputs' dtypes, Σ_ik dZ_ik·Z_ik for :func:`tau_grad`) of one direction.
 
     ``d_q_neg`` (M, D) / ``d_k_neg`` (N, D): a kernel's negatives-only shares (times τ) of dL/dq̂
     and dL/dk̂, float32 (float64 for float64 inputs) scratch, modified in place. ``g`` (M,): the
-    upstream gradient of each row's loss. ``rq``/``rk``: the inverse row norms.
+    upstream gradient of each row's loss. ``rq``/``rk``: the inverse row norms. ``dz_z`` given (the
+    multi-positive modes, :func:`positive_dz_z`): the shares hold every positive's part already.
     """
     dt = rq.dtype
-    dz_z = add_positive_and_smoothing(
-        stats, g, scaled(q, rq, dt), scaled(k, rk, dt), d_q_neg, d_k_neg, offset, label_smoothing
-    )
+    if dz_z is None:
+        dz_z = add_positive_and_smoothing(
+            stats, g, scaled(q, rq, dt), scaled(k, rk, dt), d_q_neg, d_k_neg, offset, label_smoothing
+        )
     d_q = unnormalize_grad(q, rq, d_q_neg.mul_(inv_tau), normalize).to(q.dtype).contiguous()
     d_k = unnormalize_grad(k, rk, d_k_neg.mul_(inv_tau), normalize).to(k.dtype).contiguous()
     return d_q, d_k, dz_z
@@ -204,14 +224,60 @@ def finish_symmetric(
     inv_tau,
     label_smoothing: float,
     normalize: bool,
+    dz_z=None,
 ):
     """The single-process version of :func:`finish_directional`: both directions' positive and
-    smoothing terms on top of a kernel's combined negatives' shares (``g`` already halved)."""
-    dt = rv.dtype
-    v_hat, t_hat = scaled(img, rv, dt), scaled(txt, rt, dt)
-    dz_z = add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v_neg, d_t_neg, 0, label_smoothing)
-    dz_z = dz_z + add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_t_neg, d_v_neg, 0, label_smoothing)
-    del v_hat, t_hat  # peak memory: free before the normalisation's temporaries
+    smoothing terms on top of a kernel's combined negatives' shares (``g`` already halved);
+    ``dz_z`` as there."""
+    if dz_z is None:
+        dt = rv.dtype
+        v_hat, t_hat = scaled(img, rv, dt), scaled(txt, rt, dt)
+        dz_z = add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v_neg, d_t_neg, 0, label_smoothing)
+        dz_z = dz_z + add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_t_neg, d_v_neg, 0, label_smoothing)
+        del v_hat, t_hat  # peak memory: free before the normalisation's temporaries
     d_img = unnormalize_grad(img, rv, d_v_neg.mul_(inv_tau), normalize).to(img.dtype).contiguous()
     d_txt = unnormalize_grad(txt, rt, d_t_neg.mul_(inv_tau), normalize).to(txt.dtype).contiguous()
     return d_img, d_txt, dz_z
+
+
+# ---- multi-positive targets (group_mode "supcon" / "mil_nce")
+def _positive_parts(neg: RowStats, extra: torch.Tensor):
+    """(L_P, x, |P|) per row, relative to the row's own positive: L_P = LSE over P(i) of the gaps
+    (softplus of the other positives' LSE), x = L_K − L_P, |P| = the other positives + 1."""
+    lse_p = softplus(extra[0])
+    return lse_p, neg.delta - lse_p, extra[3] + 1.0
+
+
+def positive_losses(neg: RowStats, extra: torch.Tensor, supcon: bool, label_smoothing) -> torch.Tensor:
+    """Each row's multi-positive loss from its negatives' statistics ``neg`` (``kept`` given) and its
+    other positives' ``extra`` (4, M) (their LSE, softmax-mean gap, Σ gap, count): MIL-NCE's
+    softplus(L_K − L_P), SupCon's that plus L_P − mean_P Z (both ≥ 0 and formed from gaps: a loss far
+    below float32's epsilon keeps its value); with ε, (1 − ε)·that + ε·(LSE_C − mean_C Z)."""
+    lse_p, x, count = _positive_parts(neg, extra)
+    any_positive = softplus(x)
+    rows = any_positive + (lse_p - extra[2] / count) if supcon else any_positive
+    if not smooths(label_smoothing):
+        return rows
+    classes = neg.kept + count
+    uniform = lse_p + any_positive - (neg.dsum + extra[2]) / classes
+    return (1.0 - label_smoothing) * rows + label_smoothing * uniform
+
+
+def positive_factors(neg: RowStats, extra: torch.Tensor, label_smoothing):
+    """What the dS kernels read for a multi-positive row: (δ over every class but the row's own
+    positive, logaddexp(L_K, the other positives' LSE), so that the negatives' kernels' softplus δ is
+    LSE_C and their P the softmax over C(i); ε/|C(i)| per row; the positives' kernel's (5, M) rows
+    lse_C, L_P, σ(L_K − L_P), |P|, ε/|C(i)| (csrc/factors.h PositiveRow))."""
+    lse_p, x, count = _positive_parts(neg, extra)
+    shift = torch.zeros_like(neg.delta)
+    if smooths(label_smoothing):
+        shift = (label_smoothing / (neg.kept + count)).to(neg.delta.dtype)
+    factors = torch.stack([lse_p + softplus(x), lse_p, torch.sigmoid(x), count, shift])
+    return torch.logaddexp(neg.delta, extra[0]).contiguous(), shift.contiguous(), factors
+
+
+def positive_dz_z(neg: RowStats, factors: torch.Tensor, g, dz_d) -> torch.Tensor:
+    """Σ_ik dZ_ik·Z_ik of a multi-positive direction (dL/dτ = −that/τ), written with gaps (each row
+    of dZ sums to 0): the negatives' g·(σ(L_K − L_P)·mean_neg − ε/|C|·Σ_K d) plus the positives'
+    kernel's Σ_P dS·d per row (``dz_d``)."""
+    return (g * (factors[2] * neg.mean_neg - factors[4] * neg.dsum) + dz_d).sum()

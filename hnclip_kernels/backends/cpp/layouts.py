@@ -4,7 +4,9 @@ from, and which the operator bodies receive grouped.
 
 The forward operators take ``(*inputs, *flags)``, their backward operators ``(grad, *inputs,
 *saved, *flags, need_features)`` (:mod:`..glue`'s convention; ``saved``: the forward's outputs
-after the loss, :class:`Saved`). Optional features are empty tensors when absent.
+after the loss, :class:`Saved`). Optional features are empty tensors when absent. A flag with a
+default (a layout's field default) keeps it where no parameter without one follows: in the
+forward's schema, not in the backward's, where ``need_features`` comes after the flags.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class SymmetricFlags(NamedTuple):
     masked: bool  # a threshold or group ids (ids alone: threshold +inf)
     margin: int  # hnclip_kernels.margin.Margin.code, range-checked by the raw kernels
     need_grad: bool  # keep the negative block's gradient shares for a backward
+    # hnclip_kernels.group_mode.GroupMode.code, range-checked by the raw positives' kernels; last and
+    # 0 ("mask", today's) by default, so the calls made before it keep their positions
+    group_mode: int = 0
 
 
 class DirectionalInputs(NamedTuple):
@@ -63,6 +68,7 @@ class DirectionalFlags(NamedTuple):
     normalize: bool
     masked: bool
     need_grad: bool  # the forward also forms the negatives' gradient shares
+    group_mode: int = 0  # as SymmetricFlags.group_mode
 
 
 class SigmoidInputs(NamedTuple):
@@ -100,12 +106,17 @@ class Saved:
 
 
 def _parameters(group) -> list:
-    """The flat parameters of one group: a layout's fields, or one ``(name, type)``."""
+    """The flat parameters of one group: a layout's fields, or one ``(name, type[, default])``."""
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     if isinstance(group, tuple):
-        return [inspect.Parameter(group[0], kind, annotation=group[1])]
+        default = group[2] if len(group) > 2 else inspect.Parameter.empty
+        return [inspect.Parameter(group[0], kind, annotation=group[1], default=default)]
     hints = typing.get_type_hints(group) if isinstance(group, type) else {}
-    return [inspect.Parameter(f, kind, annotation=hints.get(f, Tensor)) for f in group._fields]
+    defaults = getattr(group, "_field_defaults", {})
+    return [
+        inspect.Parameter(f, kind, annotation=hints.get(f, Tensor), default=defaults.get(f, inspect.Parameter.empty))
+        for f in group._fields
+    ]
 
 
 def operator(*groups, returns) -> Callable:
@@ -126,6 +137,9 @@ def operator(*groups, returns) -> Callable:
             return body(*values)
 
         params = [p for group in groups for p in _parameters(group)]
+        for i in range(len(params) - 2, -1, -1):  # a default only where every later parameter has one
+            if params[i + 1].default is inspect.Parameter.empty:
+                params[i] = params[i].replace(default=inspect.Parameter.empty)
         flat.__signature__ = inspect.Signature(params, return_annotation=returns)
         return flat
 

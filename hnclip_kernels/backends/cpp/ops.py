@@ -35,6 +35,7 @@ import math
 
 import torch
 
+from ...group_mode import GroupMode
 from ...margin import Margin
 from ...validation import check_directional
 from ...validation_family import check_family_directional
@@ -66,6 +67,7 @@ def directional_nll_cpp(
     normalize,
     return_stats=False,
     false_negative_threshold=None,
+    group_mode: GroupMode = GroupMode.MASK,
 ):
     """C++ counterpart of :func:`hnclip_kernels.backends.pytorch.reference.directional_nll_torch` (same
     keyword-only protocol and result).
@@ -85,15 +87,22 @@ def directional_nll_cpp(
     ``mask_query`` (M, D), ``mask_key`` (N, D): the captions the threshold compares (detached;
     their cosine whatever ``normalize`` says), read only with ``false_negative_threshold``.
     ``query_groups`` (M,), ``key_groups`` (K,), K ≤ N: integer ids (any integer dtype, CPU),
-    column k < K masked in row i when they agree (k ≠ offset + i).
+    column k < K masked in row i when they agree (k ≠ offset + i). ``group_mode`` (a
+    :class:`~hnclip_kernels.group_mode.GroupMode`): "supcon"/"mil_nce" make those columns positives
+    of row i instead (``docs/hard_negatives.md#multi-positive-targets``; the ids required, no
+    ``return_stats``).
 
     Raises:
-        ValueError: shapes that do not fit (``check_directional``, ``check_family_directional``).
+        ValueError: shapes that do not fit (``check_directional``, ``check_family_directional``);
+        a positive ``group_mode`` without ids or with ``return_stats``.
     """
     check_directional(queries, keys, query_txt, key_txt, offset)
     check_family_directional(queries.shape[0], keys.shape[0], mask_query, mask_key, query_groups, key_groups)
-    # the forward also produces the gradient shares only when a backward can follow
+    _check_positives(group_mode, query_groups, return_stats)
+    # the forward also produces the gradient shares only when a backward can follow (not under a positive
+    # group_mode: the shares' P would be normalised over the negatives alone)
     need_grad = torch.is_grad_enabled() and bool(queries.requires_grad or keys.requires_grad)
+    need_grad = need_grad and not group_mode.positives
     ids = query_groups is not None
     thr_t, masked = glue.threshold_args(_threshold(false_negative_threshold, ids), queries)
     empty = queries.new_empty((0,))
@@ -118,6 +127,7 @@ def directional_nll_cpp(
             bool(normalize),
             masked,
             need_grad,
+            group_mode.code,
         )
     )
     return (out.loss, out.stats(masked)) if return_stats else out.loss
@@ -136,6 +146,7 @@ def hn_clip_pairs_cpp(
     normalize,
     return_stats=False,
     false_negative_threshold=None,
+    group_mode: GroupMode = GroupMode.MASK,
 ):
     """Per-pair losses ½(i2t_k + t2i_k), shape (N,): the single-process loss in one operator.
 
@@ -150,13 +161,18 @@ def hn_clip_pairs_cpp(
 
     The hard-negative family (``docs/hard_negatives.md``; the defaults: today's loss):
     ``negatives`` (M, D), the i2t rows' extra caption columns; ``group_ids`` (N,) integer, pairs
-    with equal ids masked in both directions; ``margin`` a :class:`~hnclip_kernels.margin.Margin`
-    (or its value).
+    with equal ids masked in both directions, or with a positive ``group_mode`` (a
+    :class:`~hnclip_kernels.group_mode.GroupMode`) positives in both directions
+    (``docs/hard_negatives.md#multi-positive-targets``; no ``return_stats``); ``margin`` a
+    :class:`~hnclip_kernels.margin.Margin` (or its value).
     """
+    _check_positives(group_mode, group_ids, return_stats)
     if negatives is None:
         negatives = img.new_empty((0, img.shape[1]))
-    # the forward also keeps the negative block's shares only when a backward can follow
+    # the forward also keeps the negative block's shares only when a backward can follow (not under a
+    # positive group_mode: their P would be normalised over the negatives alone)
     need_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (img, txt, negatives))
+    need_grad = need_grad and not group_mode.positives
     ids = group_ids is not None
     thr_t, masked = glue.threshold_args(_threshold(false_negative_threshold, ids), img)
     out = FamilyOut._make(
@@ -175,9 +191,24 @@ def hn_clip_pairs_cpp(
             masked,
             Margin(margin).code,
             need_grad,
+            group_mode.code,
         )
     )
     return (out.pairs, (out.i2t(masked), out.t2i(masked))) if return_stats else out.pairs
+
+
+def _check_positives(group_mode: GroupMode, ids, return_stats: bool) -> None:
+    """A positive ``group_mode`` needs the ids and gives no row statistics (LossOptions' callers
+    checked both already; a direct call of the backend's entries gets the same errors)."""
+    if not group_mode.positives:
+        return
+    if ids is None:
+        raise ValueError(f"group_mode={group_mode.value!r} needs group ids (the ids of its positives)")
+    if return_stats:
+        raise ValueError(
+            f"return_stats=True is not supported with group_mode={group_mode.value!r}: the row statistics assume "
+            "one positive per row; use group_mode='mask' for the report"
+        )
 
 
 def _threshold(false_negative_threshold, ids: bool):

@@ -13,6 +13,13 @@ block's gradient shares of P normalised over all N + M columns. The backward run
 backward with the merged statistics and takes the block's part from those shares (a rescale for
 a uniform upstream gradient; else the directional backward's recompute).
 
+A positive ``group_mode`` code (``docs/hard_negatives.md#multi-positive-targets``) makes the ids'
+pairs positives in both directions: the kernels above run as under "mask" (their statistics over
+each row's negatives, the block's shares not kept), the raw positives' kernels
+(``csrc/positives.cpp``) add each direction's positives, in the forward their statistics, in the
+backward their shares (the negatives' kernels then normalise P over all the row's classes:
+:func:`..softmax.positive_factors`).
+
 Products (multiply-adds, f = 1 when the threshold's caption tile is formed): forward
 (1 + f)·N²·D + (1 + f + 2)·N·M·D (the shares P·n̂, Pᵀ·v̂ only when a gradient follows), backward
 (3 + f)·N²·D + 0 (uniform upstream gradient, as for mean/sum) or (2 + f)·N·M·D, executed
@@ -28,6 +35,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from ...group_mode import GroupMode
 from ...margin import Margin, margin_operands
 from ...numerics import compute_dtype
 from .. import epilogue, glue, softmax
@@ -93,7 +101,7 @@ def _forward(x: SymmetricInputs, f: SymmetricFlags):
         f.margin,
     )
     (n, d), m = x.img.shape, s.m
-    out = FamilyOut(None, rv, rt, rn, pos, *raw, v_hat.new_empty((0, d)), v_hat.new_empty((0, d)))
+    out = FamilyOut(None, rv, rt, rn, pos, *raw, v_hat.new_empty((0, d)), v_hat.new_empty((0, d)), None, None)
     if m > 0:  # the negative block, from the symmetric tile's i2t statistics: merged ones out
         stats = out.i2t(f.masked)
         prior = torch.stack([*stats[1:4], stats.kept if f.masked else torch.zeros_like(stats.delta)])
@@ -122,13 +130,21 @@ def _forward(x: SymmetricInputs, f: SymmetricFlags):
             col_acc=block[5],
         )  # fmt: skip
     i2t, t2i = out.i2t(f.masked), out.t2i(f.masked)
-    pairs = 0.5 * (softmax.row_losses(i2t, n + m, sc.eps) + softmax.row_losses(t2i, n, sc.eps))
-    return out._replace(pairs=pairs)
+    if f.group_mode == 0:
+        pairs = 0.5 * (softmax.row_losses(i2t, n + m, sc.eps) + softmax.row_losses(t2i, n, sc.eps))
+        return out._replace(pairs=pairs, positives_i2t=pos.new_empty((0,)), positives_t2i=pos.new_empty((0,)))
+    supcon = f.group_mode == GroupMode.SUPCON.code
+    extra_i2t = RAW.cpp_raw_positive_fwd(v_hat, t_hat, pos, sc.inv_tau, 0, s.ids, s.ids)
+    extra_t2i = RAW.cpp_raw_positive_fwd(t_hat, v_hat, pos, sc.inv_tau, 0, s.ids, s.ids)
+    i2t_rows = softmax.positive_losses(i2t, extra_i2t, supcon, sc.eps)
+    pairs = 0.5 * (i2t_rows + softmax.positive_losses(t2i, extra_t2i, supcon, sc.eps))
+    return out._replace(pairs=pairs, positives_i2t=extra_i2t, positives_t2i=extra_t2i)
 
 
 @operator(SymmetricInputs, SymmetricFlags, returns=schema(FamilyOut))
 def _forward_fake(x: SymmetricInputs, f: SymmetricFlags):
-    return FamilyOut.fake(x.img, x.negatives, f.masked, f.need_grad, compute_dtype(x.img.dtype))
+    dt = compute_dtype(x.img.dtype)
+    return FamilyOut.fake(x.img, x.negatives, f.masked, f.need_grad, dt, positives=f.group_mode != 0)
 
 
 _BACKWARD = (("grad", Tensor), SymmetricInputs, Saved(FamilyOut), SymmetricFlags, ("need_features", bool))
@@ -142,30 +158,47 @@ def _backward(grad: Tensor, x: SymmetricInputs, out: FamilyOut, f: SymmetricFlag
     g = 0.5 * grad.to(sc.dt).contiguous()  # each direction's row k gets half of pair k's gradient
     i2t, t2i = out.i2t(f.masked), out.t2i(f.masked)
     v_hat, t_hat = epilogue.scaled(x.img, out.rv, sc.dt), epilogue.scaled(x.txt, out.rt, sc.dt)
-    shift_r = shift_arg(i2t, sc.eps, f.masked)
+    shift_r, shift_c = shift_arg(i2t, sc.eps, f.masked), shift_arg(t2i, sc.eps, f.masked)
+    delta_r, delta_c, dz_z = out.delta_i2t, out.delta_t2i, None
+    if f.group_mode != 0:  # the negatives' P over all of each row's classes (softmax.positive_factors)
+        delta_r, shift_r, factors_r = softmax.positive_factors(i2t, out.positives_i2t, sc.eps)
+        delta_c, shift_c, factors_c = softmax.positive_factors(t2i, out.positives_t2i, sc.eps)
     if need_features:
         d_v, d_t = RAW.cpp_raw_symmetric_bwd(
             v_hat,
             t_hat,
             out.pos,
             sc.inv_tau,
-            out.delta_i2t,
-            out.delta_t2i,
+            delta_r,
+            delta_c,
             g,
             sc.gamma,
             sc.threshold,
             shift_r,
-            shift_arg(t2i, sc.eps, f.masked),
+            shift_c,
             s.rc,
             s.ids,
             f.margin,
         )
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t = torch.zeros_like(v_hat), torch.zeros_like(t_hat)
+    if f.group_mode != 0:  # each direction's positives: their shares and Σ dS·d
+        for q_hat, k_hat, d_q, d_k, stats, factors in (
+            (v_hat, t_hat, d_v, d_t, i2t, factors_r),
+            (t_hat, v_hat, d_t, d_v, t2i, factors_c),
+        ):
+            d_q_pos, d_k_pos, dz_d = RAW.cpp_raw_positive_bwd(
+                q_hat, k_hat, out.pos, sc.inv_tau, 0, s.ids, s.ids, factors, g, sc.eps, f.group_mode
+            )
+            if need_features:
+                d_q.add_(d_q_pos)
+                d_k.add_(d_k_pos)
+            part = softmax.positive_dz_z(stats, factors, g, dz_d)
+            dz_z = part if dz_z is None else dz_z + part
     if s.m == 0:
         del v_hat, t_hat  # peak memory: the finisher forms them again
         d_img, d_txt, dz_z = softmax.finish_symmetric(
-            i2t, t2i, g, x.img, x.txt, out.rv, out.rt, d_v, d_t, sc.inv_tau, sc.eps, f.normalize
+            i2t, t2i, g, x.img, x.txt, out.rv, out.rt, d_v, d_t, sc.inv_tau, sc.eps, f.normalize, dz_z
         )
         d_neg = x.negatives.new_empty(x.negatives.shape)
     else:
@@ -173,7 +206,7 @@ def _backward(grad: Tensor, x: SymmetricInputs, out: FamilyOut, f: SymmetricFlag
         if need_features:  # the block: its forward's shares (P over all N + M columns), or a recompute
             a, b, ra, rb = s.block_args(x, f, out.rv, out.rt, out.rn)
             d_v_block, d_n = RAW.cpp_raw_directional_bwd(
-                v_hat, n_hat, a, b, ra, rb, out.pos, sc.inv_tau, out.delta_i2t, out.row_acc, out.col_acc, g, s.m,
+                v_hat, n_hat, a, b, ra, rb, out.pos, sc.inv_tau, delta_r, out.row_acc, out.col_acc, g, s.m,
                 sc.gamma, sc.threshold, shift_r, *s.block_mask_args(x),
             )  # fmt: skip
             d_v.add_(d_v_block)
@@ -182,8 +215,11 @@ def _backward(grad: Tensor, x: SymmetricInputs, out: FamilyOut, f: SymmetricFlag
         d_keys = torch.cat([d_t, d_n])  # [dt̂; dn̂]: i2t's keys, one buffer
         keys_hat = torch.cat([t_hat, n_hat])
         del n_hat, d_t, d_n
-        dz_z = softmax.add_positive_and_smoothing(i2t, g, v_hat, keys_hat, d_v, d_keys, 0, sc.eps)
-        dz_z = dz_z + softmax.add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_keys[: x.img.shape[0]], d_v, 0, sc.eps)
+        if dz_z is None:  # the diagonal positives' and the smoothing's parts (positive modes: in the shares)
+            dz_z = softmax.add_positive_and_smoothing(i2t, g, v_hat, keys_hat, d_v, d_keys, 0, sc.eps)
+            dz_z = dz_z + softmax.add_positive_and_smoothing(
+                t2i, g, t_hat, v_hat, d_keys[: x.img.shape[0]], d_v, 0, sc.eps
+            )
         del v_hat, t_hat, keys_hat
         d_img, d_txt, d_neg = _unnormalize_with_block(x, out, d_v, d_keys, sc.inv_tau, f.normalize)
     return d_img, d_txt, d_neg, epilogue.tau_grad(dz_z, sc.inv_tau, x.tau.dtype, x.tau.shape)
