@@ -164,26 +164,28 @@ inline const Tensor& margin_rows(MarginKind kind, const Tensor& vh, const Tensor
 enum class GroupModeKind : int64_t { kMask = 0, kSupcon = 1, kMilNce = 2 };
 constexpr int64_t kGroupModes = 3;
 
-// A row's factors for its positives' dS (hnclip_kernels.backends.softmax.positive_factors), all relative
-// to the row's own positive Z_i,pos: lse_c = LSE over the row's classes C(i) = P(i) ∪ K(i), lse_p = LSE
-// over P(i), neg_mass = σ(L_K − L_P) (the negatives' share of the row's mass), count = |P(i)|, shift =
-// ε/|C(i)|, eps = ε
+// A row's factors for its positives' dS (hnclip_kernels.backends.softmax.positive_factors), relative to
+// the row's own positive Z_i,pos: lse_p = LSE over its positives P(i), neg_mass = σ(L_K − L_P) (its
+// negatives' share of the softmax mass), count = |P(i)|, shift = ε/|C(i)| (C(i) = P(i) ∪ K(i)), eps = ε
 template <typename T>
 struct PositiveRow {
-  T lse_c, lse_p, neg_mass, count, shift, eps;
+  T lse_p, neg_mass, count, shift, eps;
 };
 
 // dL/dZ_ip / g_i of row i's positive p at gap d = Z_ip − Z_i,pos (the row's own positive: d = 0): the
 // softmax p_ip less the mode's target (1 − ε)·w_ip and the smoothing share ε/|C(i)|; the one switch on
-// the group mode. kSupcon: w = 1/|P(i)|. kMilNce: w = softmax_P(Z_i)_p = e^(d − lse_p), and since
-// p_ip = w·(1 − neg_mass), p_ip − (1 − ε)·w = w·(ε − neg_mass): no cancellation on a saturated row.
+// the group mode. With u = softmax_P(Z_i)_p = e^(d − lse_p), p_ip = u·(1 − neg_mass), so neither mode
+// subtracts the nearly equal p_ip and its target on a saturated row (neg_mass → 0):
+//   kSupcon (w = 1/|P|):  (u − 1/|P|) − u·neg_mass + (ε/|P| − ε/|C|)   (u − 1/|P| exactly 0 for |P| = 1)
+//   kMilNce (w = u):      u·(ε − neg_mass) − ε/|C|
 template <typename T>
 inline T positive_dz(GroupModeKind kind, T d, const PositiveRow<T>& r) {
+  const T u = std::exp(d - r.lse_p);
   switch (kind) {
     case GroupModeKind::kSupcon:
-      return std::exp(d - r.lse_c) - (T(1) - r.eps) / r.count - r.shift;
+      return (u - T(1) / r.count) - u * r.neg_mass + (r.eps / r.count - r.shift);
     case GroupModeKind::kMilNce:
-      return std::exp(d - r.lse_p) * (r.eps - r.neg_mass) - r.shift;
+      return u * (r.eps - r.neg_mass) - r.shift;
     case GroupModeKind::kMask:
       break;
   }

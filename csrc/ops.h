@@ -104,8 +104,8 @@ std::tuple<at::Tensor, at::Tensor> symmetric_bwd(const at::Tensor& v_hat, const 
 // columns j < K with kg[j] == qg[i] (qg (M,), kg (K ≤ N,) int64). positive_fwd: (4, M) over the other
 // positives, as the negatives' statistics: LSE of the gaps d = Z_ij − pos_i, softmax-weighted mean
 // gap, Σd, count. positive_bwd: the positives' shares (times τ) of dL/dq̂ (M, D) and dL/dk̂ (N, D) for
-// row gradients g (M,), each dS = g·positive_dz (factors.h) with the rows' ``factors`` (5, M):
-// lse_c, lse_p, neg_mass, count, shift (PositiveRow), and Σ_p dS·d per row (M,).
+// row gradients g (M,), each dS = g·positive_dz (factors.h) with the rows' ``factors`` (4, M):
+// lse_p, neg_mass, count, shift (PositiveRow), and Σ_p dS·d per row (M,).
 at::Tensor positive_fwd(const at::Tensor& q_hat, const at::Tensor& k_hat, const at::Tensor& pos,
                         const at::Tensor& inv_tau, int64_t offset, const at::Tensor& qg, const at::Tensor& kg);
 

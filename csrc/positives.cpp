@@ -58,7 +58,7 @@ Pairs<T> pairs_of(const Tensor& qh, const Tensor& kh, const Tensor& pos_c, const
 
 template <typename T>
 PositiveRow<T> row_factors(const T* f, int64_t M, int64_t i, T eps) {
-  return PositiveRow<T>{f[i], f[M + i], f[2 * M + i], f[3 * M + i], f[4 * M + i], eps};
+  return PositiveRow<T>{f[i], f[M + i], f[2 * M + i], f[3 * M + i], eps};
 }
 
 }  // namespace

@@ -136,8 +136,8 @@ std::tuple<Tensor, Tensor, Tensor> positive_bwd_op(const Tensor& q_hat, const Te
   check_positives(q_hat, k_hat, pos, offset, qg, kg);
   const GroupModeKind kind = check_positive_mode(group_mode);
   const int64_t M = q_hat.size(0);
-  TORCH_CHECK(factors.dim() == 2 && factors.size(0) == 5 && factors.size(1) == M && factors.device().is_cpu(),
-              "hnclip: factors must be a (5, M) CPU tensor");
+  TORCH_CHECK(factors.dim() == 2 && factors.size(0) == 4 && factors.size(1) == M && factors.device().is_cpu(),
+              "hnclip: factors must be a (4, M) CPU tensor");
   TORCH_CHECK(g.numel() == M && g.device().is_cpu(), "hnclip: g needs M entries");
   return positive_bwd(q_hat, k_hat, pos, inv_tau, offset, qg.contiguous(), kg.contiguous(), factors, g, eps, kind);
 }

@@ -108,7 +108,7 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
             "supcon" / "mil_nce" (positives, multi-positive targets; see
             :func:`hnclip_kernels.hn_clip_loss` and ``docs/hard_negatives.md#multi-positive-targets``),
             across ranks too (a group may span ranks); then every ``forward`` needs ``group_ids``,
-            ``backend`` is "torch" or "auto" (which picks it) and ``return_stats`` is False.
+            ``backend`` is "torch", "cpp" or "auto" (which picks one) and ``return_stats`` is False.
 
     ``gamma``, ``label_smoothing``, ``backend``, ``normalize``, ``precision`` and
     ``false_negative_threshold`` (and ``margin``, ``group_mode``) are checked at

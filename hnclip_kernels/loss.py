@@ -99,7 +99,7 @@ def hn_clip_loss(
             (row i's target spread uniformly over its group P(i): LSE_i − mean_{p∈P(i)} Z_ip) or
             "mil_nce" (−log Σ_{p∈P(i)} softmax(Z_i)_p), in both directions; positives get no margin
             and are never masked; ε and the threshold as documented there. Needs ``group_ids``;
-            backend="torch" only so far ("auto" picks it); no ``return_stats``.
+            backend="torch" or "cpp" so far ("auto" picks one); no ``return_stats``.
 
     Returns:
         float32 loss (float64 for float64 inputs): a scalar, or shape (N,) for "none";
@@ -129,7 +129,7 @@ def hn_clip_loss(
             or non-floating: ``TypeError``); ``group_ids`` not of shape (N,) or on another device
             (non-integer: ``TypeError``); ``margin`` not "text"/"image_text"; ``group_mode`` not
             "mask"/"supcon"/"mil_nce", a positive one without ``group_ids``, with ``return_stats``
-            or on backend "cpp"/"triton". Under
+            or on backend "triton". Under
             ``torch.compile`` value checks are skipped (no graph breaks).
     """
     tau = validation.plain_number(tau)

@@ -141,7 +141,9 @@ class CppDirectionalOut(
     ) -> "CppDirectionalOut":
         (m, d), n = q.shape, k.shape[0]
         acc = {"row_acc": (m if need_grad else 0, d), "col_acc": (n if need_grad else 0, d)}
-        return fake(cls, q, dtype, m, rk=n, rb=n, kept=m if masked else 0, positives=positives_shape(m, positives), **acc)
+        return fake(
+            cls, q, dtype, m, rk=n, rb=n, kept=m if masked else 0, positives=positives_shape(m, positives), **acc
+        )
 
 
 # the raw C++ directional kernel's outputs: CppDirectionalOut's fields from delta to col_acc
@@ -197,4 +199,6 @@ class FamilyOut(NamedTuple("_FamilyOut", [(f, Tensor) for f in _FAMILY_FIELDS]))
         acc = {"row_acc": (n if shares else 0, d), "col_acc": (m if shares else 0, d)}
         kept = n if masked else 0
         extra = positives_shape(n, positives)
-        return fake(cls, img, dtype, n, rn=m, kept_i2t=kept, kept_t2i=kept, positives_i2t=extra, positives_t2i=extra, **acc)
+        return fake(
+            cls, img, dtype, n, rn=m, kept_i2t=kept, kept_t2i=kept, positives_i2t=extra, positives_t2i=extra, **acc
+        )

@@ -266,13 +266,13 @@ def positive_losses(neg: RowStats, extra: torch.Tensor, supcon: bool, label_smoo
 def positive_factors(neg: RowStats, extra: torch.Tensor, label_smoothing):
     """What the dS kernels read for a multi-positive row: (δ over every class but the row's own
     positive, logaddexp(L_K, the other positives' LSE), so that the negatives' kernels' softplus δ is
-    LSE_C and their P the softmax over C(i); ε/|C(i)| per row; the positives' kernel's (5, M) rows
-    lse_C, L_P, σ(L_K − L_P), |P|, ε/|C(i)| (csrc/factors.h PositiveRow))."""
+    LSE_C and their P the softmax over C(i); ε/|C(i)| per row; the positives' kernel's (4, M) rows
+    L_P, σ(L_K − L_P), |P|, ε/|C(i)| (csrc/factors.h PositiveRow))."""
     lse_p, x, count = _positive_parts(neg, extra)
     shift = torch.zeros_like(neg.delta)
     if smooths(label_smoothing):
         shift = (label_smoothing / (neg.kept + count)).to(neg.delta.dtype)
-    factors = torch.stack([lse_p + softplus(x), lse_p, torch.sigmoid(x), count, shift])
+    factors = torch.stack([lse_p, torch.sigmoid(x), count, shift])
     return torch.logaddexp(neg.delta, extra[0]).contiguous(), shift.contiguous(), factors
 
 
@@ -280,4 +280,4 @@ def positive_dz_z(neg: RowStats, factors: torch.Tensor, g, dz_d) -> torch.Tensor
     """Σ_ik dZ_ik·Z_ik of a multi-positive direction (dL/dτ = −that/τ), written with gaps (each row
     of dZ sums to 0): the negatives' g·(σ(L_K − L_P)·mean_neg − ε/|C|·Σ_K d) plus the positives'
     kernel's Σ_P dS·d per row (``dz_d``)."""
-    return (g * (factors[2] * neg.mean_neg - factors[4] * neg.dsum) + dz_d).sum()
+    return (g * (factors[1] * neg.mean_neg - factors[3] * neg.dsum) + dz_d).sum()

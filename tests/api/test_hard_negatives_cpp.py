@@ -104,7 +104,8 @@ def test_opcheck_family_operator(case):
     saved = [x.detach() for x in op(*args)[1:]]
     grad = torch.linspace(0.5, 1.0, 4)
     inputs = (q.detach(), k, a, b, mq, mk, qg, kg, tau.detach(), gamma, eps, thr)
-    bargs = (grad, *inputs, *saved, 3, True, masked, True, True)  # offset, normalize, masked, need_grad, need_qk
+    # offset, normalize, masked, need_grad, group mode 0 ("mask", the forward's default), need_qk
+    bargs = (grad, *inputs, *saved, 3, True, masked, True, 0, True)
     torch.library.opcheck(torch.ops.hnclip.cpp_directional_nll_backward.default, bargs, test_utils=checks)
 
 

@@ -3,11 +3,13 @@
 
 Every value and gradient (img, txt, negatives, τ) per row against the float64 oracle
 ``tests/positives_oracle.py`` (written from the formulas, independently of the reference), with
-an uneven upstream gradient per row (so a wrong row weight cannot hide in a mean). Tolerances
-(relative, per row, :func:`row_error`, rows floored at 1e-4 of the largest): float64 inputs 1e-10 (the reference's float64
-against another order of the same sums; measured ≤ 1.3e-15), float32 inputs 1e-4 (float32's
-gradient bound of the README, measured ≤ 2.7e-6). The singleton-group reduction to the plain loss,
-the all-one-group edge, every refusal and the default's bit-identity are checked here too.
+an uneven upstream gradient per row (so a wrong row weight cannot hide in a mean), on every
+backend that runs the positive modes (torch, and cpp where the extension is built). Tolerances
+(relative, per row, :func:`row_error`, rows floored at 1e-4 of the largest): float64 inputs 1e-10
+(another order of the same sums; measured ≤ 1.3e-15 on torch, ≤ 1.3e-14 on cpp), float32 inputs
+1e-4 (float32's gradient bound of the README, measured ≤ 2.7e-6 on torch, ≤ 1.3e-6 on cpp). The
+singleton-group reduction to the plain loss, the all-one-group edge, every refusal and the
+default's bit-identity are checked here too.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from hypothesis import strategies as st
 from family_oracle import features
 from helpers import rel_err
 from hnclip_kernels import HNClipLoss, LossOptions, hn_clip_loss
-from hnclip_kernels.backends import cpp_directional
+from hnclip_kernels.backends import cpp_directional, rank_losses
+from hnclip_kernels.margin import Margin
+from hnclip_kernels.validation_family import Family
 from positives_oracle import positives_f64
 
 MODES = ["supcon", "mil_nce"]
+BACKENDS = ["torch"] + (["cpp"] if cpp_directional() is not None else [])  # the backends with positive modes
 N, D = 7, 8
 IDS = torch.tensor([0, 3, 0, 1, 3, 3, 5])  # groups of 2, 3, 1 and 1
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
@@ -105,15 +110,17 @@ def _case(name, seed=1):
     return img, txt, neg if m else None, kw
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("mode", MODES)
-def test_rows_and_gradients_match_the_oracle(mode, case, dtype):
+def test_rows_and_gradients_match_the_oracle(mode, case, dtype, backend):
     img, txt, neg, kw = _case(case)
-    got, want, gg, wg = run_rows(img, txt, neg, 0.1, IDS, mode, dtype, **kw)
+    got, want, gg, wg = run_rows(img, txt, neg, 0.1, IDS, mode, dtype, backend, **kw)
     rows_agree(got, want, gg, wg, TOL[dtype])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=40, deadline=None)
 @given(
     n=st.integers(1, 7),
@@ -128,7 +135,9 @@ def test_rows_and_gradients_match_the_oracle(mode, case, dtype):
     mode=st.sampled_from(MODES),
     seed=st.integers(0, 2**16),
 )
-def test_drawn_group_structures_match_the_oracle(n, d, m, tau, gamma, eps, n_groups, margin, threshold, mode, seed):
+def test_drawn_group_structures_match_the_oracle(
+    backend, n, d, m, tau, gamma, eps, n_groups, margin, threshold, mode, seed
+):
     """Random group structures (1 group … all singletons), sizes, τ, γ, ε, margins, thresholds."""
     img, txt, neg = features(n, d, seed), features(n, d, seed + 1), features(m, d, seed + 2)
     if threshold is not None:
@@ -136,31 +145,60 @@ def test_drawn_group_structures_match_the_oracle(n, d, m, tau, gamma, eps, n_gro
         assume(((F.normalize(txt.double(), dim=1) @ xs.T - threshold).abs() > 1e-4).all())
     ids = torch.randint(0, n_groups, (n,), generator=torch.Generator().manual_seed(seed))
     kw = dict(margin=margin, gamma=gamma, label_smoothing=eps, threshold=threshold)
-    got, want, gg, wg = run_rows(img, txt, neg if m else None, tau, ids, mode, **kw)
+    got, want, gg, wg = run_rows(img, txt, neg if m else None, tau, ids, mode, backend=backend, **kw)
     rows_agree(got, want, gg, wg, TOL[torch.float64])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+@pytest.mark.parametrize("mode", MODES)
+def test_rank_rows_match_the_oracle(mode, margin, backend):
+    """A distributed rank's rows without ranks: ``backends.rank_losses`` (the directional operator
+    twice) for local rows 2…4 against all N pairs and M negatives, groups reaching outside the rows,
+    are the oracle's rows 2…4 (values, and gradients of an uneven weighting into every input and τ,
+    float64 within 1e-10)."""
+    img, txt, neg, _ = _case("negatives", seed=20)
+    img, txt, neg = (x.double().requires_grad_(True) for x in (img, txt, neg))
+    tau = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
+    kw = dict(gamma=1.5, label_smoothing=0.1, false_negative_threshold=0.3)
+    options = LossOptions(backend=backend, group_mode=mode, margin=margin, **kw).resolved(img)
+    family = Family(neg, IDS, Margin.parse(margin))
+    rows = rank_losses(img[2:5], txt[2:5], img, txt, tau, 2, options, family=family)
+    upstream = torch.tensor([0.5, 1.25, 2.0], dtype=torch.float64)
+    got = torch.autograd.grad((rows * upstream).sum(), [img, txt, neg, tau])
+    leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt, neg, tau)]
+    oracle_kw = dict(gamma=1.5, label_smoothing=0.1, threshold=0.3, margin=margin)
+    want = positives_f64(leaves[0], leaves[1], leaves[3], IDS, mode, leaves[2], **oracle_kw)[2:5]
+    wanted = torch.autograd.grad((want * upstream).sum(), leaves)
+    assert row_error(rows, want) <= TOL[torch.float64]
+    for name, g, w in zip(("img", "txt", "negatives", "tau"), got, wanted):
+        assert row_error(g, w) <= TOL[torch.float64], name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kw", [dict(), dict(label_smoothing=0.1, false_negative_threshold=0.3)], ids=["plain", "eps"])
-def test_singleton_groups_are_the_plain_loss(mode, kw):
-    """Every pair its own group: both modes are today's loss (values and gradients, float64)."""
+def test_singleton_groups_are_the_plain_loss(mode, kw, backend):
+    """Every pair its own group: both modes are today's loss on the same backend (values and
+    gradients, float64)."""
     img, txt, neg = features(N, D, 3, torch.float64), features(N, D, 4, torch.float64), features(4, D, 5, torch.float64)
     out = []
     for extra in (dict(group_ids=torch.arange(N), group_mode=mode), dict()):
         leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
-        rows = hn_clip_loss(*leaves[:2], 0.1, negatives=leaves[2], reduction="none", backend="torch", **kw, **extra)
+        rows = hn_clip_loss(*leaves[:2], 0.1, negatives=leaves[2], reduction="none", backend=backend, **kw, **extra)
         out.append((rows.detach(), *torch.autograd.grad((rows * torch.linspace(0.5, 1.5, N)).sum(), leaves)))
     for name, got, want in zip(("rows", "d img", "d txt", "d negatives"), *out):
         assert rel_err(got, want) <= 1e-13, name
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", MODES)
-def test_one_group(mode):
+def test_one_group(mode, backend):
     """Every pair in one group: without negatives and ε, MIL-NCE's rows are 0 (every class a
     positive) and SupCon's are LSE_i − mean_k Z_ik > 0 (the oracle); with negatives both are the oracle's."""
     img, txt, neg = features(N, D, 6), features(N, D, 7), features(3, D, 8)
     ids = torch.zeros(N, dtype=torch.long)
-    got, want, gg, wg = run_rows(img, txt, None, 0.07, ids, mode)
+    got, want, gg, wg = run_rows(img, txt, None, 0.07, ids, mode, backend=backend)
     if mode == "mil_nce":  # exactly 0 here; the oracle's log-softmax form leaves rounding (≤ 1e-13)
         assert torch.equal(got, torch.zeros_like(got))
         assert all(torch.count_nonzero(g) == 0 for g in gg.values())
@@ -168,7 +206,7 @@ def test_one_group(mode):
     else:
         assert (got > 0).all()
         rows_agree(got, want, gg, wg, TOL[torch.float64])
-    rows_agree(*run_rows(img, txt, neg, 0.07, ids, mode, label_smoothing=0.1), TOL[torch.float64])
+    rows_agree(*run_rows(img, txt, neg, 0.07, ids, mode, backend=backend, label_smoothing=0.1), TOL[torch.float64])
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -199,10 +237,11 @@ def test_default_is_bit_identical():
             assert all(torch.equal(a, b) for a, b in zip(*out)), (backend, ids)
 
 
-def test_saturated_rows_keep_their_value():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_saturated_rows_keep_their_value(backend):
     """τ = 0.01, each group's pairs near one centre: rows far below float32's epsilon keep their
     value in float32 (the softplus forms), per row against the oracle within 1e-5 (measured 1.9e-7);
-    the gradients within 1e-3 (measured 2.3e-4): within a group they are p_ip − 1/|P(i)| (SupCon) of
+    the gradients within 1e-3 (measured 2.3e-4 on torch, 2.7e-4 on cpp): within a group they are p_ip − 1/|P(i)| (SupCon) of
     positives whose logits differ by O(1) at τ = 0.01, so float32's rounding of the logits
     (2.5/τ·2^-24 ≈ 1.5e-5 absolute) is a 1e-4 relative error of that difference: conditioning, the
     same on any float32 implementation."""
@@ -211,7 +250,7 @@ def test_saturated_rows_keep_their_value():
     img = (centres[ids] + 0.01 * features(8, 16, 14, torch.float64)).float()
     txt = (centres[ids] + 0.01 * features(8, 16, 15, torch.float64)).float()
     for mode in MODES:
-        got, want, gg, wg = run_rows(img, txt, None, 0.01, ids, mode, torch.float32, gamma=0.0)
+        got, want, gg, wg = run_rows(img, txt, None, 0.01, ids, mode, torch.float32, backend, gamma=0.0)
         if mode == "mil_nce":
             assert want.min() < 1e-12  # saturated: below float32's epsilon
         errors = worst(got, want, gg, wg)
@@ -235,17 +274,42 @@ def test_refusals_name_the_option():
         hn_clip_loss(img, txt, 0.07, group_ids=IDS, group_mode="supcon", return_stats=True)
     with pytest.raises(ValueError, match="return_stats=True is not supported with group_mode='mil_nce'"):
         HNClipLoss(normalize=True, group_mode="mil_nce", return_stats=True)(img, txt, 14.0, group_ids=IDS)
-    for backend in ("cpp", "triton"):
-        with pytest.raises(ValueError, match=f"group_mode='supcon'.*backend='torch'.*not backend='{backend}'"):
-            hn_clip_loss(img, txt, 0.07, group_ids=IDS, group_mode="supcon", backend=backend)
-        with pytest.raises(ValueError, match=f"group_mode='mil_nce'.*not backend='{backend}'"):
-            HNClipLoss(normalize=True, group_mode="mil_nce", backend=backend)(img, txt, 14.0, group_ids=IDS)
+    backend = "triton"  # the one backend without the positive modes so far
+    with pytest.raises(ValueError, match=f"group_mode='supcon'.*backend='torch' or 'cpp'.*not backend='{backend}'"):
+        hn_clip_loss(img, txt, 0.07, group_ids=IDS, group_mode="supcon", backend=backend)
+    with pytest.raises(ValueError, match=f"group_mode='mil_nce'.*not backend='{backend}'"):
+        HNClipLoss(normalize=True, group_mode="mil_nce", backend=backend)(img, txt, 14.0, group_ids=IDS)
 
 
-def test_auto_picks_torch():
-    """backend="auto" runs the positive modes on the torch reference (float32 on CPU, where "auto"
-    is otherwise cpp): the same bits as backend="torch"."""
-    img, txt = features(N, D, 18), features(N, D, 19)
-    for mode in MODES:
-        auto = hn_clip_loss(img, txt, 0.07, group_ids=IDS, group_mode=mode)
-        assert torch.equal(auto, hn_clip_loss(img, txt, 0.07, group_ids=IDS, group_mode=mode, backend="torch"))
+@pytest.mark.skipif(cpp_directional() is None, reason="the C++ extension is not built")
+def test_cpp_refusals():
+    """The cpp entries check what LossOptions checks (a direct call), and the raw positives' kernel
+    range-checks the mode's code once (registration.cpp)."""
+    from hnclip_kernels.backends.cpp.ops import directional_nll_cpp, hn_clip_pairs_cpp
+    from hnclip_kernels.group_mode import GroupMode
+
+    img, txt = features(N, D, 16), features(N, D, 17)
+    common = dict(tau=torch.tensor(0.07), gamma=0.5, label_smoothing=0.0, normalize=True)
+    with pytest.raises(ValueError, match="group_mode='supcon' needs group ids"):
+        hn_clip_pairs_cpp(img, txt, group_mode=GroupMode.SUPCON, **common)
+    with pytest.raises(ValueError, match="return_stats=True is not supported with group_mode='mil_nce'"):
+        directional_nll_cpp(
+            img, txt, query_txt=txt, key_txt=txt, offset=0, query_groups=IDS, key_groups=IDS,
+            group_mode=GroupMode.MIL_NCE, return_stats=True, **common,
+        )  # fmt: skip
+    ids = IDS.to(torch.long)
+    args = (img, txt, torch.zeros(N), torch.tensor(10.0), 0, ids, ids, torch.zeros(4, N), torch.ones(N), 0.0)
+    for code, message in ((3, "unknown group mode code 3"), (0, "take group mode 1 .supcon. or 2 .mil_nce., got 0")):
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.hnclip.cpp_raw_positive_bwd(*args, code)
+
+
+def test_auto_picks_a_positive_backend():
+    """backend="auto" runs the positive modes where it would run "mask" when that backend has them
+    (float32 on CPU: cpp where built), else on the torch reference (float64 on CPU): the same bits
+    as naming that backend."""
+    for dtype, backend in ((torch.float32, BACKENDS[-1]), (torch.float64, "torch")):
+        img, txt = features(N, D, 18, dtype), features(N, D, 19, dtype)
+        for mode in MODES:
+            auto = hn_clip_loss(img, txt, 0.07, group_ids=IDS, group_mode=mode)
+            assert torch.equal(auto, hn_clip_loss(img, txt, 0.07, group_ids=IDS, group_mode=mode, backend=backend))

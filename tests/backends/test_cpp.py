@@ -233,7 +233,8 @@ def test_opcheck_registered_operators(masked):
     grad = torch.linspace(0.5, 1.0, 4)
     torch.library.opcheck(
         torch.ops.hnclip.cpp_directional_nll_backward.default,
-        (grad, q.detach(), k, a, b, *NO_MASKS, tau.detach(), *args[9:12], *saved, 3, True, masked, True, True),
+        # the flags, the group mode's code 0 ("mask"; the forward's default), need_features
+        (grad, q.detach(), k, a, b, *NO_MASKS, tau.detach(), *args[9:12], *saved, 3, True, masked, True, 0, True),
         test_utils=checks,
     )
 
@@ -389,7 +390,7 @@ def test_opcheck_symmetric_operators(masked):
     grad = torch.linspace(0.5, 1.0, 9)
     torch.library.opcheck(
         torch.ops.hnclip.cpp_symmetric_nll_backward.default,
-        (grad, img.detach(), txt, *args[2:4], tau.detach(), *args[5:8], *saved, True, masked, 0, True, True),
+        (grad, img.detach(), txt, *args[2:4], tau.detach(), *args[5:8], *saved, True, masked, 0, True, 0, True),
         test_utils=checks,
     )
 

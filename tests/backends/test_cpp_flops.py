@@ -130,7 +130,7 @@ def test_raw_kernels_formulas_and_a_tau_only_backward():
     def symmetric():  # normalize, masked, margin code 0 (text), need_grad
         out = cpp_symmetric._forward(img, txt, no_negatives, no_ids, tau, gamma, eps, thr, True, True, 0, True)
         inputs = (img, txt, no_negatives, no_ids, tau, gamma, eps, thr)
-        cpp_symmetric._backward(torch.rand(N), *inputs, *out[1:], True, True, 0, True, True)
+        cpp_symmetric._backward(torch.rand(N), *inputs, *out[1:], True, True, 0, True, 0, True)  # group mode 0
 
     assert counted(symmetric) == 6 * 2 * N * N * D
     assert stated(symmetric) == 3 * 2 * N * N * D
@@ -138,7 +138,7 @@ def test_raw_kernels_formulas_and_a_tau_only_backward():
 
     def directional():
         out = cpp_directional._forward(q, k, a, b, *masks, tau, gamma, eps, thr, N - M, True, False, True)
-        rest = (*out[1:], N - M, True, False, True, True)
+        rest = (*out[1:], N - M, True, False, True, 0, True)  # group mode 0 ("mask"), need_qk
         cpp_directional._backward(torch.rand(M), q, k, a, b, *masks, tau, gamma, eps, thr, *rest)
 
     assert counted(directional) == (4 + 3) * 2 * M * N * D

@@ -107,7 +107,7 @@ def test_opcheck(case):
     saved = [x.detach() for x in op(*inputs, True, masked, code, True)[1:]]
     grad = torch.linspace(0.5, 1.0, 7)
     detached = [x.detach() for x in inputs]
-    bargs = (grad, *detached, *saved, True, masked, code, True, True)  # need_grad, need_features
+    bargs = (grad, *detached, *saved, True, masked, code, True, 0, True)  # need_grad, group mode 0, need_features
     torch.library.opcheck(torch.ops.hnclip.cpp_symmetric_nll_backward.default, bargs, test_utils=checks)
 
 

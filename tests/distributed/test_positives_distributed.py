@@ -2,15 +2,16 @@
 spanning ranks.
 
 Ranks hold 3, 2 and 3 pairs and 2, 0 and 1 negatives; group 0 has a pair on every rank, group 1
-on ranks 0 and 2, group 2 two pairs on rank 1, the rest are singletons. Every case runs on backend
-"torch" in float64, in the four modes (local_loss × gather_with_grad), through ``HNClipLoss``
+on ranks 0 and 2, group 2 two pairs on rank 1, the rest are singletons. Every case runs on each
+backend with the positive modes (torch, and cpp where the extension is built: its directional
+operator per rank) in float64, in the four modes (local_loss × gather_with_grad), through ``HNClipLoss``
 (grad of ``logit_scale``) and ``distributed_hn_clip_loss`` (grad of τ) alternately, with and
 without ε and the threshold; each rank scales its loss by w_r = 1 + r before backward. The parent
 compares each rank's loss and gradients (images, captions, its negatives, the scale) with the dense
 float64 oracle ``tests/positives_oracle.py`` of the concatenated batch (separate query and key
 copies: with ``local_loss`` and no ``gather_with_grad`` the keys are constants), per row of each
-gradient (rows floored at 1e-4 of the largest): loss 1e-10, gradients 1e-9 (the reference in float64
-against the oracle's other form; measured ≤ 2.5e-16 and ≤ 1.5e-15). The collective checks
+gradient (rows floored at 1e-4 of the largest): loss 1e-10, gradients 1e-9 (float64 against the
+oracle's other form; measured on torch ≤ 2.5e-16 and ≤ 1.5e-15, on cpp CPP_MEASURED). The collective checks
 (group_mode differing across ranks; a positive mode without ids on one rank) raise on every rank.
 """
 
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from helpers import rel_err, spawn_gloo_ranks
 from hnclip_kernels import HNClipLoss
+from hnclip_kernels.backends import cpp_directional
 from hnclip_kernels.distributed import distributed_hn_clip_loss
 from positives_oracle import positive_rows_f64
 
@@ -32,14 +34,17 @@ IDS = [0, 1, 3, 2, 0, 1, 2, 0]  # rank 0: 0 1 3 | rank 1: 2 0 | rank 2: 1 2 0  (
 MODES = [(True, True), (True, False), (False, False), (False, True)]
 S0 = 1 / 0.1
 LOSS_TOL, GRAD_TOL, FLOOR = 1e-10, 1e-9, 1e-4
+BACKENDS = ["torch"] + (["cpp"] if cpp_directional() is not None else [])  # the backends with positive modes
 
 
 def cases():
     out = []
-    for group_mode in ("supcon", "mil_nce"):
-        for k, mode in enumerate(MODES):
-            extra = [dict(eps=0.0, threshold=None), dict(eps=0.1, threshold=0.95)][k % 2]
-            out.append(dict(group_mode=group_mode, mode=mode, module=(k + len(out)) % 2 == 0, **extra))
+    for backend in BACKENDS:
+        for group_mode in ("supcon", "mil_nce"):
+            for k, mode in enumerate(MODES):
+                extra = [dict(eps=0.0, threshold=None), dict(eps=0.1, threshold=0.95)][k % 2]
+                module = (k + len(out)) % 2 == 0
+                out.append(dict(group_mode=group_mode, mode=mode, module=module, backend=backend, **extra))
     return out
 
 
@@ -67,7 +72,7 @@ def _rank(rank, world, all_cases):
         ids = torch.tensor(IDS)[_slices(N_SIZES)[rank]]
         local_loss, gather_with_grad = case["mode"]
         common = dict(label_smoothing=case["eps"], false_negative_threshold=case["threshold"], normalize=True)
-        common.update(group_mode=case["group_mode"], backend="torch")
+        common.update(group_mode=case["group_mode"], backend=case["backend"])
         if case["module"]:
             p = torch.tensor(S0, dtype=torch.float64, requires_grad=True)
             loss = HNClipLoss(local_loss, gather_with_grad, False, rank, world, **common)(
@@ -143,7 +148,7 @@ def row_error(got, want):
     return ((got - want).norm(dim=1) / torch.maximum(norms, FLOOR * norms.max().clamp_min(1e-300))).max().item()
 
 
-@pytest.mark.slow  # 25 s on 2 loaded cores: three spawned ranks
+@pytest.mark.slow  # 25 s per backend on 2 loaded cores: three spawned ranks
 def test_three_ranks_groups_spanning_ranks_equal_the_oracle(tmp_path):
     all_cases = cases()
     reports = spawn_gloo_ranks(_rank, tmp_path, all_cases, world=3, timeout=300)
@@ -153,7 +158,7 @@ def test_three_ranks_groups_spanning_ranks_equal_the_oracle(tmp_path):
             got, want = report["cases"][k], expected(case, k, rank)
             errs = [abs(got[0] - want[0]) / abs(want[0])]
             errs += [row_error(torch.from_numpy(np.asarray(g)), x) for g, x in zip(got[1:], want[1:])]
-            key = case["group_mode"]
+            key = f"{case['backend']} {case['group_mode']}"
             worst[key] = [max(a, b) for a, b in zip(worst.get(key, [0.0] * 5), errs)]
             for what, e, tol in zip(("loss", "d img", "d txt", "d neg", "d scale"), errs, [LOSS_TOL] + [GRAD_TOL] * 4):
                 if not e <= tol:

@@ -16,7 +16,9 @@ rows × C columns,
 
 What the kernels execute differs by call (the margin folded into the left factor, or a second
 factor of width D; the captions' tile under masking; the backward's recomputation; the negatives'
-shares formed in the forward when a gradient will follow): ``tests/backends/test_cpp_flops.py``
+shares formed in the forward when a gradient will follow; under a positive ``group_mode`` the
+positives' pass, one row dot per same-group pair in the forward and two in the backward, entries
+of the same logit matrix, and no forward shares, so the backward recomputes): ``tests/backends/test_cpp_flops.py``
 records it with ``torch.profiler`` beside these counts.
 """
 
@@ -34,6 +36,10 @@ FORMULAS = {
     "cpp_raw_directional_bwd": lambda q_hat, k_hat, *_, **__: glue.backward_flops(None, q_hat, k_hat, True),
     "cpp_raw_symmetric_fwd": glue.forward_flops,
     "cpp_raw_symmetric_bwd": lambda v_hat, t_hat, *_, **__: glue.backward_flops(None, v_hat, t_hat, True),
+    # the positives' pass (group_mode supcon / mil_nce): entries of the logit matrix the kernels beside
+    # it state already (their tiles form and mask them), so no useful product of its own
+    "cpp_raw_positive_fwd": lambda *_, **__: 0,
+    "cpp_raw_positive_bwd": lambda *_, **__: 0,
     # the sigmoid loss: img against [txt; negatives] (the raw kernels: v̂ against k̂, all columns)
     "cpp_sigmoid_nll": glue.family_forward_flops,
     "cpp_sigmoid_nll_backward": glue.family_backward_flops,

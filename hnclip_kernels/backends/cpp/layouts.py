@@ -132,7 +132,10 @@ def operator(*groups, returns) -> Callable:
             values, start = [], 0
             for group, size in zip(groups, sizes):
                 part = args[start : start + size]
-                values.append(part[0] if isinstance(group, tuple) else group._make(part))
+                if isinstance(group, tuple):
+                    values.append(part[0])
+                else:  # a layout; a call may leave its trailing defaults out
+                    values.append(group._make(part) if isinstance(group, Saved) else group(*part))
                 start += size
             return body(*values)
 

@@ -33,6 +33,15 @@ already normalised and scaled; no autograd):
   products for forward + backward, against six for two directional calls (ten when the
   upstream gradient differs per row).
 
+* ``torch.ops.hnclip.cpp_raw_positive_fwd`` / ``cpp_raw_positive_bwd``: the multi-positive targets'
+  pass (``csrc/positives.cpp``, ``group_mode="supcon"`` / ``"mil_nce"``) beside a directional or
+  symmetric kernel that masks the same-group columns: q̂ (M, D) against k̂ (N, D), row i's own
+  positive at ``offset + i`` (logit ``pos``), its other positives the columns j < K with equal int64
+  ids ``qg`` (M,), ``kg`` (K,). The forward returns (4, M): those other positives' LSE of the gaps,
+  softmax-mean gap, Σ gap and count; the backward, for row gradients ``g`` and the rows' ``factors``
+  (4, M) of :func:`..softmax.positive_factors`, every positive's share (times τ) of dL/dq̂ and
+  dL/dk̂ and Σ_p dS·d per row; ``group_mode`` the mode's code (1 supcon, 2 mil_nce; others raise).
+
 * ``torch.ops.hnclip.cpp_raw_sigmoid_fwd`` / ``cpp_raw_sigmoid_bwd``: the sigmoid (SigLIP) loss
   (``csrc/sigmoid_pairs.cpp``), R rows v̂ against the columns k̂ = [captions; negatives], the
   positive at caption ``offset + i`` with its score ``pos`` (s·v̂_i·k̂_{offset+i}), s and b 0-dim,
@@ -181,6 +190,16 @@ def _symmetric_bwd_fake(
     margin=0,
 ):  # fmt: skip
     return v_hat.new_empty(v_hat.shape), t_hat.new_empty(t_hat.shape)
+
+
+@torch.library.register_fake("hnclip::cpp_raw_positive_fwd")
+def _positive_fwd_fake(q_hat, k_hat, pos, inv_tau, offset, qg, kg):
+    return q_hat.new_empty((4, q_hat.shape[0]))
+
+
+@torch.library.register_fake("hnclip::cpp_raw_positive_bwd")
+def _positive_bwd_fake(q_hat, k_hat, pos, inv_tau, offset, qg, kg, factors, g, eps, group_mode):
+    return q_hat.new_empty(q_hat.shape), k_hat.new_empty(k_hat.shape), q_hat.new_empty((q_hat.shape[0],))
 
 
 @torch.library.register_fake("hnclip::cpp_raw_sigmoid_fwd")
