@@ -39,6 +39,7 @@ def hn_clip_loss(
     negatives: Optional[torch.Tensor] = None,
     group_ids: Optional[torch.Tensor] = None,
     margin: str = "text",
+    negatives_mask: Optional[torch.Tensor] = None,
 ):
     """HN-CLIP contrastive loss with adaptive similarity margins (arXiv 2608.18521, Eq. 2).
 
@@ -133,7 +134,7 @@ def hn_clip_loss(
         false_negative_threshold=false_negative_threshold,
         margin=margin,
     )
-    family = validation_family.family_of(img, txt, negatives, group_ids, options.margin)
+    family = validation_family.family_of(img, txt, negatives, group_ids, options.margin, negatives_mask=negatives_mask)
     if not isinstance(return_stats, bool):
         raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
     rows, report = pair_losses(img, txt, tau, options, family, return_stats, warn_tau=True)
@@ -146,6 +147,8 @@ def pair_losses(img, txt, tau, options, family, return_stats, *, tau_value=None,
     :class:`~hnclip_kernels.validation_family.Family` or None (today's loss)."""
     # family_of checked the features when it returned a family; bind checks them otherwise
     n_negatives = 0 if family is None or family.negatives is None else family.negatives.shape[0]
+    if family is not None and family.own_negatives is not None:  # the widest row's columns
+        n_negatives = family.own_negatives.shape[1]
     n_keys = img.shape[0] + n_negatives if family is not None else None
     bound = options.bind(img, txt, tau, tau_value=tau_value, names=names, n_keys=n_keys)
     if family is not None:
@@ -158,21 +161,44 @@ def pair_losses(img, txt, tau, options, family, return_stats, *, tau_value=None,
     if not return_stats:
         return out, None
     rows, (i2t, t2i) = out
-    keys = img.shape[0] if family is None else (n_keys, img.shape[0])
+    keys = img.shape[0] if family is None else (_i2t_columns(img, family, n_keys), img.shape[0])
     return rows, report_of_call(i2t, t2i, img, label_smoothing=bound.label_smoothing, n_keys=keys)
+
+
+def _i2t_columns(img, family, n_keys):
+    """The i2t rows' key columns for the report: ``n_keys``, or with own negatives per row
+    N + the row's real ones (a (N,) tensor)."""
+    if family.own_negatives is None:
+        return n_keys
+    if family.own_mask is None:
+        return n_keys
+    return img.shape[0] + family.own_mask.sum(dim=1)
+
+
+def _real_negatives(family):
+    """The negatives the range checks read: shared (M, D), or the real own ones flattened (padding
+    rows, often zeros, are no columns; under ``torch.compile`` every row, no data-dependent shape)."""
+    if family.own_negatives is None:
+        return family.negatives
+    own = family.own_negatives
+    if family.own_mask is None or torch.compiler.is_compiling():
+        return own.reshape(-1, own.shape[-1])
+    return own[family.own_mask]
 
 
 def _check_family(img, txt, tau, bound, family, n_keys, names) -> None:
     """The family's range checks on bound options: the negatives' small rows (``normalize``), or
     the logit gaps their norms (and an image-text margin's) give (``normalize=False``)."""
     n_rows = img.shape[0] if bound.reduction != "none" else 1
-    if bound.normalize and family.negatives is not None:  # bind checked img and txt
+    negatives = _real_negatives(family)
+    negatives = None if negatives is not None and negatives.shape[0] == 0 else negatives
+    if bound.normalize and negatives is not None and negatives.shape[0] > 0:  # bind checked img and txt
         kw = dict(gamma=bound.gamma, label_smoothing=bound.label_smoothing, n_keys=n_keys, n_rows=n_rows)
-        check_small_rows((family.negatives,), ("negatives",), bound.tau_value, **kw)
+        check_small_rows((negatives,), ("negatives",), bound.tau_value, **kw)
     if not bound.normalize:
         tau_grad = validation.tau_requires_grad(tau)
         validation_family.check_family_range(
-            img, txt, family.negatives, family.margin, bound.tau_value, bound.gamma, bound.label_smoothing, n_rows,
+            img, txt, negatives, family.margin, bound.tau_value, bound.gamma, bound.label_smoothing, n_rows,
             tau_grad, names,
         )  # fmt: skip
 

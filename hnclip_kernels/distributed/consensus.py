@@ -163,7 +163,7 @@ def family_checks(image_features, text_features, negatives, group_ids, bound, ta
     norms enter this rank's overflow bound (the local batch's; the global bound covers img/txt)."""
     names = ("image_features", "text_features")
     try:
-        family = family_of(image_features, text_features, negatives, group_ids, bound.margin, names)
+        family = family_of(image_features, text_features, negatives, group_ids, bound.margin, names, own=False)
     except (TypeError, ValueError) as exc:
         return 5, exc, None, None
     negatives, group_ids = (None, None) if family is None else (family.negatives, family.group_ids)
