@@ -204,14 +204,14 @@ def _check_family(img, txt, tau, bound, family, n_keys, names) -> None:
 
 
 def module_family_loss(
-    img, txt, tau, options, negatives, group_ids, *, return_stats, tau_value, problem
+    img, txt, tau, options, negatives, group_ids, *, return_stats, tau_value, problem, negatives_mask=None
 ):  # fmt: skip
     """``HNClipLoss.forward`` with a family option on one process (``world_size > 1`` goes to
     :func:`hnclip_kernels.distributed.rank_loss`): (mean loss, report or None), or None where
     the checked options turn out to be today's (M = 0, no ids, margin "text"). ``problem``: the
     error of an invalid logit_scale, raised once the family arguments are checked."""
     names = ("image_features", "text_features")
-    family = validation_family.family_of(img, txt, negatives, group_ids, options.margin, names)
+    family = validation_family.family_of(img, txt, negatives, group_ids, options.margin, names, negatives_mask)
     if family is None:
         return None
     if problem is not None:

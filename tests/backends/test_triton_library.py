@@ -310,8 +310,9 @@ _TRACE = textwrap.dedent("""
     def kernel_of(node):
         return kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
 
-    def family(v):  # no negatives, no group ids
-        return torch.empty(0, v.shape[1]), torch.empty(0, dtype=torch.long)
+    def family(v):  # no negatives, no own negatives, no group ids
+        no_own = (torch.empty(0, 0, v.shape[1]), torch.empty(0, 0, dtype=torch.bool))
+        return torch.empty(0, v.shape[1]), *no_own, torch.empty(0, dtype=torch.long)
 
     def fwd(v, t, *a):
         return torch.ops.hnclip.triton_symmetric_nll(v, t, *family(v), *a, True, False, True, True, "tf32x3", 0)
