@@ -86,7 +86,12 @@ def hn_clip_loss(
             also with ``normalize=False``; to mask exact duplicates use c ≤ 0.9999. Ties within a
             few ulps of c and the details: ``docs/masking.md``.
         negatives: None or (M, D) hard-negative caption embeddings (``txt``'s dtype and device;
-            M = 0 is None): extra columns of every image→text row; gradients reach them.
+            M = 0 is None): extra columns of every image→text row; gradients reach them. Or
+            (N, K, D): row i's own K negatives, extra columns of image→text row i only (K = 0
+            is None; ``docs/hard_negatives.md``, "Each row's own negatives").
+        negatives_mask: None (every own negative real) or (N, K) bool with (N, K, D)
+            ``negatives``: True where row i's k-th negative is real; False entries are no
+            columns (no logit, no ε share, zero gradient).
         group_ids: None or (N,) integer ids (``txt``'s device): pairs i ≠ k with equal ids are no
             negatives of each other in either direction.
         margin: "text" (default: sg(t_i·x), the paper's) or "image_text" (sg(v_i·x) in i2t,
@@ -119,7 +124,8 @@ def hn_clip_loss(
             outside [0, 1), unknown ``reduction``/``backend``/``precision``,
             ``false_negative_threshold`` outside (−1, 1], a backend that cannot run on these
             tensors; ``negatives`` not 2-D, of another D or device than ``txt`` (another dtype
-            or non-floating: ``TypeError``); ``group_ids`` not of shape (N,) or on another device
+            or non-floating: ``TypeError``), (N, K, D) with another N; ``negatives_mask`` without
+            (N, K, D) negatives or of another shape or device (not bool: ``TypeError``); ``group_ids`` not of shape (N,) or on another device
             (non-integer: ``TypeError``); ``margin`` not "text"/"image_text". Under
             ``torch.compile`` value checks are skipped (no graph breaks).
     """

@@ -226,7 +226,9 @@ def family_backward_flops(grad, img, txt, negatives, *rest, **_) -> int:
 def symmetric_forward_flops(img, txt, negatives, own_negatives, *_, **__) -> int:
     """The single-process family operators' forward (``negatives``, then ``own_negatives`` (N, K, D)):
     :func:`family_forward_flops` plus each row's own K products, 2·N·K·D."""
-    own = logit_flops(1, own_negatives.shape[0] * own_negatives.shape[1], img.shape[1]) if own_negatives.dim() == 3 else 0
+    own = (
+        logit_flops(1, own_negatives.shape[0] * own_negatives.shape[1], img.shape[1]) if own_negatives.dim() == 3 else 0
+    )
     return family_forward_flops(img, txt, negatives) + own
 
 

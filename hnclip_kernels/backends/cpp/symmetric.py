@@ -55,7 +55,9 @@ class _Setup:
         the threshold against the unit captions."""
         a_hat = v_hat if Margin.from_code(f.margin) is Margin.IMAGE_TEXT else epilogue.scaled(x.txt, rt, self.sc.dt)
         cosine = self.sc.threshold if f.masked and not math.isinf(self.sc.threshold) else None
-        unit = None if cosine is None else epilogue.scaled(x.txt, epilogue.inv_norms(x.txt, True, self.sc.dt), self.sc.dt)
+        unit = (
+            None if cosine is None else epilogue.scaled(x.txt, epilogue.inv_norms(x.txt, True, self.sc.dt), self.sc.dt)
+        )
         return own_negatives.block(
             v_hat, a_hat, x.own_negatives, x.own_mask, pos, self.sc.inv_tau, x.gamma, f.normalize, cosine, unit
         )
@@ -184,7 +186,9 @@ def _backward(grad: Tensor, x: SymmetricInputs, out: FamilyOut, f: SymmetricFlag
     if s.own:  # the own columns' share, P from the merged statistics (no kernel sees them)
         own = s.own_block(x, f, v_hat, out.rt, out.pos)
         if need_features:
-            d_v_own, d_n_own = own_negatives.grads(i2t, g, own, v_hat, sc.eps, x.img.shape[0], f.masked and softmax.smooths(sc.eps))
+            d_v_own, d_n_own = own_negatives.grads(
+                i2t, g, own, v_hat, sc.eps, x.img.shape[0], f.masked and softmax.smooths(sc.eps)
+            )
             d_v.add_(d_v_own)
             d_own = own_negatives.unnormalize(x.own_negatives, d_n_own, sc.inv_tau, f.normalize)
         else:
