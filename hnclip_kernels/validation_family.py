@@ -34,7 +34,7 @@ def check_negatives(negatives, txt: torch.Tensor, txt_name: str = "txt", own: bo
         if negatives.shape[0] != txt.shape[0]:
             raise ValueError(
                 f"negatives of shape (N, K, D) must have one row per pair, N = {txt.shape[0]}, got shape "
-                f"{tuple(negatives.shape)}; for negatives shared by every row pass (M, D)"
+                f"{tuple(negatives.shape)}; for negatives shared by every row pass (M, D): negatives.reshape(-1, D)"
             )
     elif negatives.dim() != 2:
         also = (
