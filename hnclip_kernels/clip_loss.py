@@ -236,6 +236,7 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
         *,
         negatives=None,
         group_ids=None,
+        negatives_mask=None,
     ):
         """Loss of this rank (see the class docstring for what it equals in each mode).
 
@@ -254,7 +255,9 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
                 With ``world_size > 1`` this rank's (M may differ across ranks and be 0; ids on
                 every rank or none): gathered like the captions, so the loss is the family loss
                 of the concatenated global batch in each mode above
-                (:func:`hnclip_kernels.distributed_hn_clip_loss`).
+                (:func:`hnclip_kernels.distributed_hn_clip_loss`). With ``world_size`` 1 also
+                (N, K, D), each row's own negatives, with ``negatives_mask`` (N, K) bool (True:
+                real), as in :func:`hnclip_kernels.hn_clip_loss`; across ranks a ``ValueError``.
 
         Returns:
             A float32 scalar (float64 for float64 features), or the dict; as ``ClipLoss``.
@@ -279,7 +282,7 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
         if self.world_size == 1:  # the family's one predicate: validation_family.family_of, inside
             family = module_family_loss(
                 image_features, text_features, tau, self.options, negatives, group_ids,
-                return_stats=self.return_stats, tau_value=tau_value, problem=problem,
+                return_stats=self.return_stats, tau_value=tau_value, problem=problem, negatives_mask=negatives_mask,
             )  # fmt: skip
             if family is not None:  # None: M = 0 and no other family option, today's loss below
                 loss, self.last_stats = family
@@ -288,6 +291,11 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
         if self.world_size == 1:
             loss = self._single_process(image_features, text_features, tau, tau_value)
         else:
+            if negatives_mask is not None:  # no collective yet: every rank passes it or none, all raise
+                raise ValueError(
+                    "negatives_mask (with (N, K, D) negatives, each row's own) is supported with world_size 1 only; "
+                    "across ranks pass shared (M, D) negatives"
+                )
             try:
                 loss = rank_loss(
                     image_features,

@@ -41,6 +41,7 @@ def hn_clip_loss(
     group_ids: Optional[torch.Tensor] = None,
     margin: str = "text",
     group_mode: str = "mask",
+    negatives_mask: Optional[torch.Tensor] = None,
 ):
     """HN-CLIP contrastive loss with adaptive similarity margins (arXiv 2608.18521, Eq. 2).
 
@@ -87,7 +88,12 @@ def hn_clip_loss(
             also with ``normalize=False``; to mask exact duplicates use c ≤ 0.9999. Ties within a
             few ulps of c and the details: ``docs/masking.md``.
         negatives: None or (M, D) hard-negative caption embeddings (``txt``'s dtype and device;
-            M = 0 is None): extra columns of every image→text row; gradients reach them.
+            M = 0 is None): extra columns of every image→text row; gradients reach them. Or
+            (N, K, D): row i's own K negatives, extra columns of image→text row i only (K = 0
+            is None; ``docs/hard_negatives.md``, "Each row's own negatives").
+        negatives_mask: None (every own negative real) or (N, K) bool with (N, K, D)
+            ``negatives``: True where row i's k-th negative is real; False entries are no
+            columns (no logit, no ε share, zero gradient).
         group_ids: None or (N,) integer ids (``txt``'s device): pairs i ≠ k with equal ids are no
             negatives of each other in either direction.
         margin: "text" (default: sg(t_i·x), the paper's) or "image_text" (sg(v_i·x) in i2t,
@@ -126,10 +132,12 @@ def hn_clip_loss(
             outside [0, 1), unknown ``reduction``/``backend``/``precision``,
             ``false_negative_threshold`` outside (−1, 1], a backend that cannot run on these
             tensors; ``negatives`` not 2-D, of another D or device than ``txt`` (another dtype
-            or non-floating: ``TypeError``); ``group_ids`` not of shape (N,) or on another device
-            (non-integer: ``TypeError``); ``margin`` not "text"/"image_text"; ``group_mode`` not
-            "mask"/"supcon"/"mil_nce", a positive one without ``group_ids``, with ``return_stats``
-            or on backend "cpp"/"triton". Under
+            or non-floating: ``TypeError``), (N, K, D) with another N; ``negatives_mask`` without
+            (N, K, D) negatives or of another shape or device (not bool: ``TypeError``);
+            ``group_ids`` not of shape (N,) or on another device (non-integer: ``TypeError``);
+            ``margin`` not "text"/"image_text"; ``group_mode`` not "mask"/"supcon"/"mil_nce", a
+            positive one without ``group_ids``, with (N, K, D) negatives, with ``return_stats`` or
+            on backend "cpp"/"triton". Under
             ``torch.compile`` value checks are skipped (no graph breaks).
     """
     tau = validation.plain_number(tau)
@@ -144,7 +152,9 @@ def hn_clip_loss(
         margin=margin,
         group_mode=group_mode,
     )
-    family = validation_family.family_of(img, txt, negatives, group_ids, options.margin, group_mode=options.group_mode)
+    family = validation_family.family_of(
+        img, txt, negatives, group_ids, options.margin, negatives_mask=negatives_mask, group_mode=options.group_mode
+    )
     if not isinstance(return_stats, bool):
         raise TypeError(f"return_stats must be True or False, got {return_stats!r}")
     rows, report = pair_losses(img, txt, tau, options, family, return_stats, warn_tau=True)
@@ -158,6 +168,8 @@ def pair_losses(img, txt, tau, options, family, return_stats, *, tau_value=None,
     # family_of checked the features when it returned a family; bind checks them otherwise
     check_positive_stats(options.group_mode, return_stats)
     n_negatives = 0 if family is None or family.negatives is None else family.negatives.shape[0]
+    if family is not None and family.own_negatives is not None:  # the widest row's columns
+        n_negatives = family.own_negatives.shape[1]
     n_keys = img.shape[0] + n_negatives if family is not None else None
     bound = options.bind(img, txt, tau, tau_value=tau_value, names=names, n_keys=n_keys)
     if family is not None:
@@ -170,27 +182,50 @@ def pair_losses(img, txt, tau, options, family, return_stats, *, tau_value=None,
     if not return_stats:
         return out, None
     rows, (i2t, t2i) = out
-    keys = img.shape[0] if family is None else (n_keys, img.shape[0])
+    keys = img.shape[0] if family is None else (_i2t_columns(img, family, n_keys), img.shape[0])
     return rows, report_of_call(i2t, t2i, img, label_smoothing=bound.label_smoothing, n_keys=keys)
+
+
+def _i2t_columns(img, family, n_keys):
+    """The i2t rows' key columns for the report: ``n_keys``, or with own negatives per row
+    N + the row's real ones (a (N,) tensor)."""
+    if family.own_negatives is None:
+        return n_keys
+    if family.own_mask is None:
+        return n_keys
+    return img.shape[0] + family.own_mask.sum(dim=1)
+
+
+def _real_negatives(family):
+    """The negatives the range checks read: shared (M, D), or the real own ones flattened (padding
+    rows, often zeros, are no columns; under ``torch.compile`` every row, no data-dependent shape)."""
+    if family.own_negatives is None:
+        return family.negatives
+    own = family.own_negatives
+    if family.own_mask is None or torch.compiler.is_compiling():
+        return own.reshape(-1, own.shape[-1])
+    return own[family.own_mask]
 
 
 def _check_family(img, txt, tau, bound, family, n_keys, names) -> None:
     """The family's range checks on bound options: the negatives' small rows (``normalize``), or
     the logit gaps their norms (and an image-text margin's) give (``normalize=False``)."""
     n_rows = img.shape[0] if bound.reduction != "none" else 1
-    if bound.normalize and family.negatives is not None:  # bind checked img and txt
+    negatives = _real_negatives(family)
+    negatives = None if negatives is not None and negatives.shape[0] == 0 else negatives
+    if bound.normalize and negatives is not None and negatives.shape[0] > 0:  # bind checked img and txt
         kw = dict(gamma=bound.gamma, label_smoothing=bound.label_smoothing, n_keys=n_keys, n_rows=n_rows)
-        check_small_rows((family.negatives,), ("negatives",), bound.tau_value, **kw)
+        check_small_rows((negatives,), ("negatives",), bound.tau_value, **kw)
     if not bound.normalize:
         tau_grad = validation.tau_requires_grad(tau)
         validation_family.check_family_range(
-            img, txt, family.negatives, family.margin, bound.tau_value, bound.gamma, bound.label_smoothing, n_rows,
+            img, txt, negatives, family.margin, bound.tau_value, bound.gamma, bound.label_smoothing, n_rows,
             tau_grad, names,
         )  # fmt: skip
 
 
 def module_family_loss(
-    img, txt, tau, options, negatives, group_ids, *, return_stats, tau_value, problem
+    img, txt, tau, options, negatives, group_ids, *, return_stats, tau_value, problem, negatives_mask=None
 ):  # fmt: skip
     """``HNClipLoss.forward`` with a family option on one process (``world_size > 1`` goes to
     :func:`hnclip_kernels.distributed.rank_loss`): (mean loss, report or None), or None where
@@ -198,7 +233,7 @@ def module_family_loss(
     error of an invalid logit_scale, raised once the family arguments are checked."""
     names = ("image_features", "text_features")
     family = validation_family.family_of(
-        img, txt, negatives, group_ids, options.margin, names, group_mode=options.group_mode
+        img, txt, negatives, group_ids, options.margin, names, negatives_mask, group_mode=options.group_mode
     )
     if family is None:
         return None

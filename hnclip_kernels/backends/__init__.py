@@ -232,10 +232,14 @@ def rank_losses(
 
 
 def _family_inputs(family) -> dict:
-    """The symmetric operators' optional family inputs: absent without the family (today's loss)."""
+    """The symmetric operators' optional family inputs: absent without the family (today's loss;
+    the own negatives' keywords only where there are some, so a plain call is today's call)."""
     if family is None:
         return dict(negatives=None, group_ids=None, margin=Margin.TEXT)
-    return dict(negatives=family.negatives, group_ids=family.group_ids, margin=family.margin)
+    inputs = dict(negatives=family.negatives, group_ids=family.group_ids, margin=family.margin)
+    if family.own_negatives is not None:
+        inputs.update(own_negatives=family.own_negatives, own_mask=family.own_mask)
+    return inputs
 
 
 def _two_directions(fn, queries, keys, family, ids, kwargs):
@@ -249,17 +253,25 @@ def _two_directions(fn, queries, keys, family, ids, kwargs):
     margin = Margin.TEXT if family is None else family.margin
     captions = key_txt if negatives is None else torch.cat([key_txt, negatives])
     groups = {} if ids[0] is None else dict(query_groups=ids[0], key_groups=ids[1])
+    own = {}  # each i2t row's own negatives (the reference only: one process)
+    if family is not None and family.own_negatives is not None:
+        own = dict(own_keys=family.own_negatives, own_mask=family.own_mask)
     out = []
     for q, k, q_txt, k_txt in ((img, captions, txt, captions), (txt, key_img, txt, key_txt)):
         a, b, mask_a, mask_b = margin_operands(margin, q, k, q_txt, k_txt)
         masks = {} if mask_a is None else dict(mask_query=mask_a, mask_key=mask_b)
-        out.append(fn(q, k, query_txt=a, key_txt=b, **masks, **groups, **kwargs))
+        out.append(fn(q, k, query_txt=a, key_txt=b, **masks, **groups, **own, **kwargs))
+        own = {}
     return out
 
 
 def _upcast(family):
     """``family`` with its negatives in float32 (16-bit features run in float32 off Triton)."""
-    if family is None or family.negatives is None:
+    if family is None:
+        return family
+    if family.own_negatives is not None:
+        return dataclasses.replace(family, own_negatives=family.own_negatives.float())
+    if family.negatives is None:
         return family
     return dataclasses.replace(family, negatives=family.negatives.float())
 

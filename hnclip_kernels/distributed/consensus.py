@@ -167,8 +167,9 @@ def family_checks(image_features, text_features, negatives, group_ids, bound, ta
     names = ("image_features", "text_features")
     try:
         family = family_of(
-            image_features, text_features, negatives, group_ids, bound.margin, names, group_mode=bound.group_mode
-        )
+            image_features, text_features, negatives, group_ids, bound.margin, names, own=False,
+            group_mode=bound.group_mode,
+        )  # fmt: skip
     except (TypeError, ValueError) as exc:
         return 5, exc, None, None
     negatives, group_ids = (None, None) if family is None else (family.negatives, family.group_ids)

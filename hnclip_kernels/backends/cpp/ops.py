@@ -130,6 +130,8 @@ def hn_clip_pairs_cpp(
     negatives=None,
     group_ids=None,
     margin=Margin.TEXT,
+    own_negatives=None,
+    own_mask=None,
     tau,
     gamma,
     label_smoothing,
@@ -151,12 +153,18 @@ def hn_clip_pairs_cpp(
     The hard-negative family (``docs/hard_negatives.md``; the defaults: today's loss):
     ``negatives`` (M, D), the i2t rows' extra caption columns; ``group_ids`` (N,) integer, pairs
     with equal ids masked in both directions; ``margin`` a :class:`~hnclip_kernels.margin.Margin`
-    (or its value).
+    (or its value); ``own_negatives`` (N, K, D) with ``own_mask`` (N, K) bool or None (all real):
+    each i2t row's own extra columns (:mod:`hnclip_kernels.backends.own_negatives`), never with
+    ``negatives``.
     """
     if negatives is None:
         negatives = img.new_empty((0, img.shape[1]))
+    if own_negatives is None:
+        own_negatives = img.new_empty((0, 0, img.shape[1]))
+    if own_mask is None:
+        own_mask = torch.empty((0, 0), dtype=torch.bool, device=img.device)
     # the forward also keeps the negative block's shares only when a backward can follow
-    need_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (img, txt, negatives))
+    need_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (img, txt, negatives, own_negatives))
     ids = group_ids is not None
     thr_t, masked = glue.threshold_args(_threshold(false_negative_threshold, ids), img)
     out = FamilyOut._make(
@@ -166,6 +174,8 @@ def hn_clip_pairs_cpp(
             img,
             txt,
             negatives,
+            own_negatives,
+            own_mask,
             _ids(group_ids, img),
             tau,
             glue.hyperparameter(gamma, img),
