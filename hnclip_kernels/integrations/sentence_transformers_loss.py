@@ -153,7 +153,9 @@ def query_to_doc_loss(
     rank, world = layout(gather)
     family = None if negatives is None else (negatives, None)
     if world > 1:  # flags: local_loss, gather_with_grad (bits 0, 1)
-        sizes, bound, family = collective_check(anchors, positives, tau, options, 0b11, rank, world, None, family=family)
+        sizes, bound, family = collective_check(
+            anchors, positives, tau, options, 0b11, rank, world, None, family=family
+        )
         neg_sizes, negatives = ([0] * world, None) if family is None else (family[0], family[1].negatives)
     else:
         sizes, bound, negatives = _single_checks(anchors, positives, negatives, tau, options)

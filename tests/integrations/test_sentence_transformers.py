@@ -26,7 +26,7 @@ from sentence_transformers.sentence_transformer.losses import (  # noqa: E402
     MultipleNegativesRankingLoss,
 )
 from sentence_transformers.sentence_transformer.modules import Pooling, Transformer  # noqa: E402
-from sentence_transformers.util import cos_sim, dot_score  # noqa: E402
+from sentence_transformers.util import dot_score  # noqa: E402
 
 from helpers import spawn_gloo_ranks  # noqa: E402
 from hnclip_kernels.backends import cpp_directional  # noqa: E402
@@ -66,6 +66,12 @@ def save_tiny_bert(path, seed=0):
 @pytest.fixture(scope="module")
 def bert_dir(tmp_path_factory):
     return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert"))
+
+
+@pytest.fixture(scope="module")
+def model64(bert_dir):
+    """The float64 model, shared: the tests here only read it (``loss_and_grads`` zeroes its gradients)."""
+    return tiny_st(bert_dir)
 
 
 def tiny_st(path, dtype=torch.float64):
@@ -110,10 +116,14 @@ def compare(got, want, tol=TOL):
 
 
 @pytest.mark.parametrize("backend", F64_BACKENDS)
-@pytest.mark.parametrize("n_negatives", [0, 2])
-@pytest.mark.parametrize("directions,partition_mode", CONFIGS)
-def test_gamma0_equals_mnrl_loss_and_every_parameter_gradient(bert_dir, directions, partition_mode, n_negatives, backend):
-    model = tiny_st(bert_dir)
+@pytest.mark.parametrize(
+    "directions,partition_mode,n_negatives", [(ONE, "joint", 0), (ONE, "per_direction", 2), (BOTH, "per_direction", 0),
+                                              (BOTH, "per_direction", 2)]
+)  # fmt: skip
+def test_gamma0_equals_mnrl_loss_and_every_parameter_gradient(
+    model64, directions, partition_mode, n_negatives, backend
+):
+    model = model64
     feats = features(model, 2 + n_negatives)
     kw = dict(scale=17.0, directions=directions, partition_mode=partition_mode)
     want = loss_and_grads(model, MultipleNegativesRankingLoss(model, **kw), feats)
@@ -167,7 +177,9 @@ def oracle(anchors, positives, negatives, scale, gamma, margin, symmetric):
 def test_margin_matches_float64_oracle_every_row_gradient(n, d, n_neg_columns, scale, gamma, margin, symmetric,
                                                           backend, seed):  # fmt: skip
     g = torch.Generator().manual_seed(seed)
-    columns = [torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2 + n_neg_columns)]
+    columns = [
+        torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2 + n_neg_columns)
+    ]
     directions, partition = (BOTH, "per_direction") if symmetric else (ONE, "joint")
     loss_fn = HNMultipleNegativesRankingLoss(
         None, scale=scale, directions=directions, partition_mode=partition, gamma=gamma, margin=margin, backend=backend
@@ -184,9 +196,9 @@ def test_margin_matches_float64_oracle_every_row_gradient(n, d, n_neg_columns, s
 
 
 @pytest.mark.parametrize("backend", F64_BACKENDS)
-def test_image_text_margin_one_direction_is_mnrl_all_negatives_hardness(bert_dir, backend):
+def test_image_text_margin_one_direction_is_mnrl_all_negatives_hardness(model64, backend):
     """MNRL's LLaVE-style hardness α·sg(cos(q, d)) on every negative is margin="image_text" with γ = α/s."""
-    model = tiny_st(bert_dir)
+    model = model64
     feats = features(model, 3, seed=3)
     alpha, scale = 9.0, 20.0
     mnrl = MultipleNegativesRankingLoss(model, scale=scale, hardness_mode="all_negatives", hardness_strength=alpha)
@@ -196,8 +208,8 @@ def test_image_text_margin_one_direction_is_mnrl_all_negatives_hardness(bert_dir
 
 @pytest.mark.parametrize("gamma", [0.0, 0.5])
 @pytest.mark.parametrize("directions,partition_mode", [CONFIGS[0], CONFIGS[2]])
-def test_cached_equals_uncached(bert_dir, directions, partition_mode, gamma):
-    model = tiny_st(bert_dir)
+def test_cached_equals_uncached(model64, directions, partition_mode, gamma):
+    model = model64
     feats = features(model, 3, n=7, seed=5)
     kw = dict(scale=25.0, directions=directions, partition_mode=partition_mode, gamma=gamma, backend="torch")
     want = loss_and_grads(model, HNMultipleNegativesRankingLoss(model, **kw), feats)
@@ -208,8 +220,8 @@ def test_cached_equals_uncached(bert_dir, directions, partition_mode, gamma):
         compare(loss_and_grads(model, CachedMultipleNegativesRankingLoss(model, **st_kw), feats), want)
 
 
-def test_config_citation_and_attributes(bert_dir):
-    model = tiny_st(bert_dir)
+def test_config_citation_and_attributes(model64):
+    model = model64
     loss = HNMultipleNegativesRankingLoss(model, scale=30.0, directions=BOTH, partition_mode="per_direction")
     assert loss.get_config_dict() == {
         "scale": 30.0, "similarity_fct": "cos_sim", "gather_across_devices": False, "directions": BOTH,
@@ -271,8 +283,8 @@ class _NotStatic(torch.nn.Sequential):
         super().__init__(torch.nn.Identity())
 
 
-def test_one_column_is_refused(bert_dir):
-    model = tiny_st(bert_dir)
+def test_one_column_is_refused(model64):
+    model = model64
     with pytest.raises(ValueError, match="at least 2"):
         HNMultipleNegativesRankingLoss(model)(features(model, 1), None)
     with pytest.raises(ValueError, match="at least 2"):
@@ -306,24 +318,29 @@ def test_trainer_steps_train_the_model(tmp_path, capsys, cached):
         print(f"\n{type(loss).__name__} training log (every 6 of 24 steps): {[round(x, 4) for x in logged]}")
     assert len(logged) == 4 and all(math.isfinite(x) for x in logged)
     assert logged[-1] < logged[0]
-    changed = [k for k, p in model.named_parameters() if not torch.equal(p.detach(), before[k])]
-    assert len(changed) == len(before)
+    unchanged = [k for k, p in model.named_parameters() if torch.equal(p.detach(), before[k])]
+    assert unchanged == ["0.model.pooler.dense.weight", "0.model.pooler.dense.bias"]  # mean pooling skips BERT's pooler
 
 
-def _gloo_rank(rank, world, bert_dir, directions, partition_mode, gamma, mnrl):
-    """This rank's half of the batch through the model, gather_across_devices=True; the model's
-    gradients summed over the ranks (DDP averages them; the sum is W times that)."""
-    torch.manual_seed(0)
+VARIANTS = {"ours0": (0.0, False), "mnrl": (0.0, True), "ours": (0.5, False)}  # name: (γ, MNRL itself)
+
+
+def _gloo_rank(rank, world, bert_dir, directions, partition_mode):
+    """This rank's half of the batch through the model, gather_across_devices=True, for each of
+    VARIANTS: (loss, the model's gradients averaged over the ranks, as DDP averages them)."""
     model = tiny_st(bert_dir)
     feats = [{k: v[rank * N : (rank + 1) * N] if isinstance(v, torch.Tensor) else v for k, v in f.items()}
              for f in features(model, 3, n=world * N, seed=11)]  # fmt: skip
     kw = dict(scale=15.0, directions=directions, partition_mode=partition_mode, gather_across_devices=True)
-    loss_fn = MultipleNegativesRankingLoss(model, **kw) if mnrl else HNMultipleNegativesRankingLoss(
-        model, gamma=gamma, backend="torch", **kw)  # fmt: skip
-    loss, grads = loss_and_grads(model, loss_fn, feats)
-    for g in grads.values():
-        torch.distributed.all_reduce(g)
-    return loss.item(), {k: (g / world).numpy() for k, g in grads.items()}
+    out = {}
+    for name, (gamma, mnrl) in VARIANTS.items():
+        loss_fn = MultipleNegativesRankingLoss(model, **kw) if mnrl else HNMultipleNegativesRankingLoss(
+            model, gamma=gamma, backend="torch", **kw)  # fmt: skip
+        loss, grads = loss_and_grads(model, loss_fn, feats)
+        for g in grads.values():
+            torch.distributed.all_reduce(g)
+        out[name] = (loss.item(), {k: (g / world).numpy() for k, g in grads.items()})
+    return out
 
 
 @pytest.mark.slow
@@ -332,24 +349,21 @@ def test_gather_across_devices_on_two_gloo_ranks(tmp_path, bert_dir, directions,
     """2 ranks × 6 rows with a negative column: at γ = 0 each rank's loss and the averaged
     gradients equal MNRL's with gather_across_devices; at γ = 0.5 the mean of the rank losses and
     the averaged gradients equal the single-process loss on the concatenated 12 rows."""
-    runs = {}
-    for name, gamma, mnrl in (("ours0", 0.0, False), ("mnrl", 0.0, True), ("ours", 0.5, False)):
-        runs[name] = spawn_gloo_ranks(
-            _gloo_rank, tmp_path / name, bert_dir, directions, partition_mode, gamma, mnrl, timeout=180
-        )
-    as_torch = {name: {r: (loss, {k: torch.from_numpy(g) for k, g in grads.items()}) for r, (loss, grads) in out.items()}
-                for name, out in runs.items()}  # fmt: skip
+    runs = spawn_gloo_ranks(_gloo_rank, tmp_path, bert_dir, directions, partition_mode, timeout=180)
+    as_torch = {
+        (name, r): (torch.tensor(loss, dtype=torch.float64), {k: torch.from_numpy(g) for k, g in grads.items()})
+        for r, out in runs.items()
+        for name, (loss, grads) in out.items()
+    }
     for r in (0, 1):
-        compare(tuple(map(_scalar, as_torch["ours0"][r])), tuple(map(_scalar, as_torch["mnrl"][r])))
+        loss_diff, grad_diff = compare(as_torch["ours0", r], as_torch["mnrl", r])
+        print(f"rank {r} {directions} vs MNRL gather_across_devices: |Δloss| {loss_diff:.1e}, grads {grad_diff:.1e}")
     model = tiny_st(bert_dir)
     single = HNMultipleNegativesRankingLoss(
         model, scale=15.0, directions=directions, partition_mode=partition_mode, gamma=0.5, backend="torch"
     )
     want = loss_and_grads(model, single, features(model, 3, n=2 * N, seed=11))
-    mean_loss = torch.tensor(sum(as_torch["ours"][r][0] for r in (0, 1)) / 2, dtype=torch.float64)
-    compare((mean_loss, as_torch["ours"][0][1]), want, tol=1e-11)
-    assert as_torch["ours"][0][0] != as_torch["ours"][1][0]  # each rank its own rows
-
-
-def _scalar(x):
-    return torch.tensor(x, dtype=torch.float64) if isinstance(x, float) else x
+    mean_loss = (as_torch["ours", 0][0] + as_torch["ours", 1][0]) / 2
+    loss_diff, grad_diff = compare((mean_loss, as_torch["ours", 0][1]), want, tol=1e-11)
+    print(f"γ = 0.5, 2 ranks vs one process on 12 rows: |Δloss| {loss_diff:.1e}, grads {grad_diff:.1e}")
+    assert as_torch["ours", 0][0] != as_torch["ours", 1][0]  # each rank its own rows
