@@ -190,9 +190,29 @@ def test_margin_matches_float64_oracle_every_row_gradient(n, d, n_neg_columns, s
     want = oracle(columns[0], columns[1], negatives, scale, gamma, margin, symmetric)
     want_grads = torch.autograd.grad(want, columns)
     assert abs(got.item() - want.item()) <= 1e-12 * max(1.0, abs(want.item()))
-    for gg, gw in zip(got_grads, want_grads):  # every row of every column
-        row_err = (gg - gw).abs().amax(dim=1) / gw.abs().amax().clamp_min(1e-300)
-        assert (row_err <= 1e-11).all(), row_err
+    # every row of every column, against the gradient's natural scale s/min‖x‖ (dL/dx = s·(…)/‖x‖ with
+    # |…| ≤ 2): a column's own largest entry can cancel to 0 (N = 1: the loss is 0 for every input).
+    # Seen over 300 draws: 1.7e-15 of it
+    for gg, gw, x in zip(got_grads, want_grads, columns):
+        row_err = (gg - gw).abs().amax(dim=1) / (scale / x.detach().norm(dim=1).min())
+        assert (row_err <= 1e-13).all(), row_err
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_float32_backends_match_float64_oracle(symmetric):
+    """Every backend on float32 embeddings (Triton interpreted on CPU), γ = 0.5 with a negative column."""
+    g = torch.Generator().manual_seed(7)
+    columns = [torch.randn(5, 8, generator=g, requires_grad=True) for _ in range(3)]
+    directions, partition = (BOTH, "per_direction") if symmetric else (ONE, "joint")
+    want = oracle(columns[0], columns[1], columns[2], 20.0, 0.5, "text", symmetric)
+    want_grads = torch.autograd.grad(want, columns)
+    for backend in ["torch", "triton"] + F64_BACKENDS[1:]:
+        loss_fn = HNMultipleNegativesRankingLoss(None, directions=directions, partition_mode=partition, backend=backend)
+        got = loss_fn.compute_loss_from_embeddings(columns)
+        got_grads = torch.autograd.grad(got, columns)
+        assert got.dtype == torch.float32 and abs(got.item() - want.item()) <= 2e-6 * abs(want.item()), backend
+        for gg, gw in zip(got_grads, want_grads):
+            assert max_rel_diff(gg.double(), gw) <= 2e-5, backend
 
 
 @pytest.mark.parametrize("backend", F64_BACKENDS)
@@ -206,17 +226,18 @@ def test_image_text_margin_one_direction_is_mnrl_all_negatives_hardness(model64,
     compare(loss_and_grads(model, ours, feats), loss_and_grads(model, mnrl, feats))
 
 
-@pytest.mark.parametrize("gamma", [0.0, 0.5])
-@pytest.mark.parametrize("directions,partition_mode", [CONFIGS[0], CONFIGS[2]])
+@pytest.mark.parametrize("directions,partition_mode,gamma", [(ONE, "joint", 0.0), (BOTH, "per_direction", 0.5)])
 def test_cached_equals_uncached(model64, directions, partition_mode, gamma):
+    """5 rows in mini-batches of 2 (3 per column), a negative column; at γ = 0 also sentence-transformers'
+    CachedMultipleNegativesRankingLoss."""
     model = model64
-    feats = features(model, 3, n=7, seed=5)
+    feats = features(model, 3, n=5, seed=5)
     kw = dict(scale=25.0, directions=directions, partition_mode=partition_mode, gamma=gamma, backend="torch")
     want = loss_and_grads(model, HNMultipleNegativesRankingLoss(model, **kw), feats)
-    cached = CachedHNMultipleNegativesRankingLoss(model, mini_batch_size=3, **kw)
+    cached = CachedHNMultipleNegativesRankingLoss(model, mini_batch_size=2, **kw)
     compare(loss_and_grads(model, cached, feats), want)
-    if gamma == 0.0:  # and sentence-transformers' own cached MNRL
-        st_kw = dict(scale=25.0, directions=directions, partition_mode=partition_mode, mini_batch_size=3)
+    if gamma == 0.0:
+        st_kw = dict(scale=25.0, directions=directions, partition_mode=partition_mode, mini_batch_size=2)
         compare(loss_and_grads(model, CachedMultipleNegativesRankingLoss(model, **st_kw), feats), want)
 
 
