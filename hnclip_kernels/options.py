@@ -23,7 +23,13 @@ import torch
 from . import validation
 from .margin import Margin
 from .numerics import compute_dtype
-from .validation_options import check_false_negative_threshold, check_options, check_precision, resolve_precision
+from .validation_options import (
+    ROW_REDUCTIONS,
+    check_false_negative_threshold,
+    check_options,
+    check_precision,
+    resolve_precision,
+)
 from .validation_rows import check_small_rows
 from .validation_scalars import hyperparameter, plain_number
 
@@ -35,7 +41,8 @@ class LossOptions:
     Attributes:
         gamma: margin scale γ ≥ 0 (0.5 is the paper's value; 0 is CLIP's InfoNCE).
         label_smoothing: ε in [0, 1), ``torch.nn.functional.cross_entropy`` semantics.
-        reduction: "mean", "sum" or "none".
+        reduction: "mean", "sum", "none" or "directions" (each direction's rows and LSE,
+            :class:`~hnclip_kernels.DirectionRows`; ``docs/api.md``, "Per-direction rows").
         normalize: L2-normalise the features inside the loss.
         backend: "auto", "torch", "cpp" or "triton"; after :meth:`bind`, the resolved one.
         precision: the Triton backend's tensor-core input precision for float32 features
@@ -95,7 +102,7 @@ class LossOptions:
         already read it), the backend resolved for these tensors, the precision default applied.
 
         ``n_rows``: how many pairs' losses the reduction adds up (default: N for "mean"/"sum",
-        1 for "none"), for the overflow bound of :func:`validation.check_tau`. ``n_keys``: the
+        1 for "none" and "directions"), for the overflow bound of :func:`validation.check_tau`. ``n_keys``: the
         number of key columns of the widest row (default N; N + M with M negative captions).
 
         Raises: the ``TypeError``/``ValueError`` of :func:`validation.check_features`,
@@ -104,7 +111,7 @@ class LossOptions:
         """
         validation.check_features(img, txt, *names)
         if n_rows is None:
-            n_rows = img.shape[0] if self.reduction != "none" else 1
+            n_rows = img.shape[0] if self.reduction not in ROW_REDUCTIONS else 1
         value = self.checked_tau(img, txt, tau, n_rows=n_rows, tau_value=tau_value, names=names, n_keys=n_keys)
         return self.resolved(img, value)
 
