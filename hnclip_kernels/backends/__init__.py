@@ -250,7 +250,10 @@ def direction_losses(
     :mod:`.directions`); 16-bit features run in float32, each feature's gradients summed in
     float32 and rounded to its dtype once."""
     if img.dtype in (torch.float16, torch.bfloat16):
-        img, txt, all_img, all_txt = (x.float() for x in (img, txt, all_img, all_txt))
+        # one cast per tensor (one process passes its batch as rows and as columns): each feature's
+        # gradients meet in float32 and are rounded to its dtype once
+        cast = {id(x): x.float() for x in (img, txt, all_img, all_txt)}
+        img, txt, all_img, all_txt = (cast[id(x)] for x in (img, txt, all_img, all_txt))
         family = _upcast(family)
     kwargs = _op_kwargs(tau, options, return_stats, offset=int(offset))
     fn = directional_fn(options.backend, options.precision)
