@@ -7,16 +7,19 @@ from typing import Optional, Union
 import torch
 
 from . import validation, validation_family
-from .backends import symmetric_losses
+from .backends import direction_losses, symmetric_losses
 from .numerics import autocast_disabled
 from .options import LossOptions, as_tau_tensor
 from .plausibility import warn_if_tau_looks_like_logit_scale
 from .reports import report_of_call
 from .validation_family import check_positive_stats
+from .validation_options import ROW_REDUCTIONS
 from .validation_rows import check_small_rows
 
 
-def reduce_rows(rows: torch.Tensor, reduction: str) -> torch.Tensor:
+def reduce_rows(rows, reduction: str):
+    """The rows reduced: a scalar for "mean"/"sum"; as they are for "none" (N,) and
+    "directions" (:class:`~hnclip_kernels.DirectionRows`)."""
     if reduction == "mean":
         return rows.mean()
     if reduction == "sum":
@@ -66,7 +69,11 @@ def hn_clip_loss(
             τ, γ and ε may also be NumPy scalars or one-element floating tensors (γ and ε get
             no gradient); under ``torch.compile`` these are graph inputs like Python floats.
             A 16-bit τ tensor computes in float32; dτ comes back in its dtype.
-        reduction: "mean" (scalar), "sum" (scalar) or "none" ((N,), entry k = ½(i2t_k + t2i_k)).
+        reduction: "mean" (scalar), "sum" (scalar), "none" ((N,), entry k = ½(i2t_k + t2i_k)) or
+            "directions": a :class:`~hnclip_kernels.DirectionRows` ``(i2t, t2i, lse_i2t, lse_t2i)``,
+            each direction's per-row loss and log-partition (N,), all differentiable
+            (``docs/api.md``, "Per-direction rows": their exact definition with every option,
+            and their cost, two directional passes, four with label smoothing).
         normalize: L2-normalise inside (autograd through it); False trusts the caller.
         backend: "auto" (Triton on CUDA, the C++ kernel on CPU when built, else torch),
             "torch" (pure PyTorch reference, materialises N×N), "triton" (fused kernels; CPU
@@ -108,7 +115,8 @@ def hn_clip_loss(
             backend="torch" only so far ("auto" picks it); no ``return_stats``.
 
     Returns:
-        float32 loss (float64 for float64 inputs): a scalar, or shape (N,) for "none";
+        float32 loss (float64 for float64 inputs): a scalar, shape (N,) for "none", four (N,)
+        rows for "directions";
         ``(loss, report)`` with ``return_stats``.
         Gradients reach ``img``/``txt`` in their own dtype and ``tau`` in its dtype.
         Second derivatives (a backward through a gradient taken with ``create_graph=True``)
@@ -178,7 +186,11 @@ def pair_losses(img, txt, tau, options, family, return_stats, *, tau_value=None,
         warn_if_tau_looks_like_logit_scale(bound.tau_value, depth=1)
     # autocast would run the reference's matmuls in bf16: accumulation here is float32 by design
     with autocast_disabled(img.device):
-        out = symmetric_losses(img, txt, as_tau_tensor(tau, img), bound, return_stats, family)
+        tau_t = as_tau_tensor(tau, img)
+        if bound.reduction == "directions":
+            out = direction_losses(img, txt, img, txt, tau_t, 0, bound, return_stats, family)
+        else:
+            out = symmetric_losses(img, txt, tau_t, bound, return_stats, family)
     if not return_stats:
         return out, None
     rows, (i2t, t2i) = out
@@ -210,7 +222,7 @@ def _real_negatives(family):
 def _check_family(img, txt, tau, bound, family, n_keys, names) -> None:
     """The family's range checks on bound options: the negatives' small rows (``normalize``), or
     the logit gaps their norms (and an image-text margin's) give (``normalize=False``)."""
-    n_rows = img.shape[0] if bound.reduction != "none" else 1
+    n_rows = img.shape[0] if bound.reduction not in ROW_REDUCTIONS else 1
     negatives = _real_negatives(family)
     negatives = None if negatives is not None and negatives.shape[0] == 0 else negatives
     if bound.normalize and negatives is not None and negatives.shape[0] > 0:  # bind checked img and txt
@@ -228,7 +240,8 @@ def module_family_loss(
     img, txt, tau, options, negatives, group_ids, *, return_stats, tau_value, problem, negatives_mask=None
 ):  # fmt: skip
     """``HNClipLoss.forward`` with a family option on one process (``world_size > 1`` goes to
-    :func:`hnclip_kernels.distributed.rank_loss`): (mean loss, report or None), or None where
+    :func:`hnclip_kernels.distributed.rank_loss`): (mean loss, or the ``DirectionRows`` of
+    ``reduction="directions"``; report or None), or None where
     the checked options turn out to be today's (M = 0, no ids, margin "text"). ``problem``: the
     error of an invalid logit_scale, raised once the family arguments are checked."""
     names = ("image_features", "text_features")
@@ -240,4 +253,4 @@ def module_family_loss(
     if problem is not None:
         raise problem
     rows, report = pair_losses(img, txt, tau, options, family, return_stats, tau_value=tau_value, names=names)
-    return rows.mean(), report
+    return (rows if options.reduction == "directions" else rows.mean()), report

@@ -39,8 +39,10 @@ import torch
 from ..group_mode import POSITIVE_BACKENDS
 from ..margin import Margin, margin_operands
 from ..plausibility import warn_once
+from .directions import assemble, positive_logits
 from .pytorch.reference import directional_nll_torch
 from .pytorch.sigmoid_pairs import sigmoid_pairs_torch
+from .softmax import smooths
 
 
 def triton_directional() -> Callable:
@@ -229,6 +231,57 @@ def rank_losses(
             ids = (family.group_ids[offset : offset + img.shape[0]], family.group_ids)
     i2t, t2i = _two_directions(fn, (img, txt), (all_img, all_txt), family, ids, kwargs)
     return _pair_average(i2t, t2i, return_stats)
+
+
+def direction_losses(
+    img: torch.Tensor,
+    txt: torch.Tensor,
+    all_img: torch.Tensor,
+    all_txt: torch.Tensor,
+    tau: torch.Tensor,
+    offset: int,
+    options,
+    return_stats: bool = False,
+    family=None,
+):
+    """Each direction's rows and LSE (:class:`~hnclip_kernels.backends.directions.DirectionRows`,
+    each (R,)) of R query rows (``img``, ``txt``) against the gathered columns (``all_img``,
+    ``all_txt``), row i's positive at column ``offset + i``, on the backend of resolved
+    ``options``: one process passes its batch twice and offset 0. With ``return_stats`` also
+    ``(i2t, t2i)``, the detached ``RowStats``.
+
+    ``family``: as :func:`rank_losses`'s (the gathered negatives and all ids). Every backend runs
+    its directional op once per direction (twice with ε > 0: the unsmoothed rows give the LSE,
+    :mod:`.directions`); 16-bit features run in float32, each feature's gradients summed in
+    float32 and rounded to its dtype once."""
+    if family is not None and family.own_negatives is not None:
+        raise ValueError(
+            "reduction='directions' does not take each row's own negatives (N, K, D) yet; pass shared negatives "
+            "(M, D) or use reduction='none'"
+        )
+    if img.dtype in (torch.float16, torch.bfloat16):
+        # one cast per tensor (one process passes its batch as rows and as columns): each feature's
+        # gradients meet in float32 and are rounded to its dtype once
+        cast = {id(x): x.float() for x in (img, txt, all_img, all_txt)}
+        img, txt, all_img, all_txt = (cast[id(x)] for x in (img, txt, all_img, all_txt))
+        family = _upcast(family)
+    kwargs = _op_kwargs(tau, options, return_stats, offset=int(offset))
+    fn = directional_fn(options.backend, options.precision)
+    ids = (None, None)
+    if family is not None and family.group_ids is not None:
+        ids = (family.group_ids[offset : offset + img.shape[0]], family.group_ids)
+    queries, keys = (img, txt), (all_img, all_txt)
+    out = _two_directions(fn, queries, keys, family, ids, kwargs)
+    losses = [x[0] for x in out] if return_stats else out
+    unsmoothed = losses
+    if smooths(options.label_smoothing):  # the LSE needs the unsmoothed rows
+        plain = dict(kwargs, label_smoothing=0.0, return_stats=False)
+        unsmoothed = _two_directions(fn, queries, keys, family, ids, plain)
+    positives = [
+        positive_logits(q, k, int(offset), tau, options.normalize) for q, k in ((img, all_txt), (txt, all_img))
+    ]
+    rows = assemble(losses, unsmoothed, positives)
+    return (rows, (out[0][1], out[1][1])) if return_stats else rows
 
 
 def _family_inputs(family) -> dict:

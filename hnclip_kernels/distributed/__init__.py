@@ -41,6 +41,7 @@ from ..margin import Margin
 from ..numerics import autocast_disabled
 from ..options import LossOptions
 from ..validation_family import Family
+from ..validation_options import check_module_reduction
 from .consensus import collective_check, family_checks, local_checks
 from .family import family_rank_loss
 from .gather import AUTOGRAD_GATHER, HAS_DISTRIBUTED, dist, gather_features, gather_sizes, require_distributed
@@ -79,7 +80,8 @@ def distributed_hn_clip_loss(
     group_ids: Optional[torch.Tensor] = None,
     margin: str = "text",
     group_mode: str = "mask",
-) -> torch.Tensor:
+    reduction: str = "mean",
+):
     """HN-CLIP loss of this rank's share of the global batch (a collective: call on every rank).
 
     Checks the inputs of all ranks in one metadata collective (raising on every rank if any
@@ -110,10 +112,19 @@ def distributed_hn_clip_loss(
     (``docs/hard_negatives.md#multi-positive-targets``), the same on every rank: a row's positives
     are every column of its group, on any rank (the ids are gathered); backend "torch" only so far,
     ``group_ids`` on every rank, no ``return_stats``.
+    ``reduction``: "mean" (the loss above) or "directions": a
+    :class:`~hnclip_kernels.DirectionRows` instead, each direction's rows and LSE, unscaled:
+    with ``local_loss=True`` (and ``world_size > 1``) this rank's n_r rows against the gathered
+    columns, with ``local_loss=False`` all N rows of the gathered batch in rank order (the same on
+    every rank); gradients flow through the gather as the scalar loss's do in that mode
+    (``docs/api.md``, "Per-direction rows"). The same on every rank (checked); other values raise
+    ``ValueError``.
     """
 
     def options():  # built inside the checks, so a bad option on one rank raises on every rank
+        check_module_reduction(reduction, "distributed_hn_clip_loss")
         return LossOptions(
+            reduction=reduction,
             gamma=gamma,
             label_smoothing=label_smoothing,
             normalize=normalize,

@@ -204,6 +204,7 @@ def collective_check(
     if requested is not None:
         flags |= int(bool(requested.normalize)) << 2
         flags |= int(validation.tau_requires_grad(tau)) << 3  # dτ's overflow bound: not compared across ranks
+        flags |= int(requested.reduction == "directions") << 4
         row = _meta_row(
             status,
             image_features,
@@ -240,9 +241,9 @@ def collective_check(
     if len({m[_DTYPE] for m in meta}) > 1:
         names = [str(validation.FLOAT_DTYPES[m[_DTYPE]]) for m in meta]
         problems.append(f"feature dtypes differ across ranks: {names}")
-    if len({(m[_FLAGS] & 0b111, m[_GAMMA], m[_EPS], m[_WORLD], m[_PREC]) for m in meta}) > 1:
+    if len({(m[_FLAGS] & 0b10111, m[_GAMMA], m[_EPS], m[_WORLD], m[_PREC]) for m in meta}) > 1:
         problems.append(
-            "loss options (local_loss, gather_with_grad, normalize, gamma, "
+            "loss options (local_loss, gather_with_grad, normalize, reduction, gamma, "
             "label_smoothing, world_size, precision) differ across ranks"
         )
     if len({m[_THRESHOLD] for m in meta}) > 1:

@@ -32,6 +32,7 @@ from ..numerics import autocast_disabled
 from ..options import LossOptions, as_tau_tensor
 from ..validation_family import Family, check_positive_stats
 from .gather import gather_features, gather_ids, gather_rows
+from .per_rank import rank_direction_rows
 
 
 def family_rank_loss(
@@ -49,7 +50,8 @@ def family_rank_loss(
     group=None,
     return_stats: bool = False,
 ):
-    """This rank's family loss: a float32 scalar (float64 for float64 features); with
+    """This rank's family loss: a float32 scalar (float64 for float64 features; with
+    ``reduction="directions"`` the rows of :func:`~.per_rank.rank_direction_rows`); with
     ``return_stats`` ``(loss, (i2t, t2i, (N + K, N)))``, the detached ``RowStats`` of this rank's
     rows (all N rows with ``local_loss=False``) and the key columns of each direction.
 
@@ -83,6 +85,12 @@ def family_rank_loss(
     n_keys = (n_total + (0 if all_neg is None else all_neg.shape[0]), n_total)
     with autocast_disabled(image_features.device):
         gathered = dataclasses.replace(family, negatives=all_neg, group_ids=all_ids)
+        if bound.reduction == "directions":  # the rows, unscaled (distributed.per_rank)
+            out = rank_direction_rows(
+                (image_features, text_features), (all_img, all_txt), tau_t, sum(sizes[:rank]), bound,
+                local_loss=local_loss, world_size=world_size, return_stats=return_stats, family=gathered,
+            )  # fmt: skip
+            return (out[0], (*out[1], n_keys)) if return_stats else out
         if not local_loss or world_size == 1:  # the whole global batch: the single-process family loss
             out = symmetric_losses(all_img, all_txt, tau_t, bound, return_stats, gathered)
         else:
