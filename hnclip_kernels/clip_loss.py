@@ -283,7 +283,9 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
                 of the concatenated global batch in each mode above
                 (:func:`hnclip_kernels.distributed_hn_clip_loss`). With ``world_size`` 1 also
                 (N, K, D), each row's own negatives, with ``negatives_mask`` (N, K) bool (True:
-                real), as in :func:`hnclip_kernels.hn_clip_loss`; across ranks a ``ValueError``.
+                real), as in :func:`hnclip_kernels.hn_clip_loss`; across ranks this rank's rows'
+                own (not gathered with ``local_loss=True``, backend "torch" only there; gathered
+                on every backend with ``local_loss=False``; :func:`hnclip_kernels.distributed_hn_clip_loss`).
 
         Returns:
             A float32 scalar (float64 for float64 features), or the dict; as ``ClipLoss``. With
@@ -323,11 +325,6 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
         if self.world_size == 1:
             loss = self._single_process(image_features, text_features, tau, tau_value)
         else:
-            if negatives_mask is not None:  # no collective yet: every rank passes it or none, all raise
-                raise ValueError(
-                    "negatives_mask (with (N, K, D) negatives, each row's own) is supported with world_size 1 only; "
-                    "across ranks pass shared (M, D) negatives"
-                )
             try:
                 loss = rank_loss(
                     image_features,
@@ -343,6 +340,7 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
                     tau_value=tau_value,
                     negatives=negatives,  # gathered like the captions (distributed.family); None: today's path
                     group_ids=group_ids,
+                    negatives_mask=negatives_mask,  # each row's own (N, K, D): distributed.family
                 )
             except (TypeError, ValueError) as exc:
                 if problem is not None:

@@ -41,7 +41,8 @@ def check_negatives(negatives, txt: torch.Tensor, txt_name: str = "txt", own: bo
         also = (
             " or (N, K, D), each row's own K negatives"
             if own
-            else "; (N, K, D) negatives, each row's own, are taken by hn_clip_loss and by HNClipLoss with world_size 1 only"
+            else "; (N, K, D) negatives, each row's own, are taken by the softmax loss only "
+            "(hn_clip_loss, HNClipLoss, distributed_hn_clip_loss)"
         )
         raise ValueError(
             f"negatives must be 2-D (M, D): one row per hard-negative caption embedding{also}, got shape "

@@ -37,10 +37,8 @@ from typing import Optional, Union
 import torch
 
 from .. import validation
-from ..margin import Margin
 from ..numerics import autocast_disabled
 from ..options import LossOptions
-from ..validation_family import Family
 from ..validation_options import check_module_reduction
 from .consensus import collective_check, family_checks, local_checks
 from .family import family_rank_loss
@@ -81,6 +79,7 @@ def distributed_hn_clip_loss(
     margin: str = "text",
     group_mode: str = "mask",
     reduction: str = "mean",
+    negatives_mask: Optional[torch.Tensor] = None,
 ):
     """HN-CLIP loss of this rank's share of the global batch (a collective: call on every rank).
 
@@ -119,6 +118,12 @@ def distributed_hn_clip_loss(
     every rank); gradients flow through the gather as the scalar loss's do in that mode
     (``docs/api.md``, "Per-direction rows"). The same on every rank (checked); other values raise
     ``ValueError``.
+    ``negatives`` (n_r, K_r, D) with ``negatives_mask`` (n_r, K_r) bool: each of this rank's rows'
+    own negatives (``docs/hard_negatives.md``, "Each row's own negatives"; K_r may differ across
+    ranks and be 0, but no rank may pass shared (M, D) ones then). They extend only their own rows'
+    image→text rows, so the loss is the single-process own-negatives loss of the concatenated
+    batch. ``local_loss=True``: not gathered, backend "torch" only (the directional reference);
+    ``local_loss=False``: gathered (padded to the largest K_r) on every backend.
     """
 
     def options():  # built inside the checks, so a bad option on one rank raises on every rank
@@ -149,6 +154,7 @@ def distributed_hn_clip_loss(
         return_stats=return_stats,
         negatives=negatives,
         group_ids=group_ids,
+        negatives_mask=negatives_mask,
     )
 
 
@@ -167,13 +173,15 @@ def rank_loss(
     tau_value: Optional[float] = None,
     negatives: Optional[torch.Tensor] = None,
     group_ids: Optional[torch.Tensor] = None,
+    negatives_mask: Optional[torch.Tensor] = None,
 ):
     """:func:`distributed_hn_clip_loss` with its options as a :class:`LossOptions` (or a function
     building one, whose error then raises on every rank), and ``tau_value``, τ already read by
     the caller (:class:`hnclip_kernels.HNClipLoss` reads ``logit_scale`` once). ``negatives`` and
     ``group_ids``: this rank's (see :func:`distributed_hn_clip_loss`); where no rank passes any
     (and the margin is "text") the call is today's, on today's path."""
-    family = (negatives, group_ids) if negatives is not None or group_ids is not None else None
+    given = negatives is not None or group_ids is not None or negatives_mask is not None
+    family = (negatives, group_ids, negatives_mask) if given else None
     if world_size is None:
         world_size = dist.get_world_size(group=group) if HAS_DISTRIBUTED and dist.is_initialized() else 1
     if rank is None:
@@ -216,14 +224,15 @@ def rank_loss(
 def _single_checks(image_features, text_features, tau, options, rank, group, tau_value, family):
     """:func:`collective_check`'s result on one process, raising here."""
     status, exc, _, bound = local_checks(image_features, text_features, tau, options, rank, 1, group, tau_value)
-    negatives = group_ids = None
+    checked = None
     if exc is None and (family is not None or bound.group_mode.positives):  # positives need ids: checked there
-        family = (None, None) if family is None else family
-        status, exc, negatives, group_ids = family_checks(image_features, text_features, *family, bound, tau)
+        family = (None, None, None) if family is None else family
+        status, exc, checked = family_checks(image_features, text_features, *family[:2], bound, tau, family[2])
     if exc is not None:
         raise exc
     sizes = [image_features.shape[0]]
-    if negatives is None and group_ids is None and bound.margin is Margin.TEXT:  # as family_of decided
+    if checked is None:  # as family_of decided: today's loss
         return sizes, bound, None
-    m = 0 if negatives is None else negatives.shape[0]
-    return sizes, bound, ([m], Family(negatives, group_ids, bound.margin))
+    m = 0 if checked.negatives is None else checked.negatives.shape[0]
+    k = 0 if checked.own_negatives is None else checked.own_negatives.shape[1]
+    return sizes, bound, ([m], checked, [k])

@@ -185,13 +185,15 @@ def test_refusals():
             hn_clip_loss(img, txt, 0.1, negatives=own, group_ids=ids, group_mode=mode, backend="torch")
 
 
-def test_refused_across_ranks_and_by_the_sigmoid_loss():
+def test_refused_by_the_sigmoid_loss():
+    # across ranks: tests/distributed/test_own_distributed.py
     from hnclip_kernels import hn_siglip_loss
     from hnclip_kernels.margin import Margin
     from hnclip_kernels.validation_family import family_of
 
     img, txt, own, _ = own_inputs(4, 3, 8, "all", 0, torch.float32)
-    with pytest.raises(ValueError, match=r"\(N, K, D\) negatives, each row's own, are taken by hn_clip_loss"):
-        family_of(img, txt, own, None, Margin.TEXT, own=False)  # what the cross-rank checks call
-    with pytest.raises(ValueError, match=r"\(N, K, D\) negatives, each row's own, are taken by hn_clip_loss"):
+    words = r"\(N, K, D\) negatives, each row's own, are taken by the softmax loss only \(hn_clip_loss"
+    with pytest.raises(ValueError, match=words):
+        family_of(img, txt, own, None, Margin.TEXT, own=False)  # the sigmoid loss's checks
+    with pytest.raises(ValueError, match=words):
         hn_siglip_loss(img, txt, 10.0, -10.0, negatives=own)
