@@ -257,3 +257,21 @@ def test_hn_clip_trainer_trains_a_peft_model_chunked(tmp_path):
     # moves such elements by a few 1e-6 after 3 steps (lr 3e-3): atol 1e-5, 0.3% of one step
     worst = max((got[name] - value).abs().max().item() for name, value in plain_adapters.items())
     assert worst <= 1e-5, worst
+
+
+def test_open_clip_out_proj_alone_trains_nothing():
+    """docs/large_batches.md's target advice: nn.MultiheadAttention's forward reads
+    ``out_proj.weight`` itself, so a LoRA on open_clip's ``out_proj`` alone is never called
+    (target "attn", peft's LoRA for the whole attention)."""
+    torch.manual_seed(0)
+    model = open_clip.create_model(
+        "ViT-B-32",
+        pretrained=None,
+        embed_dim=32,
+        vision_cfg=dict(image_size=32, patch_size=8, width=32, head_width=16, layers=2, mlp_ratio=2.0),
+        text_cfg=dict(context_length=CTX, vocab_size=49408, width=32, heads=2, layers=2, mlp_ratio=2.0),
+    )
+    model = lora(model, ["out_proj"])
+    images, _ = oc_batch()
+    assert adapters(model)
+    assert not model.encode_image(images.float(), normalize=True).requires_grad
