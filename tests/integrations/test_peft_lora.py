@@ -74,7 +74,8 @@ def oc_batch():
     return torch.randn(N, 3, 32, 32, generator=g, dtype=torch.float64), texts
 
 
-def hf_model(dora=False, dropout=0.0, dtype=torch.float64):
+def hf_clip(dtype=torch.float64):
+    """A bare tiny CLIPModel (width 32, 2 layers), train mode."""
     tower = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2)
     config = transformers.CLIPConfig(
         text_config=dict(
@@ -84,7 +85,11 @@ def hf_model(dora=False, dropout=0.0, dtype=torch.float64):
         projection_dim=24,
     )
     torch.manual_seed(0)
-    return lora(transformers.CLIPModel(config).to(dtype).train(), HF_TARGETS, dora=dora, dropout=dropout)
+    return transformers.CLIPModel(config).to(dtype).train()
+
+
+def hf_model(dora=False, dropout=0.0, dtype=torch.float64):
+    return lora(hf_clip(dtype), HF_TARGETS, dora=dora, dropout=dropout)
 
 
 def hf_batch(n=N, dtype=torch.float64, seed=1):
@@ -275,3 +280,15 @@ def test_open_clip_out_proj_alone_trains_nothing():
     images, _ = oc_batch()
     assert adapters(model)
     assert not model.encode_image(images.float(), normalize=True).requires_grad
+
+
+def test_modules_to_save_leaves_logit_scale_frozen():
+    """docs/large_batches.md: logit_scale is a bare parameter; peft's modules_to_save names modules,
+    so ``modules_to_save=["logit_scale"]`` trains nothing more (requires_grad_ does)."""
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["logit_scale"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = peft.get_peft_model(hf_clip(), config)
+    assert not model.logit_scale.requires_grad
+    model.logit_scale.requires_grad_(True)
+    assert any(name.endswith("logit_scale") for name in adapters(model))
