@@ -151,7 +151,7 @@ def query_to_doc_loss(
     gathered with gradients), positive of local row i at column offset + i; one directional op.
     The inputs are checked as ``distributed_hn_clip_loss`` checks them (on every rank at once)."""
     rank, world = layout(gather)
-    family = None if negatives is None else (negatives, None)
+    family = None if negatives is None else (negatives, None, None)  # (negatives, group_ids, negatives_mask)
     if world > 1:  # flags: local_loss, gather_with_grad (bits 0, 1)
         sizes, bound, family = collective_check(
             anchors, positives, tau, options, 0b11, rank, world, None, family=family
@@ -183,7 +183,8 @@ def _single_checks(anchors, positives, negatives, tau, options):
     """One process's checks: (sizes, bound options, the checked negatives or None)."""
     _, exc, _, bound = local_checks(anchors, positives, tau, options, 0, 1, None)
     if exc is None and negatives is not None:
-        _, exc, negatives, _ = family_checks(anchors, positives, negatives, None, bound, tau)
+        _, exc, family = family_checks(anchors, positives, negatives, None, bound, tau)
+        negatives = None if family is None else family.negatives
     if exc is not None:
         raise exc
     return [anchors.shape[0]], bound, negatives
