@@ -3,13 +3,14 @@
 Public API: :func:`hn_clip_loss`, :func:`hn_siglip_loss` (the sigmoid loss), :class:`HNClipLoss` (drop-in for open_clip's ClipLoss),
 :class:`HNSigLipLoss` (drop-in for open_clip's SigLipLoss), :func:`sigmoid_saturation_report`
 (the pairs a naive float32 sigmoid-loss gradient loses),
-:func:`gather_features`, :func:`workspace_bytes`, :func:`chunked_encode` / :func:`chunked_features`
+:func:`gather_features`, :func:`workspace_bytes`, :class:`DirectionRows` (``reduction="directions"``), :func:`chunked_encode` / :func:`chunked_features`
 (encoders run in recomputed chunks: contrastive batches beyond the encoders' activation memory).
 Backends: ``hnclip_kernels.backends.pytorch.reference`` (pure PyTorch),
 ``hnclip_kernels.backends.triton.ops`` (fused Triton kernels), ``hnclip_kernels.backends.cpp.ops``
 (fused C++ CPU kernel).
 """
 
+from .backends.directions import DirectionRows
 from .chunked import chunked_encode, chunked_features
 from .clip_loss import HNClipLoss
 from .diagnostics_sigmoid import SigmoidSaturationReport, sigmoid_saturation_report
@@ -64,6 +65,7 @@ __all__ = [
     "HNSigLipLoss",
     "gather_features",
     "LossOptions",
+    "DirectionRows",
     "workspace_bytes",
     "chunked_encode",
     "chunked_features",

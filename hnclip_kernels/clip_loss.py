@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Union
 
 import torch
 from torch import nn
 
 from . import validation
-from .backends import symmetric_losses
+from .backends import direction_losses, symmetric_losses
 from .distributed import rank_loss
 from .loss import module_family_loss
 from .module_checks import check_horovod, check_layout, check_positional_flags, checked_attribute
@@ -17,6 +18,7 @@ from .numerics import autocast_disabled
 from .options import LossOptions, as_tau_tensor, option_attribute, tau_from_scale
 from .plausibility import warn_if_implausible_logit_scale
 from .reports import report_of_call
+from .validation_options import check_module_reduction
 
 
 class HNClipLoss(HoldsProcessGroup, nn.Module):
@@ -109,6 +111,13 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
             :func:`hnclip_kernels.hn_clip_loss` and ``docs/hard_negatives.md#multi-positive-targets``),
             across ranks too (a group may span ranks); then every ``forward`` needs ``group_ids``,
             ``backend`` is "torch", "cpp" or "auto" (which picks one) and ``return_stats`` is False.
+        reduction: "mean" (default: the loss of each mode above) or "directions": ``forward``
+            returns a :class:`~hnclip_kernels.DirectionRows` ``(i2t, t2i, lse_i2t, lse_t2i)``
+            instead, each direction's rows and log-partition, unscaled: with ``local_loss=True``
+            (and ``world_size > 1``) this rank's own n_r rows, else all N rows of the (gathered)
+            batch; for FastCLIP-style estimators of the global normaliser (``docs/api.md``,
+            "Per-direction rows"). ``output_dict=True`` then raises (open_clip's loop sums the
+            dict's values). "sum" and "none" raise ``ValueError`` (``hn_clip_loss`` has them).
 
     ``gamma``, ``label_smoothing``, ``backend``, ``normalize``, ``precision`` and
     ``false_negative_threshold`` (and ``margin``, ``group_mode``) are checked at
@@ -158,8 +167,10 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
         false_negative_threshold=None,
         margin: str = "text",
         group_mode: str = "mask",
+        reduction: str = "mean",
     ):
         super().__init__()
+        check_module_reduction(reduction, "HNClipLoss")
         check_positional_flags(
             local_loss=local_loss,
             gather_with_grad=gather_with_grad,
@@ -181,6 +192,7 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
             false_negative_threshold=false_negative_threshold,
             margin=margin,
             group_mode=group_mode,
+            reduction=reduction,
         )
         self.local_loss = local_loss
         self.gather_with_grad = gather_with_grad
@@ -201,6 +213,16 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
     margin = option_attribute("margin")
     group_mode = option_attribute("group_mode")
 
+    @property
+    def reduction(self) -> str:
+        """ "mean" or "directions" (see the class docstring), read from and written to ``self.options``."""
+        return self.options.reduction
+
+    @reduction.setter
+    def reduction(self, value: str) -> None:
+        check_module_reduction(value, "HNClipLoss")
+        self.options = dataclasses.replace(self.options, reduction=value)
+
     def extra_repr(self) -> str:
         return (
             f"local_loss={self.local_loss}, gather_with_grad={self.gather_with_grad}, "
@@ -208,7 +230,7 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
             f"label_smoothing={self.label_smoothing}, backend={self.backend!r}, "
             f"normalize={self.normalize}, precision={self.precision!r}, return_stats={self.return_stats}, "
             f"false_negative_threshold={self.false_negative_threshold}, margin={self.margin!r}, "
-            f"group_mode={self.group_mode!r}"
+            f"group_mode={self.group_mode!r}" + (f", reduction={self.reduction!r}" if self.reduction != "mean" else "")
         )
 
     def _single_process(self, image_features, text_features, tau, tau_value):
@@ -217,10 +239,14 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
         options = self.options.bind(
             image_features, text_features, tau, tau_value=tau_value, names=("image_features", "text_features")
         )
+        tau_t = as_tau_tensor(tau, image_features)
         with autocast_disabled(image_features.device):
-            out = symmetric_losses(
-                image_features, text_features, as_tau_tensor(tau, image_features), options, self.return_stats
-            )
+            if options.reduction == "directions":  # the rows themselves, not their mean
+                out = direction_losses(
+                    image_features, text_features, image_features, text_features, tau_t, 0, options, self.return_stats
+                )
+                return out if not self.return_stats else (out[0], (*out[1], image_features.shape[0]))
+            out = symmetric_losses(image_features, text_features, tau_t, options, self.return_stats)
         if not self.return_stats:
             return out.mean()
         rows, stats = out
@@ -236,6 +262,7 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
         *,
         negatives=None,
         group_ids=None,
+        negatives_mask=None,
     ):
         """Loss of this rank (see the class docstring for what it equals in each mode).
 
@@ -254,11 +281,21 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
                 With ``world_size > 1`` this rank's (M may differ across ranks and be 0; ids on
                 every rank or none): gathered like the captions, so the loss is the family loss
                 of the concatenated global batch in each mode above
-                (:func:`hnclip_kernels.distributed_hn_clip_loss`).
+                (:func:`hnclip_kernels.distributed_hn_clip_loss`). With ``world_size`` 1 also
+                (N, K, D), each row's own negatives, with ``negatives_mask`` (N, K) bool (True:
+                real), as in :func:`hnclip_kernels.hn_clip_loss`; across ranks this rank's rows'
+                own (not gathered with ``local_loss=True``, backend "torch" only there; gathered
+                on every backend with ``local_loss=False``; :func:`hnclip_kernels.distributed_hn_clip_loss`).
 
         Returns:
-            A float32 scalar (float64 for float64 features), or the dict; as ``ClipLoss``.
+            A float32 scalar (float64 for float64 features), or the dict; as ``ClipLoss``. With
+            ``reduction="directions"`` a :class:`~hnclip_kernels.DirectionRows` (see the class docstring).
         """
+        if output_dict and self.reduction == "directions":
+            raise ValueError(
+                "HNClipLoss(reduction='directions') returns DirectionRows, not a loss: output_dict=True would "
+                "put the rows in open_clip's summed loss dict; weight the rows and pass the scalar yourself"
+            )
         if logit_bias is not None:
             raise ValueError(
                 "HNClipLoss does not take a logit_bias (HN-CLIP has no bias term); "
@@ -279,7 +316,7 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
         if self.world_size == 1:  # the family's one predicate: validation_family.family_of, inside
             family = module_family_loss(
                 image_features, text_features, tau, self.options, negatives, group_ids,
-                return_stats=self.return_stats, tau_value=tau_value, problem=problem,
+                return_stats=self.return_stats, tau_value=tau_value, problem=problem, negatives_mask=negatives_mask,
             )  # fmt: skip
             if family is not None:  # None: M = 0 and no other family option, today's loss below
                 loss, self.last_stats = family
@@ -303,6 +340,7 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
                     tau_value=tau_value,
                     negatives=negatives,  # gathered like the captions (distributed.family); None: today's path
                     group_ids=group_ids,
+                    negatives_mask=negatives_mask,  # each row's own (N, K, D): distributed.family
                 )
             except (TypeError, ValueError) as exc:
                 if problem is not None:

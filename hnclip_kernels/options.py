@@ -24,7 +24,13 @@ from . import validation
 from .group_mode import POSITIVE_BACKENDS, GroupMode
 from .margin import Margin
 from .numerics import compute_dtype
-from .validation_options import check_false_negative_threshold, check_options, check_precision, resolve_precision
+from .validation_options import (
+    ROW_REDUCTIONS,
+    check_false_negative_threshold,
+    check_options,
+    check_precision,
+    resolve_precision,
+)
 from .validation_rows import check_small_rows
 from .validation_scalars import hyperparameter, plain_number
 
@@ -36,7 +42,8 @@ class LossOptions:
     Attributes:
         gamma: margin scale γ ≥ 0 (0.5 is the paper's value; 0 is CLIP's InfoNCE).
         label_smoothing: ε in [0, 1), ``torch.nn.functional.cross_entropy`` semantics.
-        reduction: "mean", "sum" or "none".
+        reduction: "mean", "sum", "none" or "directions" (each direction's rows and LSE,
+            :class:`~hnclip_kernels.DirectionRows`; ``docs/api.md``, "Per-direction rows").
         normalize: L2-normalise the features inside the loss.
         backend: "auto", "torch", "cpp" or "triton"; after :meth:`bind`, the resolved one.
         precision: the Triton backend's tensor-core input precision for float32 features
@@ -62,7 +69,8 @@ class LossOptions:
         ValueError: γ < 0 or non-finite, ε outside [0, 1), unknown ``reduction``,
             ``backend`` or ``precision``, ``false_negative_threshold`` outside (−1, 1],
             ``margin`` not "text" or "image_text" (a non-string: ``TypeError``), ``group_mode``
-            not "mask", "supcon" or "mil_nce" (a non-string: ``TypeError``).
+            not "mask", "supcon" or "mil_nce" (a non-string: ``TypeError``), a positive
+            ``group_mode`` with ``reduction="directions"``.
     """
 
     gamma: Union[float, torch.Tensor] = 0.5
@@ -86,6 +94,11 @@ class LossOptions:
         check_false_negative_threshold(self.false_negative_threshold)
         object.__setattr__(self, "margin", Margin.parse(self.margin))
         object.__setattr__(self, "group_mode", GroupMode.parse(self.group_mode))
+        if self.group_mode.positives and self.reduction == "directions":  # the rows' LSE assume one positive
+            raise ValueError(
+                f"reduction='directions' does not take group_mode={self.group_mode.value!r} yet; use "
+                "group_mode='mask', or reduction='none' for the per-row losses"
+            )
 
     def bind(
         self,
@@ -103,7 +116,7 @@ class LossOptions:
         already read it), the backend resolved for these tensors, the precision default applied.
 
         ``n_rows``: how many pairs' losses the reduction adds up (default: N for "mean"/"sum",
-        1 for "none"), for the overflow bound of :func:`validation.check_tau`. ``n_keys``: the
+        1 for "none" and "directions"), for the overflow bound of :func:`validation.check_tau`. ``n_keys``: the
         number of key columns of the widest row (default N; N + M with M negative captions).
 
         Raises: the ``TypeError``/``ValueError`` of :func:`validation.check_features`,
@@ -112,7 +125,7 @@ class LossOptions:
         """
         validation.check_features(img, txt, *names)
         if n_rows is None:
-            n_rows = img.shape[0] if self.reduction != "none" else 1
+            n_rows = img.shape[0] if self.reduction not in ROW_REDUCTIONS else 1
         value = self.checked_tau(img, txt, tau, n_rows=n_rows, tau_value=tau_value, names=names, n_keys=n_keys)
         return self.resolved(img, value)
 

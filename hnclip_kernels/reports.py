@@ -103,11 +103,9 @@ def stats_fields(
     """loss, saturated_rows, effective_negatives, rows (and masked_pairs with false-negative
     masking, from the ``kept`` counts and ``n_keys``) from both directions' statistics."""
     delta = torch.cat([i2t.delta.reshape(-1), t2i.delta.reshape(-1)]).double()
-    with_negatives = isinstance(n_keys, tuple) and n_keys[0] != n_keys[1]
-    if isinstance(n_keys, tuple):  # the hard-negative family: (N + M i2t columns, N t2i columns)
-        n_keys = torch.cat(
-            [torch.full_like(st.delta.reshape(-1), k, dtype=torch.float64) for st, k in zip((i2t, t2i), n_keys)]
-        )
+    with_negatives = isinstance(n_keys, tuple) and (isinstance(n_keys[0], torch.Tensor) or n_keys[0] != n_keys[1])
+    if isinstance(n_keys, tuple):  # the hard-negative family: (N + M i2t columns, or (N,) per row; N t2i columns)
+        n_keys = torch.cat([_columns(st, k) for st, k in zip((i2t, t2i), n_keys)])
     mean_neg = torch.cat([i2t.mean_neg.reshape(-1), t2i.mean_neg.reshape(-1)]).double()
     masked = i2t.kept is not None and t2i.kept is not None
     kept = torch.cat([i2t.kept.reshape(-1), t2i.kept.reshape(-1)]).double() if masked else None
@@ -135,6 +133,13 @@ def stats_fields(
         threshold=threshold,
         masked_pairs=int(round(values[3])) if masked else None,
     )
+
+
+def _columns(stats: RowStats, n_keys) -> torch.Tensor:
+    """Each row's key columns in float64: ``n_keys`` an int, or a per-row tensor (own negatives)."""
+    if isinstance(n_keys, torch.Tensor):
+        return n_keys.reshape(-1).to(torch.float64)
+    return torch.full_like(stats.delta.reshape(-1), n_keys, dtype=torch.float64)
 
 
 def report_of_call(

@@ -5,7 +5,8 @@ Usage (every argument but the ``--hn-*`` flags goes to ``open_clip_train.main`` 
     python -m hnclip_kernels.train [open_clip_train arguments] \\
         [--hn-gamma 0.5] [--hn-label-smoothing 0.0] [--hn-backend auto] [--hn-log-stats]
         [--hn-false-negative-threshold C] [--hn-chunk-size C]
-        [--hn-negatives-key COL] [--hn-group-key COL] [--hn-margin {text,image_text}]
+        [--hn-negatives-key COL [--hn-negatives-layout {shared,own}]] [--hn-group-key COL]
+        [--hn-margin {text,image_text}]
         [--siglip [--hn-group-mode {mask,positive}]]
     torchrun --nproc_per_node 8 -m hnclip_kernels.train -- --local-loss --gather-with-grad ...
 
@@ -28,6 +29,8 @@ Flags:
     --hn-negatives-key COL  a CSV column of hard-negative captions (NegCLIP's format: one per row,
                             an empty cell for none): the batch's negatives, through the text tower,
                             are the loss's ``negatives`` (extra image→text columns; docs/hard_negatives.md)
+    --hn-negatives-layout L "shared" (default: each negative a column of every image row, NegCLIP's)
+                            or "own" (each row's cell a column of its own row only, per-query negatives)
     --hn-group-key COL      a CSV column of group ids (equal values: no negatives of each other)
     --hn-margin M           "text" (default) or "image_text" (the margin from the image-text score)
     --hn-group-mode M       with --siglip: equal group ids are "mask"ed (default) or "positive" (label +1)
@@ -259,7 +262,11 @@ def main(argv=None):
         data_module.get_csv_dataset = train_negatives.patched_csv_dataset(original_csv, data_module, hn)
         groups, counts = hn.hn_group_key is not None, train_negatives.EpochCounts()
         forward = functools.partial(
-            train_negatives.family_forward, chunk_size=hn.hn_chunk_size, groups=groups, counts=counts
+            train_negatives.family_forward,
+            chunk_size=hn.hn_chunk_size,
+            groups=groups,
+            counts=counts,
+            layout=hn.hn_negatives_layout,
         )
         oc_main.train_one_epoch = train_negatives.counting_epoch(
             _epoch_with_forward(original_epoch, forward), counts, groups

@@ -15,6 +15,10 @@ an empty cell, a group of its own). open_clip_train's loop unpacks each batch as
   batch's M non-empty negatives, and returns open_clip's output dict with ``negatives`` (M, D)
   (absent when M = 0) and ``group_ids`` (B,) added, which ``loss(**model_out)`` hands to
   :class:`hnclip_kernels.HNClipLoss`. Evaluation runs the model's own forward on unpacked data.
+
+``--hn-negatives-layout own`` makes each row's cell its own negative instead of a column of every
+row: the same M embeddings, scattered into ``negatives`` (B, 1, D) with ``negatives_mask`` (B, 1)
+= the non-empty cells (:mod:`hnclip_kernels.negatives_layout`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import torch
 
 from .chunked import agree_tower_calls, chunked_features, padded_encode, tower_calls
+from .negatives_layout import NegativesLayout, own_slots
 
 __all__ = [
     "add_arguments",
@@ -57,6 +62,13 @@ def add_arguments(p) -> None:
         metavar="M",
         help='the margin\'s score, "text" (default, HN-CLIP\'s) or "image_text" (LLaVE-style hardness)',
     )
+    p.add_argument(
+        "--hn-negatives-layout",
+        choices=[m.value for m in NegativesLayout],
+        default="shared",
+        help='with --hn-negatives-key: each negative is a column of every image row ("shared", default, '
+        'NegCLIP\'s) or of its own row only ("own", per-query negatives)',
+    )
 
 
 def uses_columns(hn) -> bool:
@@ -66,6 +78,14 @@ def uses_columns(hn) -> bool:
 def check_columns(parser, hn, args) -> None:
     """The column flags need a CSV ``--train-data`` whose header has the columns, and no
     ``--torchcompile`` (untested with the packed forward)."""
+    if hn.hn_negatives_layout != "shared":
+        if hn.hn_negatives_key is None:
+            parser.error("argument --hn-negatives-layout: places the negatives of --hn-negatives-key; pass that too")
+        if args.siglip:
+            parser.error(
+                "argument --hn-negatives-layout: 'own' is the softmax loss's (HNClipLoss); the sigmoid loss "
+                "(--siglip) takes shared negatives only"
+            )
     if not uses_columns(hn):
         return
     flag = "--hn-negatives-key" if hn.hn_negatives_key is not None else "--hn-group-key"
@@ -198,10 +218,14 @@ def counting_epoch(train_one_epoch, counts: EpochCounts, groups: bool):
     return wrapped
 
 
-def family_forward(model, image=None, text=None, *, chunk_size=None, groups: bool = False, counts=None):
+def family_forward(
+    model, image=None, text=None, *, chunk_size=None, groups: bool = False, counts=None, layout="shared"
+):
     """open_clip ``CLIP.forward``'s output dict on packed tokens, plus ``negatives`` (M, D), the
     batch's non-empty negative captions through ``encode_text`` (L2-normalised; absent for M = 0)
-    and, with ``groups``, ``group_ids`` (B,); the towers chunked with a ``chunk_size``; the batch
+    and, with ``groups``, ``group_ids`` (B,); the towers chunked with a ``chunk_size``; with
+    ``layout`` "own" (a :class:`~hnclip_kernels.negatives_layout.NegativesLayout`) the same M
+    embeddings as each row's own, ``negatives`` (B, 1, D) and ``negatives_mask`` (B, 1); the batch
     added to ``counts`` (an :class:`EpochCounts`) if given. Under ``torch.distributed`` the ranks
     agree on the calls of each tower (one all_reduce) and pad (:mod:`hnclip_kernels.chunked`): a
     rank without negatives joins its padding calls to the captions' features with zero rows."""
@@ -225,7 +249,10 @@ def family_forward(model, image=None, text=None, *, chunk_size=None, groups: boo
         )
     encode = functools.partial(model.encode_text, normalize=True)
     features = padded_encode(encode, negatives if len(negatives) else None, chunk_size, negative_calls, filler=captions)
-    if len(negatives):
+    if len(negatives) and NegativesLayout.parse(layout, "layout") is NegativesLayout.OWN:
+        out["negatives"] = own_slots(features, has_negative[:, None])  # row i's cell: its one slot
+        out["negatives_mask"] = has_negative[:, None]
+    elif len(negatives):
         out["negatives"] = features
     elif features is not None:  # padding calls only: (0, D) rows, joined to the captions' features
         out["text_features"] = torch.cat([out["text_features"], features])

@@ -22,26 +22,39 @@ from .validation import FLOAT_DTYPES, check_features, finite_limit, largest_inte
 MARGINS = tuple(m.value for m in Margin)
 
 
-def check_negatives(negatives, txt: torch.Tensor, txt_name: str = "txt") -> Optional[torch.Tensor]:
+def check_negatives(negatives, txt: torch.Tensor, txt_name: str = "txt", own: bool = False) -> Optional[torch.Tensor]:
     """``negatives`` (M, D), M ≥ 0: extra caption columns of the image→text direction, in
     ``txt``'s dtype and on its device (``txt`` already checked). Returns it, or None for None or
-    M = 0 (no extra columns: the loss without negatives)."""
+    M = 0 (no extra columns: the loss without negatives). ``own``: (N, K, D) is accepted too, each
+    row's own K negatives (:func:`check_own_mask`; K = 0 is None)."""
     if negatives is None:
         return None
     if not isinstance(negatives, torch.Tensor):
         raise TypeError(f"negatives must be None or a torch.Tensor of shape (M, D), got {type(negatives).__name__}")
-    if negatives.dim() != 2:
+    if own and negatives.dim() == 3:
+        if negatives.shape[0] != txt.shape[0]:
+            raise ValueError(
+                f"negatives of shape (N, K, D) must have one row per pair, N = {txt.shape[0]}, got shape "
+                f"{tuple(negatives.shape)}; for negatives shared by every row pass (M, D): negatives.reshape(-1, D)"
+            )
+    elif negatives.dim() != 2:
+        also = (
+            " or (N, K, D), each row's own K negatives"
+            if own
+            else "; (N, K, D) negatives, each row's own, are taken by the softmax loss only "
+            "(hn_clip_loss, HNClipLoss, distributed_hn_clip_loss)"
+        )
         raise ValueError(
-            f"negatives must be 2-D (M, D): one row per hard-negative caption embedding, got shape "
+            f"negatives must be 2-D (M, D): one row per hard-negative caption embedding{also}, got shape "
             f"{tuple(negatives.shape)}; flatten the leading dimensions (negatives.reshape(-1, D))"
         )
     if negatives.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"negatives has dtype {negatives.dtype}; pass floating embeddings in {txt_name}'s dtype ({txt.dtype})"
         )
-    if negatives.shape[1] != txt.shape[1]:
+    if negatives.shape[-1] != txt.shape[1]:
         raise ValueError(
-            f"negatives has D = {negatives.shape[1]} but {txt_name} has D = {txt.shape[1]}; embed the negative "
+            f"negatives has D = {negatives.shape[-1]} but {txt_name} has D = {txt.shape[1]}; embed the negative "
             "captions with the same text tower"
         )
     if negatives.dtype != txt.dtype:
@@ -53,7 +66,34 @@ def check_negatives(negatives, txt: torch.Tensor, txt_name: str = "txt") -> Opti
             f"negatives ({negatives.device}) and {txt_name} ({txt.device}) must be on the same device; "
             f"move negatives to {txt.device}"
         )
-    return None if negatives.shape[0] == 0 else negatives
+    return None if negatives.shape[-2] == 0 else negatives
+
+
+def check_own_mask(negatives_mask, negatives: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``negatives_mask`` (N, K) bool, True where row i's k-th own negative is real (the
+    tokenizer's attention-mask convention): False entries are no columns at all (no logit, no ε
+    share, zero gradient to their embedding). Only with (N, K, D) ``negatives``; None: all real."""
+    if negatives_mask is None:
+        return None
+    if not isinstance(negatives_mask, torch.Tensor) or negatives_mask.dtype != torch.bool:
+        kind = negatives_mask.dtype if isinstance(negatives_mask, torch.Tensor) else type(negatives_mask).__name__
+        raise TypeError(f"negatives_mask must be a bool torch.Tensor of shape (N, K), got {kind}; e.g. mask.bool()")
+    if negatives is None or negatives.dim() != 3:
+        raise ValueError(
+            "negatives_mask is the mask of per-row negatives of shape (N, K, D); pass it with such "
+            "negatives, or drop it (shared (M, D) negatives have no mask)"
+        )
+    if tuple(negatives_mask.shape) != tuple(negatives.shape[:2]):
+        raise ValueError(
+            f"negatives_mask must have shape (N, K) = {tuple(negatives.shape[:2])} (negatives' first two "
+            f"dimensions), got {tuple(negatives_mask.shape)}"
+        )
+    if negatives_mask.device != negatives.device:
+        raise ValueError(
+            f"negatives_mask ({negatives_mask.device}) and negatives ({negatives.device}) must be on the same "
+            f"device; move negatives_mask to {negatives.device}"
+        )
+    return negatives_mask
 
 
 def check_group_ids(group_ids, txt: torch.Tensor, txt_name: str = "txt") -> Optional[torch.Tensor]:
@@ -95,38 +135,64 @@ class Family:
     by :func:`family_of` and passed down whole; None stands for today's loss.
 
     Attributes:
-        negatives: (M, D), M > 0, extra caption columns of the image→text rows, or None.
+        negatives: (M, D), M > 0, extra caption columns shared by every image→text row, or None.
         group_ids: (N,) integer ids (pairs with equal ids are no negatives of each other), or None.
         margin: the margin's kind (:class:`~hnclip_kernels.margin.Margin`).
+        own_negatives: (N, K, D), K > 0, each image→text row's own extra caption columns (row i's
+            only), or None; never with ``negatives``.
+        own_mask: (N, K) bool, True where an own negative is real (None: all are).
     """
 
     negatives: Optional[torch.Tensor] = None
     group_ids: Optional[torch.Tensor] = None
     margin: Margin = Margin.TEXT
+    own_negatives: Optional[torch.Tensor] = None
+    own_mask: Optional[torch.Tensor] = None
 
 
 def family_of(
-    img, txt, negatives, group_ids, margin: Margin, names=("img", "txt"), group_mode: GroupMode = GroupMode.MASK
+    img,
+    txt,
+    negatives,
+    group_ids,
+    margin: Margin,
+    names=("img", "txt"),
+    negatives_mask=None,
+    own: bool = True,
+    group_mode: GroupMode = GroupMode.MASK,
 ) -> Optional[Family]:
     """The one answer to "is this call the hard-negative family?": a :class:`Family` of the
-    checked ``negatives`` (M, D) and ``group_ids`` (N,) (``img``/``txt`` checked first), or None
-    where the call is today's loss (no negatives or M = 0, no ids, margin TEXT).
+    checked ``negatives`` (M, D) shared, or (N, K, D) each row's own with ``negatives_mask``
+    (N, K) bool, and ``group_ids`` (N,) (``img``/``txt`` checked first), or None where the call is
+    today's loss (no negatives or M = 0 or K = 0, no ids, margin TEXT). ``own=False``: (N, K, D)
+    refused (the callers across ranks).
 
     Raises: the ``TypeError``/``ValueError`` of :func:`validation.check_features`,
-    :func:`check_negatives` and :func:`check_group_ids`; ``ValueError`` for a positive
-    ``group_mode`` (:class:`~hnclip_kernels.group_mode.GroupMode`) without ``group_ids``."""
+    :func:`check_negatives`, :func:`check_own_mask` and :func:`check_group_ids`; ``ValueError`` for a
+    positive ``group_mode`` (:class:`~hnclip_kernels.group_mode.GroupMode`) without ``group_ids`` or
+    with (N, K, D) negatives."""
     if group_mode.positives and group_ids is None:
         raise ValueError(
             f"group_mode={group_mode.value!r} makes pairs with equal group_ids positives, but no group_ids were "
             "passed; pass group_ids (N,) (torch.arange(N) for one pair per group: the plain loss), or "
             "group_mode='mask'"
         )
-    if negatives is None and group_ids is None and margin is Margin.TEXT:
+    if group_mode.positives and isinstance(negatives, torch.Tensor) and negatives.dim() == 3:
+        raise ValueError(
+            f"group_mode={group_mode.value!r} does not take each row's own negatives (N, K, D) yet; pass shared "
+            "negatives (M, D) (negatives.reshape(-1, D)), or group_mode='mask'"
+        )
+    if negatives is None and group_ids is None and margin is Margin.TEXT and negatives_mask is None:
         return None
     check_features(img, txt, *names)
-    negatives, group_ids = family_arguments(img, txt, negatives, group_ids, names)
+    given = negatives
+    negatives = check_negatives(negatives, txt, names[1], own=own)
+    own_mask = check_own_mask(negatives_mask, given)  # K = 0 (negatives None now) keeps its mask's check
+    group_ids = check_group_ids(group_ids, txt, names[1])
     if negatives is None and group_ids is None and margin is Margin.TEXT:  # M = 0
         return None
+    if negatives is not None and negatives.dim() == 3:
+        return Family(None, group_ids, margin, negatives, own_mask)
     return Family(negatives, group_ids, margin)
 
 

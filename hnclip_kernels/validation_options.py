@@ -15,7 +15,11 @@ import torch
 
 from .validation_scalars import real_number
 
-REDUCTIONS = ("mean", "sum", "none")
+REDUCTIONS = ("mean", "sum", "none", "directions")
+# the reductions that return per-row outputs (the overflow bound then covers one row's loss)
+ROW_REDUCTIONS = ("none", "directions")
+# the loss modules and the distributed loss return a rank's scalar or its direction rows
+MODULE_REDUCTIONS = ("mean", "directions")
 BACKENDS = ("auto", "torch", "triton", "cpp")
 # tensor-core input precisions of the Triton backend for float32 features (README, "Precision")
 FP32_PRECISIONS = ("ieee", "tf32x3", "bf16x6", "bf16x3")
@@ -53,6 +57,16 @@ def check_false_negative_threshold(threshold) -> None:
             f"false_negative_threshold must be None or a caption cosine in (-1, 1], got {threshold}; "
             "e.g. 0.95 masks near-duplicate captions, 0.9999 exact duplicates (the float32 cosine of two "
             "identical captions can round below 1.0)"
+        )
+
+
+def check_module_reduction(reduction, where: str) -> None:
+    """``reduction`` of the loss module or the distributed loss (``where``): "mean" (the rank's
+    scalar) or "directions" (its rows); "sum" and "none" are ``hn_clip_loss``'s."""
+    if reduction not in MODULE_REDUCTIONS:
+        raise ValueError(
+            f"{where} takes reduction in {MODULE_REDUCTIONS}, got {reduction!r}; per-pair rows ('none') "
+            "and sums are hn_clip_loss's (one process), or weight the rows of reduction='directions'"
         )
 
 

@@ -70,6 +70,7 @@ FULL_TIER = (
     "tests/distributed/test_distributed.py",  # 64 s
     "tests/distributed/test_family_distributed.py::test_two_ranks_unequal_n_and_m_equal_the_concatenated_batch",  # 11 s
     "tests/distributed/test_family_distributed.py::test_two_ranks_triton_family_equal_the_concatenated_batch",  # 16-26 s
+    "tests/distributed/test_own_distributed.py",  # 18 s
     "tests/integrations/test_chunked.py::test_two_gloo_ranks_ddp_and_fsdp2",  # 24 s
     "tests/distributed/test_uneven_tower_calls.py",  # 60 s at load 6, 111 s at 8 (one spawn: 8 FSDP2, 3 ZeRO-3 cases)
     "tests/integrations/test_transformers.py::test_two_gloo_processes_equal_the_global_batch",  # 26 s

@@ -40,8 +40,10 @@ import torch
 from ..group_mode import POSITIVE_BACKENDS
 from ..margin import Margin, margin_operands
 from ..plausibility import warn_once
+from .directions import assemble, positive_logits
 from .pytorch.reference import directional_nll_torch
 from .pytorch.sigmoid_pairs import sigmoid_pairs_torch
+from .softmax import smooths
 
 
 def triton_directional() -> Callable:
@@ -232,11 +234,66 @@ def rank_losses(
     return _pair_average(i2t, t2i, return_stats)
 
 
+def direction_losses(
+    img: torch.Tensor,
+    txt: torch.Tensor,
+    all_img: torch.Tensor,
+    all_txt: torch.Tensor,
+    tau: torch.Tensor,
+    offset: int,
+    options,
+    return_stats: bool = False,
+    family=None,
+):
+    """Each direction's rows and LSE (:class:`~hnclip_kernels.backends.directions.DirectionRows`,
+    each (R,)) of R query rows (``img``, ``txt``) against the gathered columns (``all_img``,
+    ``all_txt``), row i's positive at column ``offset + i``, on the backend of resolved
+    ``options``: one process passes its batch twice and offset 0. With ``return_stats`` also
+    ``(i2t, t2i)``, the detached ``RowStats``.
+
+    ``family``: as :func:`rank_losses`'s (the gathered negatives and all ids). Every backend runs
+    its directional op once per direction (twice with ε > 0: the unsmoothed rows give the LSE,
+    :mod:`.directions`); 16-bit features run in float32, each feature's gradients summed in
+    float32 and rounded to its dtype once."""
+    if family is not None and family.own_negatives is not None:
+        raise ValueError(
+            "reduction='directions' does not take each row's own negatives (N, K, D) yet; pass shared negatives "
+            "(M, D) or use reduction='none'"
+        )
+    if img.dtype in (torch.float16, torch.bfloat16):
+        # one cast per tensor (one process passes its batch as rows and as columns): each feature's
+        # gradients meet in float32 and are rounded to its dtype once
+        cast = {id(x): x.float() for x in (img, txt, all_img, all_txt)}
+        img, txt, all_img, all_txt = (cast[id(x)] for x in (img, txt, all_img, all_txt))
+        family = _upcast(family)
+    kwargs = _op_kwargs(tau, options, return_stats, offset=int(offset))
+    fn = directional_fn(options.backend, options.precision)
+    ids = (None, None)
+    if family is not None and family.group_ids is not None:
+        ids = (family.group_ids[offset : offset + img.shape[0]], family.group_ids)
+    queries, keys = (img, txt), (all_img, all_txt)
+    out = _two_directions(fn, queries, keys, family, ids, kwargs)
+    losses = [x[0] for x in out] if return_stats else out
+    unsmoothed = losses
+    if smooths(options.label_smoothing):  # the LSE needs the unsmoothed rows
+        plain = dict(kwargs, label_smoothing=0.0, return_stats=False)
+        unsmoothed = _two_directions(fn, queries, keys, family, ids, plain)
+    positives = [
+        positive_logits(q, k, int(offset), tau, options.normalize) for q, k in ((img, all_txt), (txt, all_img))
+    ]
+    rows = assemble(losses, unsmoothed, positives)
+    return (rows, (out[0][1], out[1][1])) if return_stats else rows
+
+
 def _family_inputs(family) -> dict:
-    """The symmetric operators' optional family inputs: absent without the family (today's loss)."""
+    """The symmetric operators' optional family inputs: absent without the family (today's loss;
+    the own negatives' keywords only where there are some, so a plain call is today's call)."""
     if family is None:
         return dict(negatives=None, group_ids=None, margin=Margin.TEXT)
-    return dict(negatives=family.negatives, group_ids=family.group_ids, margin=family.margin)
+    inputs = dict(negatives=family.negatives, group_ids=family.group_ids, margin=family.margin)
+    if family.own_negatives is not None:
+        inputs.update(own_negatives=family.own_negatives, own_mask=family.own_mask)
+    return inputs
 
 
 def _two_directions(fn, queries, keys, family, ids, kwargs):
@@ -250,17 +307,25 @@ def _two_directions(fn, queries, keys, family, ids, kwargs):
     margin = Margin.TEXT if family is None else family.margin
     captions = key_txt if negatives is None else torch.cat([key_txt, negatives])
     groups = {} if ids[0] is None else dict(query_groups=ids[0], key_groups=ids[1])
+    own = {}  # each i2t row's own negatives (the reference only: one process)
+    if family is not None and family.own_negatives is not None:
+        own = dict(own_keys=family.own_negatives, own_mask=family.own_mask)
     out = []
     for q, k, q_txt, k_txt in ((img, captions, txt, captions), (txt, key_img, txt, key_txt)):
         a, b, mask_a, mask_b = margin_operands(margin, q, k, q_txt, k_txt)
         masks = {} if mask_a is None else dict(mask_query=mask_a, mask_key=mask_b)
-        out.append(fn(q, k, query_txt=a, key_txt=b, **masks, **groups, **kwargs))
+        out.append(fn(q, k, query_txt=a, key_txt=b, **masks, **groups, **own, **kwargs))
+        own = {}
     return out
 
 
 def _upcast(family):
     """``family`` with its negatives in float32 (16-bit features run in float32 off Triton)."""
-    if family is None or family.negatives is None:
+    if family is None:
+        return family
+    if family.own_negatives is not None:
+        return dataclasses.replace(family, own_negatives=family.own_negatives.float())
+    if family.negatives is None:
         return family
     return dataclasses.replace(family, negatives=family.negatives.float())
 

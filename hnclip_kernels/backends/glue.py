@@ -223,6 +223,22 @@ def family_backward_flops(grad, img, txt, negatives, *rest, **_) -> int:
     return logit_flops(img.shape[0], txt.shape[0] + negatives.shape[0], img.shape[1], backward=True)
 
 
+def symmetric_forward_flops(img, txt, negatives, own_negatives, *_, **__) -> int:
+    """The single-process family operators' forward (``negatives``, then ``own_negatives`` (N, K, D)):
+    :func:`family_forward_flops` plus each row's own K products, 2·N·K·D."""
+    own = (
+        logit_flops(1, own_negatives.shape[0] * own_negatives.shape[1], img.shape[1]) if own_negatives.dim() == 3 else 0
+    )
+    return family_forward_flops(img, txt, negatives) + own
+
+
+def symmetric_backward_flops(grad, img, txt, negatives, own_negatives, *rest, **_) -> int:
+    if not rest[-1]:
+        return 0
+    own = own_negatives.shape[0] * own_negatives.shape[1] if own_negatives.dim() == 3 else 0
+    return family_backward_flops(grad, img, txt, negatives, True) + logit_flops(1, own, img.shape[1], backward=True)
+
+
 def register_flops(formulas: dict) -> None:
     """Each ``formulas[name]`` as ``torch.utils.flop_counter.FlopCounterMode``'s count of
     ``hnclip::<name>``: called with the operator's arguments as they are (tensors, real or fake,

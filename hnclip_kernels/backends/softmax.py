@@ -126,7 +126,7 @@ def row_factors(stats: RowStats, g, shifted: bool):
 
 
 def add_positive_and_smoothing(
-    stats: RowStats, g, q_hat, k_hat, d_q, d_k, offset: int, label_smoothing: float, more_keys=None
+    stats: RowStats, g, q_hat, k_hat, d_q, d_k, offset: int, label_smoothing: float, more_keys=None, own_counts=None
 ):
     """Add, in place, the parts of dL/dq̂ and dL/dk̂ (times τ) that no kernel computes: the
     positive's gradient and the uniform label-smoothing term. Returns this direction's
@@ -135,6 +135,8 @@ def add_positive_and_smoothing(
     ``more_keys`` = (their k̂ (K, D), or None where unread; their dL/dk̂ (K, D)): columns after
     k's with no positive among them (the family's negative captions), which share the uniform
     smoothing term (k̂ read only for label smoothing without masking); None: none.
+    ``own_counts`` (M,): each row's own extra columns (:mod:`.own_negatives`, which adds their
+    gradient), so its smoothing spreads over n + own_counts_i classes; None: none.
     """
     m, n = q_hat.shape[0], k_hat.shape[0] + (0 if more_keys is None else more_keys[1].shape[0])
     eps = label_smoothing
@@ -147,11 +149,18 @@ def add_positive_and_smoothing(
     g_pos = torch.where(deep, g * eps - g_q, g * (eps - q_prob))
     d_q.add_(g_pos[:, None] * k_hat[offset : offset + m])
     d_k[offset : offset + m].add_(g_pos[:, None] * q_hat)
+    if own_counts is not None:
+        n = n + own_counts.to(g.dtype)
     if smooths(eps):
         # every column (positive included) gets −ε/N · g_i
         key_sum = k_hat.sum(dim=0) if more_keys is None else k_hat.sum(dim=0) + more_keys[0].sum(dim=0)
-        d_q.sub_((eps / n) * g[:, None] * key_sum[None, :])
-        column = (eps / n) * (g[:, None] * q_hat).sum(dim=0)[None, :]
+        if own_counts is not None:  # ε/n_i per row
+            weight = (eps / n) * g
+            d_q.sub_(weight[:, None] * key_sum[None, :])
+            column = (weight[:, None] * q_hat).sum(dim=0)[None, :]
+        else:
+            d_q.sub_((eps / n) * g[:, None] * key_sum[None, :])
+            column = (eps / n) * (g[:, None] * q_hat).sum(dim=0)[None, :]
         d_k.sub_(column)
         if more_keys is not None:
             more_keys[1].sub_(column)
@@ -225,14 +234,17 @@ def finish_symmetric(
     label_smoothing: float,
     normalize: bool,
     dz_z=None,
+    own_counts=None,
 ):
     """The single-process version of :func:`finish_directional`: both directions' positive and
     smoothing terms on top of a kernel's combined negatives' shares (``g`` already halved);
-    ``dz_z`` as there."""
+    ``dz_z`` as there; ``own_counts``: the i2t rows' own extra columns
+    (:func:`add_positive_and_smoothing`)."""
     if dz_z is None:
         dt = rv.dtype
         v_hat, t_hat = scaled(img, rv, dt), scaled(txt, rt, dt)
-        dz_z = add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v_neg, d_t_neg, 0, label_smoothing)
+        own = {} if own_counts is None else dict(own_counts=own_counts)
+        dz_z = add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v_neg, d_t_neg, 0, label_smoothing, **own)
         dz_z = dz_z + add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_t_neg, d_v_neg, 0, label_smoothing)
         del v_hat, t_hat  # peak memory: free before the normalisation's temporaries
     d_img = unnormalize_grad(img, rv, d_v_neg.mul_(inv_tau), normalize).to(img.dtype).contiguous()

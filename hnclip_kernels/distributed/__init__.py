@@ -37,10 +37,9 @@ from typing import Optional, Union
 import torch
 
 from .. import validation
-from ..margin import Margin
 from ..numerics import autocast_disabled
 from ..options import LossOptions
-from ..validation_family import Family
+from ..validation_options import check_module_reduction
 from .consensus import collective_check, family_checks, local_checks
 from .family import family_rank_loss
 from .gather import AUTOGRAD_GATHER, HAS_DISTRIBUTED, dist, gather_features, gather_sizes, require_distributed
@@ -79,7 +78,9 @@ def distributed_hn_clip_loss(
     group_ids: Optional[torch.Tensor] = None,
     margin: str = "text",
     group_mode: str = "mask",
-) -> torch.Tensor:
+    reduction: str = "mean",
+    negatives_mask: Optional[torch.Tensor] = None,
+):
     """HN-CLIP loss of this rank's share of the global batch (a collective: call on every rank).
 
     Checks the inputs of all ranks in one metadata collective (raising on every rank if any
@@ -110,10 +111,25 @@ def distributed_hn_clip_loss(
     (``docs/hard_negatives.md#multi-positive-targets``), the same on every rank: a row's positives
     are every column of its group, on any rank (the ids are gathered); backends "torch" and "cpp" so far,
     ``group_ids`` on every rank, no ``return_stats``.
+    ``reduction``: "mean" (the loss above) or "directions": a
+    :class:`~hnclip_kernels.DirectionRows` instead, each direction's rows and LSE, unscaled:
+    with ``local_loss=True`` (and ``world_size > 1``) this rank's n_r rows against the gathered
+    columns, with ``local_loss=False`` all N rows of the gathered batch in rank order (the same on
+    every rank); gradients flow through the gather as the scalar loss's do in that mode
+    (``docs/api.md``, "Per-direction rows"). The same on every rank (checked); other values raise
+    ``ValueError``.
+    ``negatives`` (n_r, K_r, D) with ``negatives_mask`` (n_r, K_r) bool: each of this rank's rows'
+    own negatives (``docs/hard_negatives.md``, "Each row's own negatives"; K_r may differ across
+    ranks and be 0, but no rank may pass shared (M, D) ones then). They extend only their own rows'
+    image→text rows, so the loss is the single-process own-negatives loss of the concatenated
+    batch. ``local_loss=True``: not gathered, backend "torch" only (the directional reference);
+    ``local_loss=False``: gathered (padded to the largest K_r) on every backend.
     """
 
     def options():  # built inside the checks, so a bad option on one rank raises on every rank
+        check_module_reduction(reduction, "distributed_hn_clip_loss")
         return LossOptions(
+            reduction=reduction,
             gamma=gamma,
             label_smoothing=label_smoothing,
             normalize=normalize,
@@ -138,6 +154,7 @@ def distributed_hn_clip_loss(
         return_stats=return_stats,
         negatives=negatives,
         group_ids=group_ids,
+        negatives_mask=negatives_mask,
     )
 
 
@@ -156,13 +173,15 @@ def rank_loss(
     tau_value: Optional[float] = None,
     negatives: Optional[torch.Tensor] = None,
     group_ids: Optional[torch.Tensor] = None,
+    negatives_mask: Optional[torch.Tensor] = None,
 ):
     """:func:`distributed_hn_clip_loss` with its options as a :class:`LossOptions` (or a function
     building one, whose error then raises on every rank), and ``tau_value``, τ already read by
     the caller (:class:`hnclip_kernels.HNClipLoss` reads ``logit_scale`` once). ``negatives`` and
     ``group_ids``: this rank's (see :func:`distributed_hn_clip_loss`); where no rank passes any
     (and the margin is "text") the call is today's, on today's path."""
-    family = (negatives, group_ids) if negatives is not None or group_ids is not None else None
+    given = negatives is not None or group_ids is not None or negatives_mask is not None
+    family = (negatives, group_ids, negatives_mask) if given else None
     if world_size is None:
         world_size = dist.get_world_size(group=group) if HAS_DISTRIBUTED and dist.is_initialized() else 1
     if rank is None:
@@ -205,14 +224,15 @@ def rank_loss(
 def _single_checks(image_features, text_features, tau, options, rank, group, tau_value, family):
     """:func:`collective_check`'s result on one process, raising here."""
     status, exc, _, bound = local_checks(image_features, text_features, tau, options, rank, 1, group, tau_value)
-    negatives = group_ids = None
+    checked = None
     if exc is None and (family is not None or bound.group_mode.positives):  # positives need ids: checked there
-        family = (None, None) if family is None else family
-        status, exc, negatives, group_ids = family_checks(image_features, text_features, *family, bound, tau)
+        family = (None, None, None) if family is None else family
+        status, exc, checked = family_checks(image_features, text_features, *family[:2], bound, tau, family[2])
     if exc is not None:
         raise exc
     sizes = [image_features.shape[0]]
-    if negatives is None and group_ids is None and bound.margin is Margin.TEXT:  # as family_of decided
+    if checked is None:  # as family_of decided: today's loss
         return sizes, bound, None
-    m = 0 if negatives is None else negatives.shape[0]
-    return sizes, bound, ([m], Family(negatives, group_ids, bound.margin))
+    m = 0 if checked.negatives is None else checked.negatives.shape[0]
+    k = 0 if checked.own_negatives is None else checked.own_negatives.shape[1]
+    return sizes, bound, ([m], checked, [k])

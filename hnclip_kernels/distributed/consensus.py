@@ -29,7 +29,8 @@ _THRESHOLD = 13  # the false-negative threshold's float64 bits, NO_THRESHOLD for
 # the hard-negative family: M_r (0 for None); bit 0 group_ids given, bits 1-2 the margin's code,
 # bits 3- the group mode's code
 _N_NEG, _FAMILY = 14, 15
-_META_LEN = 16
+_OWN_K = 16  # K_r of each row's own negatives (N, K, D) on this rank, 0 for none (never gathered with local_loss)
+_META_LEN = 17
 NO_THRESHOLD = -(1 << 63)  # -0.0's bits: a threshold is sent as float(c) + 0.0, which is +0.0 for -0.0
 _STATUS_TEXT = {
     0: "ok",
@@ -160,18 +161,24 @@ def _global_range_problem(meta, gamma, label_smoothing, dtype_index) -> Optional
     )
 
 
-def family_checks(image_features, text_features, negatives, group_ids, bound, tau):
+def family_checks(image_features, text_features, negatives, group_ids, bound, tau, negatives_mask=None):
     """This rank's hard-negative arguments checked without raising: (status, exception or None,
-    negatives or None (M = 0 is None), group_ids or None). With ``normalize=False`` the negatives'
-    norms enter this rank's overflow bound (the local batch's; the global bound covers img/txt)."""
+    the checked :class:`Family` or None: negatives (M, D) (M = 0 is None) or each row's own (n, K, D)
+    with ``negatives_mask``, group_ids). With ``normalize=False`` the negatives' norms enter this
+    rank's overflow bound (the local batch's; the global bound covers img/txt)."""
     names = ("image_features", "text_features")
     try:
         family = family_of(
-            image_features, text_features, negatives, group_ids, bound.margin, names, group_mode=bound.group_mode
-        )
+            image_features, text_features, negatives, group_ids, bound.margin, names, negatives_mask=negatives_mask,
+            group_mode=bound.group_mode,
+        )  # fmt: skip
     except (TypeError, ValueError) as exc:
-        return 5, exc, None, None
-    negatives, group_ids = (None, None) if family is None else (family.negatives, family.group_ids)
+        return 5, exc, None
+    negatives = None if family is None else family.negatives
+    if family is not None and family.own_negatives is not None:
+        negatives = family.own_negatives.reshape(-1, family.own_negatives.shape[-1])  # the range bound's rows
+        if family.own_mask is not None:
+            negatives = family.own_negatives[family.own_mask]
     if not bound.normalize and family is not None and (negatives is not None or family.margin is not Margin.TEXT):
         tau_grad = validation.tau_requires_grad(tau)
         try:
@@ -180,8 +187,8 @@ def family_checks(image_features, text_features, negatives, group_ids, bound, ta
                 bound.label_smoothing, image_features.shape[0], tau_grad, ("image_features", "text_features"),
             )  # fmt: skip
         except ValueError as exc:
-            return 2, exc, None, None
-    return 0, None, negatives, group_ids
+            return 2, exc, None
+    return 0, None, family
 
 
 def collective_check(
@@ -189,20 +196,39 @@ def collective_check(
 ) -> Tuple[List[int], LossOptions, Optional[Tuple[List[int], Family]]]:
     """Check inputs on every rank at once; return (sizes, bound options, family) or raise on every
     rank. ``options``/``tau_value`` as :func:`local_checks`. ``family``: this rank's
-    ``(negatives, group_ids)`` (each may be None) or None; the returned ``family`` is None where no
-    rank uses the hard-negative family (no negatives anywhere, no ids, margin "text": today's
-    loss), else ``(every rank's M_r, this rank's checked Family)``."""
+    ``(negatives, group_ids, negatives_mask)`` (each may be None) or None; the returned ``family`` is
+    None where no rank uses the hard-negative family (no negatives anywhere, no ids, margin "text":
+    today's loss), else ``(every rank's M_r, this rank's checked Family, every rank's K_r)``: shared
+    (M_r, D) negatives or each row's own (n_r, K_r, D), never both across ranks."""
     status, exc, requested, bound = local_checks(
         image_features, text_features, tau, options, rank, world_size, group, tau_value
     )
-    negatives = group_ids = None
+    checked = None
     if status == 0 and (family is not None or bound.group_mode.positives):  # positives need ids: checked there
-        family = (None, None) if family is None else family
-        status, exc, negatives, group_ids = family_checks(image_features, text_features, *family, bound, tau)
+        family = (None, None, None) if family is None else family
+        status, exc, checked = family_checks(image_features, text_features, *family[:2], bound, tau, family[2])
+    own = None if checked is None else checked.own_negatives
+    if own is not None and flags & 1 and bound.backend != "torch":  # local_loss: the directional ops
+        status, exc = (
+            5,
+            ValueError(
+                f"each row's own negatives (N, K, D) across ranks with local_loss=True run on backend='torch' only "
+                f"(got {bound.backend!r}): pass backend='torch', or local_loss=False (every backend)"
+            ),
+        )
+    if own is not None and bound.reduction == "directions":  # as one process refuses it (direction_losses)
+        status, exc = (
+            5,
+            ValueError(
+                "reduction='directions' does not take each row's own negatives (N, K, D) yet; pass shared negatives "
+                "(M, D) or use reduction='mean'"
+            ),
+        )
     like = image_features if isinstance(image_features, torch.Tensor) else None
     if requested is not None:
         flags |= int(bool(requested.normalize)) << 2
         flags |= int(validation.tau_requires_grad(tau)) << 3  # dτ's overflow bound: not compared across ranks
+        flags |= int(requested.reduction == "directions") << 4
         row = _meta_row(
             status,
             image_features,
@@ -218,8 +244,10 @@ def collective_check(
         row = _meta_row(status, image_features, text_features, flags, 0.0, 0.0, world_size)
     if status == 0:
         _range_fields(row, bound.tau_value, image_features, text_features, bound.normalize)
-        row[_N_NEG] = 0 if negatives is None else negatives.shape[0]
-        row[_FAMILY] = int(group_ids is not None) | bound.margin.code << 1 | bound.group_mode.code << 3
+        row[_N_NEG] = 0 if checked is None or checked.negatives is None else checked.negatives.shape[0]
+        row[_OWN_K] = 0 if own is None else own.shape[1]
+        row[_FAMILY] = int(checked is not None and checked.group_ids is not None)
+        row[_FAMILY] |= bound.margin.code << 1 | bound.group_mode.code << 3
     mine = torch.tensor(row, dtype=torch.int64, device=meta_device(group, like))
     rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group=group))]
     dist.all_gather(rows, mine, group=group)
@@ -239,9 +267,9 @@ def collective_check(
     if len({m[_DTYPE] for m in meta}) > 1:
         names = [str(validation.FLOAT_DTYPES[m[_DTYPE]]) for m in meta]
         problems.append(f"feature dtypes differ across ranks: {names}")
-    if len({(m[_FLAGS] & 0b111, m[_GAMMA], m[_EPS], m[_WORLD], m[_PREC]) for m in meta}) > 1:
+    if len({(m[_FLAGS] & 0b10111, m[_GAMMA], m[_EPS], m[_WORLD], m[_PREC]) for m in meta}) > 1:
         problems.append(
-            "loss options (local_loss, gather_with_grad, normalize, gamma, "
+            "loss options (local_loss, gather_with_grad, normalize, reduction, gamma, "
             "label_smoothing, world_size, precision) differ across ranks"
         )
     if len({m[_THRESHOLD] for m in meta}) > 1:
@@ -258,6 +286,11 @@ def collective_check(
             f"group_ids were given on ranks {[r for r, m in enumerate(meta) if m[_FAMILY] & 1]} only: pass them on "
             "every rank or on none"
         )
+    if any(m[_N_NEG] for m in meta) and any(m[_OWN_K] for m in meta):
+        problems.append(
+            f"negatives are shared (M, D) on ranks {[r for r, m in enumerate(meta) if m[_N_NEG]]} and each row's own "
+            f"(N, K, D) on ranks {[r for r, m in enumerate(meta) if m[_OWN_K]]}: pass one layout on every rank"
+        )
     if problems:
         raise ValueError(
             "HN-CLIP distributed loss: inconsistent inputs across ranks: "
@@ -267,7 +300,7 @@ def collective_check(
     problem = _global_range_problem(meta, bound.gamma, bound.label_smoothing, meta[0][_DTYPE])
     if problem is not None:
         raise ValueError(f"HN-CLIP distributed loss: {problem}. Every rank raised this error.")
-    sizes, neg_sizes = [m[_N_IMG] for m in meta], [m[_N_NEG] for m in meta]
-    if not any(neg_sizes) and not any(m[_FAMILY] for m in meta):
+    sizes, neg_sizes, own_sizes = ([m[f] for m in meta] for f in (_N_IMG, _N_NEG, _OWN_K))
+    if not any(neg_sizes) and not any(own_sizes) and not any(m[_FAMILY] for m in meta):
         return sizes, bound, None
-    return sizes, bound, (neg_sizes, Family(negatives, group_ids, bound.margin))
+    return sizes, bound, (neg_sizes, checked if checked is not None else Family(margin=bound.margin), own_sizes)

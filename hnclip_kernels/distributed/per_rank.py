@@ -6,7 +6,7 @@ from typing import Union
 
 import torch
 
-from ..backends import rank_losses, symmetric_losses
+from ..backends import direction_losses, rank_losses, symmetric_losses
 from ..options import LossOptions, as_tau_tensor
 
 
@@ -42,10 +42,18 @@ def rank_hn_clip_loss(
     ``return_stats``: also ``(i2t, t2i, n_keys)``: the detached ``backends.softmax.RowStats`` of
     this rank's rows in both directions and the number of key columns N (what
     :func:`hnclip_kernels.diagnostics.report_from_row_stats` reads).
+    ``options.reduction == "directions"``: instead of the loss, the rows of
+    :func:`rank_direction_rows` (unscaled), with ``return_stats`` as above.
     ``options``: the loss options bound to these tensors (:meth:`LossOptions.resolved`: the
     backend resolved). No input checks (``distributed_hn_clip_loss`` does them collectively).
     """
     tau_t = as_tau_tensor(tau, all_image_features)
+    if options.reduction == "directions":
+        out = rank_direction_rows(
+            (image_features, text_features), (all_image_features, all_text_features), tau_t, offset, options,
+            local_loss=local_loss, world_size=world_size, return_stats=return_stats,
+        )  # fmt: skip
+        return (out[0], (*out[1], all_image_features.shape[0])) if return_stats else out
     if not local_loss or world_size == 1:
         out = symmetric_losses(all_image_features, all_text_features, tau_t, options, return_stats)
         rows, stats = out if return_stats else (out, None)
@@ -61,3 +69,15 @@ def rank_hn_clip_loss(
     else:
         loss = rows.sum() / (n_total / world_size)
     return (loss, (i2t_stats, t2i_stats, n_total)) if return_stats else loss
+
+
+def rank_direction_rows(local, gathered, tau, offset, options, *, local_loss, world_size, return_stats, family=None):
+    """``reduction="directions"`` across ranks: the
+    :class:`~hnclip_kernels.DirectionRows` of this rank's rows (``local_loss=True``, ``world_size >
+    1``: its n_r images and captions against the gathered columns, positive at ``offset + i``),
+    or of all N rows of the gathered batch (``local_loss=False``: the single-process rows of the
+    concatenated batch, the same on every rank). Unscaled: the caller weights them. ``local`` /
+    ``gathered``: (images, captions); ``tau`` a tensor; ``family`` the gathered family or None."""
+    if local_loss and world_size > 1:
+        return direction_losses(*local, *gathered, tau, offset, options, return_stats, family)
+    return direction_losses(*gathered, *gathered, tau, 0, options, return_stats, family)

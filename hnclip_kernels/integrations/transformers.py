@@ -32,11 +32,12 @@ except ImportError as exc:  # pragma: no cover - the [hf] extra is part of [test
 from ..chunked import check_chunk_size
 from ..clip_loss import HNClipLoss
 from ..distributed.gather import HAS_DISTRIBUTED, dist, gather_sizes
+from ..negatives_layout import NegativesLayout, own_slots
 from ..plausibility import warn_if_implausible_model_logit_scale
 from ..sharding import squeeze_scalar_parameters, unsqueeze_scalar_parameters
 from ..siglip_loss import HNSigLipLoss
 from .transformers_embeddings import embeddings, is_sigmoid_model
-from .transformers_negatives import NEGATIVE_KEYS, collate_hard_negatives, flat_negatives
+from .transformers_negatives import NEGATIVE_KEYS, collate_hard_negatives, flat_negatives, negative_slots
 
 __all__ = ["clip_model_loss", "HNClipTrainer", "collate_hard_negatives"]
 
@@ -81,6 +82,17 @@ def _sigmoid_module(gamma, label_smoothing, false_negative_threshold, backend, m
                         backend=backend, normalize=True)  # fmt: skip
 
 
+def _layout(negatives_layout, model) -> NegativesLayout:
+    """``negatives_layout`` checked once; "own" refused for a SigLIP model (its loss takes shared ones)."""
+    layout = NegativesLayout.parse(negatives_layout)
+    if layout is NegativesLayout.OWN and is_sigmoid_model(model):
+        raise ValueError(
+            "negatives_layout='own' is the softmax loss's (a CLIP model); this SigLIP model (a model with a "
+            "logit_bias) takes negatives_layout='shared'"
+        )
+    return layout
+
+
 def clip_model_loss(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -98,6 +110,7 @@ def clip_model_loss(
     group_ids: Optional[torch.Tensor] = None,
     margin: str = "text",
     group_mode: str = "mask",
+    negatives_layout: str = "shared",
 ):
     """HN-CLIP loss (arXiv 2608.18521, Eq. 2) of a ``transformers`` CLIP batch, never forming N×N logits.
 
@@ -141,6 +154,11 @@ def clip_model_loss(
             passed as the loss's ``negatives``: extra columns of every image→text row
             (``docs/hard_negatives.md``); M = 0 is none. (B, K, L) slots per example are
             flattened first (:func:`~hnclip_kernels.integrations.transformers_negatives.flat_negatives`).
+        negatives_layout: "shared" (default, as above; NegCLIP's) or "own": (B, K, L) slots only,
+            example b's real slots (mask rows not all 0) are extra columns of its image→text row
+            only: their embeddings, scattered back into (B, K, D), are the loss's ``negatives``
+            with ``negatives_mask`` (B, K) (``docs/hard_negatives.md``, "Each row's own
+            negatives"). Either way only the real slots run through the text tower.
         group_ids: None or (N,) integer pair ids: equal ids are no negatives of each other.
         margin: "text" (default) or "image_text" (LLaVE-style hardness), as ``hn_clip_loss``'s.
         group_mode: what equal ``group_ids`` mean for a SigLIP model: "mask" (default) or
@@ -168,7 +186,8 @@ def clip_model_loss(
 
     Raises:
         TypeError: a model without the CLIP embedding methods; a ``chunk_size`` that is not an integer (a bool, a float).
-        ValueError: ``torch.nn.DataParallel``; ``chunk_size`` < 1; and every error of :class:`hnclip_kernels.HNClipLoss`
+        ValueError: ``torch.nn.DataParallel``; ``chunk_size`` < 1; ``negatives_layout`` neither "shared"
+            nor "own", or "own" with flat (M, L) negatives or a SigLIP model; and every error of :class:`hnclip_kernels.HNClipLoss`
             (bad options at once, bad features or τ at the loss), or of :class:`hnclip_kernels.HNSigLipLoss`
             for a SigLIP model.
     """
@@ -179,13 +198,17 @@ def clip_model_loss(
         if group_mode != "mask":
             raise ValueError(f"group_mode={group_mode!r} is the sigmoid loss's (a SigLIP model); CLIP takes 'mask'")
     chunk_size = check_chunk_size(chunk_size)
+    own = _layout(negatives_layout, model) is NegativesLayout.OWN
     neg_ids, neg_mask = flat_negatives(negative_input_ids, negative_attention_mask)
+    keep = negative_slots(negative_input_ids, negative_attention_mask) if own and neg_ids is not None else None
     negatives = None if neg_ids is None else (neg_ids, neg_mask)
     image, text, scale, negative, bias = embeddings(
         model, input_ids, pixel_values, attention_mask, chunk_size, negatives
     )
     family = {} if group_ids is None else {"group_ids": group_ids}  # only what is given: else today's call
-    if negative is not None:
+    if negative is not None and keep is not None:  # own: the real slots' embeddings back in (B, K, D)
+        family["negatives"], family["negatives_mask"] = own_slots(negative, keep), keep.to(negative.device)
+    elif negative is not None:
         family["negatives"] = negative
     loss = loss_fn(image, text, scale, bias, **family) if bias is not None else loss_fn(image, text, scale, **family)
     if not return_outputs:
@@ -204,7 +227,8 @@ class HNClipTrainer(transformers.Trainer):
 
         trainer = HNClipTrainer(model=model, args=args, train_dataset=ds, data_collator=collate,
                                 gamma=0.5, label_smoothing=0.0, false_negative_threshold=None,
-                                backend="auto", chunk_size=None, margin="text", group_mode="mask")
+                                backend="auto", chunk_size=None, margin="text", group_mode="mask",
+                                negatives_layout="shared")
 
     A ``SiglipModel`` trains with the sigmoid loss (:func:`clip_model_loss`; ``group_mode`` is its).
 
@@ -212,7 +236,8 @@ class HNClipTrainer(transformers.Trainer):
     ``negative_input_ids``, ``negative_attention_mask`` and ``group_ids`` (hard negatives: the
     layout of :mod:`~hnclip_kernels.integrations.transformers_negatives`, which
     ``data_collator=collate_hard_negatives`` builds from per-example lists; those columns survive
-    ``remove_unused_columns``). ``return_loss`` is ignored; any other key raises ``ValueError``
+    ``remove_unused_columns``; ``negatives_layout="own"`` makes each example's negatives its own
+    row's, :func:`clip_model_loss`). ``return_loss`` is ignored; any other key raises ``ValueError``
     (it would be silently unused). Under ``torchrun`` each rank's loss is its share of the global batch's
     (:func:`clip_model_loss`), so DDP's averaged gradients are the global batch's. Evaluation
     reports the same loss; its predictions are the normalised ``(image_embeds, text_embeds)``
@@ -253,12 +278,14 @@ class HNClipTrainer(transformers.Trainer):
         chunk_size: Optional[int] = None,
         margin: str = "text",
         group_mode: str = "mask",
+        negatives_layout: str = "shared",
         **kwargs,
     ):
         # bad options fail here, where they are written, not at the first step
         eps = 0.0 if label_smoothing is None else label_smoothing
         _loss_module(gamma, eps, false_negative_threshold, backend, margin)
         chunk_size = check_chunk_size(chunk_size)
+        negatives_layout = NegativesLayout.parse(negatives_layout)
         super().__init__(*args, **kwargs)
         factor = self.args.label_smoothing_factor
         if label_smoothing is None:
@@ -285,6 +312,8 @@ class HNClipTrainer(transformers.Trainer):
         self.hn_options["margin"] = margin
         if group_mode != "mask":  # the sigmoid loss's (SigLIP models); passed on only when set
             self.hn_options["group_mode"] = group_mode
+        if _layout(negatives_layout, self.model) is not NegativesLayout.SHARED:  # passed on only when set
+            self.hn_options["negatives_layout"] = negatives_layout.value
         # FSDP and DeepSpeed take no 0-dim parameter: train them (1,), save them 0-dim (_save)
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
         self.scalar_names = unsqueeze_scalar_parameters(self.model) if sharded else ()

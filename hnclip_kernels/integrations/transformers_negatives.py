@@ -12,6 +12,10 @@ The batch layout (what :func:`collate_hard_negatives` builds and ``HNClipTrainer
   (an example with fewer than K negatives is padded with such slots). Without it every slot is
   a negative;
 * ``group_ids``: (B,) int64 ids, equal ids for pairs that are no negatives of each other.
+
+With ``negatives_layout="shared"`` (default) the real slots, flattened (:func:`flat_negatives`),
+are extra image→text columns of every row; with ``"own"`` example b's real slots are columns of
+row b only, ``negatives_mask`` (B, K) = :func:`negative_slots`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["collate_hard_negatives", "flat_negatives", "NEGATIVE_KEYS"]
+__all__ = ["collate_hard_negatives", "flat_negatives", "negative_slots", "NEGATIVE_KEYS"]
 
 NEGATIVE_KEYS = ("negative_input_ids", "negative_attention_mask", "group_ids")
 
@@ -147,3 +151,28 @@ def flat_negatives(
     if ids.shape[0] == 0:
         return None, None
     return ids, mask
+
+
+def negative_slots(negative_input_ids: torch.Tensor, negative_attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """(B, K) bool, True where example b's slot k holds a negative (its mask row is not all 0;
+    every slot without a mask): the ``negatives_mask`` of each row's own negatives, and the order
+    :func:`flat_negatives` keeps them in.
+
+    Raises:
+        ValueError: ids not (B, K, L) (flat (M, L) negatives belong to no example: pass slots per
+            example, as :func:`collate_hard_negatives` builds them), a mask of another shape."""
+    ids, mask = negative_input_ids, negative_attention_mask
+    if ids.dim() != 3:
+        raise ValueError(
+            f"negatives_layout='own' needs negative_input_ids as (B, K, L) slots per example (collate_hard_negatives "
+            f"builds them), got shape {tuple(ids.shape)}; flat (M, L) negatives belong to no example: use "
+            "negatives_layout='shared' for them"
+        )
+    if mask is not None and mask.shape != ids.shape:
+        raise ValueError(
+            f"negative_attention_mask has shape {tuple(mask.shape)}, negative_input_ids {tuple(ids.shape)}; "
+            "they must match"
+        )
+    if mask is None:
+        return torch.ones(ids.shape[:2], dtype=torch.bool, device=ids.device)
+    return mask.bool().any(dim=-1)

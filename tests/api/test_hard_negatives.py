@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 import family_oracle as oracle
 from cases import ALL_BACKENDS
 from family_oracle import GROUPS, D, N, check, features
+from helpers import assert_close_rel
 from hnclip_kernels import HNClipLoss, hn_clip_loss
 from hnclip_kernels.backends import resolve_backend
 
@@ -164,3 +165,32 @@ def test_gradcheck_directional_with_mask_captions_and_groups(backend):
         )  # fmt: skip
 
     assert torch.autograd.gradcheck(fn, (q, k, tau))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_label_smoothing_spreads_over_the_negative_columns_as_cross_entropy(backend):
+    """docs/hard_negatives.md's statement, against torch's own ``F.cross_entropy(label_smoothing=ε)``
+    on the dense logits (a second oracle beside family_oracle's): an image→text row spreads ε over
+    its N + M classes (each negative caption gets ε/(N + M)), a text→image row over its N images.
+    Spreading ε over the N captions only is another loss (checked to differ)."""
+    dtype, eps, tau, gamma, m = (torch.float32 if backend == "triton" else torch.float64), 0.2, 0.1, 0.5, 5
+    value_tol, grad_tol = (1e-5, 1e-4) if dtype == torch.float32 else (1e-12, 1e-11)
+    raw = [features(n, D, s, dtype).requires_grad_(True) for n, s in ((N, 30), (N, 31), (m, 32))]
+    got = hn_clip_loss(*raw[:2], tau, gamma=gamma, label_smoothing=eps, negatives=raw[2], backend=backend)
+    got_grads = torch.autograd.grad(got, raw)
+    v, t, neg = (F.normalize(x.double(), dim=1) for x in raw)
+    x = torch.cat([t, neg])
+    off = torch.ones(N, N + m, dtype=torch.float64)
+    off[:, :N] -= torch.eye(N, dtype=torch.float64)  # no margin on the positive
+    z_i2t = (v @ x.T + gamma * (t @ x.T).detach() * off) / tau
+    z_t2i = (t @ v.T + gamma * (t @ t.T).detach() * off[:, :N]) / tau
+    target = torch.arange(N)
+    i2t, t2i = (F.cross_entropy(z, target, label_smoothing=eps) for z in (z_i2t, z_t2i))
+    want = 0.5 * (i2t + t2i)
+    assert_close_rel(got, want, value_tol, "loss")
+    for name, a, b in zip(("img", "txt", "negatives"), got_grads, torch.autograd.grad(want, raw)):
+        assert_close_rel(a, b, grad_tol, f"dL/d{name}")
+    # ε over the N captions only: (1 − ε)·CE + ε·mean over the caption columns of −log p
+    log_p = z_i2t.log_softmax(dim=1)
+    captions_only = -(1 - eps) * log_p[target, target].mean() - eps * log_p[:, :N].mean(dim=1).mean()
+    assert abs(0.5 * (captions_only + t2i) - want) > 1e-2 * want

@@ -27,7 +27,16 @@ def negs(m=3, seed=1, dtype=torch.float32, d=D):
     "kwargs, error, match",
     [
         (dict(negatives=torch.randn(3)), ValueError, r"negatives must be 2-D \(M, D\)"),
-        (dict(negatives=torch.randn(2, 3, D)), ValueError, r"negatives must be 2-D.*reshape\(-1, D\)"),
+        (
+            dict(negatives=torch.randn(2, 3, D)),
+            ValueError,
+            r"negatives of shape \(N, K, D\) must have one row per pair, N = 5.*reshape\(-1, D\)",
+        ),
+        (
+            dict(negatives=torch.randn(2, 3, 4, D)),
+            ValueError,
+            r"negatives must be 2-D.*or \(N, K, D\).*reshape\(-1, D\)",
+        ),
         (dict(negatives=torch.randn(3, D + 1)), ValueError, r"negatives has D = 7 but txt has D = 6"),
         (dict(negatives=torch.randn(3, D, dtype=torch.float64)), TypeError, r"negatives \(torch.float64\) and txt"),
         (dict(negatives=torch.ones(3, D, dtype=torch.long)), TypeError, r"negatives has dtype torch.int64"),

@@ -10,7 +10,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from sigmoid_oracle import sigmoid_rows_f64
 
@@ -66,6 +66,9 @@ def test_gamma_zero_equals_open_clip_siglip_value_and_gradients():
     profile=st.sampled_from(["uniform", "clustered"]),
     seed=st.integers(0, 10_000),
 )
+# CI's draw: one saturated pair at s = 100, loss 5.6e-25, float32 off by 1.1e-5 relative
+@example(n=1, d=2, m=0, scale=100.0, bias=-1.2957370153322287, gamma=0.0, margin="text", groups=None,
+         group_mode="mask", profile="clustered", seed=4291)  # fmt: skip
 def test_torch_backend_rows_and_gradients_match_float64(
     n, d, m, scale, bias, gamma, margin, groups, group_mode, profile, seed
 ):
@@ -85,7 +88,9 @@ def test_torch_backend_rows_and_gradients_match_float64(
         *want_leaves[:2], ws, wb, negatives=want_leaves[2] if m else None, margin=margin, gamma=gamma,
         query_groups=ids, key_groups=ids, groups_positive=group_mode == "positive",
     )  # fmt: skip
-    _rows_agree(got, want, 1e-5)
+    # a row's float32 logit z is off by a few ulps of |s·score| + |b| (|score| ≤ 1 + γ), which a
+    # saturated row's loss softplus(−z) ≈ e^−z carries as that much relative error
+    _rows_agree(got, want, 1e-5 + 4 * 2.0**-24 * (scale * (1 + gamma) + abs(bias)))
     upstream = torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     g_got = _grads((got.double() * upstream).sum(), [*leaves, s, b])
     g_want = _grads((want * upstream).sum(), [*want_leaves, ws, wb])

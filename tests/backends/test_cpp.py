@@ -49,8 +49,10 @@ NO_MASKS = (torch.empty((0,)), torch.empty((0,)), _NO_IDS, _NO_IDS)
 
 
 def _no_negatives(img):
-    """The symmetric op's family tensors, absent: negatives (0, D), group ids (0,)."""
-    return img.new_empty((0, img.shape[1])), _NO_IDS
+    """The symmetric op's family tensors, absent: negatives (0, D), own negatives (0, 0, D) and
+    their mask (0, 0), group ids (0,)."""
+    d = img.shape[1]
+    return img.new_empty((0, d)), img.new_empty((0, 0, d)), torch.empty((0, 0), dtype=torch.bool), _NO_IDS
 
 
 # ------------------------------------------------------------------ values and gradients
@@ -390,7 +392,7 @@ def test_opcheck_symmetric_operators(masked):
     grad = torch.linspace(0.5, 1.0, 9)
     torch.library.opcheck(
         torch.ops.hnclip.cpp_symmetric_nll_backward.default,
-        (grad, img.detach(), txt, *args[2:4], tau.detach(), *args[5:8], *saved, True, masked, 0, True, 0, True),
+        (grad, img.detach(), txt, *args[2:6], tau.detach(), *args[7:10], *saved, True, masked, 0, True, 0, True),
         test_utils=checks,
     )
 

@@ -128,8 +128,9 @@ def test_raw_kernels_formulas_and_a_tau_only_backward():
     masks = (torch.empty(0), torch.empty(0), no_ids, no_ids)
 
     def symmetric():  # normalize, masked, margin code 0 (text), need_grad
-        out = cpp_symmetric._forward(img, txt, no_negatives, no_ids, tau, gamma, eps, thr, True, True, 0, True)
-        inputs = (img, txt, no_negatives, no_ids, tau, gamma, eps, thr)
+        no_own, no_own_mask = img.new_empty((0, 0, D)), torch.empty((0, 0), dtype=torch.bool)
+        inputs = (img, txt, no_negatives, no_own, no_own_mask, no_ids, tau, gamma, eps, thr)
+        out = cpp_symmetric._forward(*inputs, True, True, 0, True)
         cpp_symmetric._backward(torch.rand(N), *inputs, *out[1:], True, True, 0, True, 0, True)  # group mode 0
 
     assert counted(symmetric) == 6 * 2 * N * N * D

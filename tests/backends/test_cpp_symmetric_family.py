@@ -94,7 +94,8 @@ def _args(case: str):
     f64 = [torch.tensor(x, dtype=torch.float64) for x in (0.5, 0.1, thr)]
     masked = "threshold" in case or "ids" in case
     tau = torch.tensor(0.1, requires_grad=True)
-    return (img, txt, neg, groups, tau, *f64), masked
+    no_own = (img.new_empty((0, 0, img.shape[1])), torch.empty((0, 0), dtype=torch.bool))
+    return (img, txt, neg, *no_own, groups, tau, *f64), masked
 
 
 @pytest.mark.parametrize("case", ["threshold-ids", "ids-alone", "none", "none-image_text", "threshold-image_text"])

@@ -90,7 +90,8 @@ def _op_args(case: str):
     tau = torch.tensor(0.1, requires_grad=True)
     # normalize, masked, has_margin, smoothing, precision, the margin's code
     flags = (True, masked, True, True, "ieee", (Margin.IMAGE_TEXT if "image_text" in case else Margin.TEXT).code)
-    return (img, txt, neg, groups, tau, *f64), flags
+    no_own = (img.new_empty((0, 0, img.shape[1])), torch.empty((0, 0), dtype=torch.bool))
+    return (img, txt, neg, *no_own, groups, tau, *f64), flags
 
 
 @pytest.mark.parametrize("case", ["threshold-ids", "ids-alone", "none", "none-image_text", "threshold-image_text"])

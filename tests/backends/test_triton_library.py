@@ -56,6 +56,8 @@ def _sym_args(gamma=0.5, eps=0.1, grad=True, threshold=None):
         img,
         txt,
         img.new_empty((0, D)),  # no negatives
+        img.new_empty((0, 0, D)),  # no own negatives, and their mask
+        torch.empty((0, 0), dtype=torch.bool),
         torch.empty(0, dtype=torch.long),  # no group ids
         tau,
         _hyper(gamma),
@@ -123,8 +125,8 @@ def test_opcheck_symmetric(gamma, eps, threshold):
     torch.library.opcheck(OPS.triton_symmetric_nll, args)
     out = OPS.triton_symmetric_nll(*(x.detach() if isinstance(x, torch.Tensor) else x for x in args))
     grad = torch.linspace(0.5, 1.5, N)
-    inputs = (args[i].detach() for i in range(8))  # img, txt, negatives, ids, τ, γ, ε, threshold
-    torch.library.opcheck(OPS.triton_symmetric_nll_backward, (grad, *inputs, *out[1:], *args[8:], True))
+    inputs = (args[i].detach() for i in range(10))  # img, txt, negatives, own, own mask, ids, τ, γ, ε, threshold
+    torch.library.opcheck(OPS.triton_symmetric_nll_backward, (grad, *inputs, *out[1:], *args[10:], True))
 
 
 @pytest.mark.parametrize("gamma, eps, threshold", [(0.0, 0.1, None), (0.5, 0.0, None), (0.5, 0.1, 0.3)])
@@ -310,8 +312,9 @@ _TRACE = textwrap.dedent("""
     def kernel_of(node):
         return kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
 
-    def family(v):  # no negatives, no group ids
-        return torch.empty(0, v.shape[1]), torch.empty(0, dtype=torch.long)
+    def family(v):  # no negatives, no own negatives, no group ids
+        no_own = (torch.empty(0, 0, v.shape[1]), torch.empty(0, 0, dtype=torch.bool))
+        return torch.empty(0, v.shape[1]), *no_own, torch.empty(0, dtype=torch.long)
 
     def fwd(v, t, *a):
         return torch.ops.hnclip.triton_symmetric_nll(v, t, *family(v), *a, True, False, True, True, "tf32x3", 0)

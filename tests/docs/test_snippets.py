@@ -66,6 +66,9 @@ def _check_transformers(scope, out):
 def _check_large_batches(scope, out):
     assert scope["trainer"].hn_options["chunk_size"] == 32 and scope["trainer"].state.global_step == 2
     assert scope["model"].logit_scale.grad is not None and scope["txt"].shape == (8, 512)  # the open_clip model
+    for peft_model in (scope["lora_clip"], scope["dora_oc"]):  # the LoRA section: adapters trained, base frozen
+        params = list(peft_model.named_parameters())
+        assert all((p.grad is not None) == p.requires_grad == ("lora_" in name) for name, p in params)
 
 
 def _check_hard_negatives(scope, out):

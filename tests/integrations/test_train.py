@@ -537,8 +537,12 @@ def _run_recording_inputs(argv):
 
     def train_one_epoch(model, data, loss, *args, **kwargs):
         def recording(**inputs):
-            neg = inputs.get("negatives")
-            step = {"M": 0 if neg is None else neg.shape[0], "groups": inputs.get("group_ids")}
+            neg, mask = inputs.get("negatives"), inputs.get("negatives_mask")
+            own = mask is not None  # --hn-negatives-layout own: (B, 1, D) and its mask (B, 1)
+            if own:
+                assert neg.shape[:2] == mask.shape == (mask.shape[0], 1) and not neg[~mask].any()
+            m = 0 if neg is None else int(mask.sum()) if own else neg.shape[0]
+            step = {"M": m, "groups": inputs.get("group_ids"), "own": own}
             if neg is not None:
                 assert neg.requires_grad and neg.grad_fn is not None  # the text tower's output
                 neg.register_hook(lambda g: step.__setitem__("grad", float(g.abs().sum())))
@@ -561,10 +565,18 @@ def _run_recording_inputs(argv):
     return steps
 
 
-@pytest.mark.parametrize("extra", [[], ["--hn-chunk-size", "3", "--hn-margin", "image_text"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--hn-chunk-size", "3", "--hn-margin", "image_text"],
+        ["--hn-negatives-layout", "own", "--hn-chunk-size", "3"],
+    ],
+)
 def test_negatives_column_joins_the_batch_and_gets_gradient(data, negatives_csv, tmp_path, extra):
     """--hn-negatives-key / --hn-group-key: each step's negatives are its rows' non-empty cells,
-    through the text tower (their gradient is not 0), the group ids one per pair; 4 steps."""
+    through the text tower (their gradient is not 0), the group ids one per pair; 4 steps. With
+    --hn-negatives-layout own each row's cell is its own (B, 1, D) slot, the empty ones masked."""
     argv = _argv(data, tmp_path, "negatives") + [
         "--train-data",
         str(negatives_csv),
@@ -577,6 +589,7 @@ def test_negatives_column_joins_the_batch_and_gets_gradient(data, negatives_csv,
     steps = _run_recording_inputs(argv)
     assert len(steps) == STEPS  # open_clip reads the whole CSV: 16 rows, batches of 4
     assert sum(s["M"] for s in steps) == 16 - 5  # rows 1, 4, 7, 10, 13 have no negative
+    assert all(s["own"] == ("own" in extra) for s in steps if s["M"])
     for s in steps:
         assert math.isfinite(s["loss"]) and s["groups"].shape == (4,) and s["groups"].dtype == torch.int64
         if s["M"]:

@@ -103,6 +103,23 @@ def test_the_cli_exits_with_one_line(tmp_path):
     assert wall < 60, wall  # the imports only (torch, open_clip_train); the model took ~70 s before
 
 
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ([], "places the negatives of --hn-negatives-key; pass that too"),
+        (["--hn-negatives-key", "neg", "--siglip"], "the sigmoid loss (--siglip) takes shared negatives only"),
+    ],
+)
+def test_own_negatives_layout_needs_the_column_and_the_softmax_loss(tmp_path, started, capsys, extra, words):
+    path = tmp_path / "train.csv"
+    path.write_text("filepath\ttitle\tneg\n/x.png\ta caption\tno caption\n")
+    line = _error(capsys, [*ARGS, "--train-data", str(path), "--hn-negatives-layout", "own", *extra])
+    assert "argument --hn-negatives-layout: " in line and words in line, line
+    line = _error(capsys, [*ARGS, "--train-data", str(path), "--hn-negatives-layout", "rows"])
+    assert "argument --hn-negatives-layout: invalid choice: 'rows'" in line and "own" in line, line
+    assert not started
+
+
 # ------------------------------------------------------------------ the columns' per-epoch counts
 
 

@@ -29,8 +29,8 @@ from .. import glue
 FORMULAS = {
     "cpp_directional_nll": glue.forward_flops,
     "cpp_directional_nll_backward": glue.backward_flops,
-    "cpp_symmetric_nll": glue.family_forward_flops,
-    "cpp_symmetric_nll_backward": glue.family_backward_flops,
+    "cpp_symmetric_nll": glue.symmetric_forward_flops,
+    "cpp_symmetric_nll_backward": glue.symmetric_backward_flops,
     "cpp_raw_directional_fwd": glue.forward_flops,
     # a raw backward kernel always forms the feature gradients (or has them from the forward's shares)
     "cpp_raw_directional_bwd": lambda q_hat, k_hat, *_, **__: glue.backward_flops(None, q_hat, k_hat, True),

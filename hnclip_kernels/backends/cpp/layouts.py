@@ -25,6 +25,8 @@ class SymmetricInputs(NamedTuple):
     img: Tensor  # (N, D)
     txt: Tensor  # (N, D)
     negatives: Tensor  # (M, D), M ≥ 0: the i2t rows' extra caption columns
+    own_negatives: Tensor  # (N, K, D): each i2t row's own extra columns, or (0, 0, D)
+    own_mask: Tensor  # (N, K) bool, True where real, or (0, 0): all real
     group_ids: Tensor  # (N,) int64, or (0,) without ids
     tau: Tensor
     gamma: Tensor  # 0-dim float64 (glue.hyperparameter), as ε and the threshold

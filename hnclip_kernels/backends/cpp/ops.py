@@ -140,6 +140,8 @@ def hn_clip_pairs_cpp(
     negatives=None,
     group_ids=None,
     margin=Margin.TEXT,
+    own_negatives=None,
+    own_mask=None,
     tau,
     gamma,
     label_smoothing,
@@ -164,14 +166,20 @@ def hn_clip_pairs_cpp(
     with equal ids masked in both directions, or with a positive ``group_mode`` (a
     :class:`~hnclip_kernels.group_mode.GroupMode`) positives in both directions
     (``docs/hard_negatives.md#multi-positive-targets``; no ``return_stats``); ``margin`` a
-    :class:`~hnclip_kernels.margin.Margin` (or its value).
+    :class:`~hnclip_kernels.margin.Margin` (or its value); ``own_negatives`` (N, K, D) with
+    ``own_mask`` (N, K) bool or None (all real): each i2t row's own extra columns
+    (:mod:`hnclip_kernels.backends.own_negatives`), never with ``negatives``.
     """
     _check_positives(group_mode, group_ids, return_stats)
     if negatives is None:
         negatives = img.new_empty((0, img.shape[1]))
+    if own_negatives is None:
+        own_negatives = img.new_empty((0, 0, img.shape[1]))
+    if own_mask is None:
+        own_mask = torch.empty((0, 0), dtype=torch.bool, device=img.device)
     # the forward also keeps the negative block's shares only when a backward can follow (not under a
     # positive group_mode: their P would be normalised over the negatives alone)
-    need_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (img, txt, negatives))
+    need_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (img, txt, negatives, own_negatives))
     need_grad = need_grad and not group_mode.positives
     ids = group_ids is not None
     thr_t, masked = glue.threshold_args(_threshold(false_negative_threshold, ids), img)
@@ -182,6 +190,8 @@ def hn_clip_pairs_cpp(
             img,
             txt,
             negatives,
+            own_negatives,
+            own_mask,
             _ids(group_ids, img),
             tau,
             glue.hyperparameter(gamma, img),

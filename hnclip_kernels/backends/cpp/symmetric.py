@@ -38,12 +38,12 @@ from torch import Tensor
 from ...group_mode import GroupMode
 from ...margin import Margin, margin_operands
 from ...numerics import compute_dtype
-from .. import epilogue, glue, softmax
+from .. import epilogue, glue, own_negatives, softmax
 from ..outputs import FamilyOut, schema
 from .layouts import Saved, SymmetricFlags, SymmetricInputs, operator
 from .raw import RAW, caption_norms, scalars, shift_arg
 
-_GRADS = Tuple[Tensor, Tensor, Tensor, Tensor]  # dL/dimg, dL/dtxt, dL/dnegatives, dL/dτ
+_GRADS = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # dL/dimg, dL/dtxt, dL/dnegatives, dL/down_negatives, dL/dτ
 
 
 class _Setup:
@@ -56,6 +56,19 @@ class _Setup:
         self.cosine = f.masked and not (self.ids is not None and math.isinf(sc.threshold))
         self.rc = caption_norms((x.txt,), f.normalize, self.cosine, sc.dt)[0]
         self.m = x.negatives.shape[0]
+        self.own = own_negatives.present(x.own_negatives)
+
+    def own_block(self, x: SymmetricInputs, f: SymmetricFlags, v_hat, rt, pos):
+        """Each row's own columns (:mod:`..own_negatives`): the margin's query factor t̂ or v̂,
+        the threshold against the unit captions."""
+        a_hat = v_hat if Margin.from_code(f.margin) is Margin.IMAGE_TEXT else epilogue.scaled(x.txt, rt, self.sc.dt)
+        cosine = self.sc.threshold if f.masked and not math.isinf(self.sc.threshold) else None
+        unit = (
+            None if cosine is None else epilogue.scaled(x.txt, epilogue.inv_norms(x.txt, True, self.sc.dt), self.sc.dt)
+        )
+        return own_negatives.block(
+            v_hat, a_hat, x.own_negatives, x.own_mask, pos, self.sc.inv_tau, x.gamma, f.normalize, cosine, unit
+        )
 
     def block_args(self, x: SymmetricInputs, f: SymmetricFlags, rv, rt, rn) -> tuple:
         """The N×M block's margin factors and their inverse norms ``a, b, ra, rb`` (the margin's
@@ -130,15 +143,22 @@ def _forward(x: SymmetricInputs, f: SymmetricFlags):
             col_acc=block[5],
         )  # fmt: skip
     i2t, t2i = out.i2t(f.masked), out.t2i(f.masked)
-    if f.group_mode == 0:
-        pairs = 0.5 * (softmax.row_losses(i2t, n + m, sc.eps) + softmax.row_losses(t2i, n, sc.eps))
-        return out._replace(pairs=pairs, positives_i2t=pos.new_empty((0,)), positives_t2i=pos.new_empty((0,)))
-    supcon = f.group_mode == GroupMode.SUPCON.code
-    extra_i2t = RAW.cpp_raw_positive_fwd(v_hat, t_hat, pos, sc.inv_tau, 0, s.ids, s.ids)
-    extra_t2i = RAW.cpp_raw_positive_fwd(t_hat, v_hat, pos, sc.inv_tau, 0, s.ids, s.ids)
-    i2t_rows = softmax.positive_losses(i2t, extra_i2t, supcon, sc.eps)
-    pairs = 0.5 * (i2t_rows + softmax.positive_losses(t2i, extra_t2i, supcon, sc.eps))
-    return out._replace(pairs=pairs, positives_i2t=extra_i2t, positives_t2i=extra_t2i)
+    if f.group_mode != 0:  # positives (never with own negatives: LossOptions refuses the mix)
+        supcon = f.group_mode == GroupMode.SUPCON.code
+        extra_i2t = RAW.cpp_raw_positive_fwd(v_hat, t_hat, pos, sc.inv_tau, 0, s.ids, s.ids)
+        extra_t2i = RAW.cpp_raw_positive_fwd(t_hat, v_hat, pos, sc.inv_tau, 0, s.ids, s.ids)
+        i2t_rows = softmax.positive_losses(i2t, extra_i2t, supcon, sc.eps)
+        pairs = 0.5 * (i2t_rows + softmax.positive_losses(t2i, extra_t2i, supcon, sc.eps))
+        return out._replace(pairs=pairs, positives_i2t=extra_i2t, positives_t2i=extra_t2i)
+    n_keys = n + m
+    if s.own:  # each row's own columns, merged into its i2t statistics: the backward reads those
+        own = s.own_block(x, f, v_hat, rt, pos)
+        i2t = own_negatives.merge(i2t, own)
+        n_keys = own_negatives.classes(i2t, n_keys, own)
+        out = out._replace(delta_i2t=i2t.delta, mean_neg_i2t=i2t.mean_neg, dsum_i2t=i2t.dsum)
+        out = out._replace(kept_i2t=i2t.kept if f.masked else out.kept_i2t)
+    pairs = 0.5 * (softmax.row_losses(i2t, n_keys, sc.eps) + softmax.row_losses(t2i, n, sc.eps))
+    return out._replace(pairs=pairs, positives_i2t=pos.new_empty((0,)), positives_t2i=pos.new_empty((0,)))
 
 
 @operator(SymmetricInputs, SymmetricFlags, returns=schema(FamilyOut))
@@ -195,11 +215,25 @@ def _backward(grad: Tensor, x: SymmetricInputs, out: FamilyOut, f: SymmetricFlag
                 d_k.add_(d_k_pos)
             part = softmax.positive_dz_z(stats, factors, g, dz_d)
             dz_z = part if dz_z is None else dz_z + part
+    d_own, own_counts = x.own_negatives.new_empty(x.own_negatives.shape), None
+    if s.own:  # the own columns' share, P from the merged statistics (no kernel sees them)
+        own = s.own_block(x, f, v_hat, out.rt, out.pos)
+        if need_features:
+            d_v_own, d_n_own = own_negatives.grads(
+                i2t, g, own, v_hat, sc.eps, x.img.shape[0], f.masked and softmax.smooths(sc.eps)
+            )
+            d_v.add_(d_v_own)
+            d_own = own_negatives.unnormalize(x.own_negatives, d_n_own, sc.inv_tau, f.normalize)
+        else:
+            d_own = torch.zeros_like(x.own_negatives)
+        own_counts = None if f.masked else own.keep.sum(dim=1)
+        del own
     if s.m == 0:
         del v_hat, t_hat  # peak memory: the finisher forms them again
         d_img, d_txt, dz_z = softmax.finish_symmetric(
-            i2t, t2i, g, x.img, x.txt, out.rv, out.rt, d_v, d_t, sc.inv_tau, sc.eps, f.normalize, dz_z
-        )
+            i2t, t2i, g, x.img, x.txt, out.rv, out.rt, d_v, d_t, sc.inv_tau, sc.eps, f.normalize, dz_z,
+            own_counts=own_counts,
+        )  # fmt: skip
         d_neg = x.negatives.new_empty(x.negatives.shape)
     else:
         n_hat = epilogue.scaled(x.negatives, out.rn, sc.dt)
@@ -222,7 +256,7 @@ def _backward(grad: Tensor, x: SymmetricInputs, out: FamilyOut, f: SymmetricFlag
             )
         del v_hat, t_hat, keys_hat
         d_img, d_txt, d_neg = _unnormalize_with_block(x, out, d_v, d_keys, sc.inv_tau, f.normalize)
-    return d_img, d_txt, d_neg, epilogue.tau_grad(dz_z, sc.inv_tau, x.tau.dtype, x.tau.shape)
+    return d_img, d_txt, d_neg, d_own, epilogue.tau_grad(dz_z, sc.inv_tau, x.tau.dtype, x.tau.shape)
 
 
 def _unnormalize_with_block(x: SymmetricInputs, out: FamilyOut, d_v, d_keys, inv_tau, normalize: bool):
@@ -240,7 +274,7 @@ def _unnormalize_with_block(x: SymmetricInputs, out: FamilyOut, d_v, d_keys, inv
 
 @operator(*_BACKWARD, returns=_GRADS)
 def _backward_fake(grad, x: SymmetricInputs, out, f, need_features):
-    return tuple(t.new_empty(t.shape) for t in (x.img, x.txt, x.negatives, x.tau))
+    return tuple(t.new_empty(t.shape) for t in (x.img, x.txt, x.negatives, x.own_negatives, x.tau))
 
 
 SymmetricNLL = glue.fused_op(
@@ -251,6 +285,6 @@ SymmetricNLL = glue.fused_op(
     backward=_backward,
     backward_fake=_backward_fake,
     tau_input=SymmetricInputs._fields.index("tau"),
-    feature_inputs=(0, 1, 2),
+    feature_inputs=(0, 1, 2, 3),
     device_types="cpu",
 )

@@ -39,6 +39,8 @@ def directional_nll_torch(
     query_groups=None,
     key_groups=None,
     group_mode: GroupMode = GroupMode.MASK,
+    own_keys=None,
+    own_mask=None,
 ):
     """Per-row cross-entropy of one direction of the HN-CLIP logits (arXiv 2608.18521, Eq. 2).
 
@@ -72,6 +74,11 @@ def directional_nll_torch(
       k < K is masked in row i when ``query_groups[i] == key_groups[k]`` (k ≠ offset + i); the
       columns from K on (the negative captions appended after the N captions) carry no id.
 
+    * ``own_keys`` (M, K, D) with ``own_mask`` (M, K) bool or None (all real): row i's own K
+      extra columns, after the N keys, none of them the positive: Z_ik = (q_i·o_ik + γ·sg(a_i·o_ik))/τ
+      (each is its own margin factor and mask caption); masked-out entries are no columns, the
+      threshold compares (mask_query or a)_i·ô_ik, group ids do not reach them.
+
     Masked entries leave the row exactly as with the threshold above (union of both rules).
 
     * ``group_mode`` (a :class:`~hnclip_kernels.group_mode.GroupMode`, the ids required):
@@ -104,6 +111,11 @@ def directional_nll_torch(
     delta = logits - pos[:, None]  # Z_ik - Z_i,pos: exactly 0 at the positive
     is_pos = torch.zeros_like(delta, dtype=torch.bool)
     is_pos[rows, pos_cols] = True
+    if own_keys is not None:
+        return _with_own(
+            (q, a, b, delta, pos, is_pos, margin), (mask_query, mask_key, query_groups, key_groups), own_keys, own_mask,
+            tau.to(dt), gamma, label_smoothing, normalize, false_negative_threshold, return_stats,
+        )  # fmt: skip
     if any(x is not None for x in (mask_query, mask_key, query_groups, key_groups)):
         check_family_directional(m, n, mask_query, mask_key, query_groups, key_groups)
         cosine = None
@@ -147,6 +159,44 @@ def _positives(group_mode, query_groups, key_groups, rows, pos_cols, n, return_s
         same = torch.cat([same, same.new_zeros(same.shape[0], n - same.shape[1])], dim=1)
     same[rows, pos_cols] = True
     return same
+
+
+def _with_own(formed, family, own_keys, own_mask, tau, gamma, label_smoothing, normalize, threshold, return_stats):
+    """The rows with each row's own columns appended: (M, N + K) gaps, every row through
+    :func:`_masked_rows` (its class count varies with its real own columns)."""
+    q, a, b, delta, pos, is_pos, margin = formed
+    mask_query, mask_key, query_groups, key_groups = family
+    m, n = delta.shape
+    check_family_directional(m, n, mask_query, mask_key, query_groups, key_groups)
+    if own_keys.dim() != 3 or own_keys.shape[0] != m or own_keys.shape[2] != q.shape[1]:
+        raise ValueError(f"own_keys must be (M, K, D) = ({m}, K, {q.shape[1]}), got {tuple(own_keys.shape)}")
+    o = own_keys.to(q.dtype)
+    if normalize:
+        o = o / torch.linalg.vector_norm(o, dim=2, keepdim=True, dtype=torch.float64).clamp_min(NORM_EPS).to(o.dtype)
+    with ieee_float32(q.device):
+        own_margin = torch.einsum("mkd,md->mk", o.detach(), a)
+    own_logits = (torch.einsum("mkd,md->mk", o, q) + gamma * own_margin) / tau
+    dropped = torch.zeros_like(delta, dtype=torch.bool)
+    cosine = None
+    if threshold is not None:
+        cosine = margin if normalize else margin * _inv_norms(a)[:, None] * _inv_norms(b)[None, :]
+        if mask_query is not None:
+            cosine = _caption_cosine(mask_query.detach().to(q.dtype), mask_key.detach().to(q.dtype), normalize)
+        caption = a if mask_query is None else mask_query.detach().to(q.dtype)
+        unit_o = o.detach() / torch.linalg.vector_norm(o.detach(), dim=2, keepdim=True).clamp_min(NORM_EPS)
+        with ieee_float32(q.device):
+            own_cosine = torch.einsum("mkd,md->mk", unit_o, normalized(caption))
+    masked = _family_mask(cosine, threshold, query_groups, key_groups, n)
+    if masked is None and threshold is not None:
+        masked = cosine >= threshold
+    if masked is not None:
+        dropped = masked
+    own_dropped = torch.zeros(o.shape[:2], dtype=torch.bool, device=o.device) if own_mask is None else ~own_mask
+    if threshold is not None:
+        own_dropped = own_dropped | (own_cosine >= threshold)
+    delta = torch.cat([delta, own_logits - pos[:, None]], dim=1)
+    is_pos = torch.cat([is_pos, torch.zeros_like(own_dropped)], dim=1)
+    return _masked_rows(delta, pos, is_pos, torch.cat([dropped, own_dropped], dim=1), label_smoothing, return_stats)
 
 
 def _inv_norms(x):

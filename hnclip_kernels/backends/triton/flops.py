@@ -35,8 +35,8 @@ def rank_backward(grad, img, txt, all_img, all_txt, *rest, **_):
 
 
 FORMULAS = {
-    "triton_symmetric_nll": glue.family_forward_flops,
-    "triton_symmetric_nll_backward": glue.family_backward_flops,
+    "triton_symmetric_nll": glue.symmetric_forward_flops,
+    "triton_symmetric_nll_backward": glue.symmetric_backward_flops,
     "triton_directional_nll": glue.forward_flops,
     "triton_directional_nll_backward": glue.backward_flops,
     "triton_rank_nll": rank_forward,

@@ -38,8 +38,8 @@ HNClipTriton = glue.fused_op(
     forward_fake=_symmetric_nll_fake,
     backward=_symmetric_nll_backward,
     backward_fake=_symmetric_grads_fake,
-    tau_input=4,
-    feature_inputs=(0, 1, 2),
+    tau_input=6,
+    feature_inputs=(0, 1, 2, 3),
     use_triton_op=USE_TRITON_OP,
 )
 HNClipDirectionalTriton = glue.fused_op(
@@ -147,6 +147,8 @@ def hn_clip_pairs_triton(
     negatives=None,
     group_ids=None,
     margin=Margin.TEXT,
+    own_negatives=None,
+    own_mask=None,
     tau,
     gamma,
     label_smoothing,
@@ -168,9 +170,15 @@ def hn_clip_pairs_triton(
     ``false_negative_threshold``: as :func:`directional_nll_triton` (off the diagonal super-tiles
     one caption tile masks Z_IJ and Z_JIᵀ alike: the mask is symmetric to the bit there).
     ``precision``: as :func:`directional_nll_triton`. The public checks are
-    :func:`hnclip_kernels.validation_family`'s (``hn_clip_loss``)."""
+    :func:`hnclip_kernels.validation_family`'s (``hn_clip_loss``). ``own_negatives`` (N, K, D)
+    with ``own_mask`` (N, K) bool or None (all real): each i2t row's own extra columns, formed on
+    the host in float32 (:mod:`hnclip_kernels.backends.own_negatives`), never with ``negatives``."""
     if negatives is None:
         negatives = img.new_empty((0, img.shape[1]))
+    if own_negatives is None:
+        own_negatives = img.new_empty((0, 0, img.shape[1]))
+    if own_mask is None:
+        own_mask = torch.empty((0, 0), dtype=torch.bool, device=img.device)
     gamma_t, eps_t, has_margin, smoothing, precision = scalar_args(gamma, label_smoothing, precision, img)
     thr_t, masked = glue.threshold_args(false_negative_threshold, img)
     ids = group_ids if group_ids is not None else torch.empty((0,), dtype=torch.long, device=img.device)
@@ -179,6 +187,8 @@ def hn_clip_pairs_triton(
             HNClipTriton,
             torch.ops.hnclip.triton_symmetric_nll,
             *(tamed(x, normalize) for x in (img, txt, negatives)),
+            own_negatives,
+            own_mask,
             ids.contiguous(),
             tau,
             gamma_t,

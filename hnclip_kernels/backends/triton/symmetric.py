@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ...margin import Margin, margin_operands
-from .. import epilogue, softmax
+from .. import epilogue, own_negatives, softmax
 from ..outputs import FamilyPairsOut, kept_output, schema
 from .backward import directional_shares, symmetric_shares
 from .forward import directional_partials, symmetric_stats, symmetric_summaries
@@ -80,10 +80,23 @@ def _setup(features, norms, group_ids, hyper, flags, margin: Margin, need_thr: b
     return _Setup(pair, block, block_ops, masked or ids is not None)
 
 
+def _own_block(img, txt, own, own_mask, norms, pos, s: _Setup, gamma, threshold, normalize: bool, margin: int):
+    """Each row's own columns (:mod:`..own_negatives`), in float32 on the host: the margin's
+    query factor t̂ or v̂, the threshold (with one) against the unit captions."""
+    v_hat = epilogue.scaled(img, norms[0])
+    a_hat = v_hat if Margin.from_code(margin) is Margin.IMAGE_TEXT else epilogue.scaled(txt, norms[1])
+    thr = None if s.pair.thr is None else threshold
+    unit = None if thr is None else epilogue.scaled(txt, epilogue.inv_norms(txt, True))
+    block = own_negatives.block(v_hat, a_hat, own, own_mask, pos, s.pair.inv_tau, gamma, normalize, thr, unit)
+    return block, v_hat
+
+
 def _symmetric_nll(
     img: Tensor,
     txt: Tensor,
     negatives: Tensor,
+    own: Tensor,
+    own_mask: Tensor,
     group_ids: Tensor,
     tau: Tensor,
     gamma: Tensor,
@@ -115,11 +128,16 @@ def _symmetric_nll(
         del acc, block
         i2t = softmax.RowStats(pos, *merge_stats(rows, smoothing, masked=s.masked))
     eps = label_smoothing if smoothing else 0.0
-    pairs = 0.5 * (softmax.row_losses(i2t, n + m, eps) + softmax.row_losses(t2i, n, eps))
+    n_keys = n + m
+    if own_negatives.present(own):  # merged into the i2t statistics, which the backward reads
+        block, _ = _own_block(img, txt, own, own_mask, norms, pos, s, gamma, threshold, normalize, margin)
+        i2t = own_negatives.merge(i2t, block)
+        n_keys = own_negatives.classes(i2t, n_keys, block)
+    pairs = 0.5 * (softmax.row_losses(i2t, n_keys, eps) + softmax.row_losses(t2i, n, eps))
     return FamilyPairsOut(pairs, *norms, pos, *i2t[1:4], kept_output(i2t), *t2i[1:4], kept_output(t2i))
 
 
-def _symmetric_nll_fake(img, txt, negatives, group_ids, tau, gamma, eps, thr, normalize, masked, *rest):
+def _symmetric_nll_fake(img, txt, negatives, own, own_mask, group_ids, tau, gamma, eps, thr, normalize, masked, *rest):
     return FamilyPairsOut.fake(img, negatives, masked or group_ids.shape[0] > 0, torch.float32)
 
 
@@ -128,6 +146,8 @@ def _symmetric_nll_backward(
     img: Tensor,
     txt: Tensor,
     negatives: Tensor,
+    own: Tensor,
+    own_mask: Tensor,
     group_ids: Tensor,
     tau: Tensor,
     gamma: Tensor,
@@ -152,8 +172,8 @@ def _symmetric_nll_backward(
     precision: str,
     margin: int,
     need_features: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dL/dimg, dL/dtxt, dL/dnegatives in their dtypes, dL/dτ in τ's dtype and shape). Each
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dL/dimg, dL/dtxt, dL/dnegatives, dL/down in their dtypes, dL/dτ in τ's dtype and shape). Each
     recomputed tile carries both directions' softmax into one dS workspace."""
     saved = FamilyPairsOut(None, rv, rt, rn, pos, delta_i2t, mean_neg_i2t, dsum_i2t, kept_i2t,
                            delta_t2i, mean_neg_t2i, dsum_t2i, kept_t2i)  # fmt: skip
@@ -177,19 +197,32 @@ def _symmetric_nll_backward(
             del d_v_block
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (img, txt))
+    own_counts, d_own = None, own.new_empty(own.shape)
+    if own_negatives.present(own):  # the own columns' share, P from the merged statistics
+        block, v_hat = _own_block(img, txt, own, own_mask, saved[1:3], pos, s, gamma, threshold, normalize, margin)
+        if need_features:
+            shifted = shifts is not None
+            d_v_own, d_n_own = own_negatives.grads(i2t, g, block, v_hat, eps, img.shape[0] + m, shifted)
+            d_v.add_(d_v_own)
+            d_own = own_negatives.unnormalize(own, d_n_own, s.pair.inv_tau, normalize)
+        else:
+            d_own = torch.zeros_like(own)
+        own_counts = None if s.masked else block.keep.sum(dim=1)
+        del block
     v_hat, t_hat = epilogue.scaled(img, rv), epilogue.scaled(txt, rt)
     # i2t's keys: the captions, then the negatives (their n̂ only for the uniform smoothing term)
     n_hat = epilogue.scaled(negatives, rn) if m > 0 and softmax.smooths(eps) and not s.masked else None
     more = (n_hat, d_n) if m > 0 else None
-    dz_z = softmax.add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v, d_t, 0, eps, more_keys=more)
+    own_kw = {} if own_counts is None else dict(own_counts=own_counts)
+    dz_z = softmax.add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v, d_t, 0, eps, more_keys=more, **own_kw)
     dz_z = dz_z + softmax.add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_t, d_v, 0, eps)
     del v_hat, t_hat, n_hat  # peak memory: free before the normalisation's temporaries
     inv_tau = s.pair.inv_tau
     grads = []
     for x, r, d_x in zip(features, (rv, rt, rn), (d_v, d_t, d_n)):
         grads.append(epilogue.unnormalize_grad(x, r, d_x.mul_(inv_tau), normalize).to(x.dtype).contiguous())
-    return (*grads, epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape))
+    return (*grads, d_own, epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape))
 
 
-def _symmetric_grads_fake(grad, img, txt, negatives, group_ids, tau, *rest):
-    return tuple(x.new_empty(x.shape) for x in (img, txt, negatives, tau))
+def _symmetric_grads_fake(grad, img, txt, negatives, own, own_mask, group_ids, tau, *rest):
+    return tuple(x.new_empty(x.shape) for x in (img, txt, negatives, own, tau))
