@@ -66,9 +66,12 @@ def _check_transformers(scope, out):
 def _check_large_batches(scope, out):
     assert scope["trainer"].hn_options["chunk_size"] == 32 and scope["trainer"].state.global_step == 2
     assert scope["model"].logit_scale.grad is not None and scope["txt"].shape == (8, 512)  # the open_clip model
-    for peft_model in (scope["lora_clip"], scope["dora_oc"]):  # the LoRA section: adapters trained, base frozen
+    lora_trainer = scope["lora_trainer"]  # the LoRA section: the trainer ran chunked on the PeftModel
+    assert lora_trainer.hn_options["chunk_size"] == 32 and lora_trainer.state.global_step == 2
+    for peft_model in (scope["lora_clip"], scope["dora_oc"]):  # adapters (and the freed logit_scale) trained
         params = list(peft_model.named_parameters())
-        assert all((p.grad is not None) == p.requires_grad == ("lora_" in name) for name, p in params)
+        trained = ("lora_", "logit_scale") if peft_model is scope["lora_clip"] else ("lora_",)
+        assert all((p.grad is not None) == p.requires_grad == any(t in name for t in trained) for name, p in params)
 
 
 def _check_hard_negatives(scope, out):
