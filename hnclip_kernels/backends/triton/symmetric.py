@@ -21,7 +21,7 @@ Products executed (P = one N×N×D or N×M×D product; ``FlopCounterMode`` state
 :mod:`.flops`): the N×N part is the plain loss's to the multiply-add; the block costs (1 + g) P
 forward and (1 + g) P + 2 P of GEMMs backward, g = 1 for a margin tile or a threshold (t̂·n̂),
 else 0. 16-bit features stay 16-bit (the kernels' own rounding-compensated backward). Workspace:
-:func:`.workspace.family_bytes`.
+:func:`.workspace.family_forward_bytes`, and each row's own negatives' :func:`.workspace.own_bytes`.
 """
 
 from __future__ import annotations
