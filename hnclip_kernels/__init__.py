@@ -33,12 +33,16 @@ def workspace_bytes(
     false_negative_threshold=None,
     negatives=0,
     group_ids=False,
+    own_negatives=0,
+    normalize=True,
+    reduction="none",
 ) -> int:
     """Bytes the fused Triton path allocates beyond inputs and outputs (forward statistics plus
     the backward's dS chunk), GPU launch configuration; ``local_rows``: a rank's M for the
     distributed loss's per-rank op (both directions of its M local rows against n gathered columns);
     ``negatives`` (M hard-negative captions) and ``group_ids`` (bool): the hard-negative family's
-    loss. See :func:`hnclip_kernels.backends.triton.workspace.workspace_bytes`
+    loss; ``own_negatives`` (K, each row's own negatives (N, K, D)), ``normalize`` and
+    ``reduction`` ("directions": two directional walks). See :func:`hnclip_kernels.backends.triton.workspace.workspace_bytes`
     (imported on call: Triton is an optional dependency)."""
     from .backends.triton.workspace import workspace_bytes as _workspace_bytes
 
@@ -53,6 +57,9 @@ def workspace_bytes(
         false_negative_threshold=false_negative_threshold,
         negatives=negatives,
         group_ids=group_ids,
+        own_negatives=own_negatives,
+        normalize=normalize,
+        reduction=reduction,
     )
 
 

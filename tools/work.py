@@ -16,7 +16,10 @@ group masked); of the sigmoid (SigLIP) loss, ``sigmoid_pairs_triton(img, txt, s,
 margin=..., negatives=neg)`` (kind "sigmoid", ``hnclip::triton_sigmoid_nll``, N rows against the
 N + M keys, ``--m`` its negatives, default 0; ``--margins``, ``--ids`` as the family's, ids masking)
 and of a rank's sigmoid rows (kind "sigmoid_rank": M local rows against N gathered captions at
-offset N − M); τ (s and b) a tensor that requires grad, as in training.
+offset N − M); of each row's own negatives, ``hn_clip_loss(img, txt, tau, negatives=(N, M, D))``
+(kind "own", M = K own negatives a row, default 8, the host block's einsums inside the operator)
+and of ``reduction="directions"`` (kind "directions", two directional ops; ``--m`` shared negatives,
+default 0); τ (s and b) a tensor that requires grad, as in training.
 
 How: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1), under the GPU launch
 configuration: HNCLIP_TRITON_LAUNCH=gpu is set while a case runs, and the launcher then
@@ -29,7 +32,8 @@ uses the GPU tile sizes and warps even while interpreting. Two counters run toge
     masked tiles, so the count includes tile padding: what the GPU executes.
     ``tl.dot_scaled`` is not counted and raises.
   * every matmul run by torch (mm, bmm, addmm, matmul, ...): torch.utils.flop_counter.FlopCounterMode,
-    and ``torch.mm`` / ``torch.addmm`` / ``torch.bmm`` called where no dispatch mode is active:
+    and ``torch.mm`` / ``torch.addmm`` / ``torch.bmm`` / ``torch.einsum`` (two operands: 2 · the
+    product of every index's size) called where no dispatch mode is active:
     inside a custom operator's implementation (the interpreter's operators are opaque
     ``custom_op``s, run with the mode popped), e.g. the backward's GEMMs.
 
@@ -73,8 +77,8 @@ from hnclip_kernels.backends.triton.sigmoid_pairs import sigmoid_pairs_triton  #
 from hnclip_kernels.margin import Margin  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-KINDS = ("loss", "directional", "rank", "family", "sigmoid", "sigmoid_rank")
-FAMILY_OPTIONS = ("family", "sigmoid")  # the kinds that take ``margin`` and ``ids``
+KINDS = ("loss", "directional", "rank", "family", "sigmoid", "sigmoid_rank", "own", "directions")
+FAMILY_OPTIONS = ("family", "sigmoid", "own")  # the kinds that take ``margin`` and ``ids``
 MARGINS = ("text", "image_text")
 USEFUL_PRODUCTS = 3  # q kᵀ forward; dS·k and dSᵀ·q backward (per direction; a rank's op has two)
 COLUMNS = [
@@ -183,7 +187,22 @@ def _bmm_flops(a, b, *_):
 # torch functions counted by name when no dispatch mode sees them: a custom operator (the
 # interpreter's ``hnclip::triton_*``) runs its implementation with FlopCounterMode popped off the
 # mode stack, so the mode counts the opaque op, not the cuBLAS GEMMs of the backward inside it
-_TORCH_MATMULS = {"mm": _mm_flops, "addmm": _addmm_flops, "bmm": _bmm_flops}
+def _einsum_flops(equation, *operands):
+    """2 · Π every index's size: a two-operand contraction's multiply-adds (the own block's
+    "nkd,nd->nk" and "nk,nkd->nd", N·K·D each)."""
+    inputs = equation.replace(" ", "").split("->")[0].split(",")
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if len(inputs) != 2:
+        raise NotImplementedError(f"tools.work counts two-operand einsums only, got {equation!r}")
+    sizes = {c: int(n) for spec, x in zip(inputs, operands) for c, n in zip(spec, x.shape)}
+    total = 2
+    for n in sizes.values():
+        total *= n
+    return total
+
+
+_TORCH_MATMULS = {"mm": _mm_flops, "addmm": _addmm_flops, "bmm": _bmm_flops, "einsum": _einsum_flops}
 
 
 def _counting(fn, flops, hidden):
@@ -231,8 +250,8 @@ def count_products(
         raise ValueError(f"margin={margin!r} and ids={ids!r} are kinds {FAMILY_OPTIONS}' options; got kind {kind!r}")
     if ids is not None and ids < 1:
         raise ValueError(f"ids is a group size G >= 1 (group ids arange(n) // G), got {ids!r}")
-    if kind in FAMILY_OPTIONS:
-        m = (n if kind == "family" else 0) if m is None else m
+    if kind in (*FAMILY_OPTIONS, "directions"):
+        m = {"family": n, "own": 8}.get(kind, 0) if m is None else m
         if m < 0:
             raise ValueError(f"m={m} negatives: pass m >= 0")
     else:
@@ -242,11 +261,12 @@ def count_products(
     gen = torch.Generator().manual_seed(seed)
     dt = DTYPES[dtype]
     tau = torch.tensor(0.07, requires_grad=True)
-    if kind in ("loss", "family", "sigmoid"):
+    if kind in ("loss", "family", "sigmoid", "own", "directions"):
         img = torch.randn(n, d, generator=gen).to(dt).requires_grad_()
         txt = torch.randn(n, d, generator=gen).to(dt).requires_grad_()
-        if kind in FAMILY_OPTIONS:
-            neg = torch.randn(m, d, generator=gen).to(dt).requires_grad_()
+        if kind in (*FAMILY_OPTIONS, "directions"):
+            shape = (n, m, d) if kind == "own" else (m, d)
+            neg = torch.randn(*shape, generator=gen).to(dt).requires_grad_()
             group_ids = None if ids is None else torch.arange(n) // ids
     elif kind == "sigmoid_rank":
         offset = n - m
@@ -269,8 +289,13 @@ def count_products(
             loss = sigmoid_pairs_triton(img, txt, *sb, gamma=gamma, margin=Margin(margin), **kw).sum()
         elif kind == "sigmoid_rank":
             loss = sigmoid_pairs_triton(img, txt, *sb, offset=offset, gamma=gamma).sum()
-        elif kind in ("loss", "family"):
-            family = dict(negatives=neg, group_ids=group_ids, margin=margin) if kind == "family" else {}
+        elif kind == "directions":
+            rows = hnclip_kernels.hn_clip_loss(img, txt, tau, gamma=gamma, backend="triton", reduction="directions",
+                                               negatives=neg if m else None,
+                                               false_negative_threshold=false_negative_threshold)  # fmt: skip
+            loss = sum(x.sum() for x in rows)
+        elif kind in ("loss", "family", "own"):
+            family = dict(negatives=neg, group_ids=group_ids, margin=margin) if kind != "loss" else {}
             loss = hnclip_kernels.hn_clip_loss(
                 img,
                 txt,
@@ -312,8 +337,10 @@ def count_products(
             "no tl.dot ran in Triton's interpreter: are the kernels interpreted (TRITON_INTERPRET=1 "
             "before triton was first imported)?"
         )
-    if kind in FAMILY_OPTIONS:  # N×N×D products; the useful S = v [t; n]ᵀ is N×(N + M)
+    if kind in FAMILY_OPTIONS:  # N×N×D products; the useful S = v [t; n]ᵀ is N×(N + M) (own: N + K)
         unit, useful = 2 * n * n * d, USEFUL_PRODUCTS * (n + m) / n
+    elif kind == "directions":  # i2t's N×(N + M) and t2i's N×N, no tile shared
+        unit, useful = 2 * n * n * d, USEFUL_PRODUCTS * (2 * n + m) / n
     else:
         unit, useful = 2 * m * n * d, USEFUL_PRODUCTS * (2 if kind == "rank" else 1)
     total = count.dot_flops + count.torch_flops
@@ -354,7 +381,7 @@ def parse_args(argv=None):
         type=int,
         default=None,
         help="directional, rank, sigmoid_rank: local rows M (default N // 4); family: negatives M (default N); "
-        "sigmoid: negatives M (default 0)",
+        "sigmoid, directions: negatives M (default 0); own: K own negatives a row (default 8)",
     )
     ap.add_argument("--dims", type=_csv_list(int), default=[512, 768], help="embedding dims D")
     ap.add_argument("--dtypes", type=_csv_list(str), default=["bfloat16"], help=",".join(DTYPES))

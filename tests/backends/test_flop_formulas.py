@@ -147,3 +147,35 @@ def test_a_ranks_ops_state_the_useful_products_on_both_backends(family):
         args = (img, txt, all_img, all_txt, tau, N - rows, options, False, gathered)
         call = functools.partial(_summed, rank_losses, *args)
         assert _counted(call) == useful, backend
+
+
+@pytest.mark.parametrize("margin", ["text", "image_text"])
+def test_own_negatives_state_their_products_on_both_backends(margin):
+    # each row's K own negatives add N·K logits: 2·N·K·D forward (v̂_i·n̂_ik), and dS·n̂ and dSᵀ·v̂
+    # backward (4·N·K·D); the margin's t̂_i·n̂_ik is detached work, not stated
+    k = 3
+    img, txt = _leaves(N, N, seed=2)
+    own = torch.randn(N, k, D, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    mask = torch.rand(N, k, generator=torch.Generator().manual_seed(4)) < 0.7
+    useful = (2 * N * (N + k) * D, 4 * N * (N + k) * D)
+    for backend in ["triton"] + (["cpp"] if cpp_directional() is not None else []):
+        call = functools.partial(hn_clip_loss, img, txt, 0.07, negatives=own, negatives_mask=mask, margin=margin)
+        assert _counted(functools.partial(call, backend=backend)) == useful, backend
+
+
+def _directions_loss(*args, **kwargs):
+    rows = hn_clip_loss(*args, reduction="directions", **kwargs)
+    return sum(x.sum() for x in rows)
+
+
+@pytest.mark.parametrize("m, eps", [(0, 0.0), (M, 0.0), (M, 0.1)])
+def test_directions_state_two_directional_walks_on_both_backends(m, eps):
+    # one directional op a direction, i2t over N + M columns, t2i over N (the symmetric op's
+    # shared tiles are not shared here); ε > 0: each direction's unsmoothed rows in a second call
+    img, txt, neg = _leaves(N, N, M, seed=5)
+    calls = 2 if eps else 1
+    logits = N * (N + m) + N * N
+    useful = (calls * 2 * logits * D, calls * 4 * logits * D)
+    for backend in ["triton"] + (["cpp"] if cpp_directional() is not None else []):
+        call = functools.partial(_directions_loss, img, txt, 0.07, negatives=neg if m else None, label_smoothing=eps)
+        assert _counted(functools.partial(call, backend=backend)) == useful, backend

@@ -1,5 +1,7 @@
 """The Triton path's workspace: ``hnclip_kernels.workspace_bytes`` equals what the operators
-actually allocate (counted, not computed), and the forward's statistics are O(N).
+actually allocate (counted, not computed), and the forward's statistics are O(N). Also each
+row's own negatives (their host-side block, counted by a dispatch mode) and
+``reduction="directions"`` (two directional walks).
 
 The count: every ``torch.empty`` called from the host walks and their helpers (``forward.py``,
 ``merge.py``, ``backward.py``, ``scales.py``) during a forward + backward, under the interpreter
@@ -14,6 +16,8 @@ import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import hnclip_kernels
 from cases import check_against_truth, make_pair
@@ -184,3 +188,160 @@ def test_forward_bit_reproducible_gpu_launch(gpu_launch_small):
         hnclip_kernels.hn_clip_loss(img, txt, 0.03, gamma=0.5, reduction="none", backend="triton") for _ in range(2)
     ]
     assert torch.equal(runs[0], runs[1])
+
+
+class _OwnBuffers(TorchDispatchMode):
+    """Every new storage an aten op returns inside the own block's host steps whose tensor is led by
+    (N, K) or N·K (the (N, K, D) and (N, K) buffers; the O(N·D) and O(N) temporaries are not
+    workspace, as the epilogue's are not), logged in ``counter`` under the phase running, freed
+    when its storage is (views and autograd's saved tensors keep it alive)."""
+
+    def __init__(self, counter, n, k):
+        super().__init__()
+        self.counter, self.n, self.k = counter, n, k
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and (
+                tuple(t.shape[:2]) == (self.n, self.k) or t.shape[:1] == (self.n * self.k,)
+            ):
+                storage = t.untyped_storage()
+                if storage.nbytes() and id(storage) not in self.counter.storages:
+                    self.counter.record(storage, "rows" if t.numel() == self.n * self.k else "block")
+        return out
+
+
+class _OwnCounter(_Counter):
+    """:class:`_Counter` of storages, each with its kind ("block": N·K·D elements, "rows": N·K)."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages, self.kind = set(), []
+
+    def record(self, storage, kind):
+        key = len(self.nbytes)
+        self.nbytes.append(storage.nbytes())
+        self.born_in.append(self.phase)
+        self.kind.append(kind)
+        self.storages.add(id(storage))
+        self.events.append((key, +1))
+        weakref.finalize(storage, self.storage_freed, key, id(storage))
+
+    def storage_freed(self, key, ident):
+        self.storages.discard(ident)
+        self.freed(key)
+
+    def peak_of(self, phase, kind):
+        live = peak = 0
+        for key, sign in self.events:
+            if key in self.scratch and self.born_in[key] == phase and self.kind[key] == kind:
+                live += sign * self.nbytes[key]
+                peak = max(peak, live)
+        return peak
+
+
+OWN_CASES = {  # dtype, hn_clip_loss's options; N = 130 rows of K = 3 own negatives, D = 20
+    "float32": (torch.float32, {}),
+    "bf16 threshold mask": (torch.bfloat16, dict(false_negative_threshold=0.5, mask=True)),
+    "float32 threshold image_text eps": (
+        torch.float32,
+        dict(false_negative_threshold=0.5, margin="image_text", label_smoothing=0.1),
+    ),
+    "float16 unnormalized": (torch.float16, dict(normalize=False)),
+    "float32 unnormalized threshold": (torch.float32, dict(normalize=False, false_negative_threshold=0.5)),
+}
+
+
+@pytest.mark.parametrize("case", list(OWN_CASES), ids=list(OWN_CASES))
+def test_own_negatives_workspace_counted(gpu_launch_small, counter, monkeypatch, case):
+    """Each row's own negatives: the float32 (N, K, D) buffers the host block holds at its peak are
+    ``own_bytes``'s count in both phases, its (N, K) ones within ``OWN_ROW_BYTES``·N·K, the kernels'
+    walks are the plain loss's, and ``workspace_bytes(own_negatives=K)`` takes each phase's larger."""
+    dtype, kw = OWN_CASES[case]
+    kw = dict(kw)
+    n, k, d = 130, 3, 20
+    own_count = _OwnCounter()
+
+    def phased(name, fn):
+        def run(*args, **kwargs):
+            own_count.phase = name
+            try:
+                with _OwnBuffers(own_count, n, k):
+                    return fn(*args, **kwargs)
+            finally:
+                own_count.phase = None
+
+        return run
+
+    for name in ("_own_forward", "_own_backward"):
+        monkeypatch.setattr(symmetric, name, phased(name, getattr(symmetric, name)))
+    img, txt = (x.requires_grad_(True) for x in make_pair(n, d, dtype, seed=7))
+    gen = torch.Generator().manual_seed(8)
+    own = torch.randn(n, k, d, generator=gen).to(dtype).requires_grad_(True)
+    mask = torch.rand(n, k, generator=gen) < 0.7 if kw.pop("mask", False) else None
+    loss = hnclip_kernels.hn_clip_loss(img, txt, 0.07, negatives=own, negatives_mask=mask, backend="triton", **kw)
+    loss.backward()
+    assert own.grad is not None and torch.isfinite(own.grad).all()
+    threshold, eps, normalize = (
+        kw.get("false_negative_threshold"),
+        kw.get("label_smoothing", 0.0),
+        kw.get("normalize", True),
+    )
+    own_fwd, own_bwd = workspace.own_bytes(n, k, d, dtype, threshold is not None, normalize)
+    rows = workspace.OWN_ROW_BYTES * n * k
+    for phase, stated in (("_own_forward", own_fwd), ("_own_backward", own_bwd)):
+        assert own_count.peak_of(phase, "block") == stated - rows > 0, phase
+        assert 0 < own_count.peak_of(phase, "rows") <= rows, phase
+        assert own_count.peak(phase) <= stated, phase
+    fwd, bwd = counter.peak("fwd"), counter.peak("bwd")
+    masked = threshold is not None
+    assert fwd == workspace.forward_bytes(n, n, dtype.itemsize, True, bool(eps), masked=masked) > 0
+    assert bwd == workspace.backward_bytes(n, n, d, dtype, symmetric=True) > 0
+    assert max(fwd, own_fwd) + max(bwd, own_bwd) == hnclip_kernels.workspace_bytes(
+        n, d, dtype, label_smoothing=eps, false_negative_threshold=threshold, own_negatives=k, normalize=normalize
+    )
+
+
+@pytest.mark.parametrize(
+    "dtype,n,m,eps,threshold",
+    [(torch.bfloat16, 60, 50, 0.1, None), (torch.float32, 200, 0, 0.0, 0.5)],
+    ids=["bf16 negatives eps", "float32 threshold"],
+)
+def test_directions_workspace_counted(gpu_launch_small, counter, dtype, n, m, eps, threshold):
+    """``reduction="directions"``: its directional walks (two, four with ε > 0) allocate at their
+    peaks what ``directions_bytes`` states, in float32 whatever the features' dtype (N = 60 rows:
+    i2t's dS chunk is 60 × (60 + M), wider than t2i's)."""
+    d = 24
+    img, txt = (x.requires_grad_(True) for x in make_pair(n, d, dtype, seed=9))
+    neg = torch.randn(m, d).to(dtype) if m else None
+    rows = hnclip_kernels.hn_clip_loss(img, txt, 0.07, reduction="directions", negatives=neg, label_smoothing=eps,
+                                       false_negative_threshold=threshold, backend="triton")  # fmt: skip
+    sum(x.sum() for x in rows).backward()
+    fwd, bwd = counter.peak("fwd"), counter.peak("bwd")
+    masked = threshold is not None
+    stated = workspace.directions_bytes(n, n, d, dtype, bool(eps), masked=masked, m=m)
+    assert (fwd, bwd) == stated and fwd > 0 and bwd > 0
+    assert fwd + bwd == hnclip_kernels.workspace_bytes(
+        n, d, dtype, label_smoothing=eps, false_negative_threshold=threshold, negatives=m, reduction="directions"
+    )
+
+
+def test_own_negatives_and_directions_figures_and_refusals():
+    """The docstring's figures (132 SMs) and the refusals naming the argument."""
+    mib = 1 << 20
+    n, k, d = 32768, 8, 768
+    plain = hnclip_kernels.workspace_bytes(n, d, torch.bfloat16, device="cpu")
+    own = hnclip_kernels.workspace_bytes(n, d, torch.bfloat16, own_negatives=k, device="cpu")
+    assert (round(plain / mib), own // mib) == (493, 5396)
+    big = 262144
+    assert hnclip_kernels.workspace_bytes(big, d, torch.bfloat16, reduction="directions", device="cpu") == 259 * mib
+    for bad, match in (
+        (dict(own_negatives=-1), "own_negatives"),
+        (dict(own_negatives=2, negatives=3), "shared negatives"),
+        (dict(own_negatives=2, local_rows=5), "local_rows"),
+        (dict(own_negatives=2, reduction="directions"), "directions"),
+        (dict(reduction="rows"), "reduction"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            hnclip_kernels.workspace_bytes(64, 8, torch.float32, **bad)

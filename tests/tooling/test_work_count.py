@@ -127,7 +127,27 @@ FORMULA_CASES = {
     "family float32 γ=0.5 M=0 ids image_text": dict(
         kind="family", gamma=0.5, n=128, m=0, dtype="float32", ids=4, margin="image_text"
     ),
+    # each row's own negatives (K = 8): the N·K logits' useful 3·2·N·K·D beside the N×N loss's
+    "own bf16 γ=0.5 K=8": dict(kind="own", gamma=0.5, m=8),
+    # reduction="directions": two directional ops (float32 walks), i2t over N + M columns
+    "directions bf16 γ=0.5 M=N/2": dict(kind="directions", gamma=0.5, m=128),
 }
+
+
+@pytest.mark.parametrize(
+    "margin, threshold, einsums",
+    [("text", None, 5), ("image_text", None, 3), ("text", 0.9, 7)],
+    ids=["text", "image_text", "text threshold"],
+)
+def test_own_negatives_block_einsums_are_counted(margin, threshold, einsums):
+    # the own block runs its N·K·D products as torch.einsum inside the opaque operator: forward v̂·n̂
+    # (and t̂·n̂ for the "text" margin, t̂·n̂ for a threshold's caption cosines), the backward the
+    # block again plus dS·n̂ (dS ⊗ v̂ is elementwise, no matmul); the N×N loss's 2 torch GEMMs beside
+    n, k, d = 128, 8, 64
+    kw = dict(n=n, d=d, dtype="bfloat16", gamma=0.5, margin=margin, false_negative_threshold=threshold)
+    own, plain = count_products(kind="own", m=k, **kw), count_products(kind="family", m=0, **kw)
+    assert own["torch_flops"] - plain["torch_flops"] == einsums * 2 * n * k * d, (own, plain)
+    assert own["formula_flops"] - plain["formula_flops"] == 3 * 2 * n * k * d
 
 
 @pytest.mark.parametrize("case", list(FORMULA_CASES), ids=list(FORMULA_CASES))

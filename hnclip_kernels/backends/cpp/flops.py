@@ -12,6 +12,10 @@ rows × C columns,
   (the family's: N + K key columns): forward P, backward 2 P;
 * the sigmoid loss (``cpp_sigmoid_nll``, raw ``cpp_raw_sigmoid_fwd``/``_bwd``), R × (C + M):
   forward P, backward 2 P;
+* each row's K own negatives (``own_negatives`` (N, K, D) of ``cpp_symmetric_nll``): N·K more
+  logits, forward 2·N·K·D, backward 4·N·K·D (the host block's products, not the margin's);
+* ``reduction="directions"``: the directional op's formula once a direction (twice with ε > 0);
+* ``group_mode="supcon"``/``"mil_nce"`` has no C++ operator on this branch: nothing stated here;
 * a backward asked for dτ (the sigmoid loss: ds) alone (no feature gradient): 0.
 
 What the kernels execute differs by call (the margin folded into the left factor, or a second

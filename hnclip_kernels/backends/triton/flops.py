@@ -12,6 +12,14 @@ state the same for the same call): with P = 2·R·C·D for a logit matrix of R r
   backward 4 P;
 * with the hard-negative family's M negatives the loss's i2t rows cover N + M columns: N × (N + M)
   (both directions read the N × N part), forward P, backward 2 P;
+* each row's K own negatives (``own_negatives`` (N, K, D), host-side products in
+  :mod:`..own_negatives`): N·K more logits, forward 2·N·K·D (v̂_i·n̂_ik), backward 4·N·K·D
+  (dS·n̂ and dS ⊗ v̂); the margin's detached t̂_i·n̂_ik and a threshold's caption cosines are not
+  stated, as the N × N margin is not;
+* ``reduction="directions"``: the directional op once a direction (i2t N × (N + M), t2i N × N),
+  twice with ε > 0 (the unsmoothed rows): the sum of those calls' formulas, about twice the
+  shared-tile loss's (``tests/backends/test_flop_formulas.py``);
+* ``group_mode="supcon"``/``"mil_nce"``: backend "torch" only (the reference's own matmuls);
 * a backward asked for dτ alone (no feature gradient): 0.
 
 Not stated: what the kernels execute beyond that: the margin's and the mask's products, the

@@ -21,7 +21,7 @@ Products executed (P = one N×N×D or N×M×D product; ``FlopCounterMode`` state
 :mod:`.flops`): the N×N part is the plain loss's to the multiply-add; the block costs (1 + g) P
 forward and (1 + g) P + 2 P of GEMMs backward, g = 1 for a margin tile or a threshold (t̂·n̂),
 else 0. 16-bit features stay 16-bit (the kernels' own rounding-compensated backward). Workspace:
-:func:`.workspace.family_bytes`.
+:func:`.workspace.family_forward_bytes`, and each row's own negatives' :func:`.workspace.own_bytes`.
 """
 
 from __future__ import annotations
@@ -91,6 +91,31 @@ def _own_block(img, txt, own, own_mask, norms, pos, s: _Setup, gamma, threshold,
     return block, v_hat
 
 
+def _own_forward(i2t, n_keys, inputs, norms, pos, s: _Setup, hyper, normalize: bool, margin: int):
+    """The kernels' i2t statistics merged with each row's own columns, and the rows' classes:
+    ``inputs`` = (img, txt, own, own_mask), ``hyper`` = (γ, threshold). Every O(N·K·D) buffer of
+    the block lives and dies here (:func:`.workspace.own_bytes` counts them)."""
+    block, _ = _own_block(*inputs, norms, pos, s, *hyper, normalize, margin)
+    i2t = own_negatives.merge(i2t, block)
+    return i2t, own_negatives.classes(i2t, n_keys, block)
+
+
+def _own_backward(d_v, rows, inputs, norms, pos, s: _Setup, hyper, normalize: bool, margin: int):
+    """(dL/down (N, K, D) in its dtype, the rows' own kept counts or None under masking); adds the
+    own columns' share into ``d_v`` (None: only τ wants a gradient, dL/down is zeros). ``rows`` =
+    (merged i2t statistics, g, ε, the shared keys N + M, the kernels' shifted smoothing)."""
+    i2t, g, eps, n_keys, shifted = rows
+    img, txt, own, _ = inputs
+    block, v_hat = _own_block(*inputs, norms, pos, s, *hyper, normalize, margin)
+    counts = None if s.masked else block.keep.sum(dim=1)
+    if d_v is None:
+        return torch.zeros_like(own), counts
+    d_v_own, d_n_own = own_negatives.grads(i2t, g, block, v_hat, eps, n_keys, shifted)
+    d_v.add_(d_v_own)
+    del block, v_hat, d_v_own  # n̂ (N, K, D) freed before the normalisation's temporaries
+    return own_negatives.unnormalize(own, d_n_own, s.pair.inv_tau, normalize), counts
+
+
 def _symmetric_nll(
     img: Tensor,
     txt: Tensor,
@@ -130,9 +155,8 @@ def _symmetric_nll(
     eps = label_smoothing if smoothing else 0.0
     n_keys = n + m
     if own_negatives.present(own):  # merged into the i2t statistics, which the backward reads
-        block, _ = _own_block(img, txt, own, own_mask, norms, pos, s, gamma, threshold, normalize, margin)
-        i2t = own_negatives.merge(i2t, block)
-        n_keys = own_negatives.classes(i2t, n_keys, block)
+        i2t, n_keys = _own_forward(i2t, n_keys, (img, txt, own, own_mask), norms, pos, s, (gamma, threshold),
+                                   normalize, margin)  # fmt: skip
     pairs = 0.5 * (softmax.row_losses(i2t, n_keys, eps) + softmax.row_losses(t2i, n, eps))
     return FamilyPairsOut(pairs, *norms, pos, *i2t[1:4], kept_output(i2t), *t2i[1:4], kept_output(t2i))
 
@@ -197,18 +221,14 @@ def _symmetric_nll_backward(
             del d_v_block
     else:  # only τ wants a gradient: it needs the statistics alone
         d_v, d_t = (torch.zeros(x.shape, device=x.device, dtype=torch.float32) for x in (img, txt))
-    own_counts, d_own = None, own.new_empty(own.shape)
+    own_counts, d_own = None, None
     if own_negatives.present(own):  # the own columns' share, P from the merged statistics
-        block, v_hat = _own_block(img, txt, own, own_mask, saved[1:3], pos, s, gamma, threshold, normalize, margin)
-        if need_features:
-            shifted = shifts is not None
-            d_v_own, d_n_own = own_negatives.grads(i2t, g, block, v_hat, eps, img.shape[0] + m, shifted)
-            d_v.add_(d_v_own)
-            d_own = own_negatives.unnormalize(own, d_n_own, s.pair.inv_tau, normalize)
-        else:
-            d_own = torch.zeros_like(own)
-        own_counts = None if s.masked else block.keep.sum(dim=1)
-        del block
+        shifted = need_features and shifts is not None
+        d_own, own_counts = _own_backward(d_v if need_features else None, (i2t, g, eps, img.shape[0] + m, shifted),
+                                          (img, txt, own, own_mask), saved[1:3], pos, s, (gamma, threshold),
+                                          normalize, margin)  # fmt: skip
+    else:
+        d_own = own.new_empty(own.shape)  # (0, 0, D)
     v_hat, t_hat = epilogue.scaled(img, rv), epilogue.scaled(txt, rt)
     # i2t's keys: the captions, then the negatives (their n̂ only for the uniform smoothing term)
     n_hat = epilogue.scaled(negatives, rn) if m > 0 and softmax.smooths(eps) and not s.masked else None

@@ -19,9 +19,14 @@ returns, the backward's is allocated inside the backward operator):
 configuration. ``tests/backends/test_workspace.py`` counts what the operators actually allocate
 and checks it equals this.
 
+Each row's own negatives (N, K, D) (:mod:`..own_negatives`, host side, after the kernels' walk
+in the forward and after their dS chunks in the backward, so never live with either): float32
+(N, K, D) buffers, :func:`own_bytes`. ``reduction="directions"``: two directional walks, one after
+the other (:func:`directions_bytes`).
+
 O(N)-sized vectors (inverse norms, positive logits, the statistics themselves, the float32
-gradient accumulators of (N, D)) are inputs, outputs or gradients of the operators, not
-workspace.
+gradient accumulators of (N, D)) and the host's O(N·D) temporaries are inputs, outputs or
+gradients of the operators, not workspace.
 """
 
 from __future__ import annotations
@@ -121,6 +126,45 @@ def family_forward_bytes(n: int, m: int, elem_size: int, smoothing: bool, device
     return max(walk, 4 * planes * n * (2 + splits + 1 + splits))
 
 
+# bytes per (row, own negative) the own block's (N, K) temporaries reach at most (gaps, logits, keep
+# masks, float64 inverse norms; 17 to 33 measured over the options): a bound, not a count
+OWN_ROW_BYTES = 40
+
+
+def own_bytes(n: int, k: int, d: int, dtype: torch.dtype, threshold: bool, normalize: bool = True) -> tuple[int, int]:
+    """(forward, backward) bytes of each row's own negatives (``own_negatives`` of
+    ``hnclip::triton_symmetric_nll``, :mod:`..own_negatives`) for N rows of K own negatives of
+    width D in ``dtype``: the peak of their float32 (N, K, D) buffers, counted, plus
+    ``OWN_ROW_BYTES``·N·K for their (N, K) ones, bounded.
+
+    Forward (``block``): n̂, with 16-bit negatives their float32 copy, with a ``threshold`` their
+    unit copy: 1 + [16-bit] + [threshold] buffers. Backward: the block again, then dL/dn̂ beside
+    n̂ (2), then the normalisation's chain rule (``epilogue.unnormalize_grad``, n̂ freed before:
+    dL/dn̂, its 1/τ multiple, x̂, x̂·radial and the projection): 5 with ``normalize``, else the
+    larger of the block's and 2. The (N, K, D) gradient in ``dtype`` is an output."""
+    block = 1 + (dtype != torch.float32) + bool(threshold)
+    rows = OWN_ROW_BYTES * n * k
+    return 4 * n * k * d * block + rows, 4 * n * k * d * (5 if normalize else max(block, 2)) + rows
+
+
+def directions_bytes(
+    rows: int, n: int, d: int, dtype: torch.dtype, smoothing: bool, device=None, masked: bool = False, m: int = 0
+) -> tuple[int, int]:
+    """(forward, backward) bytes of ``reduction="directions"``: two directional walks, one after
+    the other (``backends.direction_losses``): i2t's ``rows`` queries against the N captions and
+    M negatives, t2i's against the N images. 16-bit features run in float32 there, so the walks
+    are float32's. Forward: the larger of the two walks' row partials (splits, planes, rows),
+    each freed before its op returns (with ε > 0 the unsmoothed calls have one plane less);
+    backward: the larger of their dS chunks (:func:`backward_bytes`, one direction). The float32
+    copies of 16-bit features (4·(2·rows + M)·D bytes, 4·(2N + M)·D for one process) and
+    [captions; negatives] (4·(N + M)·D) are the operators' inputs, not counted."""
+    planes = (4 if smoothing else 3) + bool(masked)
+    with cfg.forced_launch("gpu"):
+        splits = max(cfg.fwd_grid(rows, cols, 4, False, _device(device))[2] for cols in (n + m, n))
+    bwd = max(backward_bytes(rows, cols, d, torch.float32, rank=False) for cols in (n + m, n))
+    return 4 * planes * splits * rows, bwd
+
+
 def workspace_bytes(
     n: int,
     d: int,
@@ -133,6 +177,9 @@ def workspace_bytes(
     false_negative_threshold=None,
     negatives: int = 0,
     group_ids: bool = False,
+    own_negatives: int = 0,
+    normalize: bool = True,
+    reduction: str = "none",
 ) -> int:
     """Bytes the fused Triton path allocates beyond its inputs and outputs for one forward and
     backward, in the GPU launch configuration: the forward's partial statistics plus the
@@ -147,7 +194,16 @@ def workspace_bytes(
     the backward are O(N) vectors, not workspace). The hard-negative family's loss
     (``hnclip::triton_symmetric_nll`` with negatives, single process): ``negatives`` = M negative captions (the
     block's row partials forward, its dS chunk backward after the pairs', never together),
-    ``group_ids`` True adds the kept-count plane.
+    ``group_ids`` True adds the kept-count plane. ``own_negatives`` = K, each row's own negatives
+    (``hn_clip_loss(negatives=(N, K, D), negatives_mask=)``, never with shared ones): their
+    host-side block after the kernels' walk and after their dS chunks, never live with either, so
+    each phase takes the larger (:func:`own_bytes`; ``normalize`` False drops the backward's
+    normalisation buffers). Across ranks with ``local_loss=False`` every rank runs this loss on
+    the gathered batch: pass the global N, K = the largest K_r and ``dtype=torch.float32`` (16-bit
+    features are upcast before the gather); the gathered (N, K, D) float32 negatives are an input.
+    ``group_mode`` "supcon"/"mil_nce" runs on backend "torch" only: no Triton workspace to state.
+    ``reduction``: "none", "mean" or "sum" (the same walks), or "directions": two directional
+    walks, one after the other (:func:`directions_bytes`; with ``local_rows`` a rank's M rows).
 
     E.g. the family at N = M = 262144, D = 768, bf16 on 132 SMs: 84.5 MiB forward + 483 MiB backward
     (the N×N chunk pair; the N×M block's chunk is smaller).
@@ -156,10 +212,19 @@ def workspace_bytes(
     (a chunk pair of 6656 × 6656: two 169 MiB float32 staging W's, one 84.5 MiB float16 rounding,
     21 MiB of slice sums, 39 MiB of float16 feature rows).
 
+    E.g. own negatives at N = 32768, K = 8, D = 768, bf16 on 132 SMs: the block's 1546 MiB forward
+    (2 × 768 MiB: n̂ and the negatives' float32 copy, + 10 MiB of (N, K) ones) and 3850 MiB backward
+    (5 × 768 MiB + 10 MiB) outweigh the kernels' 10.5 + 483 MiB: 5396 MiB in all (493 MiB without).
+    ``reduction="directions"`` at N = 262144, D = 768, bf16: 3 + 256 MiB (float32 walks of one
+    direction's rows; "none": 79 + 483 MiB).
+
     Returns: bytes (an int): the sum of the two workspaces, a bound on the peak (they are never live together).
     Raises: ValueError for a dtype other than float16/bfloat16/float32, n, d, local_rows < 1,
     negatives < 0, or ``negatives``/``group_ids`` with ``local_rows`` (the distributed family runs
-    two directional walks per rank: state them as two ``local_rows`` calls).
+    two directional walks per rank: state them as two ``local_rows`` calls); own_negatives < 0,
+    with ``negatives`` (the operator takes one kind), with ``local_rows`` (``local_loss=True`` runs
+    them on backend "torch" only) or with ``reduction="directions"`` (refused there); a
+    ``reduction`` other than "none", "mean", "sum", "directions".
     Source: the allocations of :mod:`.forward` and :mod:`.backward`
     (``tests/backends/test_workspace.py`` counts them).
     """
@@ -167,13 +232,22 @@ def workspace_bytes(
         raise ValueError(f"workspace_bytes: dtype must be one of {sorted(map(str, _SIZES))}, got {dtype}")
     if n < 1 or d < 1 or (local_rows is not None and local_rows < 1):
         raise ValueError(f"workspace_bytes: n, d and local_rows must be positive, got {n}, {d}, {local_rows}")
-    if negatives < 0 or ((negatives or group_ids) and local_rows is not None):
+    if negatives < 0 or ((negatives or group_ids) and local_rows is not None and reduction != "directions"):
         raise ValueError(
             f"workspace_bytes: negatives must be ≥ 0 and, with group_ids, given without local_rows (the "
             f"single-process family loss), got negatives={negatives}, group_ids={group_ids}, local_rows={local_rows}"
         )
+    _check_new_options(negatives, own_negatives, local_rows, reduction)
+    masked = false_negative_threshold is not None or group_ids
+    if reduction == "directions":
+        rows = n if local_rows is None else int(local_rows)
+        fwd, bwd = directions_bytes(rows, n, d, dtype, label_smoothing != 0.0, device, masked, negatives)
+        return fwd + bwd
+    if own_negatives:
+        fwd = family_forward_bytes(n, 0, _SIZES[dtype], label_smoothing != 0.0, device, masked)
+        own_fwd, own_bwd = own_bytes(n, own_negatives, d, dtype, false_negative_threshold is not None, normalize)
+        return max(fwd, own_fwd) + max(backward_bytes(n, n, d, dtype, symmetric=True), own_bwd)
     if negatives or group_ids:
-        masked = false_negative_threshold is not None or group_ids
         fwd = family_forward_bytes(n, negatives, _SIZES[dtype], label_smoothing != 0.0, device, masked)
         bwd = backward_bytes(n, n, d, dtype, symmetric=True)
         if negatives:
@@ -184,6 +258,20 @@ def workspace_bytes(
     return forward_bytes(
         m, n, _SIZES[dtype], columns, label_smoothing != 0.0, device, masked=false_negative_threshold is not None
     ) + backward_bytes(m, n, d, dtype, symmetric=columns)
+
+
+def _check_new_options(negatives: int, own_negatives: int, local_rows, reduction: str) -> None:
+    """The own negatives' and the reduction's refusals (:func:`workspace_bytes`'s Raises)."""
+    if reduction not in ("none", "mean", "sum", "directions"):
+        raise ValueError(f"workspace_bytes: reduction must be 'none', 'mean', 'sum' or 'directions', got {reduction!r}")
+    if own_negatives < 0:
+        raise ValueError(f"workspace_bytes: own_negatives (K per row) must be ≥ 0, got {own_negatives}")
+    if own_negatives and (negatives or local_rows is not None or reduction == "directions"):
+        raise ValueError(
+            "workspace_bytes: own_negatives (each row's K) takes no shared negatives, no local_rows (local_loss=True "
+            "runs them on backend='torch'; local_loss=False: pass the gathered N) and no reduction='directions'; got "
+            f"own_negatives={own_negatives}, negatives={negatives}, local_rows={local_rows}, reduction={reduction!r}"
+        )
 
 
 def sigmoid_bytes(rows: int, columns: int, d: int, dtype: torch.dtype, device=None) -> int:
