@@ -15,7 +15,8 @@ rows × C columns,
 * each row's K own negatives (``own_negatives`` (N, K, D) of ``cpp_symmetric_nll``): N·K more
   logits, forward 2·N·K·D, backward 4·N·K·D (the host block's products, not the margin's);
 * ``reduction="directions"``: the directional op's formula once a direction (twice with ε > 0);
-* ``group_mode="supcon"``/``"mil_nce"`` has no C++ operator on this branch: nothing stated here;
+* ``group_mode="supcon"``/``"mil_nce"``: the formulas above (the positives' pass,
+  ``cpp_raw_positive_fwd``/``_bwd``, forms entries of the same logit matrix: 0 of its own);
 * a backward asked for dτ (the sigmoid loss: ds) alone (no feature gradient): 0.
 
 What the kernels execute differs by call (the margin folded into the left factor, or a second
