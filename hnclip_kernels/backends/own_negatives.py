@@ -55,12 +55,15 @@ def block(v_hat, a_hat, own, own_mask, pos, inv_tau, gamma, normalize: bool, thr
     margin's query factor (``v_hat`` itself for "image_text"), ``own`` (N, K, D), ``own_mask``
     (N, K) bool or (0, 0), ``pos`` (N,) Z_i,pos, ``inv_tau``, ``gamma`` 0-dim tensors;
     ``threshold`` (a float, or None) drops d_ik whose caption cosine t̂_i·n̂_ik (``t_cos``: the
-    unit captions (N, D)) reaches it. Products in IEEE float32 (float64 for float64 inputs)."""
+    unit captions (N, D)) reaches it. Products in IEEE float32 (float64 for float64 inputs).
+    Differentiable by autograd in ``v_hat``, ``own``, ``pos`` and ``inv_tau`` (the margin detached)."""
     dt = v_hat.dtype
     n_hat = own.to(dt) * inv_norms(own, normalize, dt)[..., None]
     with ieee_float32(v_hat.device):
         score = torch.einsum("nkd,nd->nk", n_hat, v_hat)
-        margin = score if a_hat is v_hat else torch.einsum("nkd,nd->nk", n_hat, a_hat)
+        # sg(h): a no-op inside the operators, the stop-gradient where autograd differentiates the
+        # block (reduction="directions", backends.directions.own_rows)
+        margin = (score if a_hat is v_hat else torch.einsum("nkd,nd->nk", n_hat, a_hat)).detach()
         keep = torch.ones(own.shape[:2], dtype=torch.bool, device=own.device) if own_mask.numel() == 0 else own_mask
         if threshold is not None:
             unit = own.to(dt) * inv_norms(own, True, dt)[..., None]
