@@ -99,7 +99,9 @@ def own_block(img, txt, family, pos, tau, options) -> own_negatives.OwnBlock:
     if mask is None:
         mask = torch.zeros(0, 0, dtype=torch.bool, device=own.device)
     gamma = torch.as_tensor(options.gamma, dtype=dt, device=own.device)
-    return own_negatives.block(v_hat, a_hat, own, mask, pos, 1.0 / tau.to(dt), gamma, options.normalize, threshold, unit)
+    return own_negatives.block(
+        v_hat, a_hat, own, mask, pos, 1.0 / tau.to(dt), gamma, options.normalize, threshold, unit
+    )
 
 
 def own_rows(loss, nll0, stats: softmax.RowStats, block: own_negatives.OwnBlock, n_keys: int, eps):

@@ -14,7 +14,9 @@ statistics: the kernels' backward then reads δ' (and, with masking, ε/n_i' fro
 count), so its P_ij is normalised over all N + K_i columns with no kernel change. Their own
 share, dS_ik = g_i (P_ik − ε/n_i), is :func:`grads`. The finishers' positive term reads σ(δ')
 and the merged mean and Σ d, so dL/dτ covers the columns too; without masking the row's
-smoothing spreads ε over n_i = N + M + K_i classes (``classes``).
+smoothing spreads ε over n_i = N + M + K_i classes (``classes``). ``reduction="directions"``
+differentiates :func:`block` by autograd and reads :func:`merge` for its statistics
+(:mod:`.directions`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Tolerances (relative per row, ``direction_oracle.row_errors``): torch and cpp on
 1e-4; 16-bit inputs as ``direction_oracle`` states; the saturated batch within
 ``family_oracle.SATURATED_TOL``.
 
-Bound: about 20 s on 2 shared cores (the Triton interpreter's share: a subset of the cases and 4
+Bound: about 15 s on 2 shared cores (the Triton interpreter's share: a subset of the cases and 4
 draws on backend="triton").
 """
 
@@ -43,9 +43,13 @@ CASES = {
     "no-real-own": dict(pattern="none", label_smoothing=0.1),  # every own slot padding: the plain rows
     "first-empty": dict(pattern="first-empty", gamma=2.0),
     "all": dict(
-        threshold=0.3, label_smoothing=0.1, normalize=False, group_ids=torch.tensor([0, 2, 0, 1, 2, 5]),
-        margin="image_text", pattern="one",
-    ),  # fmt: skip
+        threshold=0.3,
+        label_smoothing=0.1,
+        normalize=False,
+        group_ids=torch.tensor([0, 2, 0, 1, 2, 5]),
+        margin="image_text",
+        pattern="one",
+    ),
 }
 TRITON_CASES = ("all", "first-empty", "smoothing", "threshold")
 
@@ -76,7 +80,9 @@ def test_rows_and_gradients_match_the_oracle(backend, case):
 
 
 # own_rows_f64 takes unit rows: its threshold compares the rows it is given, so not with normalize=False
-@pytest.mark.parametrize("case", [c for c in sorted(CASES) if not ("threshold" in CASES[c] and "normalize" in CASES[c])])
+@pytest.mark.parametrize(
+    "case", [c for c in sorted(CASES) if not ("threshold" in CASES[c] and "normalize" in CASES[c])]
+)
 def test_the_two_oracles_agree(case):
     # the direction oracle's ½(i2t + t2i) is the own-negatives pair oracle's row (written apart)
     img, txt, own, mask, kw = _inputs(case, torch.float64)

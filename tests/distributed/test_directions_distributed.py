@@ -121,7 +121,10 @@ def _check(results, cases, dtype, tol):
             got = {"img": torch.from_numpy(d_img), "txt": torch.from_numpy(d_txt), "tau": torch.tensor(0.0)}
             ref = {"img": copies * grads[0][start:stop], "txt": copies * grads[1][start:stop], "tau": torch.tensor(0.0)}
             if family == "own":
-                got["negatives"], ref["negatives"] = torch.from_numpy(d_neg), copies * grads[2][start:stop, : OWN_K[rank]]
+                got["negatives"], ref["negatives"] = (
+                    torch.from_numpy(d_neg),
+                    copies * grads[2][start:stop, : OWN_K[rank]],
+                )
             elif family:
                 n_start, n_stop = sum(NEG_SIZES[:rank]), sum(NEG_SIZES[: rank + 1])
                 got["negatives"], ref["negatives"] = torch.from_numpy(d_neg), copies * grads[2][n_start:n_stop]
