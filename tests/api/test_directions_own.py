@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import direction_oracle as oracle
 import family_oracle
 from cases import ALL_BACKENDS
-from hnclip_kernels import hn_clip_loss
+from hnclip_kernels import DirectionRows, HNClipLoss, hn_clip_loss
 from own_oracle import own_cases, own_inputs, own_rows_f64
 
 # the unnormalized case's features are off unit norm on purpose
@@ -182,3 +182,15 @@ def test_draws(backend, **draw):
 @given(**DRAWS)
 def test_draws_triton(**draw):
     _draw("triton", **draw)
+
+
+def test_module_single_process_equals_the_function():
+    img, txt, own, mask, kw = _inputs("smoothing", torch.float64)
+    got = HNClipLoss(reduction="directions", backend="torch", label_smoothing=0.1, normalize=True, gamma=0.5)(
+        img, txt, 1.0 / TAU, negatives=own, negatives_mask=mask
+    )
+    want = hn_clip_loss(img, txt, 1.0 / (1.0 / TAU), negatives=own, negatives_mask=mask, reduction="directions",
+                        backend="torch", label_smoothing=0.1)  # fmt: skip
+    assert isinstance(got, DirectionRows)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=0)
