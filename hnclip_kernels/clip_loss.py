@@ -284,7 +284,8 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
                 (:func:`hnclip_kernels.distributed_hn_clip_loss`). With ``world_size`` 1 also
                 (N, K, D), each row's own negatives, with ``negatives_mask`` (N, K) bool (True:
                 real), as in :func:`hnclip_kernels.hn_clip_loss`; across ranks this rank's rows'
-                own (not gathered with ``local_loss=True``, backend "torch" only there; gathered
+                own (not gathered with ``local_loss=True``, backend "torch" only there, every backend
+                with ``reduction="directions"``; gathered
                 on every backend with ``local_loss=False``; :func:`hnclip_kernels.distributed_hn_clip_loss`).
 
         Returns:

@@ -7,6 +7,9 @@ writes each row as a cross-entropy against its target distribution: ``loss_i = �
 log p_ik``, y = (1 − ε)·onehot(pos) + ε/n_i over the row's n_i kept columns, and ``LSE_i = Z_i,pos −
 log p_i,pos`` (docs/api.md, "Per-direction rows"), log p formed from the gaps to the positive so a
 saturated row's loss of 1e-40 is not lost next to its LSE of 100. Autograd gives the gradients.
+With each row's own negatives (``own`` (N, K, D), ``own_mask`` (N, K)) i2t row i's columns are
+its N captions plus its own real K (docs/hard_negatives.md, "Each row's own negatives"); t2i rows
+are unchanged.
 
 Tolerances (:data:`VALUE_TOL`, :data:`GRAD_TOL`), relative per row (each row of each output, each
 row of each feature gradient against that row, dτ as a scalar): float64 1e-10 (gradients 1e-9),
@@ -30,13 +33,15 @@ FIELDS = ("i2t", "t2i", "lse_i2t", "lse_t2i")
 
 
 def direction_rows_f64(img, txt, tau, *, negatives=None, group_ids=None, margin="text", gamma=0.5,
-                       label_smoothing=0.0, normalize=True, threshold=None):  # fmt: skip
+                       label_smoothing=0.0, normalize=True, threshold=None, own=None, own_mask=None):  # fmt: skip
     """(i2t, t2i, lse_i2t, lse_t2i), each (N,), in float64 with autograd, from the formula.
 
-    i2t row i over x ∈ [t_1..t_N, n_1..n_M]: Z_ix = (v_i·x + γ·h_ix·[x ≠ t_i]) / τ, h = sg(t_i·x)
-    ("text") or sg(v_i·x) ("image_text"); t2i row k over the images: Z_ki = (t_k·v_i + γ·h'_ki·[i ≠
-    k]) / τ, h' = sg(t_k·t_i) or sg(v_i·t_k). A column other than the positive is dropped when the
-    unit captions' cosine is ≥ ``threshold`` or (caption columns only) the ids are equal."""
+    i2t row i over x ∈ [t_1..t_N, n_1..n_M, o_i1..o_iK]: Z_ix = (v_i·x + γ·h_ix·[x ≠ t_i]) / τ,
+    h = sg(t_i·x) ("text") or sg(v_i·x) ("image_text"), o_ik row i's own negatives (``own``
+    (N, K, D); ``own_mask`` (N, K) False: no column); t2i row k over the images: Z_ki = (t_k·v_i +
+    γ·h'_ki·[i ≠ k]) / τ, h' = sg(t_k·t_i) or sg(v_i·t_k). A column other than the positive is
+    dropped when the unit captions' cosine (t̂_i·x̂) is ≥ ``threshold`` or (caption columns only) the
+    ids are equal."""
     v, t = img.double(), txt.double()
     neg = torch.zeros(0, v.shape[1], dtype=torch.float64) if negatives is None else negatives.double()
     tau = tau.double() if isinstance(tau, torch.Tensor) else torch.tensor(float(tau), dtype=torch.float64)
@@ -66,6 +71,16 @@ def direction_rows_f64(img, txt, tau, *, negatives=None, group_ids=None, margin=
         same = group_ids[:, None] == group_ids[None, :]
         drop_i2t[:, :n] |= same
         drop_t2i |= same
+    if own is not None:  # row i's own columns, after its N + M: none is a positive, no id reaches them
+        o = F.normalize(own.double(), dim=2) if normalize else own.double()
+        h_own = torch.einsum("nd,nkd->nk", t if str(margin) == "text" else v, o)
+        z_i2t = torch.cat([z_i2t, (torch.einsum("nd,nkd->nk", v, o) + gamma * h_own.detach()) / tau], dim=1)
+        off_i2t = torch.cat([off_i2t, torch.ones(o.shape[:2], dtype=torch.float64)], dim=1)
+        gone = torch.zeros(o.shape[:2], dtype=torch.bool) if own_mask is None else ~own_mask
+        if threshold is not None:
+            ou = F.normalize(own.double().detach(), dim=2)
+            gone = gone | (torch.einsum("nd,nkd->nk", F.normalize(txt.double().detach(), dim=1), ou) >= threshold)
+        drop_i2t = torch.cat([drop_i2t, gone], dim=1)
     out = []
     for z, drop, is_pos in ((z_i2t, drop_i2t, off_i2t == 0), (z_t2i, drop_t2i, off_t2i == 0)):
         keep = is_pos | ~drop
@@ -92,16 +107,19 @@ def weights(n, seed):
     return [torch.rand(n, generator=gen, dtype=torch.float64) * 3.0 - 1.0 for _ in FIELDS]
 
 
-def run_both(img, txt, neg, tau, *, backend, seed=0, **kw):
+def run_both(img, txt, neg, tau, *, backend, seed=0, negatives_mask=None, **kw):
     """(got rows, want rows, got grads, want grads) of ``hn_clip_loss(reduction="directions")`` on
     ``backend`` and of the oracle on the same values; the gradients are those of a random weighted
-    combination (:func:`weights`) of all four outputs, w.r.t. img, txt, negatives (if any) and τ."""
+    combination (:func:`weights`) of all four outputs, w.r.t. img, txt, negatives (if any) and τ.
+    ``neg`` (M, D) shared, or (N, K, D) each row's own with ``negatives_mask`` (N, K) or None."""
     leaves = [x.detach().clone().requires_grad_(True) for x in (img, txt) + ((neg,) if neg is not None else ())]
     tau_dtype = torch.float64 if img.dtype == torch.float64 else torch.float32
     tau_t = torch.tensor(tau, dtype=tau_dtype, requires_grad=True)
     api = dict(kw)
     if "threshold" in api:
         api["false_negative_threshold"] = api.pop("threshold")
+    if negatives_mask is not None:
+        api["negatives_mask"] = negatives_mask
     got = hn_clip_loss(leaves[0], leaves[1], tau_t, negatives=leaves[2] if neg is not None else None,
                        reduction="directions", backend=backend, **api)  # fmt: skip
     w = weights(img.shape[0], seed)
@@ -109,7 +127,10 @@ def run_both(img, txt, neg, tau, *, backend, seed=0, **kw):
     got_grads = torch.autograd.grad(objective, leaves + [tau_t])
     ref = [x.detach().double().requires_grad_(True) for x in leaves]
     ref_tau = torch.tensor(float(tau_t.detach()), dtype=torch.float64, requires_grad=True)
-    want = direction_rows_f64(ref[0], ref[1], ref_tau, negatives=ref[2] if neg is not None else None, **kw)
+    family = {}
+    if neg is not None:
+        family = dict(own=ref[2], own_mask=negatives_mask) if neg.dim() == 3 else dict(negatives=ref[2])
+    want = direction_rows_f64(ref[0], ref[1], ref_tau, **family, **kw)
     want_grads = torch.autograd.grad(sum((x * wi).sum() for x, wi in zip(want, w)), ref + [ref_tau])
     names = ["img", "txt"] + (["negatives"] if neg is not None else []) + ["tau"]
     return got, want, dict(zip(names, got_grads)), dict(zip(names, want_grads))
@@ -119,7 +140,9 @@ def row_errors(got, want, gg, wg, floor=1e-2):
     """{output or "d name": the largest per-row relative error}; a feature gradient's row error is
     taken relative to max(its norm, ``floor`` × the largest row norm of every feature gradient):
     a random signed weighting can cancel a row's gradient far below its terms (one row of N = 1
-    came to 3e-4 of its terms), where rounding is relative to the terms, not to the row."""
+    came to 3e-4 of its terms), where rounding is relative to the terms, not to the row. Own
+    negatives' gradients (N, K, D) are taken row by row of their (N·K, D) embeddings."""
+    gg, wg = ({k: v.reshape(-1, v.shape[-1]) if v.dim() > 2 else v for k, v in x.items()} for x in (gg, wg))
     errs = {}
     for name, g, w in zip(FIELDS, got, want):
         g, w = g.detach().double(), w.detach()
@@ -137,7 +160,8 @@ def row_errors(got, want, gg, wg, floor=1e-2):
 
 def check(img, txt, neg, tau, *, backend, dtype=torch.float32, seed=0, value_tol=None, **kw):
     """Every row of the four outputs and every gradient row of the weighted combination within the
-    tolerances of ``dtype``; returns the errors."""
+    tolerances of ``dtype``; returns the errors. ``kw``: the options, ``negatives_mask`` with own
+    (N, K, D) ``neg``."""
     got, want, gg, wg = run_both(img, txt, neg, tau, backend=backend, seed=seed, **kw)
     for x in got:
         assert x.shape == (img.shape[0],) and x.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)

@@ -40,7 +40,7 @@ import torch
 from ..group_mode import POSITIVE_BACKENDS
 from ..margin import Margin, margin_operands
 from ..plausibility import warn_once
-from .directions import assemble, positive_logits
+from .directions import assemble, merged_stats, own_block, own_rows, positive_logits
 from .pytorch.reference import directional_nll_torch
 from .pytorch.sigmoid_pairs import sigmoid_pairs_torch
 from .softmax import smooths
@@ -251,29 +251,28 @@ def direction_losses(
     ``options``: one process passes its batch twice and offset 0. With ``return_stats`` also
     ``(i2t, t2i)``, the detached ``RowStats``.
 
-    ``family``: as :func:`rank_losses`'s (the gathered negatives and all ids). Every backend runs
-    its directional op once per direction (twice with ε > 0: the unsmoothed rows give the LSE,
-    :mod:`.directions`); 16-bit features run in float32, each feature's gradients summed in
-    float32 and rounded to its dtype once."""
-    if family is not None and family.own_negatives is not None:
-        raise ValueError(
-            "reduction='directions' does not take each row's own negatives (N, K, D) yet; pass shared negatives "
-            "(M, D) or use reduction='none'"
-        )
+    ``family``: as :func:`rank_losses`'s (the gathered negatives and all ids), or each of the R rows'
+    own negatives (R, K, D) with their mask. Every backend runs its directional op once per direction
+    (twice with ε > 0: the unsmoothed rows give the LSE, :mod:`.directions`); own negatives extend
+    the i2t rows by autograd (:func:`.directions.own_rows`); 16-bit features run in float32, each
+    feature's gradients summed in float32 and rounded to its dtype once."""
     if img.dtype in (torch.float16, torch.bfloat16):
         # one cast per tensor (one process passes its batch as rows and as columns): each feature's
         # gradients meet in float32 and are rounded to its dtype once
         cast = {id(x): x.float() for x in (img, txt, all_img, all_txt)}
         img, txt, all_img, all_txt = (cast[id(x)] for x in (img, txt, all_img, all_txt))
         family = _upcast(family)
-    kwargs = _op_kwargs(tau, options, return_stats, offset=int(offset))
+    own = family if family is not None and family.own_negatives is not None else None
+    if own is not None:  # no directional op takes them: its i2t call runs over the captions
+        family = dataclasses.replace(family, own_negatives=None, own_mask=None)
+    kwargs = _op_kwargs(tau, options, return_stats or own is not None, offset=int(offset))
     fn = directional_fn(options.backend, options.precision)
     ids = (None, None)
     if family is not None and family.group_ids is not None:
         ids = (family.group_ids[offset : offset + img.shape[0]], family.group_ids)
     queries, keys = (img, txt), (all_img, all_txt)
     out = _two_directions(fn, queries, keys, family, ids, kwargs)
-    losses = [x[0] for x in out] if return_stats else out
+    losses = [x[0] for x in out] if kwargs["return_stats"] else out
     unsmoothed = losses
     if smooths(options.label_smoothing):  # the LSE needs the unsmoothed rows
         plain = dict(kwargs, label_smoothing=0.0, return_stats=False)
@@ -281,8 +280,15 @@ def direction_losses(
     positives = [
         positive_logits(q, k, int(offset), tau, options.normalize) for q, k in ((img, all_txt), (txt, all_img))
     ]
+    stats = (out[0][1], out[1][1]) if kwargs["return_stats"] else None
+    if own is not None:  # each i2t row's own columns (t2i rows have none)
+        block = own_block(img, txt, own, positives[0], tau, options)
+        n_keys = all_txt.shape[0] + (0 if family.negatives is None else family.negatives.shape[0])
+        i2t, nll = own_rows(losses[0], unsmoothed[0], stats[0], block, n_keys, options.label_smoothing)
+        losses, unsmoothed = [i2t, losses[1]], [nll, unsmoothed[1]]
+        stats = (merged_stats(stats[0], block), stats[1])
     rows = assemble(losses, unsmoothed, positives)
-    return (rows, (out[0][1], out[1][1])) if return_stats else rows
+    return (rows, stats) if return_stats else rows
 
 
 def _family_inputs(family) -> dict:

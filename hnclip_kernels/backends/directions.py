@@ -20,6 +20,20 @@ formed here by autograd (O(N·D), the positive carries no margin). With ε > 0 t
 take a second call of each direction. Work: 2 directional calls (4 with ε > 0) where the
 symmetric operator of ``reduction="none"`` makes one walk of shared tiles, so about twice the
 forward's products (4× with ε > 0); nothing is materialised beyond the directional ops' own.
+
+Each row's own negatives (``negatives`` (N, K, D), ``negatives_mask``; ``docs/hard_negatives.md``):
+i2t row i also keeps its own real K_i columns W_ik (t2i rows are unchanged). No directional op
+sees them: the i2t call runs over the N captions (its rows nll_b, nll⁰_b, its statistics), and
+:func:`own_rows` extends each row by autograd, O(R·K·D): the gaps d_ik = W_ik − Z_i,pos of
+:func:`.own_negatives.block` (the operators' own block, its margin detached), ω_i = LSE_k d_ik and
+
+    nll_i  = nll⁰_b + softplus(ω_i − nll⁰_b)            (= log(1 + e^δ + e^ω), exact for tiny rows)
+    loss_i = nll_i − (n_b·(nll⁰_b − nll_b) + ε·Σ_k d_ik) / (n_b + K_i)
+
+since nll⁰_b − nll_b = ε·mean_b(Z − Z_pos) over the op's n_b classes. The op's backward then
+carries its softmax times e^(LSE_b − LSE_i), its share of the row's softmax, and autograd the own
+columns' P_ik − ε/n_i. ``return_stats``: the i2t statistics merged with the block
+(:func:`.own_negatives.merge`, as the symmetric operators save them).
 """
 
 from __future__ import annotations
@@ -28,14 +42,17 @@ from typing import NamedTuple
 
 import torch
 
-from ..numerics import compute_dtype, normalized
+from ..margin import Margin
+from ..numerics import compute_dtype, normalized, softplus
+from . import own_negatives, softmax
 
 
 class DirectionRows(NamedTuple):
     """Each direction's per-row loss and log-partition, (R,) each, float32 (float64 for float64
     features), all differentiable (R: the rows computed, N on one process).
 
-    ``i2t[i]``: image i's cross-entropy over its caption columns (and the M negatives);
+    ``i2t[i]``: image i's cross-entropy over its caption columns (and the M negatives, or its own
+    real K_i);
     ``t2i[i]``: caption i's over the image columns; ``lse_i2t[i]``, ``lse_t2i[i]``: the
     log-sum-exp of the same rows' logits over the columns they keep (positive included), so
     ``i2t = lse_i2t − Z_pos`` without label smoothing. ``½(i2t + t2i)`` is ``reduction="none"``'s
@@ -64,3 +81,44 @@ def assemble(losses, unsmoothed, positives) -> DirectionRows:
     positive logits."""
     (i2t, t2i), (nll_i2t, nll_t2i), (pos_i2t, pos_t2i) = losses, unsmoothed, positives
     return DirectionRows(i2t, t2i, nll_i2t + pos_i2t, nll_t2i + pos_t2i)
+
+
+def own_block(img, txt, family, pos, tau, options) -> own_negatives.OwnBlock:
+    """The R query rows' own columns (:func:`.own_negatives.block`), differentiable in ``img``,
+    ``family.own_negatives`` (R, K, D), ``pos`` (R,) and ``tau``: v̂ as :func:`positive_logits`
+    normalises it, the margin's query factor t̂ (or v̂ for "image_text"), the threshold against the
+    unit captions t̂ (``options``: bound :class:`~hnclip_kernels.options.LossOptions`)."""
+    dt = compute_dtype(img.dtype)
+    norm = normalized if options.normalize else (lambda x: x)
+    v_hat = norm(img.to(dt))
+    a_hat = v_hat if family.margin is Margin.IMAGE_TEXT else norm(txt.detach().to(dt))
+    threshold = options.false_negative_threshold
+    unit = None if threshold is None else normalized(txt.detach().to(dt))
+    own = family.own_negatives
+    mask = family.own_mask
+    if mask is None:
+        mask = torch.zeros(0, 0, dtype=torch.bool, device=own.device)
+    gamma = torch.as_tensor(options.gamma, dtype=dt, device=own.device)
+    return own_negatives.block(
+        v_hat, a_hat, own, mask, pos, 1.0 / tau.to(dt), gamma, options.normalize, threshold, unit
+    )
+
+
+def own_rows(loss, nll0, stats: softmax.RowStats, block: own_negatives.OwnBlock, n_keys: int, eps):
+    """(i2t rows, their unsmoothed rows) over the op's columns and each row's own (module docstring),
+    from the op's i2t rows ``loss`` (smoothed), ``nll0`` (unsmoothed) and ``stats`` (its
+    classes: ``n_keys``, or the kept counts with masking), all (R,)."""
+    keep = block.keep
+    empty = ~keep.any(dim=1)  # no own column: ω = −inf, formed over a stand-in (a finite backward)
+    omega = torch.logsumexp(block.gaps.masked_fill(~keep, float("-inf")).masked_fill(empty[:, None], 0.0), dim=1)
+    nll = nll0 + softplus(omega.masked_fill(empty, float("-inf")) - nll0)
+    if not softmax.smooths(eps):
+        return nll, nll
+    n_b = softmax.classes(stats, n_keys)
+    n = n_b + keep.sum(dim=1).to(nll.dtype)
+    return nll - (n_b * (nll0 - loss) + eps * block.gaps.sum(dim=1)) / n, nll
+
+
+def merged_stats(stats: softmax.RowStats, block: own_negatives.OwnBlock) -> softmax.RowStats:
+    """The op's detached i2t statistics merged with the own columns (:func:`.own_negatives.merge`)."""
+    return own_negatives.merge(stats, block._replace(gaps=block.gaps.detach(), n_hat=block.n_hat.detach()))

@@ -14,7 +14,9 @@ statistics: the kernels' backward then reads δ' (and, with masking, ε/n_i' fro
 count), so its P_ij is normalised over all N + K_i columns with no kernel change. Their own
 share, dS_ik = g_i (P_ik − ε/n_i), is :func:`grads`. The finishers' positive term reads σ(δ')
 and the merged mean and Σ d, so dL/dτ covers the columns too; without masking the row's
-smoothing spreads ε over n_i = N + M + K_i classes (``classes``).
+smoothing spreads ε over n_i = N + M + K_i classes (``classes``). ``reduction="directions"``
+differentiates :func:`block` by autograd and reads :func:`merge` for its statistics
+(:mod:`.directions`).
 """
 
 from __future__ import annotations
@@ -55,12 +57,15 @@ def block(v_hat, a_hat, own, own_mask, pos, inv_tau, gamma, normalize: bool, thr
     margin's query factor (``v_hat`` itself for "image_text"), ``own`` (N, K, D), ``own_mask``
     (N, K) bool or (0, 0), ``pos`` (N,) Z_i,pos, ``inv_tau``, ``gamma`` 0-dim tensors;
     ``threshold`` (a float, or None) drops d_ik whose caption cosine t̂_i·n̂_ik (``t_cos``: the
-    unit captions (N, D)) reaches it. Products in IEEE float32 (float64 for float64 inputs)."""
+    unit captions (N, D)) reaches it. Products in IEEE float32 (float64 for float64 inputs).
+    Differentiable by autograd in ``v_hat``, ``own``, ``pos`` and ``inv_tau`` (the margin detached)."""
     dt = v_hat.dtype
     n_hat = own.to(dt) * inv_norms(own, normalize, dt)[..., None]
     with ieee_float32(v_hat.device):
         score = torch.einsum("nkd,nd->nk", n_hat, v_hat)
-        margin = score if a_hat is v_hat else torch.einsum("nkd,nd->nk", n_hat, a_hat)
+        # sg(h): a no-op inside the operators, the stop-gradient where autograd differentiates the
+        # block (reduction="directions", backends.directions.own_rows)
+        margin = (score if a_hat is v_hat else torch.einsum("nkd,nd->nk", n_hat, a_hat)).detach()
         keep = torch.ones(own.shape[:2], dtype=torch.bool, device=own.device) if own_mask.numel() == 0 else own_mask
         if threshold is not None:
             unit = own.to(dt) * inv_norms(own, True, dt)[..., None]

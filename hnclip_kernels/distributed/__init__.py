@@ -122,7 +122,8 @@ def distributed_hn_clip_loss(
     own negatives (``docs/hard_negatives.md``, "Each row's own negatives"; K_r may differ across
     ranks and be 0, but no rank may pass shared (M, D) ones then). They extend only their own rows'
     image→text rows, so the loss is the single-process own-negatives loss of the concatenated
-    batch. ``local_loss=True``: not gathered, backend "torch" only (the directional reference);
+    batch. ``local_loss=True``: not gathered, backend "torch" only (the directional reference), or
+    every backend with ``reduction="directions"`` (its rows extend themselves, ``backends.directions``);
     ``local_loss=False``: gathered (padded to the largest K_r) on every backend.
     """
 

@@ -208,20 +208,15 @@ def collective_check(
         family = (None, None, None) if family is None else family
         status, exc, checked = family_checks(image_features, text_features, *family[:2], bound, tau, family[2])
     own = None if checked is None else checked.own_negatives
-    if own is not None and flags & 1 and bound.backend != "torch":  # local_loss: the directional ops
+    # local_loss: the rank's rows are the directional ops', which only the reference extends by own
+    # columns; reduction="directions" extends them itself on every backend (backends.directions.own_rows)
+    if own is not None and flags & 1 and bound.backend != "torch" and bound.reduction != "directions":
         status, exc = (
             5,
             ValueError(
                 f"each row's own negatives (N, K, D) across ranks with local_loss=True run on backend='torch' only "
-                f"(got {bound.backend!r}): pass backend='torch', or local_loss=False (every backend)"
-            ),
-        )
-    if own is not None and bound.reduction == "directions":  # as one process refuses it (direction_losses)
-        status, exc = (
-            5,
-            ValueError(
-                "reduction='directions' does not take each row's own negatives (N, K, D) yet; pass shared negatives "
-                "(M, D) or use reduction='mean'"
+                f"(got {bound.backend!r}): pass backend='torch', or local_loss=False (every backend), or "
+                "reduction='directions' (every backend)"
             ),
         )
     like = image_features if isinstance(image_features, torch.Tensor) else None

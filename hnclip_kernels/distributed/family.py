@@ -20,7 +20,8 @@ sums them in float32 and each feature's gradient is rounded to its dtype once (a
 sum bf16 halves). It costs twice the gathered bytes of the 16-bit features.
 
 Each row's own negatives (n_r, K_r, D) with their mask: ``local_loss=True`` needs no gather (they
-extend only this rank's own i2t rows; the torch directional reference forms them);
+extend only this rank's own i2t rows; the torch directional reference forms them, or on every
+backend ``reduction="directions"``'s host extension, ``backends.directions.own_rows``);
 ``local_loss=False`` gathers them (padded to the largest K_r, masked) like the captions, so the
 one-process operators of every backend run on the global batch.
 """

@@ -11,8 +11,11 @@
   the oracle's.
 
 The oracle is ``direction_oracle.direction_rows_f64`` on the concatenated batch (pairs, negatives
-and ids in rank order), float64. Cases: plain (no family), and the family (rank 0 two negatives,
-rank 1 three, ids repeating across ranks, ε = 0.1, ``margin="image_text"``), through
+and ids in rank order), float64. Cases: plain (no family), the family (rank 0 two negatives,
+rank 1 three, ids repeating across ranks, ε = 0.1, ``margin="image_text"``), and each row's own
+negatives with the same options (rank 0 (5, 3, D) with a row of none, rank 1 (3, 2, D); the
+oracle's (8, 3, D) padded with masked-out slots; own negatives are never gathered with
+``local_loss=True``, gathered with grad otherwise), through
 ``distributed_hn_clip_loss`` and ``HNClipLoss`` alternately, on torch and cpp in float64
 (tolerance 1e-9 per row, the one-process float64 bound) and on triton in float32 (1e-4 per row,
 gradients relative to max(row, 1% of the largest row) as ``direction_oracle`` states).
@@ -34,7 +37,7 @@ from hnclip_kernels import HNClipLoss
 from hnclip_kernels.backends import cpp_directional
 from hnclip_kernels.distributed import distributed_hn_clip_loss
 
-SIZES, NEG_SIZES, D, TAU = (5, 3), (2, 3), 8, 0.1
+SIZES, NEG_SIZES, OWN_K, D, TAU = (5, 3), (2, 3), (3, 2), 8, 0.1
 IDS = torch.tensor([0, 1, 1, 2, 3, 2, 4, 0])
 FAMILY = dict(label_smoothing=0.1, margin="image_text", gamma=0.5)
 
@@ -44,8 +47,17 @@ def _batch(dtype):
     return features(n, D, 50, dtype), features(n, D, 51, dtype), features(m, D, 52, dtype)
 
 
+def _own(dtype):
+    """Each row's own negatives (8, 3, D) and their mask: rank 1's rows have K = 2 slots, row 1 none."""
+    n, k = sum(SIZES), max(OWN_K)
+    mask = torch.rand(n, k, generator=torch.Generator().manual_seed(53)) < 0.7
+    mask[1], mask[SIZES[0] :, OWN_K[1] :] = False, False
+    own = features(n * k, D, 54, dtype).reshape(n, k, D).masked_fill(~mask[..., None], 0.0)
+    return own, mask
+
+
 def _cases(backends):
-    return [(b, local, family) for b in backends for local in (True, False) for family in (False, True)]
+    return [(b, local, family) for b in backends for local in (True, False) for family in (False, True, "own")]
 
 
 def _rank_body(rank, world, cases, dtype):
@@ -59,6 +71,10 @@ def _rank_body(rank, world, cases, dtype):
         leaves = [x[start:stop].clone().requires_grad_(True) for x in (img, txt)]
         neg_r = neg[n_start:n_stop].clone().requires_grad_(True) if family else None
         extra = dict(negatives=neg_r, group_ids=IDS[start:stop]) if family else {}
+        if family == "own":
+            own, mask = _own(dtype)
+            neg_r = own[start:stop, : OWN_K[rank]].clone().requires_grad_(True)
+            extra.update(negatives=neg_r, negatives_mask=mask[start:stop, : OWN_K[rank]])
         options = dict(FAMILY) if family else {}
         tau = torch.tensor(TAU, dtype=dtype, requires_grad=True)
         common = dict(local_loss=local, gather_with_grad=True, backend=backend, normalize=True, reduction="directions")
@@ -87,9 +103,12 @@ def _check(results, cases, dtype, tol):
     img, txt, neg = (x.double() for x in _batch(dtype))
     w = oracle.weights(sum(SIZES), 7)
     for k, (backend, local, family) in enumerate(cases):
-        leaves = [x.clone().requires_grad_(True) for x in (img, txt, neg)]
+        own, mask = _own(dtype)
+        leaves = [x.clone().requires_grad_(True) for x in (img, txt, own.double() if family == "own" else neg)]
         tau = torch.tensor(TAU, dtype=torch.float64, requires_grad=True)
         kw = dict(FAMILY, negatives=leaves[2], group_ids=IDS) if family else {}
+        if family == "own":
+            kw.update(negatives=None, own=leaves[2], own_mask=mask)
         want = oracle.direction_rows_f64(leaves[0], leaves[1], tau, **kw)
         grads = torch.autograd.grad(sum((x * wi).sum() for x, wi in zip(want, w)), leaves + [tau], allow_unused=True)
         copies = 1 if local else len(SIZES)
@@ -101,7 +120,12 @@ def _check(results, cases, dtype, tol):
             got_rows = [torch.from_numpy(r) for r in rows]
             got = {"img": torch.from_numpy(d_img), "txt": torch.from_numpy(d_txt), "tau": torch.tensor(0.0)}
             ref = {"img": copies * grads[0][start:stop], "txt": copies * grads[1][start:stop], "tau": torch.tensor(0.0)}
-            if family:
+            if family == "own":
+                got["negatives"], ref["negatives"] = (
+                    torch.from_numpy(d_neg),
+                    copies * grads[2][start:stop, : OWN_K[rank]],
+                )
+            elif family:
                 n_start, n_stop = sum(NEG_SIZES[:rank]), sum(NEG_SIZES[: rank + 1])
                 got["negatives"], ref["negatives"] = torch.from_numpy(d_neg), copies * grads[2][n_start:n_stop]
             errs = oracle.row_errors(got_rows, [x[mine].detach() for x in want], got, ref)
