@@ -4,10 +4,11 @@
 Every value and gradient (img, txt, negatives, τ) per row against the float64 oracle
 ``tests/positives_oracle.py`` (written from the formulas, independently of the reference), with
 an uneven upstream gradient per row (so a wrong row weight cannot hide in a mean), on every
-backend that runs the positive modes (torch, and cpp where the extension is built). Tolerances
+backend (torch, cpp where the extension is built, and Triton). Tolerances
 (relative, per row, :func:`row_error`, rows floored at 1e-4 of the largest): float64 inputs 1e-10
 (another order of the same sums; measured ≤ 1.3e-15 on torch, ≤ 1.3e-14 on cpp), float32 inputs
-1e-4 (float32's gradient bound of the README, measured ≤ 2.7e-6 on torch, ≤ 1.3e-6 on cpp). The
+1e-4 (float32's gradient bound of the README, measured ≤ 2.7e-6 on torch, ≤ 1.3e-6 on cpp, ≤ 4.7e-6 on
+Triton, which runs float32 only: the interpreter's default-tier draws are few, more under slow). The
 singleton-group reduction to the plain loss, the all-one-group edge, every refusal and the
 default's bit-identity are checked here too.
 """
@@ -277,11 +278,14 @@ def test_default_is_bit_identical():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_saturated_rows_keep_their_value(backend):
     """τ = 0.01, each group's pairs near one centre: rows far below float32's epsilon keep their
-    value in float32 (the softplus forms), per row against the oracle within 1e-5 (measured 1.9e-7);
-    the gradients within 1e-3 (measured 2.3e-4 on torch, 2.7e-4 on cpp, TRITON on triton): within a group they are p_ip − 1/|P(i)| (SupCon) of
-    positives whose logits differ by O(1) at τ = 0.01, so float32's rounding of the logits
-    (2.5/τ·2^-24 ≈ 1.5e-5 absolute) is a 1e-4 relative error of that difference: conditioning, the
-    same on any float32 implementation."""
+    value in float32 (the softplus forms), per row against the oracle within 1e-5 (measured 1.9e-7 on
+    torch and cpp); on Triton within 3e-5 (measured 9.9e-6, MIL-NCE): a saturated row's relative loss
+    error is its gap's absolute error, and the kernels' tile logits and the host's positive logit
+    Z_i,pos round apart by about an ulp of |Z| ≤ 1/τ = 100 (7.6e-6). The gradients within 1e-3
+    (measured 2.3e-4 on torch, 2.7e-4 on cpp, 2.6e-4 on Triton): within a group they are p_ip −
+    1/|P(i)| (SupCon) of positives whose logits differ by O(1) at τ = 0.01, so float32's rounding of
+    the logits (2.5/τ·2^-24 ≈ 1.5e-5 absolute) is a 1e-4 relative error of that difference:
+    conditioning, the same on any float32 implementation."""
     centres = F.normalize(features(4, 16, 13, torch.float64), dim=1)
     ids = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3])
     img = (centres[ids] + 0.01 * features(8, 16, 14, torch.float64)).float()
@@ -291,7 +295,8 @@ def test_saturated_rows_keep_their_value(backend):
         if mode == "mil_nce":
             assert want.min() < 1e-12  # saturated: below float32's epsilon
         errors = worst(got, want, gg, wg)
-        assert errors.pop("loss") <= 1e-5 and all(e <= 1e-3 for e in errors.values()), (mode, errors)
+        loss_tol = 3e-5 if backend == "triton" else 1e-5
+        assert errors.pop("loss") <= loss_tol and all(e <= 1e-3 for e in errors.values()), (mode, errors)
 
 
 # ----------------------------------------------------------------------------- the refusals
