@@ -10,6 +10,12 @@ merged with the pair walk's i2t summaries in one ``_merge_kernel`` launch, so th
 cover all N + M columns; the backward runs both walks with those statistics. Without negatives,
 ids and with ``margin="text"`` the body runs the plain loss's kernels and launches, no more.
 
+A positive ``group_mode`` code (``docs/hard_negatives.md#multi-positive-targets``) makes the ids'
+pairs positives in both directions: the walks run as under "mask" (their statistics over each row's
+negatives), the host pass :mod:`..positives` adds each direction's positives, their statistics in
+the forward and their shares in the backward, where the kernels' P is normalised over all of a
+row's classes (:func:`.outputs.positive_rows`).
+
 The margin's kind (:class:`hnclip_kernels.margin.Margin`, by its code): where
 :func:`~hnclip_kernels.margin.margin_operands` gives the logit's own operands (``"image_text"``),
 γ·sg(v̂_i·x̂) makes Z_ix = (1 + γ)·v̂_i·x̂/τ off the positive: the kernels scale by (1 + γ)/τ and form
