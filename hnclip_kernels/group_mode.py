@@ -3,15 +3,12 @@
 Every layer takes a :class:`GroupMode` (validated once, in :class:`hnclip_kernels.LossOptions`).
 ``"mask"`` is today's meaning (same-group pairs are no negatives); ``"supcon"`` and ``"mil_nce"``
 make them positives, with the two formulations users cite (``docs/hard_negatives.md``,
-"Multi-positive targets"). Imports no module of the package.
+"Multi-positive targets"), on every backend. Imports no module of the package.
 """
 
 from __future__ import annotations
 
 import enum
-
-# the backends whose operators form the multi-positive rows; the others refuse them by name
-POSITIVE_BACKENDS = ("torch", "cpp")
 
 
 class GroupMode(str, enum.Enum):

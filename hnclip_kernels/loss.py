@@ -111,8 +111,8 @@ def hn_clip_loss(
             (multi-positive targets, ``docs/hard_negatives.md#multi-positive-targets``), "supcon"
             (row i's target spread uniformly over its group P(i): LSE_i − mean_{p∈P(i)} Z_ip) or
             "mil_nce" (−log Σ_{p∈P(i)} softmax(Z_i)_p), in both directions; positives get no margin
-            and are never masked; ε and the threshold as documented there. Needs ``group_ids``;
-            backend="torch" or "cpp" so far ("auto" picks one); no ``return_stats``.
+            and are never masked; ε and the threshold as documented there. Needs ``group_ids``; every
+            backend; no ``return_stats``.
 
     Returns:
         float32 loss (float64 for float64 inputs): a scalar, shape (N,) for "none", four (N,)

@@ -21,7 +21,7 @@ from typing import Optional, Union
 import torch
 
 from . import validation
-from .group_mode import POSITIVE_BACKENDS, GroupMode
+from .group_mode import GroupMode
 from .margin import Margin
 from .numerics import compute_dtype
 from .validation_options import (
@@ -173,21 +173,10 @@ class LossOptions:
     def resolved(self, like: torch.Tensor, tau_value: Optional[float] = None) -> "LossOptions":
         """The backend that runs tensors like ``like`` and its precision, with ``tau_value``.
 
-        Raises: :func:`~hnclip_kernels.backends.resolve_backend`'s errors; ``ValueError`` for a
-        positive ``group_mode`` on a backend without multi-positive rows (``"auto"`` picks one)."""
+        Raises: :func:`~hnclip_kernels.backends.resolve_backend`'s errors."""
         from .backends import resolve_backend
 
-        positives = self.group_mode.positives
         backend = resolve_backend(self.backend, like)
-        if positives and backend not in POSITIVE_BACKENDS:
-            if self.backend == "auto":  # the fused backend "auto" picked has no multi-positive rows: the reference
-                backend = resolve_backend("torch", like)
-            else:
-                raise ValueError(
-                    f"group_mode={self.group_mode.value!r} (group ids as positives) runs on backend="
-                    f"{' or '.join(repr(b) for b in POSITIVE_BACKENDS)} only so far, not backend={backend!r} (which "
-                    f"takes group_mode='mask'); pass backend='torch' (or 'auto', which picks one)"
-                )
         precision = None
         if backend == "triton":
             precision = resolve_precision(self.precision)

@@ -19,8 +19,7 @@ the keyword-only protocol of
        mask_query=None, mask_key=None, query_groups=None, key_groups=None, group_mode=<mask>)
 
 (``group_mode``: passed only when it makes the ids positives,
-``docs/hard_negatives.md#multi-positive-targets``; the torch and cpp ops take it, Triton refuses
-it by name.)
+``docs/hard_negatives.md#multi-positive-targets``; every backend's op takes it.)
 
 The hard-negative family is optional inputs of both ops, absent for today's loss: the symmetric
 op's ``negatives``, ``group_ids`` and ``margin``, the directional op's masking captions and group ids.
@@ -37,7 +36,6 @@ from typing import Callable, Optional
 
 import torch
 
-from ..group_mode import POSITIVE_BACKENDS
 from ..margin import Margin, margin_operands
 from ..plausibility import warn_once
 from .directions import assemble, merged_stats, own_block, own_rows, positive_logits
@@ -348,10 +346,7 @@ def _op_kwargs(tau: torch.Tensor, options, return_stats: bool, **extra) -> dict:
     )
     if options.false_negative_threshold is not None:  # absent otherwise: each op's default, None
         kwargs["false_negative_threshold"] = options.false_negative_threshold
-    if options.group_mode.positives:  # absent otherwise ("mask", today's); the torch and cpp ops take it
-        if options.backend not in POSITIVE_BACKENDS:  # LossOptions.resolved refused it already
-            names = " or ".join(repr(b) for b in POSITIVE_BACKENDS)
-            raise ValueError(f"group_mode={options.group_mode.value!r} runs on backend={names} only")
+    if options.group_mode.positives:  # absent otherwise ("mask", today's): every backend's ops take it
         kwargs["group_mode"] = options.group_mode
     return kwargs
 

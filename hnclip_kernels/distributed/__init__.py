@@ -109,7 +109,7 @@ def distributed_hn_clip_loss(
     (M_r > 0) or ids and ``margin="text"``, the call is today's, bit for bit.
     ``group_mode``: "mask" (default) or "supcon" / "mil_nce", the ids as positives
     (``docs/hard_negatives.md#multi-positive-targets``), the same on every rank: a row's positives
-    are every column of its group, on any rank (the ids are gathered); backends "torch" and "cpp" so far,
+    are every column of its group, on any rank (the ids are gathered), on every backend,
     ``group_ids`` on every rank, no ``return_stats``.
     ``reduction``: "mean" (the loss above) or "directions": a
     :class:`~hnclip_kernels.DirectionRows` instead, each direction's rows and LSE, unscaled:

@@ -111,17 +111,20 @@ def _family_args(m=4, n=9, d=5, ids=True, mask_captions=True):
     return q, k, a, b, mq, mk, qg, kg
 
 
-@pytest.mark.parametrize("case", ["threshold-ids-captions", "ids-alone", "none"])
+@pytest.mark.parametrize("case", ["threshold-ids-captions", "ids-alone", "none", "ids-supcon", "ids-mil_nce"])
 def test_opcheck_family_operator(case):
     import hnclip_kernels.backends.triton.ops  # noqa: F401  (registers the operator)
+    from hnclip_kernels.group_mode import GroupMode
 
     masked = case == "threshold-ids-captions"
+    mode = GroupMode(case[4:]).code if case.startswith("ids-") and case != "ids-alone" else 0
     q, k, a, b, mq, mk, qg, kg = _family_args(ids=case != "none", mask_captions=masked)
     q.requires_grad_(True)
     tau = torch.tensor(0.1, requires_grad=True)
     gamma, eps, thr = (torch.tensor(x, dtype=torch.float64) for x in (0.5, 0.1, 0.3 if masked else 0.0))
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    flags = (3, True, masked, True, True, "ieee")  # offset, normalize, masked, has_margin, smoothing, precision
+    # offset, normalize, masked, has_margin, smoothing, precision, group_mode
+    flags = (3, True, masked, True, True, "ieee", mode)
     args = (q, k, a, b, mq, mk, qg, kg, tau, gamma, eps, thr, *flags)
     op = torch.ops.hnclip.triton_directional_nll
     torch.library.opcheck(op.default, args, test_utils=checks)

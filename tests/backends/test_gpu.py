@@ -361,12 +361,13 @@ def test_library_opcheck_cuda():
     tau = torch.tensor(0.07, device=DEV, requires_grad=True)
     gamma, eps, thr = (torch.tensor(x, device=DEV, dtype=torch.float64) for x in (0.5, 0.1, 0.3))
     no_neg, no_id = img.new_empty((0, d)).detach(), torch.empty(0, device=DEV, dtype=torch.long)
+    no_own = (img.new_empty((0, 0, d)).detach(), torch.empty((0, 0), device=DEV, dtype=torch.bool))
     for masked in (False, True):  # false-negative masking at caption cosine 0.3
-        # normalize, masked, has_margin, smoothing, precision, the margin's code ("text")
-        statics = (True, masked, True, True, "tf32x3", 0)
-        sym = (img, txt, no_neg, no_id, tau, gamma, eps, thr, *statics)
+        # normalize, masked, has_margin, smoothing, precision, the margin's code ("text"), group_mode ("mask")
+        statics = (True, masked, True, True, "tf32x3", 0, 0)
+        sym = (img, txt, no_neg, *no_own, no_id, tau, gamma, eps, thr, *statics)
         torch.library.opcheck(ops.triton_symmetric_nll, sym)
-        detached = [x.detach() for x in (img, txt, no_neg, no_id, tau)]
+        detached = [x.detach() for x in (img, txt, no_neg, *no_own, no_id, tau)]
         out = ops.triton_symmetric_nll(*detached, gamma, eps, thr, *statics)
         grad = torch.linspace(0.5, 1.5, n, device=DEV)
         torch.library.opcheck(
@@ -376,11 +377,11 @@ def test_library_opcheck_cuda():
         a, b = txt.detach()[offset : offset + m], txt.detach()
         zero = torch.zeros((), device=DEV, dtype=torch.float64)
         family = (img.new_empty((0,)).detach(), img.new_empty((0,)).detach(), no_id, no_id)  # none of it
-        # offset, normalize, masked, has_margin, smoothing, precision
-        dir_statics = (offset, True, masked, True, False, "ieee")
+        # offset, normalize, masked, has_margin, smoothing, precision, group_mode ("mask")
+        dir_statics = (offset, True, masked, True, False, "ieee", 0)
         direc = (q, txt, a, b, *family, tau, gamma, zero, thr, *dir_statics)
         torch.library.opcheck(ops.triton_directional_nll, direc)
-        ins = (q.detach(), detached[1], a, b, *family, detached[4], gamma, zero, thr)
+        ins = (q.detach(), detached[1], a, b, *family, detached[-1], gamma, zero, thr)
         out = ops.triton_directional_nll(*ins, *dir_statics)
         torch.library.opcheck(ops.triton_directional_nll_backward, (grad[:m], *ins, *out[1:], *dir_statics, True))
 

@@ -90,11 +90,15 @@ def _op_args(case: str):
     tau = torch.tensor(0.1, requires_grad=True)
     # normalize, masked, has_margin, smoothing, precision, the margin's code
     flags = (True, masked, True, True, "ieee", (Margin.IMAGE_TEXT if "image_text" in case else Margin.TEXT).code)
+    flags += ({"supcon": 1, "mil_nce": 2}.get(case.split("-")[-1], 0),)  # group_mode's code (GroupMode.code)
     no_own = (img.new_empty((0, 0, img.shape[1])), torch.empty((0, 0), dtype=torch.bool))
     return (img, txt, neg, *no_own, groups, tau, *f64), flags
 
 
-@pytest.mark.parametrize("case", ["threshold-ids", "ids-alone", "none", "none-image_text", "threshold-image_text"])
+OPCHECK_CASES = ["threshold-ids", "ids-alone", "none", "none-image_text", "threshold-image_text"]
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES + ["threshold-ids-supcon", "ids-mil_nce"])  # + the positive modes
 def test_opcheck(case):
     import hnclip_kernels.backends.triton.ops  # noqa: F401  (registers the operator)
 

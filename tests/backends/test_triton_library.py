@@ -69,6 +69,7 @@ def _sym_args(gamma=0.5, eps=0.1, grad=True, threshold=None):
         eps != 0.0,  # smoothing
         "tf32x3",
         Margin.TEXT.code,
+        0,  # group_mode: "mask"
     )
 
 
@@ -99,6 +100,7 @@ def _dir_args(gamma=0.5, eps=0.1, grad=True, m=4, offset=2, threshold=None):
         gamma != 0.0,  # has_margin
         eps != 0.0,  # smoothing
         "ieee",
+        0,  # group_mode: "mask"
     )
 
 
@@ -167,7 +169,7 @@ def test_func_grad_matches_autograd():
 
 
 def test_func_grad_directional():
-    q, k, a, b, *_, tau, _g, _e, _c, offset, _, _, _, _, _ = _dir_args(grad=False)
+    q, k, a, b, _mq, _mk, _qg, _kg, tau, _g, _e, _c, offset, *_flags = _dir_args(grad=False)
     fn = triton_directional()
 
     def rows(q, k, tau):
@@ -321,16 +323,16 @@ _TRACE = textwrap.dedent("""
 
     def bwd(g, v, t, *a):
         return torch.ops.hnclip.triton_symmetric_nll_backward(g, v, t, *family(v), *a, True, False, True, True,
-                                                              "tf32x3", 0, True)
+                                                              "tf32x3", 0, 0, True)
 
     def inputs(n, d=16):
         return (torch.randn(n, d), torch.randn(n, d), torch.tensor(0.07), torch.tensor(0.5, dtype=torch.float64),
                 torch.tensor(0.1, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
 
-    def stats(n):  # rv, rt, rn (no negatives), pos, then each direction's delta, mean_neg, dsum and kept (empty)
-        vec = lambda: torch.rand(n) + 0.5  # noqa: E731
+    def stats(n):  # rv, rt, rn (no negatives), pos, then each direction's delta, mean_neg, dsum and kept (empty),
+        vec = lambda: torch.rand(n) + 0.5  # noqa: E731  (then each direction's positives' statistics: empty)
         return [vec(), vec(), torch.empty(0), vec(), vec(), vec(), vec(), torch.empty(0), vec(), vec(), vec(),
-                torch.empty(0)]
+                torch.empty(0), torch.empty(0), torch.empty(0)]
 
     out = {name: [[_name(kernel_of(node)), sorted(node.kwargs["tensors_to_clone"]),
                    "gamma_ptr" in node.kwargs["kwargs"]] for node in nodes]

@@ -41,6 +41,7 @@ from ...validation import check_directional
 from ...validation_family import check_family_directional
 from .. import glue
 from ..outputs import CppDirectionalOut, FamilyOut
+from ..positives import check_positives
 from . import flops
 from .directional import DirectionalNLL
 from .sigmoid_pairs import sigmoid_pairs_cpp  # noqa: F401  (registers hnclip::cpp_sigmoid_nll; its public entry)
@@ -98,7 +99,7 @@ def directional_nll_cpp(
     """
     check_directional(queries, keys, query_txt, key_txt, offset)
     check_family_directional(queries.shape[0], keys.shape[0], mask_query, mask_key, query_groups, key_groups)
-    _check_positives(group_mode, query_groups, return_stats)
+    check_positives(group_mode, query_groups, return_stats)
     # the forward also produces the gradient shares only when a backward can follow (not under a positive
     # group_mode: the shares' P would be normalised over the negatives alone)
     need_grad = torch.is_grad_enabled() and bool(queries.requires_grad or keys.requires_grad)
@@ -170,7 +171,7 @@ def hn_clip_pairs_cpp(
     ``own_mask`` (N, K) bool or None (all real): each i2t row's own extra columns
     (:mod:`hnclip_kernels.backends.own_negatives`), never with ``negatives``.
     """
-    _check_positives(group_mode, group_ids, return_stats)
+    check_positives(group_mode, group_ids, return_stats)
     if negatives is None:
         negatives = img.new_empty((0, img.shape[1]))
     if own_negatives is None:
@@ -205,20 +206,6 @@ def hn_clip_pairs_cpp(
         )
     )
     return (out.pairs, (out.i2t(masked), out.t2i(masked))) if return_stats else out.pairs
-
-
-def _check_positives(group_mode: GroupMode, ids, return_stats: bool) -> None:
-    """A positive ``group_mode`` needs the ids and gives no row statistics (LossOptions' callers
-    checked both already; a direct call of the backend's entries gets the same errors)."""
-    if not group_mode.positives:
-        return
-    if ids is None:
-        raise ValueError(f"group_mode={group_mode.value!r} needs group ids (the ids of its positives)")
-    if return_stats:
-        raise ValueError(
-            f"return_stats=True is not supported with group_mode={group_mode.value!r}: the row statistics assume "
-            "one positive per row; use group_mode='mask' for the report"
-        )
 
 
 def _threshold(false_negative_threshold, ids: bool):

@@ -19,7 +19,8 @@ state the same for the same call): with P = 2·R·C·D for a logit matrix of R r
 * ``reduction="directions"``: the directional op once a direction (i2t N × (N + M), t2i N × N),
   twice with ε > 0 (the unsmoothed rows): the sum of those calls' formulas, about twice the
   shared-tile loss's (``tests/backends/test_flop_formulas.py``);
-* ``group_mode="supcon"``/``"mil_nce"``: backend "torch" only (the reference's own matmuls);
+* ``group_mode="supcon"``/``"mil_nce"``: the formulas above (the host's positives' pass,
+  :mod:`..positives`, forms entries of the same logit matrix: 0 of its own);
 * a backward asked for dτ alone (no feature gradient): 0.
 
 Not stated: what the kernels execute beyond that: the margin's and the mask's products, the

@@ -2,7 +2,7 @@
 and ``hnclip::triton_rank_nll`` with their ``*_backward`` operators, and their public wrappers.
 
 The bodies are :mod:`.symmetric`, :mod:`.directional` and :mod:`.rank`, their outputs by name
-:class:`..outputs.FamilyPairsOut`, :class:`..outputs.DirectionalOut` and :class:`.outputs.RankOut`;
+:class:`.outputs.PairsOut`, :class:`.outputs.DirectionalPositivesOut` and :class:`.outputs.RankOut`;
 :func:`..glue.fused_op` registers them (``triton_op``, or ``custom_op`` under the interpreter)
 with the glue the C++ operators share. The hard-negative family's inputs are optional tensors of
 the symmetric and directional operators, empty when absent. Signatures, flags and registration:
@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from ...group_mode import GroupMode
 from ...margin import Margin
 from ...validation import check_directional
 from ...validation_family import check_family_directional
 from .. import glue
-from ..outputs import DirectionalOut, FamilyPairsOut
+from ..positives import check_positives
 from . import flops
 from .directional import (
     _directional_grads_fake,
@@ -26,7 +27,7 @@ from .directional import (
     _directional_nll_fake,
 )
 from .launch import USE_TRITON_OP
-from .outputs import RankOut
+from .outputs import DirectionalPositivesOut, PairsOut, RankOut
 from .params import scalar_args, tamed
 from .rank import _rank_grads_fake, _rank_nll, _rank_nll_backward, _rank_nll_fake
 from .symmetric import _symmetric_grads_fake, _symmetric_nll, _symmetric_nll_backward, _symmetric_nll_fake
@@ -86,6 +87,7 @@ def directional_nll_triton(
     return_stats=False,
     false_negative_threshold=None,
     precision=None,
+    group_mode: GroupMode = GroupMode.MASK,
 ):
     """Triton counterpart of :func:`hnclip_kernels.backends.pytorch.reference.directional_nll_torch`
     (same keyword-only protocol and result, the family's keywords included). ``precision``:
@@ -105,18 +107,23 @@ def directional_nll_triton(
     (detached; their cosine whatever ``normalize`` says), read only with
     ``false_negative_threshold``. ``query_groups`` (M,), ``key_groups`` (K,), K ≤ N: integer ids
     on the features' device, column k < K masked in row i when they agree (k ≠ offset + i); with
-    ids alone no caption product is formed. Raises ``ValueError``/``TypeError`` as
-    :func:`hnclip_kernels.validation.check_directional`, then
-    :func:`hnclip_kernels.validation_family.check_family_directional` do."""
+    ids alone no caption product is formed. ``group_mode`` (a
+    :class:`~hnclip_kernels.group_mode.GroupMode`): "supcon"/"mil_nce" make those columns (and the
+    row's own) positives of row i instead (``docs/hard_negatives.md#multi-positive-targets``; the ids
+    required, no ``return_stats``; their logits from the host pass :mod:`..positives`). Raises
+    ``ValueError``/``TypeError`` as :func:`hnclip_kernels.validation.check_directional`, then
+    :func:`hnclip_kernels.validation_family.check_family_directional`, then
+    :func:`..positives.check_positives` do."""
     check_directional(queries, keys, query_txt, key_txt, offset)
     check_family_directional(queries.shape[0], keys.shape[0], mask_query, mask_key, query_groups, key_groups)
+    check_positives(group_mode, query_groups, return_stats)
     gamma_t, eps_t, has_margin, smoothing, precision = scalar_args(gamma, label_smoothing, precision, queries)
     thr_t, masked = glue.threshold_args(false_negative_threshold, queries)
     cosine = masked and mask_query is not None
     empty = queries.new_empty((0,))
     ids = query_groups is not None and key_groups.shape[0] > 0
     no_id = torch.empty((0,), dtype=torch.long, device=queries.device)
-    out = DirectionalOut._make(
+    out = DirectionalPositivesOut._make(
         glue.call(
             HNClipDirectionalTriton,
             torch.ops.hnclip.triton_directional_nll,
@@ -135,6 +142,7 @@ def directional_nll_triton(
             has_margin,
             smoothing,
             precision,
+            group_mode.code,
         )
     )
     return (out.loss, out.stats(masked or ids)) if return_stats else out.loss
@@ -156,6 +164,7 @@ def hn_clip_pairs_triton(
     return_stats=False,
     false_negative_threshold=None,
     precision=None,
+    group_mode: GroupMode = GroupMode.MASK,
 ):
     """Per-pair losses ½(i2t_k + t2i_k), shape (N,): the fused single-process loss
     (``hnclip::triton_symmetric_nll``; composes as :func:`directional_nll_triton` does).
@@ -172,7 +181,13 @@ def hn_clip_pairs_triton(
     ``precision``: as :func:`directional_nll_triton`. The public checks are
     :func:`hnclip_kernels.validation_family`'s (``hn_clip_loss``). ``own_negatives`` (N, K, D)
     with ``own_mask`` (N, K) bool or None (all real): each i2t row's own extra columns, formed on
-    the host in float32 (:mod:`hnclip_kernels.backends.own_negatives`), never with ``negatives``."""
+    the host in float32 (:mod:`hnclip_kernels.backends.own_negatives`), never with ``negatives``.
+    ``group_mode`` (a :class:`~hnclip_kernels.group_mode.GroupMode`): "supcon"/"mil_nce" make the
+    pairs with equal ``group_ids`` positives in both directions
+    (``docs/hard_negatives.md#multi-positive-targets``; no ``return_stats``, no ``own_negatives``;
+    their logits from the host pass :mod:`..positives`); raises ``ValueError`` as
+    :func:`..positives.check_positives`."""
+    check_positives(group_mode, group_ids, return_stats)
     if negatives is None:
         negatives = img.new_empty((0, img.shape[1]))
     if own_negatives is None:
@@ -182,7 +197,7 @@ def hn_clip_pairs_triton(
     gamma_t, eps_t, has_margin, smoothing, precision = scalar_args(gamma, label_smoothing, precision, img)
     thr_t, masked = glue.threshold_args(false_negative_threshold, img)
     ids = group_ids if group_ids is not None else torch.empty((0,), dtype=torch.long, device=img.device)
-    out = FamilyPairsOut._make(
+    out = PairsOut._make(
         glue.call(
             HNClipTriton,
             torch.ops.hnclip.triton_symmetric_nll,
@@ -200,6 +215,7 @@ def hn_clip_pairs_triton(
             smoothing,
             precision,
             Margin.parse(margin).code,
+            group_mode.code,
         )
     )
     kept = masked or group_ids is not None

@@ -10,6 +10,12 @@ merged with the pair walk's i2t summaries in one ``_merge_kernel`` launch, so th
 cover all N + M columns; the backward runs both walks with those statistics. Without negatives,
 ids and with ``margin="text"`` the body runs the plain loss's kernels and launches, no more.
 
+A positive ``group_mode`` code (``docs/hard_negatives.md#multi-positive-targets``) makes the ids'
+pairs positives in both directions: the walks run as under "mask" (their statistics over each row's
+negatives), the host pass :mod:`..positives` adds each direction's positives, their statistics in
+the forward and their shares in the backward, where the kernels' P is normalised over all of a
+row's classes (:func:`.outputs.positive_rows`).
+
 The margin's kind (:class:`hnclip_kernels.margin.Margin`, by its code): where
 :func:`~hnclip_kernels.margin.margin_operands` gives the logit's own operands (``"image_text"``),
 γ·sg(v̂_i·x̂) makes Z_ix = (1 + γ)·v̂_i·x̂/τ off the positive: the kernels scale by (1 + γ)/τ and form
@@ -31,13 +37,15 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ...group_mode import GroupMode
 from ...margin import Margin, margin_operands
 from .. import epilogue, own_negatives, softmax
 from ..outputs import FamilyPairsOut, kept_output, schema
+from ..positives import positive_bwd, positive_fwd
 from .backward import directional_shares, symmetric_shares
 from .forward import directional_partials, symmetric_stats, symmetric_summaries
 from .merge import merge_stats
-from .outputs import smoothing_shifts
+from .outputs import PairsOut, positive_rows, smoothing_shifts
 from .params import Family, Scalars, scalars, threshold_block
 
 
@@ -133,9 +141,11 @@ def _symmetric_nll(
     smoothing: bool,
     precision: str,
     margin: int,
-) -> schema(FamilyPairsOut):
+    group_mode: int = 0,
+) -> schema(PairsOut):
     """Per-pair losses ½(i2t_k + t2i_k) (N,), i2t over the N + M columns, and what the backward
-    needs (``FamilyPairsOut``; ``rn`` (M,), ``kept`` (0,) without a threshold or ids)."""
+    needs (``PairsOut``; ``rn`` (M,), ``kept`` (0,) without a threshold or ids, the positives'
+    statistics (4, N) each under a positive ``group_mode`` code, else (0,))."""
     norms = tuple(epilogue.inv_norms(x, normalize) for x in (img, txt, negatives))
     flags = (normalize, masked, has_margin, smoothing, precision)
     s = _setup((img, txt, negatives), norms, group_ids, (tau, gamma, threshold), flags, Margin.from_code(margin))
@@ -153,16 +163,37 @@ def _symmetric_nll(
         del acc, block
         i2t = softmax.RowStats(pos, *merge_stats(rows, smoothing, masked=s.masked))
     eps = label_smoothing if smoothing else 0.0
+    if group_mode != 0:  # positives (never with own negatives: LossOptions refuses the mix)
+        return _positive_pairs(img, txt, norms, pos, s, (i2t, t2i), eps, group_mode)
     n_keys = n + m
     if own_negatives.present(own):  # merged into the i2t statistics, which the backward reads
         i2t, n_keys = _own_forward(i2t, n_keys, (img, txt, own, own_mask), norms, pos, s, (gamma, threshold),
                                    normalize, margin)  # fmt: skip
     pairs = 0.5 * (softmax.row_losses(i2t, n_keys, eps) + softmax.row_losses(t2i, n, eps))
-    return FamilyPairsOut(pairs, *norms, pos, *i2t[1:4], kept_output(i2t), *t2i[1:4], kept_output(t2i))
+    no_extra = (pos.new_empty((0,)), pos.new_empty((0,)))  # two tensors: an operator's outputs may not alias
+    return PairsOut(pairs, *norms, pos, *i2t[1:4], kept_output(i2t), *t2i[1:4], kept_output(t2i), *no_extra)
 
 
-def _symmetric_nll_fake(img, txt, negatives, own, own_mask, group_ids, tau, gamma, eps, thr, normalize, masked, *rest):
-    return FamilyPairsOut.fake(img, negatives, masked or group_ids.shape[0] > 0, torch.float32)
+def _positive_pairs(img, txt, norms, pos, s: _Setup, stats, eps, group_mode: int) -> PairsOut:
+    """The forward's pairs under a positive ``group_mode`` code: each direction's other positives'
+    statistics from the host pass (:mod:`..positives`) beside the walk's over the negatives, the rows
+    from both (:func:`..softmax.positive_losses`)."""
+    i2t, t2i = stats
+    ids = s.pair.family.pair_ids()
+    v_hat, t_hat = epilogue.scaled(img, norms[0]), epilogue.scaled(txt, norms[1])
+    extra_i2t = positive_fwd(v_hat, t_hat, pos, s.pair.inv_tau, 0, ids, ids)
+    extra_t2i = positive_fwd(t_hat, v_hat, pos, s.pair.inv_tau, 0, ids, ids)
+    supcon = group_mode == GroupMode.SUPCON.code
+    rows = softmax.positive_losses(i2t, extra_i2t, supcon, eps) + softmax.positive_losses(t2i, extra_t2i, supcon, eps)
+    return PairsOut(0.5 * rows, *norms, pos, *i2t[1:4], kept_output(i2t), *t2i[1:4], kept_output(t2i), extra_i2t,
+                    extra_t2i)  # fmt: skip
+
+
+def _symmetric_nll_fake(
+    img, txt, negatives, own, own_mask, group_ids, tau, gamma, eps, thr, normalize, masked, *rest, group_mode=0
+):
+    positives = (rest[-1] if len(rest) == 5 else group_mode) != 0  # the flag given by position or by name
+    return PairsOut.fake(img, negatives, masked or group_ids.shape[0] > 0, positives)
 
 
 def _symmetric_nll_backward(
@@ -189,16 +220,21 @@ def _symmetric_nll_backward(
     mean_neg_t2i: Tensor,
     dsum_t2i: Tensor,
     kept_t2i: Tensor,
+    positives_i2t: Tensor,
+    positives_t2i: Tensor,
     normalize: bool,
     masked: bool,
     has_margin: bool,
     smoothing: bool,
     precision: str,
     margin: int,
+    group_mode: int,
     need_features: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dL/dimg, dL/dtxt, dL/dnegatives, dL/down in their dtypes, dL/dτ in τ's dtype and shape). Each
-    recomputed tile carries both directions' softmax into one dS workspace."""
+    recomputed tile carries both directions' softmax into one dS workspace. Under a positive
+    ``group_mode`` code the kernels' P is normalised over every class (:func:`.outputs.positive_rows`)
+    and the host pass adds the positives' shares."""
     saved = FamilyPairsOut(None, rv, rt, rn, pos, delta_i2t, mean_neg_i2t, dsum_i2t, kept_i2t,
                            delta_t2i, mean_neg_t2i, dsum_t2i, kept_t2i)  # fmt: skip
     flags = (normalize, masked, has_margin, smoothing, precision)
@@ -210,12 +246,16 @@ def _symmetric_nll_backward(
     g = 0.5 * grad.float().contiguous()  # each direction's row k gets half of pair k's gradient
     d, m = img.shape[1], negatives.shape[0]
     d_n = torch.zeros((m, d), device=img.device, dtype=torch.float32)  # M = 0, or only dτ wanted
+    kernel_rows, kernel_cols, shifts = i2t, t2i, smoothing_shifts(s.pair, eps, i2t, t2i)
+    if group_mode != 0:  # the negatives' P over all of each row's classes
+        kernel_rows, shift_r, factors_r = positive_rows(i2t, positives_i2t, eps, smoothing)
+        kernel_cols, shift_c, factors_c = positive_rows(t2i, positives_t2i, eps, smoothing)
+        shifts = None if shift_r is None else (shift_r, shift_c)
     if need_features:
-        shifts = smoothing_shifts(s.pair, eps, i2t, t2i)
-        d_v, d_t = symmetric_shares((img, txt), (rv, rt), (i2t, g), (t2i, g), s.pair, shifts)
+        d_v, d_t = symmetric_shares((img, txt), (rv, rt), (kernel_rows, g), (kernel_cols, g), s.pair, shifts)
         if m > 0:  # the block: P over all N + M columns (the merged statistics)
             d_v_block, d_n = directional_shares(
-                *s.block_ops, i2t, g, s.block, m, None if shifts is None else shifts[:1], positives=(txt, rt)
+                *s.block_ops, kernel_rows, g, s.block, m, None if shifts is None else shifts[:1], positives=(txt, rt)
             )
             d_v.add_(d_v_block)
             del d_v_block
@@ -230,6 +270,22 @@ def _symmetric_nll_backward(
     else:
         d_own = own.new_empty(own.shape)  # (0, 0, D)
     v_hat, t_hat = epilogue.scaled(img, rv), epilogue.scaled(txt, rt)
+    if group_mode != 0:  # each direction's positives: their shares and Σ dS·d (the host pass)
+        ids = s.pair.family.pair_ids()
+        dz_z = None
+        for q_hat, k_hat, d_q, d_k, stats, factors in (
+            (v_hat, t_hat, d_v, d_t, i2t, factors_r),
+            (t_hat, v_hat, d_t, d_v, t2i, factors_c),
+        ):
+            d_q_pos, d_k_pos, dz_d = positive_bwd(
+                q_hat, k_hat, pos, s.pair.inv_tau, 0, ids, ids, factors, g, label_smoothing, group_mode
+            )
+            if need_features:
+                d_q.add_(d_q_pos)
+                d_k.add_(d_k_pos)
+            part = softmax.positive_dz_z(stats, factors, g, dz_d)
+            dz_z = part if dz_z is None else dz_z + part
+        return _unnormalized(features, (rv, rt, rn), (d_v, d_t, d_n), s.pair.inv_tau, normalize, d_own, tau, dz_z)
     # i2t's keys: the captions, then the negatives (their n̂ only for the uniform smoothing term)
     n_hat = epilogue.scaled(negatives, rn) if m > 0 and softmax.smooths(eps) and not s.masked else None
     more = (n_hat, d_n) if m > 0 else None
@@ -237,9 +293,13 @@ def _symmetric_nll_backward(
     dz_z = softmax.add_positive_and_smoothing(i2t, g, v_hat, t_hat, d_v, d_t, 0, eps, more_keys=more, **own_kw)
     dz_z = dz_z + softmax.add_positive_and_smoothing(t2i, g, t_hat, v_hat, d_t, d_v, 0, eps)
     del v_hat, t_hat, n_hat  # peak memory: free before the normalisation's temporaries
-    inv_tau = s.pair.inv_tau
+    return _unnormalized(features, (rv, rt, rn), (d_v, d_t, d_n), s.pair.inv_tau, normalize, d_own, tau, dz_z)
+
+
+def _unnormalized(features, norms, shares, inv_tau, normalize: bool, d_own, tau, dz_z):
+    """The backward's outputs from the shares (times τ) of dL/dv̂, dL/dt̂, dL/dn̂ and Σ dZ·Z."""
     grads = []
-    for x, r, d_x in zip(features, (rv, rt, rn), (d_v, d_t, d_n)):
+    for x, r, d_x in zip(features, norms, shares):
         grads.append(epilogue.unnormalize_grad(x, r, d_x.mul_(inv_tau), normalize).to(x.dtype).contiguous())
     return (*grads, d_own, epilogue.tau_grad(dz_z, inv_tau, tau.dtype, tau.shape))
 
