@@ -165,6 +165,37 @@ def directions_bytes(
     return 4 * planes * splits * rows, bwd
 
 
+# bytes per (row, own negative) the directions' own block's (N, K) temporaries reach at most
+# (gaps, logits, keep masks, the float64 inverse norms autograd saves; 22 to 62 measured): a bound
+DIRECTIONS_OWN_ROW_BYTES = 72
+
+
+def directions_own_bytes(
+    rows: int, k: int, d: int, dtype: torch.dtype, threshold: bool, normalize: bool = True
+) -> tuple[int, int]:
+    """(forward, backward) bytes of ``reduction="directions"``'s own columns
+    (``backends.directions.own_block``/``own_rows``, differentiated by autograd) for ``rows`` i2t
+    rows of K own negatives of width D in ``dtype``: the peak of their (R, K, D) buffers, counted,
+    plus ``DIRECTIONS_OWN_ROW_BYTES``·R·K for their (R, K) ones, bounded. Autograd's saved tensors
+    are workspace from the forward to the backward (they count in both phases while alive).
+
+    Forward (``own_negatives.block``): n̂ (saved), with 16-bit negatives their float32 copy
+    (``backends.direction_losses``' upcast, saved by the normalisation), with a ``threshold`` their
+    unit copy (freed at once): 4·R·K·D·(1 + [16-bit] + [threshold]). Backward: with ``normalize``
+    the float64 norm's backward (its two float64 (R·K, D) temporaries, beside the float32 dL/d own
+    of n̂ = own·r and the float32 copy): 4·R·K·D·(5 + [16-bit]); else dL/dn̂ beside the saved n̂:
+    4·R·K·D·2. The gradient in ``dtype`` is an output; for 16-bit its float32 one is counted. The
+    block runs after the directional walks and autograd runs its backward before theirs, but a
+    16-bit copy (4·R·K·D) is made before the forward's walks and its float32 gradient is rounded to
+    ``dtype`` after the backward's: :func:`workspace_bytes` adds it to each phase's walks."""
+    block = 4 * rows * k * d
+    wide = dtype != torch.float32
+    row_bytes = DIRECTIONS_OWN_ROW_BYTES * rows * k
+    fwd = block * (1 + wide + bool(threshold))
+    bwd = block * ((5 + wide) if normalize else 2)
+    return fwd + row_bytes, bwd + row_bytes
+
+
 def workspace_bytes(
     n: int,
     d: int,
@@ -242,6 +273,12 @@ def workspace_bytes(
     if reduction == "directions":
         rows = n if local_rows is None else int(local_rows)
         fwd, bwd = directions_bytes(rows, n, d, dtype, label_smoothing != 0.0, device, masked, negatives)
+        if own_negatives:  # after the walks in the forward, before them in the backward
+            threshold = false_negative_threshold is not None
+            own_fwd, own_bwd = directions_own_bytes(rows, own_negatives, d, dtype, threshold, normalize)
+            # a 16-bit copy lives through the forward's walks, its float32 gradient through the backward's
+            copy = 4 * rows * own_negatives * d * (dtype != torch.float32)
+            fwd, bwd = max(fwd + copy, own_fwd), max(bwd + copy, own_bwd)
         return fwd + bwd
     if own_negatives:
         fwd = family_forward_bytes(n, 0, _SIZES[dtype], label_smoothing != 0.0, device, masked)
@@ -266,11 +303,12 @@ def _check_new_options(negatives: int, own_negatives: int, local_rows, reduction
         raise ValueError(f"workspace_bytes: reduction must be 'none', 'mean', 'sum' or 'directions', got {reduction!r}")
     if own_negatives < 0:
         raise ValueError(f"workspace_bytes: own_negatives (K per row) must be ≥ 0, got {own_negatives}")
-    if own_negatives and (negatives or local_rows is not None or reduction == "directions"):
+    if own_negatives and (negatives or (local_rows is not None and reduction != "directions")):
         raise ValueError(
-            "workspace_bytes: own_negatives (each row's K) takes no shared negatives, no local_rows (local_loss=True "
-            "runs them on backend='torch'; local_loss=False: pass the gathered N) and no reduction='directions'; got "
-            f"own_negatives={own_negatives}, negatives={negatives}, local_rows={local_rows}, reduction={reduction!r}"
+            "workspace_bytes: own_negatives (each row's K) takes no shared negatives, and local_rows only with "
+            "reduction='directions' (local_loss=True runs the other reductions on backend='torch'; local_loss=False: "
+            f"pass the gathered N); got own_negatives={own_negatives}, negatives={negatives}, local_rows={local_rows}, "
+            f"reduction={reduction!r}"
         )
 
 
