@@ -473,6 +473,11 @@ def test_own_negatives_and_directions_figures_and_refusals():
     assert (round(plain / mib), own // mib) == (493, 5396)
     big = 262144
     assert hnclip_kernels.workspace_bytes(big, d, torch.bfloat16, reduction="directions", device="cpu") == 259 * mib
+    own_directions = {
+        dtype: hnclip_kernels.workspace_bytes(n, d, dtype, own_negatives=k, reduction="directions", device="cpu")
+        for dtype in (torch.bfloat16, torch.float32)
+    }
+    assert own_directions == {torch.bfloat16: 6180 * mib, torch.float32: 4644 * mib}
     for bad, match in (
         (dict(own_negatives=-1), "own_negatives"),
         (dict(own_negatives=2, negatives=3), "shared negatives"),

@@ -22,7 +22,9 @@ and checks it equals this.
 Each row's own negatives (N, K, D) (:mod:`..own_negatives`, host side, after the kernels' walk
 in the forward and after their dS chunks in the backward, so never live with either): float32
 (N, K, D) buffers, :func:`own_bytes`. ``reduction="directions"``: two directional walks, one after
-the other (:func:`directions_bytes`).
+the other (:func:`directions_bytes`); with own negatives each i2t row's own columns by autograd
+after the walks, their saved tensors workspace from the forward into the backward, whose own part
+runs before the walks' (:func:`directions_own_bytes`).
 
 O(N)-sized vectors (inverse norms, positive logits, the statistics themselves, the float32
 gradient accumulators of (N, D)) and the host's O(N·D) temporaries are inputs, outputs or
@@ -234,7 +236,12 @@ def workspace_bytes(
     features are upcast before the gather); the gathered (N, K, D) float32 negatives are an input.
     ``group_mode`` "supcon"/"mil_nce" runs on backend "torch" only: no Triton workspace to state.
     ``reduction``: "none", "mean" or "sum" (the same walks), or "directions": two directional
-    walks, one after the other (:func:`directions_bytes`; with ``local_rows`` a rank's M rows).
+    walks, one after the other (:func:`directions_bytes`; with ``local_rows`` a rank's M rows);
+    with ``own_negatives`` = K (one process, or ``local_rows`` = M for ``local_loss=True``'s rows,
+    or the gathered N with ``local_loss=False``) each i2t row's own columns by autograd
+    (:func:`directions_own_bytes`), after the walks in the forward and before them in the
+    backward, each phase the larger; a 16-bit ``dtype`` adds the negatives' float32 copy (then
+    its float32 gradient) to the walks' phases.
 
     E.g. the family at N = M = 262144, D = 768, bf16 on 132 SMs: 84.5 MiB forward + 483 MiB backward
     (the N×N chunk pair; the N×M block's chunk is smaller).
@@ -247,17 +254,20 @@ def workspace_bytes(
     (2 × 768 MiB: n̂ and the negatives' float32 copy, + 10 MiB of (N, K) ones) and 3850 MiB backward
     (5 × 768 MiB + 10 MiB) outweigh the kernels' 10.5 + 483 MiB: 5396 MiB in all (493 MiB without).
     ``reduction="directions"`` at N = 262144, D = 768, bf16: 3 + 256 MiB (float32 walks of one
-    direction's rows; "none": 79 + 483 MiB).
+    direction's rows; "none": 79 + 483 MiB). With own negatives at N = 32768, K = 8, D = 768,
+    bf16: the autograd block's 1554 MiB forward (n̂ and the float32 copy, 2 × 768 MiB, + 18 MiB of
+    (N, K) ones) and 4626 MiB backward (6 × 768 MiB: the float64 norm's backward) outweigh the
+    walks' 0.4 + 256 MiB: 6180 MiB (4644 MiB for float32 negatives).
 
     Returns: bytes (an int): the sum of the two workspaces, a bound on the peak (they are never live together).
     Raises: ValueError for a dtype other than float16/bfloat16/float32, n, d, local_rows < 1,
     negatives < 0, or ``negatives``/``group_ids`` with ``local_rows`` (the distributed family runs
     two directional walks per rank: state them as two ``local_rows`` calls); own_negatives < 0,
-    with ``negatives`` (the operator takes one kind), with ``local_rows`` (``local_loss=True`` runs
-    them on backend "torch" only) or with ``reduction="directions"`` (refused there); a
-    ``reduction`` other than "none", "mean", "sum", "directions".
-    Source: the allocations of :mod:`.forward` and :mod:`.backward`
-    (``tests/backends/test_workspace.py`` counts them).
+    with ``negatives`` (the operator takes one kind), or with ``local_rows`` and a reduction other
+    than "directions" (``local_loss=True`` runs those on backend "torch" only); a ``reduction``
+    other than "none", "mean", "sum", "directions".
+    Source: the allocations of :mod:`.forward` and :mod:`.backward`, and of the own negatives'
+    host blocks (``tests/backends/test_workspace.py`` counts them).
     """
     if dtype not in _SIZES:
         raise ValueError(f"workspace_bytes: dtype must be one of {sorted(map(str, _SIZES))}, got {dtype}")
