@@ -1,7 +1,8 @@
 """The Triton path's workspace: ``hnclip_kernels.workspace_bytes`` equals what the operators
 actually allocate (counted, not computed), and the forward's statistics are O(N). Also each
-row's own negatives (their host-side block, counted by a dispatch mode) and
-``reduction="directions"`` (two directional walks).
+row's own negatives (their host-side block, counted by a dispatch mode),
+``reduction="directions"`` (two directional walks) and both together (the own columns by
+autograd: its saved tensors count from the forward into the backward).
 
 The count: every ``torch.empty`` called from the host walks and their helpers (``forward.py``,
 ``merge.py``, ``backward.py``, ``scales.py``) during a forward + backward, under the interpreter
@@ -21,9 +22,13 @@ from torch.utils._pytree import tree_leaves
 
 import hnclip_kernels
 from cases import check_against_truth, make_pair
+from hnclip_kernels import backends
+from hnclip_kernels import loss as loss_module
 from hnclip_kernels.backends.triton import config as cfg
 from hnclip_kernels.backends.triton import directional, rank, symmetric, workspace
 from hnclip_kernels.backends.triton import ops as tops
+from hnclip_kernels.options import LossOptions
+from hnclip_kernels.validation_family import Family
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only: counts CPU allocations")
 
@@ -353,7 +358,11 @@ class _DirectionsOwnCounter(_OwnCounter):
 
 DIRECTIONS_OWN_CASES = {  # dtype, hn_clip_loss's options, local rows R (None: one process); N = 130, K = 3, D = 20
     "float32": (torch.float32, {}, None),
-    "bf16 threshold mask eps": (torch.bfloat16, dict(false_negative_threshold=0.5, mask=True, label_smoothing=0.1), None),
+    "bf16 threshold mask eps": (
+        torch.bfloat16,
+        dict(false_negative_threshold=0.5, mask=True, label_smoothing=0.1),
+        None,
+    ),
     "float32 threshold image_text": (torch.float32, dict(false_negative_threshold=0.5, margin="image_text"), None),
     "float16 unnormalized": (torch.float16, dict(normalize=False), None),
     "float32 local rows threshold eps": (torch.float32, dict(false_negative_threshold=0.5, label_smoothing=0.1), 50),
@@ -361,7 +370,17 @@ DIRECTIONS_OWN_CASES = {  # dtype, hn_clip_loss's options, local rows R (None: o
 }
 
 
-@pytest.mark.parametrize("case", list(DIRECTIONS_OWN_CASES), ids=list(DIRECTIONS_OWN_CASES))
+_DIRECTIONS_OWN_FULL_TIER = (
+    "float32 threshold image_text",
+    "float16 unnormalized",
+    "float32 local rows unnormalized mask",
+)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.slow) if c in _DIRECTIONS_OWN_FULL_TIER else c for c in DIRECTIONS_OWN_CASES],
+)
 def test_directions_own_negatives_workspace_counted(gpu_launch_small, counter, monkeypatch, case):
     """``reduction="directions"`` with each row's own negatives: the (R, K, D) buffers its own
     columns hold at each phase's peak (autograd's saved tensors included) are
@@ -370,10 +389,6 @@ def test_directions_own_negatives_workspace_counted(gpu_launch_small, counter, m
     its backward before theirs (only a 16-bit copy or its float32 gradient is live beside a walk),
     and ``workspace_bytes(own_negatives=K, reduction="directions")`` takes each phase's larger. With
     ``local_rows``: a rank's R rows against the N gathered columns (``local_loss=True``'s call)."""
-    from hnclip_kernels import backends, loss as loss_module
-    from hnclip_kernels.options import LossOptions
-    from hnclip_kernels.validation_family import Family
-
     dtype, kw, local = DIRECTIONS_OWN_CASES[case]
     kw = dict(kw)
     n, k, d = 130, 3, 20
