@@ -42,7 +42,8 @@ def workspace_bytes(
     distributed loss's per-rank op (both directions of its M local rows against n gathered columns);
     ``negatives`` (M hard-negative captions) and ``group_ids`` (bool): the hard-negative family's
     loss; ``own_negatives`` (K, each row's own negatives (N, K, D)), ``normalize`` and
-    ``reduction`` ("directions": two directional walks). See :func:`hnclip_kernels.backends.triton.workspace.workspace_bytes`
+    ``reduction`` ("directions": two directional walks; with ``own_negatives`` also their autograd
+    block, and ``local_rows`` a rank's rows). See :func:`hnclip_kernels.backends.triton.workspace.workspace_bytes`
     (imported on call: Triton is an optional dependency)."""
     from .backends.triton.workspace import workspace_bytes as _workspace_bytes
 

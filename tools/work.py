@@ -19,7 +19,8 @@ and of a rank's sigmoid rows (kind "sigmoid_rank": M local rows against N gather
 offset N − M); of each row's own negatives, ``hn_clip_loss(img, txt, tau, negatives=(N, M, D))``
 (kind "own", M = K own negatives a row, default 8, the host block's einsums inside the operator)
 and of ``reduction="directions"`` (kind "directions", two directional ops; ``--m`` shared negatives,
-default 0); τ (s and b) a tensor that requires grad, as in training.
+default 0; kind "directions_own": with each row's K = M own negatives, default 8, i2t over the N
+captions and the own columns' autograd einsums on the host, counted as torch matmuls); τ (s and b) a tensor that requires grad, as in training.
 
 How: on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1), under the GPU launch
 configuration: HNCLIP_TRITON_LAUNCH=gpu is set while a case runs, and the launcher then
@@ -77,8 +78,8 @@ from hnclip_kernels.backends.triton.sigmoid_pairs import sigmoid_pairs_triton  #
 from hnclip_kernels.margin import Margin  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-KINDS = ("loss", "directional", "rank", "family", "sigmoid", "sigmoid_rank", "own", "directions")
-FAMILY_OPTIONS = ("family", "sigmoid", "own")  # the kinds that take ``margin`` and ``ids``
+KINDS = ("loss", "directional", "rank", "family", "sigmoid", "sigmoid_rank", "own", "directions", "directions_own")
+FAMILY_OPTIONS = ("family", "sigmoid", "own", "directions_own")  # the kinds that take ``margin`` and ``ids``
 MARGINS = ("text", "image_text")
 USEFUL_PRODUCTS = 3  # q kᵀ forward; dS·k and dSᵀ·q backward (per direction; a rank's op has two)
 COLUMNS = [
@@ -251,7 +252,7 @@ def count_products(
     if ids is not None and ids < 1:
         raise ValueError(f"ids is a group size G >= 1 (group ids arange(n) // G), got {ids!r}")
     if kind in (*FAMILY_OPTIONS, "directions"):
-        m = {"family": n, "own": 8}.get(kind, 0) if m is None else m
+        m = {"family": n, "own": 8, "directions_own": 8}.get(kind, 0) if m is None else m
         if m < 0:
             raise ValueError(f"m={m} negatives: pass m >= 0")
     else:
@@ -261,11 +262,11 @@ def count_products(
     gen = torch.Generator().manual_seed(seed)
     dt = DTYPES[dtype]
     tau = torch.tensor(0.07, requires_grad=True)
-    if kind in ("loss", "family", "sigmoid", "own", "directions"):
+    if kind in ("loss", "family", "sigmoid", "own", "directions", "directions_own"):
         img = torch.randn(n, d, generator=gen).to(dt).requires_grad_()
         txt = torch.randn(n, d, generator=gen).to(dt).requires_grad_()
         if kind in (*FAMILY_OPTIONS, "directions"):
-            shape = (n, m, d) if kind == "own" else (m, d)
+            shape = (n, m, d) if kind in ("own", "directions_own") else (m, d)
             neg = torch.randn(*shape, generator=gen).to(dt).requires_grad_()
             group_ids = None if ids is None else torch.arange(n) // ids
     elif kind == "sigmoid_rank":
@@ -289,9 +290,10 @@ def count_products(
             loss = sigmoid_pairs_triton(img, txt, *sb, gamma=gamma, margin=Margin(margin), **kw).sum()
         elif kind == "sigmoid_rank":
             loss = sigmoid_pairs_triton(img, txt, *sb, offset=offset, gamma=gamma).sum()
-        elif kind == "directions":
+        elif kind in ("directions", "directions_own"):
+            own = dict(margin=margin, group_ids=group_ids) if kind == "directions_own" else {}
             rows = hnclip_kernels.hn_clip_loss(img, txt, tau, gamma=gamma, backend="triton", reduction="directions",
-                                               negatives=neg if m else None,
+                                               negatives=neg if m else None, **own,
                                                false_negative_threshold=false_negative_threshold)  # fmt: skip
             loss = sum(x.sum() for x in rows)
         elif kind in ("loss", "family", "own"):
@@ -337,10 +339,10 @@ def count_products(
             "no tl.dot ran in Triton's interpreter: are the kernels interpreted (TRITON_INTERPRET=1 "
             "before triton was first imported)?"
         )
-    if kind in FAMILY_OPTIONS:  # N×N×D products; the useful S = v [t; n]ᵀ is N×(N + M) (own: N + K)
-        unit, useful = 2 * n * n * d, USEFUL_PRODUCTS * (n + m) / n
-    elif kind == "directions":  # i2t's N×(N + M) and t2i's N×N, no tile shared
+    if kind in ("directions", "directions_own"):  # i2t's N×(N + M) (own: N + K) and t2i's N×N, no tile shared
         unit, useful = 2 * n * n * d, USEFUL_PRODUCTS * (2 * n + m) / n
+    elif kind in FAMILY_OPTIONS:  # N×N×D products; the useful S = v [t; n]ᵀ is N×(N + M) (own: N + K)
+        unit, useful = 2 * n * n * d, USEFUL_PRODUCTS * (n + m) / n
     else:
         unit, useful = 2 * m * n * d, USEFUL_PRODUCTS * (2 if kind == "rank" else 1)
     total = count.dot_flops + count.torch_flops
@@ -381,7 +383,7 @@ def parse_args(argv=None):
         type=int,
         default=None,
         help="directional, rank, sigmoid_rank: local rows M (default N // 4); family: negatives M (default N); "
-        "sigmoid, directions: negatives M (default 0); own: K own negatives a row (default 8)",
+        "sigmoid, directions: negatives M (default 0); own, directions_own: K own negatives a row (default 8)",
     )
     ap.add_argument("--dims", type=_csv_list(int), default=[512, 768], help="embedding dims D")
     ap.add_argument("--dtypes", type=_csv_list(str), default=["bfloat16"], help=",".join(DTYPES))

@@ -179,3 +179,28 @@ def test_directions_state_two_directional_walks_on_both_backends(m, eps):
     for backend in ["triton"] + (["cpp"] if cpp_directional() is not None else []):
         call = functools.partial(_directions_loss, img, txt, 0.07, negatives=neg if m else None, label_smoothing=eps)
         assert _counted(functools.partial(call, backend=backend)) == useful, backend
+
+
+@pytest.mark.parametrize(
+    "margin, threshold, forward_blocks",
+    [("image_text", None, 1), ("text", None, 2), ("text", 0.5, 3)],
+    ids=["image_text", "text", "text threshold"],
+)
+def test_directions_with_own_negatives_count_the_host_block_on_both_backends(margin, threshold, forward_blocks):
+    # reduction="directions" with each row's K own negatives: the directional ops' formulas (i2t over
+    # the N captions, t2i over N) plus the own block's autograd einsums, which FlopCounterMode counts
+    # as executed (no operator hides them): v̂·n̂ (2·N·K·D), the margin's detached t̂·n̂ ("text") and a
+    # threshold's caption cosines forward; dL/dn̂ and dL/dv̂ backward (4·N·K·D)
+    k = 3
+    img, txt = _leaves(N, N, seed=6)
+    own = torch.randn(N, k, D, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    mask = torch.rand(N, k, generator=torch.Generator().manual_seed(8)) < 0.7
+    walks = 2 * N * N  # i2t's N × N and t2i's N × N logits
+    block = N * k * D
+    expected = (2 * walks * D + forward_blocks * 2 * block, 4 * walks * D + 4 * block)
+    for backend in ["triton"] + (["cpp"] if cpp_directional() is not None else []):
+        call = functools.partial(
+            _directions_loss, img, txt, 0.07, negatives=own, negatives_mask=mask, margin=margin,
+            false_negative_threshold=threshold, backend=backend,
+        )  # fmt: skip
+        assert _counted(call) == expected, backend

@@ -1,7 +1,8 @@
 """The Triton path's workspace: ``hnclip_kernels.workspace_bytes`` equals what the operators
 actually allocate (counted, not computed), and the forward's statistics are O(N). Also each
-row's own negatives (their host-side block, counted by a dispatch mode) and
-``reduction="directions"`` (two directional walks).
+row's own negatives (their host-side block, counted by a dispatch mode),
+``reduction="directions"`` (two directional walks) and both together (the own columns by
+autograd: its saved tensors count from the forward into the backward).
 
 The count: every ``torch.empty`` called from the host walks and their helpers (``forward.py``,
 ``merge.py``, ``backward.py``, ``scales.py``) during a forward + backward, under the interpreter
@@ -21,9 +22,13 @@ from torch.utils._pytree import tree_leaves
 
 import hnclip_kernels
 from cases import check_against_truth, make_pair
+from hnclip_kernels import backends
+from hnclip_kernels import loss as loss_module
 from hnclip_kernels.backends.triton import config as cfg
 from hnclip_kernels.backends.triton import directional, rank, symmetric, workspace
 from hnclip_kernels.backends.triton import ops as tops
+from hnclip_kernels.options import LossOptions
+from hnclip_kernels.validation_family import Family
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only: counts CPU allocations")
 
@@ -327,6 +332,153 @@ def test_directions_workspace_counted(gpu_launch_small, counter, dtype, n, m, ep
     )
 
 
+class _DirectionsOwnCounter(_OwnCounter):
+    """:class:`_OwnCounter` of ``reduction="directions"``'s own columns: autograd differentiates
+    them, so the tensors it saves live from the forward ("fwd": the ``direction_losses`` call) into
+    the backward ("bwd": ``backward()``). A storage alive after both is an output (the gradient in
+    the negatives' dtype; an input's view); every other one is workspace, counted live in each
+    phase it spans."""
+
+    def _workspace(self, kind=None):
+        """(event index, live workspace bytes after it), outputs left out."""
+        outputs = {key for key, sign in self.events if sign > 0} - {key for key, sign in self.events if sign < 0}
+        live = 0
+        for at, (key, sign) in enumerate(self.events):
+            if key not in outputs and (kind is None or self.kind[key] == kind):
+                live += sign * self.nbytes[key]
+            yield at, live
+
+    def peak_spanning(self, phase, kind=None):
+        return max((live for at, live in self._workspace(kind) if self.phase_of[at] == phase), default=0)
+
+    def live_at(self, events):
+        """Workspace bytes live once the first ``events`` events happened."""
+        return dict(self._workspace()).get(events - 1, 0)
+
+
+DIRECTIONS_OWN_CASES = {  # dtype, hn_clip_loss's options, local rows R (None: one process); N = 130, K = 3, D = 20
+    "float32": (torch.float32, {}, None),
+    "bf16 threshold mask eps": (
+        torch.bfloat16,
+        dict(false_negative_threshold=0.5, mask=True, label_smoothing=0.1),
+        None,
+    ),
+    "float32 threshold image_text": (torch.float32, dict(false_negative_threshold=0.5, margin="image_text"), None),
+    "float16 unnormalized": (torch.float16, dict(normalize=False), None),
+    "float32 local rows threshold eps": (torch.float32, dict(false_negative_threshold=0.5, label_smoothing=0.1), 50),
+    "float32 local rows unnormalized mask": (torch.float32, dict(normalize=False, mask=True), 50),
+}
+
+
+_DIRECTIONS_OWN_FULL_TIER = (
+    "float32 threshold image_text",
+    "float16 unnormalized",
+    "float32 local rows unnormalized mask",
+)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.slow) if c in _DIRECTIONS_OWN_FULL_TIER else c for c in DIRECTIONS_OWN_CASES],
+)
+def test_directions_own_negatives_workspace_counted(gpu_launch_small, counter, monkeypatch, case):
+    """``reduction="directions"`` with each row's own negatives: the (R, K, D) buffers its own
+    columns hold at each phase's peak (autograd's saved tensors included) are
+    ``directions_own_bytes``'s count, the (R, K) ones within ``DIRECTIONS_OWN_ROW_BYTES``·R·K, the
+    walks are the plain directions' (i2t over the N captions), the block runs after the walks and
+    its backward before theirs (only a 16-bit copy or its float32 gradient is live beside a walk),
+    and ``workspace_bytes(own_negatives=K, reduction="directions")`` takes each phase's larger. With
+    ``local_rows``: a rank's R rows against the N gathered columns (``local_loss=True``'s call)."""
+    dtype, kw, local = DIRECTIONS_OWN_CASES[case]
+    kw = dict(kw)
+    n, k, d = 130, 3, 20
+    r, offset = (n, 0) if local is None else (local, 40)
+    own_count = _DirectionsOwnCounter()
+    own_count.phase_of = []
+    real_record, real_freed = own_count.record, own_count.freed
+
+    def record(storage, kind):  # each event's phase (the parent's `born_in` marks only births)
+        own_count.phase_of.append(own_count.phase)
+        real_record(storage, kind)
+
+    def freed(key):
+        own_count.phase_of.append(own_count.phase)
+        real_freed(key)
+
+    own_count.record, own_count.freed = record, freed
+    at_walks = []  # own bytes live when a walk starts
+
+    def watched(fn):
+        def run(*args, **kwargs):
+            at_walks.append(len(own_count.events))
+            return fn(*args, **kwargs)
+
+        return run
+
+    for walk in ("directional_stats", "directional_shares"):
+        monkeypatch.setattr(directional, walk, watched(getattr(directional, walk)))
+    img, txt = (x.requires_grad_(True) for x in make_pair(n, d, dtype, seed=11))
+    gen = torch.Generator().manual_seed(12)
+    own = torch.randn(r, k, d, generator=gen).to(dtype).requires_grad_(True)
+    mask = torch.rand(r, k, generator=gen) < 0.7 if kw.pop("mask", False) else None
+    mode = _OwnBuffers(own_count, r, k)
+    mode.counter.storages.add(id(own.untyped_storage()))  # the input (its views are no new buffer)
+    with mode:
+        own_count.phase = "fwd"
+        if local is None:
+            real = loss_module.direction_losses
+
+            def scoped(*args, **kwargs):  # the validation's temporaries are not the block's
+                own_count.phase = "fwd"
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    own_count.phase = None
+
+            monkeypatch.setattr(loss_module, "direction_losses", scoped)
+            own_count.phase = None
+            rows = hnclip_kernels.hn_clip_loss(
+                img, txt, 0.07, negatives=own, negatives_mask=mask, reduction="directions", backend="triton", **kw
+            )
+        else:  # a rank's R rows at offset against the N gathered columns, as local_loss=True calls it
+            threshold = kw.pop("false_negative_threshold", None)
+            options = LossOptions(reduction="directions", backend="triton", false_negative_threshold=threshold, **kw)
+            bound = options.bind(img, txt, 0.07)
+            tau = torch.tensor(0.07)
+            family = Family(own_negatives=own, own_mask=mask)
+            q_img, q_txt = img[offset : offset + r], txt[offset : offset + r]
+            rows = backends.direction_losses(q_img, q_txt, img, txt, tau, offset, bound, False, family)
+            kw["false_negative_threshold"] = threshold
+            own_count.phase = None
+        own_count.phase = "bwd"
+        sum(x.sum() for x in rows).backward()
+        del rows
+        own_count.phase = None
+    assert own.grad is not None and torch.isfinite(own.grad).all()
+    # 16-bit: the float32 copy (made before the walks) is live through the forward's walks, its
+    # float32 gradient (rounded to the dtype last) through the backward's; nothing else is
+    copy = 4 * r * k * d * (dtype != torch.float32)
+    assert len(at_walks) >= 4 and {own_count.live_at(at) for at in at_walks} == {copy}, at_walks
+    threshold, eps, normalize = (
+        kw.get("false_negative_threshold"),
+        kw.get("label_smoothing", 0.0),
+        kw.get("normalize", True),
+    )
+    own_fwd, own_bwd = workspace.directions_own_bytes(r, k, d, dtype, threshold is not None, normalize)
+    row_bound = workspace.DIRECTIONS_OWN_ROW_BYTES * r * k
+    for phase, stated in (("fwd", own_fwd), ("bwd", own_bwd)):
+        assert own_count.peak_spanning(phase, "block") == stated - row_bound > 0, phase
+        assert 0 < own_count.peak_spanning(phase, "rows") <= row_bound, phase
+        assert own_count.peak_spanning(phase) <= stated, phase
+    fwd, bwd = counter.peak("fwd"), counter.peak("bwd")
+    masked = threshold is not None
+    assert (fwd, bwd) == workspace.directions_bytes(r, n, d, dtype, bool(eps), masked=masked) and fwd > 0 and bwd > 0
+    assert max(fwd + copy, own_fwd) + max(bwd + copy, own_bwd) == hnclip_kernels.workspace_bytes(
+        n, d, dtype, label_smoothing=eps, false_negative_threshold=threshold, own_negatives=k, normalize=normalize,
+        local_rows=local, reduction="directions",
+    )  # fmt: skip
+
+
 def test_own_negatives_and_directions_figures_and_refusals():
     """The docstring's figures (132 SMs) and the refusals naming the argument."""
     mib = 1 << 20
@@ -336,11 +488,16 @@ def test_own_negatives_and_directions_figures_and_refusals():
     assert (round(plain / mib), own // mib) == (493, 5396)
     big = 262144
     assert hnclip_kernels.workspace_bytes(big, d, torch.bfloat16, reduction="directions", device="cpu") == 259 * mib
+    own_directions = {
+        dtype: hnclip_kernels.workspace_bytes(n, d, dtype, own_negatives=k, reduction="directions", device="cpu")
+        for dtype in (torch.bfloat16, torch.float32)
+    }
+    assert own_directions == {torch.bfloat16: 6180 * mib, torch.float32: 4644 * mib}
     for bad, match in (
         (dict(own_negatives=-1), "own_negatives"),
         (dict(own_negatives=2, negatives=3), "shared negatives"),
         (dict(own_negatives=2, local_rows=5), "local_rows"),
-        (dict(own_negatives=2, reduction="directions"), "directions"),
+        (dict(own_negatives=2, local_rows=5, reduction="mean"), "local_rows only with reduction='directions'"),
         (dict(reduction="rows"), "reduction"),
     ):
         with pytest.raises(ValueError, match=match):

@@ -150,6 +150,29 @@ def test_own_negatives_block_einsums_are_counted(margin, threshold, einsums):
     assert own["formula_flops"] - plain["formula_flops"] == 3 * 2 * n * k * d
 
 
+@pytest.mark.parametrize(
+    "margin, threshold, einsums",
+    [
+        ("text", None, 4),
+        pytest.param("image_text", None, 3, marks=pytest.mark.slow),
+        pytest.param("text", 0.9, 5, marks=pytest.mark.slow),
+    ],
+    ids=["text", "image_text", "text threshold"],
+)
+def test_directions_own_negatives_block_einsums_are_counted(margin, threshold, einsums):
+    # reduction="directions" with each row's K own negatives: the same two directional walks (i2t over
+    # the N captions) plus the own columns' autograd einsums on the host: forward v̂·n̂ (and t̂·n̂ for
+    # the "text" margin, t̂·n̂ for a threshold's caption cosines), backward dL/dn̂ and dL/dv̂; the
+    # hnclip:: formulas state the walks alone, FlopCounterMode counts the einsums as torch matmuls
+    n, k, d = 128, 8, 64
+    kw = dict(n=n, d=d, dtype="bfloat16", gamma=0.5, false_negative_threshold=threshold)
+    own = count_products(kind="directions_own", m=k, margin=margin, **kw)
+    plain = count_products(kind="directions", m=0, **kw)
+    assert own["torch_flops"] - plain["torch_flops"] == einsums * 2 * n * k * d, (own, plain)
+    assert own["formula_flops"] == plain["formula_flops"] and own["dot_flops"] == plain["dot_flops"]
+    assert own["useful_products"] == 3 * (2 * n + k) / n
+
+
 @pytest.mark.parametrize("case", list(FORMULA_CASES), ids=list(FORMULA_CASES))
 def test_flop_formulas_state_the_useful_work(case):
     # the formulas that FlopCounterMode applies to the hnclip:: operators state the useful products

@@ -15,6 +15,7 @@ rows × C columns,
 * each row's K own negatives (``own_negatives`` (N, K, D) of ``cpp_symmetric_nll``): N·K more
   logits, forward 2·N·K·D, backward 4·N·K·D (the host block's products, not the margin's);
 * ``reduction="directions"``: the directional op's formula once a direction (twice with ε > 0);
+  with own negatives plus their host einsums as the mode counts them (``triton/flops.py``);
 * ``group_mode="supcon"``/``"mil_nce"``: the formulas above (the positives' pass,
   ``cpp_raw_positive_fwd``/``_bwd``, forms entries of the same logit matrix: 0 of its own);
 * a backward asked for dτ (the sigmoid loss: ds) alone (no feature gradient): 0.

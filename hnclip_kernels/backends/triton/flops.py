@@ -18,7 +18,11 @@ state the same for the same call): with P = 2·R·C·D for a logit matrix of R r
   stated, as the N × N margin is not;
 * ``reduction="directions"``: the directional op once a direction (i2t N × (N + M), t2i N × N),
   twice with ε > 0 (the unsmoothed rows): the sum of those calls' formulas, about twice the
-  shared-tile loss's (``tests/backends/test_flop_formulas.py``);
+  shared-tile loss's (``tests/backends/test_flop_formulas.py``); with each row's own negatives the
+  i2t call runs over the N captions and the own columns are autograd einsums outside any
+  operator (``backends.directions.own_block``), which the mode counts as executed: 2·N·K·D
+  forward (v̂·n̂), 2·N·K·D more for the "text" margin's detached t̂·n̂ and for a threshold's caption
+  cosines, 4·N·K·D backward;
 * ``group_mode="supcon"``/``"mil_nce"``: the formulas above (the host's positives' pass,
   :mod:`..positives`, forms entries of the same logit matrix: 0 of its own);
 * a backward asked for dτ alone (no feature gradient): 0.

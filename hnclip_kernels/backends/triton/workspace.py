@@ -22,7 +22,9 @@ and checks it equals this.
 Each row's own negatives (N, K, D) (:mod:`..own_negatives`, host side, after the kernels' walk
 in the forward and after their dS chunks in the backward, so never live with either): float32
 (N, K, D) buffers, :func:`own_bytes`. ``reduction="directions"``: two directional walks, one after
-the other (:func:`directions_bytes`).
+the other (:func:`directions_bytes`); with own negatives each i2t row's own columns by autograd
+after the walks, their saved tensors workspace from the forward into the backward, whose own part
+runs before the walks' (:func:`directions_own_bytes`).
 
 O(N)-sized vectors (inverse norms, positive logits, the statistics themselves, the float32
 gradient accumulators of (N, D)) and the host's O(N·D) temporaries are inputs, outputs or
@@ -165,6 +167,37 @@ def directions_bytes(
     return 4 * planes * splits * rows, bwd
 
 
+# bytes per (row, own negative) the directions' own block's (N, K) temporaries reach at most
+# (gaps, logits, keep masks, the float64 inverse norms autograd saves; 22 to 62 measured): a bound
+DIRECTIONS_OWN_ROW_BYTES = 72
+
+
+def directions_own_bytes(
+    rows: int, k: int, d: int, dtype: torch.dtype, threshold: bool, normalize: bool = True
+) -> tuple[int, int]:
+    """(forward, backward) bytes of ``reduction="directions"``'s own columns
+    (``backends.directions.own_block``/``own_rows``, differentiated by autograd) for ``rows`` i2t
+    rows of K own negatives of width D in ``dtype``: the peak of their (R, K, D) buffers, counted,
+    plus ``DIRECTIONS_OWN_ROW_BYTES``·R·K for their (R, K) ones, bounded. Autograd's saved tensors
+    are workspace from the forward to the backward (they count in both phases while alive).
+
+    Forward (``own_negatives.block``): n̂ (saved), with 16-bit negatives their float32 copy
+    (``backends.direction_losses``' upcast, saved by the normalisation), with a ``threshold`` their
+    unit copy (freed at once): 4·R·K·D·(1 + [16-bit] + [threshold]). Backward: with ``normalize``
+    the float64 norm's backward (its two float64 (R·K, D) temporaries, beside the float32 dL/d own
+    of n̂ = own·r and the float32 copy): 4·R·K·D·(5 + [16-bit]); else dL/dn̂ beside the saved n̂:
+    4·R·K·D·2. The gradient in ``dtype`` is an output; for 16-bit its float32 one is counted. The
+    block runs after the directional walks and autograd runs its backward before theirs, but a
+    16-bit copy (4·R·K·D) is made before the forward's walks and its float32 gradient is rounded to
+    ``dtype`` after the backward's: :func:`workspace_bytes` adds it to each phase's walks."""
+    block = 4 * rows * k * d
+    wide = dtype != torch.float32
+    row_bytes = DIRECTIONS_OWN_ROW_BYTES * rows * k
+    fwd = block * (1 + wide + bool(threshold))
+    bwd = block * ((5 + wide) if normalize else 2)
+    return fwd + row_bytes, bwd + row_bytes
+
+
 def workspace_bytes(
     n: int,
     d: int,
@@ -203,7 +236,12 @@ def workspace_bytes(
     features are upcast before the gather); the gathered (N, K, D) float32 negatives are an input.
     ``group_mode`` "supcon"/"mil_nce" runs on backend "torch" only: no Triton workspace to state.
     ``reduction``: "none", "mean" or "sum" (the same walks), or "directions": two directional
-    walks, one after the other (:func:`directions_bytes`; with ``local_rows`` a rank's M rows).
+    walks, one after the other (:func:`directions_bytes`; with ``local_rows`` a rank's M rows);
+    with ``own_negatives`` = K (one process, or ``local_rows`` = M for ``local_loss=True``'s rows,
+    or the gathered N with ``local_loss=False``) each i2t row's own columns by autograd
+    (:func:`directions_own_bytes`), after the walks in the forward and before them in the
+    backward, each phase the larger; a 16-bit ``dtype`` adds the negatives' float32 copy (then
+    its float32 gradient) to the walks' phases.
 
     E.g. the family at N = M = 262144, D = 768, bf16 on 132 SMs: 84.5 MiB forward + 483 MiB backward
     (the N×N chunk pair; the N×M block's chunk is smaller).
@@ -216,17 +254,20 @@ def workspace_bytes(
     (2 × 768 MiB: n̂ and the negatives' float32 copy, + 10 MiB of (N, K) ones) and 3850 MiB backward
     (5 × 768 MiB + 10 MiB) outweigh the kernels' 10.5 + 483 MiB: 5396 MiB in all (493 MiB without).
     ``reduction="directions"`` at N = 262144, D = 768, bf16: 3 + 256 MiB (float32 walks of one
-    direction's rows; "none": 79 + 483 MiB).
+    direction's rows; "none": 79 + 483 MiB). With own negatives at N = 32768, K = 8, D = 768,
+    bf16: the autograd block's 1554 MiB forward (n̂ and the float32 copy, 2 × 768 MiB, + 18 MiB of
+    (N, K) ones) and 4626 MiB backward (6 × 768 MiB: the float64 norm's backward) outweigh the
+    walks' 0.4 + 256 MiB: 6180 MiB (4644 MiB for float32 negatives).
 
     Returns: bytes (an int): the sum of the two workspaces, a bound on the peak (they are never live together).
     Raises: ValueError for a dtype other than float16/bfloat16/float32, n, d, local_rows < 1,
     negatives < 0, or ``negatives``/``group_ids`` with ``local_rows`` (the distributed family runs
     two directional walks per rank: state them as two ``local_rows`` calls); own_negatives < 0,
-    with ``negatives`` (the operator takes one kind), with ``local_rows`` (``local_loss=True`` runs
-    them on backend "torch" only) or with ``reduction="directions"`` (refused there); a
-    ``reduction`` other than "none", "mean", "sum", "directions".
-    Source: the allocations of :mod:`.forward` and :mod:`.backward`
-    (``tests/backends/test_workspace.py`` counts them).
+    with ``negatives`` (the operator takes one kind), or with ``local_rows`` and a reduction other
+    than "directions" (``local_loss=True`` runs those on backend "torch" only); a ``reduction``
+    other than "none", "mean", "sum", "directions".
+    Source: the allocations of :mod:`.forward` and :mod:`.backward`, and of the own negatives'
+    host blocks (``tests/backends/test_workspace.py`` counts them).
     """
     if dtype not in _SIZES:
         raise ValueError(f"workspace_bytes: dtype must be one of {sorted(map(str, _SIZES))}, got {dtype}")
@@ -242,6 +283,12 @@ def workspace_bytes(
     if reduction == "directions":
         rows = n if local_rows is None else int(local_rows)
         fwd, bwd = directions_bytes(rows, n, d, dtype, label_smoothing != 0.0, device, masked, negatives)
+        if own_negatives:  # after the walks in the forward, before them in the backward
+            threshold = false_negative_threshold is not None
+            own_fwd, own_bwd = directions_own_bytes(rows, own_negatives, d, dtype, threshold, normalize)
+            # a 16-bit copy lives through the forward's walks, its float32 gradient through the backward's
+            copy = 4 * rows * own_negatives * d * (dtype != torch.float32)
+            fwd, bwd = max(fwd + copy, own_fwd), max(bwd + copy, own_bwd)
         return fwd + bwd
     if own_negatives:
         fwd = family_forward_bytes(n, 0, _SIZES[dtype], label_smoothing != 0.0, device, masked)
@@ -266,11 +313,12 @@ def _check_new_options(negatives: int, own_negatives: int, local_rows, reduction
         raise ValueError(f"workspace_bytes: reduction must be 'none', 'mean', 'sum' or 'directions', got {reduction!r}")
     if own_negatives < 0:
         raise ValueError(f"workspace_bytes: own_negatives (K per row) must be ≥ 0, got {own_negatives}")
-    if own_negatives and (negatives or local_rows is not None or reduction == "directions"):
+    if own_negatives and (negatives or (local_rows is not None and reduction != "directions")):
         raise ValueError(
-            "workspace_bytes: own_negatives (each row's K) takes no shared negatives, no local_rows (local_loss=True "
-            "runs them on backend='torch'; local_loss=False: pass the gathered N) and no reduction='directions'; got "
-            f"own_negatives={own_negatives}, negatives={negatives}, local_rows={local_rows}, reduction={reduction!r}"
+            "workspace_bytes: own_negatives (each row's K) takes no shared negatives, and local_rows only with "
+            "reduction='directions' (local_loss=True runs the other reductions on backend='torch'; local_loss=False: "
+            f"pass the gathered N); got own_negatives={own_negatives}, negatives={negatives}, local_rows={local_rows}, "
+            f"reduction={reduction!r}"
         )
 
 
