@@ -141,14 +141,15 @@ def test_own_positives_draws_slow(backend, case, mode, options, scale):
 
 
 def test_own_columns_are_never_positives():
-    """Own negatives equal to the row's own caption: a positive's twin counted as a negative (the
-    loss rises over the call without them), not as a positive."""
+    """Own negatives equal to the row's own caption (γ = 0: the same logit as its positive): a twin
+    counted as a negative, so every row's loss rises over the call without them (as a positive,
+    MIL-NCE's rows would fall)."""
     n, d = 4, 8
     g = torch.Generator().manual_seed(0)
     img, txt = torch.randn(n, d, generator=g, dtype=torch.float64), torch.randn(n, d, generator=g, dtype=torch.float64)
     ids = torch.tensor([0, 0, 1, 2])
     for mode in ("supcon", "mil_nce"):
-        base = hn_clip_loss(img, txt, 0.1, group_ids=ids, group_mode=mode, reduction="none", backend="torch")
+        base = hn_clip_loss(img, txt, 0.1, group_ids=ids, group_mode=mode, gamma=0.0, reduction="none", backend="torch")
         twin = hn_clip_loss(img, txt, 0.1, negatives=txt[:, None].clone(), group_ids=ids, group_mode=mode,
                             gamma=0.0, reduction="none", backend="torch")  # fmt: skip
         assert (twin > base).all()
