@@ -110,7 +110,8 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
             "supcon" / "mil_nce" (positives, multi-positive targets; see
             :func:`hnclip_kernels.hn_clip_loss` and ``docs/hard_negatives.md#multi-positive-targets``),
             across ranks too (a group may span ranks); then every ``forward`` needs ``group_ids``
-            (every backend) and ``return_stats`` is False.
+            (every backend) and ``return_stats`` is False. Each row's own (N, K, D) negatives
+            compose with them as extra negatives of the image→text rows (where own negatives run).
         reduction: "mean" (default: the loss of each mode above) or "directions": ``forward``
             returns a :class:`~hnclip_kernels.DirectionRows` ``(i2t, t2i, lse_i2t, lse_t2i)``
             instead, each direction's rows and log-partition, unscaled: with ``local_loss=True``

@@ -111,8 +111,9 @@ def hn_clip_loss(
             (multi-positive targets, ``docs/hard_negatives.md#multi-positive-targets``), "supcon"
             (row i's target spread uniformly over its group P(i): LSE_i − mean_{p∈P(i)} Z_ip) or
             "mil_nce" (−log Σ_{p∈P(i)} softmax(Z_i)_p), in both directions; positives get no margin
-            and are never masked; ε and the threshold as documented there. Needs ``group_ids``; every
-            backend; no ``return_stats``.
+            and are never masked; ε and the threshold as documented there. (N, K, D) ``negatives``
+            are extra negative columns of the image→text rows then, never positives. Needs
+            ``group_ids``; every backend; no ``return_stats``.
 
     Returns:
         float32 loss (float64 for float64 inputs): a scalar, shape (N,) for "none", four (N,)
@@ -144,8 +145,8 @@ def hn_clip_loss(
             (N, K, D) negatives or of another shape or device (not bool: ``TypeError``);
             ``group_ids`` not of shape (N,) or on another device (non-integer: ``TypeError``);
             ``margin`` not "text"/"image_text"; ``group_mode`` not "mask"/"supcon"/"mil_nce", a
-            positive one without ``group_ids``, with (N, K, D) negatives, with ``return_stats`` or
-            on backend "triton". Under
+            positive one without ``group_ids``, with ``return_stats`` or with
+            ``reduction="directions"``. Under
             ``torch.compile`` value checks are skipped (no graph breaks).
     """
     tau = validation.plain_number(tau)

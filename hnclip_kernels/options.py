@@ -61,7 +61,7 @@ class LossOptions:
         group_mode: what equal ``group_ids`` mean, a :class:`~hnclip_kernels.group_mode.GroupMode`
             (given as "mask", the default: no negatives of each other; "supcon" or "mil_nce":
             positives, ``docs/hard_negatives.md#multi-positive-targets``). The positive modes run
-            on backend="torch" and "cpp" ("auto" resolves to one); "triton" raises ``ValueError``.
+            on every backend, with shared (M, D) or each row's own (N, K, D) negatives.
 
     Raises:
         TypeError: non-real ``gamma``/``label_smoothing``, non-bool ``normalize``,

@@ -169,18 +169,13 @@ def family_of(
 
     Raises: the ``TypeError``/``ValueError`` of :func:`validation.check_features`,
     :func:`check_negatives`, :func:`check_own_mask` and :func:`check_group_ids`; ``ValueError`` for a
-    positive ``group_mode`` (:class:`~hnclip_kernels.group_mode.GroupMode`) without ``group_ids`` or
-    with (N, K, D) negatives."""
+    positive ``group_mode`` (:class:`~hnclip_kernels.group_mode.GroupMode`) without ``group_ids``
+    (with (N, K, D) negatives they are extra negative columns of the i2t rows, never positives)."""
     if group_mode.positives and group_ids is None:
         raise ValueError(
             f"group_mode={group_mode.value!r} makes pairs with equal group_ids positives, but no group_ids were "
             "passed; pass group_ids (N,) (torch.arange(N) for one pair per group: the plain loss), or "
             "group_mode='mask'"
-        )
-    if group_mode.positives and isinstance(negatives, torch.Tensor) and negatives.dim() == 3:
-        raise ValueError(
-            f"group_mode={group_mode.value!r} does not take each row's own negatives (N, K, D) yet; pass shared "
-            "negatives (M, D) (negatives.reshape(-1, D)), or group_mode='mask'"
         )
     if negatives is None and group_ids is None and margin is Margin.TEXT and negatives_mask is None:
         return None

@@ -85,3 +85,32 @@ def positives_f64(img, txt, tau, group_ids, mode, negatives=None, normalize=True
         nu = tu[:0] if negatives is None else F.normalize(negatives.double().detach(), dim=1)
         captions = (tu, tu, nu)
     return positive_rows_f64(v, t, v, t, n, tau, group_ids, mode=mode, threshold=threshold, captions=captions, **kw)
+
+
+def own_positive_rows_f64(v, t, own, mask, tau, group_ids, *, mode, margin="text", gamma=0.5, label_smoothing=0.0,
+                          threshold=None):  # fmt: skip
+    """Per-pair rows (N,) with each row's own negatives under a positive mode, from the formulas above,
+    autograd kept; inputs already unit rows (float64): v, t (N, D), own (N, K, D), mask (N, K) bool.
+
+    i2t row i over x ∈ [t_1..t_N, n_i1..n_iK]: P(i) = the captions of its group (its own t_i among
+    them), never an own negative; C(i) = P(i) ∪ the captions with t_i·t_k < threshold ∪ its real own
+    n_ik with t_i·n_ik < threshold; every non-positive column (own ones included) gets the margin
+    γ·h(i, x). t2i rows as in :func:`positive_rows_f64` (no own columns)."""
+    n, k = own.shape[:2]
+    same = group_ids[:, None] == group_ids[None, :]
+    qf, kf = MARGIN_FACTORS[str(margin)](v, t, v, t)
+    z_cap = (v @ t.T + gamma * (qf @ t.T).detach() * ~same) / tau
+    z_own = (torch.einsum("nd,nkd->nk", v, own) + gamma * torch.einsum("nd,nkd->nk", qf, own).detach()) / tau
+    z_i2t = torch.cat([z_cap, z_own], dim=1)
+    pos_i2t = torch.cat([same, torch.zeros(n, k, dtype=torch.bool)], dim=1)
+    keep_i2t = torch.cat([torch.ones_like(same), mask], dim=1)
+    z_t2i = (t @ v.T + gamma * (t @ kf.T).detach() * ~same) / tau
+    keep_t2i = torch.ones_like(same)
+    if threshold is not None:
+        td = t.detach()
+        cosine = torch.cat([td @ td.T, torch.einsum("nd,nkd->nk", td, own.detach())], dim=1)
+        keep_i2t = keep_i2t & (cosine < threshold)
+        keep_t2i = td @ td.T < threshold
+    i2t = _row_losses(z_i2t, pos_i2t, keep_i2t | pos_i2t, mode, label_smoothing)
+    t2i = _row_losses(z_t2i, same, keep_t2i | same, mode, label_smoothing)
+    return 0.5 * (i2t + t2i)

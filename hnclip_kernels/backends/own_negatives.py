@@ -100,14 +100,20 @@ def classes(stats: softmax.RowStats, n_keys: int, own: Optional[OwnBlock]):
     return n_keys + own.keep.sum(dim=1).to(stats.delta.dtype)
 
 
-def grads(stats: softmax.RowStats, g, own: OwnBlock, v_hat, eps, n_keys: int, shifted: bool):
+def grads(stats: softmax.RowStats, g, own: OwnBlock, v_hat, eps, n_keys: int, shifted: bool, shift=None):
     """(dL/dv̂ share (N, D), dL/dn̂ (N, K, D)), times τ as the kernels' shares: dS_ik = g_i·(P_ik − ε/n_i)
     on the kept own columns, P from the merged ``stats`` (:func:`softmax.row_factors`: subnormal
-    rows in logs), n_i the row's classes. ``shifted``: the kernels' masked smoothing mode."""
+    rows in logs), n_i the row's classes. ``shifted``: the kernels' masked smoothing mode.
+
+    A multi-positive row (``group_mode`` "supcon" / "mil_nce"): ``stats`` with δ' and ``shift`` (M,)
+    ε/|C(i)| from :func:`softmax.positive_factors` (the negatives' kernels' own), so that P is the
+    softmax over every class C(i) and the own columns' dS the negatives' g_i·(P_ik − ε/|C(i)|)."""
     gaps = own.gaps.to(stats.delta.dtype)
     lse, weight = softmax.row_factors(stats, g, shifted)
     ds = torch.exp(gaps - lse[:, None]) * weight[:, None]
-    if softmax.smooths(eps):
+    if shift is not None:
+        ds = ds - (shift.to(ds.dtype) * g)[:, None]
+    elif softmax.smooths(eps):
         n = softmax.classes(stats, classes(stats, n_keys, own))
         ds = ds - (eps / n * g)[:, None] if isinstance(n, Tensor) else ds - (eps / n) * g[:, None]
     ds = ds.masked_fill(~own.keep, 0.0).to(v_hat.dtype)

@@ -124,7 +124,9 @@ def distributed_hn_clip_loss(
     image→text rows, so the loss is the single-process own-negatives loss of the concatenated
     batch. ``local_loss=True``: not gathered, backend "torch" only (the directional reference), or
     every backend with ``reduction="directions"`` (its rows extend themselves, ``backends.directions``);
-    ``local_loss=False``: gathered (padded to the largest K_r) on every backend.
+    ``local_loss=False``: gathered (padded to the largest K_r) on every backend. With a positive
+    ``group_mode`` they are extra negatives of those image→text rows, never positives (the same
+    backends).
     """
 
     def options():  # built inside the checks, so a bad option on one rank raises on every rank

@@ -197,10 +197,6 @@ def test_refusals():
         hn_clip_loss(img, txt, 0.1, negatives=own[:3])
     with pytest.raises(ValueError, match="negatives_mask is the mask"):
         hn_clip_loss(img, txt, 0.1, negatives_mask=mask)
-    ids = torch.tensor([0, 0, 1, 2])
-    for mode in ("supcon", "mil_nce"):  # own negatives do not compose with positives yet: refused, not masked
-        with pytest.raises(ValueError, match=rf"group_mode='{mode}' does not take each row's own negatives"):
-            hn_clip_loss(img, txt, 0.1, negatives=own, group_ids=ids, group_mode=mode, backend="torch")
 
 
 def test_refused_by_the_sigmoid_loss():

@@ -15,6 +15,10 @@ ranks' slots padded to K = 3 with masked-out zeros), itself within 1e-12 of the 
 * full batch, no gather_with_grad:  L_r = L; grads w_r·dL/d(this rank's features and negatives);
 * full batch, gather_with_grad:     L_r = L; grads (Σ w)·dL/d(this rank's features and negatives).
 
+With ``group_mode="supcon"`` / ``"mil_nce"`` (group ids spanning the ranks, their pairs positives;
+the own negatives extra negative columns) the same comparisons, the single-process loss itself within
+1e-12 of ``positives_oracle.own_positive_rows_f64``.
+
 dτ on each rank: w_r·dL_r/dτ. Tolerance: 1e-10 relative (float64 norms; ``helpers.rel_err``), on
 backend torch in every mode and cpp with local_loss=False (every backend's one-process operator on
 the gathered batch); cpp with local_loss=True raises on every rank, naming backend='torch'. Bound:
@@ -31,6 +35,7 @@ from hnclip_kernels import HNClipLoss, hn_clip_loss
 from hnclip_kernels.backends import cpp_directional
 from hnclip_kernels.distributed import distributed_hn_clip_loss
 from own_oracle import own_rows_f64
+from positives_oracle import own_positive_rows_f64
 
 N_SIZES, K_SIZES, D, TAU = (5, 3), (3, 2), 8, 0.07
 MODES = [(True, True), (True, False), (False, False), (False, True)]  # (local_loss, gather_with_grad)
@@ -58,7 +63,15 @@ def cases():
         for mode in MODES:
             out.append(dict(backend=backend, mode=mode, none=len(out) % 3 == 2, module=len(out) % 2 == 0,
                             gamma=0.5, eps=0.1 * (len(out) % 2)))  # fmt: skip
+    for backend in backends:  # the ids as positives (groups spanning the ranks)
+        for i, mode in enumerate(MODES):
+            out.append(dict(backend=backend, mode=mode, none=i == 2, module=i % 2 == 1, gamma=0.5, eps=0.1 * (i % 2),
+                            group_mode=("supcon", "mil_nce")[i % 2]))  # fmt: skip
     return out
+
+
+def _ids():
+    return torch.arange(sum(N_SIZES)) % 4  # rank 0 holds ids 0 1 2 3 0, rank 1 ids 1 2 3
 
 
 def _rank_slice(rank):
@@ -77,15 +90,19 @@ def _body(rank, world, case_list):
         mask_r = None if own_r is None else mask[rows, :k].clone()
         tau = torch.tensor(TAU, dtype=torch.float64, requires_grad=True)
         local, gwg = c["mode"]
+        group_mode = c.get("group_mode", "mask")
+        ids = _ids()[rows] if "group_mode" in c else None
         try:
             if c["module"]:
                 fn = HNClipLoss(local_loss=local, gather_with_grad=gwg, rank=rank, world_size=world, gamma=c["gamma"],
-                                label_smoothing=c["eps"], backend=c["backend"], normalize=True)  # fmt: skip
-                loss = fn(img_r, txt_r, 1.0 / tau, negatives=own_r, negatives_mask=mask_r)
+                                label_smoothing=c["eps"], backend=c["backend"], normalize=True,
+                                group_mode=group_mode)  # fmt: skip
+                loss = fn(img_r, txt_r, 1.0 / tau, negatives=own_r, negatives_mask=mask_r, group_ids=ids)
             else:
                 loss = distributed_hn_clip_loss(img_r, txt_r, tau, local_loss=local, gather_with_grad=gwg, rank=rank,
                                                 world_size=world, gamma=c["gamma"], label_smoothing=c["eps"],
-                                                backend=c["backend"], negatives=own_r, negatives_mask=mask_r)  # fmt: skip
+                                                backend=c["backend"], negatives=own_r, negatives_mask=mask_r,
+                                                group_ids=ids, group_mode=group_mode)  # fmt: skip
         except ValueError as exc:
             reports.append(("raised", str(exc)))
             continue
@@ -101,11 +118,15 @@ def _expected(c, rank):
     for x in (img, txt, own):
         x.requires_grad_()
     tau = torch.tensor(TAU, dtype=torch.float64, requires_grad=True)
+    positive = dict(group_ids=_ids(), group_mode=c["group_mode"]) if "group_mode" in c else {}
     ell = hn_clip_loss(img, txt, tau, negatives=own, negatives_mask=mask, gamma=c["gamma"], label_smoothing=c["eps"],
-                       reduction="none", backend="torch")  # fmt: skip
+                       reduction="none", backend="torch", **positive)  # fmt: skip
     unit = torch.nn.functional.normalize
-    oracle = own_rows_f64(unit(img, dim=-1), unit(txt, dim=-1), unit(own, dim=-1).masked_fill(~mask[..., None], 0.0),
-                          mask, tau, gamma=c["gamma"], label_smoothing=c["eps"])  # fmt: skip
+    units = (unit(img, dim=-1), unit(txt, dim=-1), unit(own, dim=-1).masked_fill(~mask[..., None], 0.0), mask, tau)
+    if positive:
+        oracle = own_positive_rows_f64(*units, _ids(), mode=c["group_mode"], gamma=c["gamma"], label_smoothing=c["eps"])
+    else:
+        oracle = own_rows_f64(*units, gamma=c["gamma"], label_smoothing=c["eps"])
     assert rel_err(ell, oracle) <= 1e-12
     n, w = ell.shape[0], len(N_SIZES)
     local, gwg = c["mode"]

@@ -143,20 +143,20 @@ def _forward(x: SymmetricInputs, f: SymmetricFlags):
             col_acc=block[5],
         )  # fmt: skip
     i2t, t2i = out.i2t(f.masked), out.t2i(f.masked)
-    if f.group_mode != 0:  # positives (never with own negatives: LossOptions refuses the mix)
+    n_keys = n + m
+    if s.own:  # each row's own columns, merged into its i2t statistics (the negatives' L_K): the backward reads those
+        own = s.own_block(x, f, v_hat, rt, pos)
+        i2t = own_negatives.merge(i2t, own)
+        n_keys = own_negatives.classes(i2t, n_keys, own)
+        out = out._replace(delta_i2t=i2t.delta, mean_neg_i2t=i2t.mean_neg, dsum_i2t=i2t.dsum)
+        out = out._replace(kept_i2t=i2t.kept if f.masked else out.kept_i2t)
+    if f.group_mode != 0:  # positives: their statistics beside the (merged) negatives'
         supcon = f.group_mode == GroupMode.SUPCON.code
         extra_i2t = RAW.cpp_raw_positive_fwd(v_hat, t_hat, pos, sc.inv_tau, 0, s.ids, s.ids)
         extra_t2i = RAW.cpp_raw_positive_fwd(t_hat, v_hat, pos, sc.inv_tau, 0, s.ids, s.ids)
         i2t_rows = softmax.positive_losses(i2t, extra_i2t, supcon, sc.eps)
         pairs = 0.5 * (i2t_rows + softmax.positive_losses(t2i, extra_t2i, supcon, sc.eps))
         return out._replace(pairs=pairs, positives_i2t=extra_i2t, positives_t2i=extra_t2i)
-    n_keys = n + m
-    if s.own:  # each row's own columns, merged into its i2t statistics: the backward reads those
-        own = s.own_block(x, f, v_hat, rt, pos)
-        i2t = own_negatives.merge(i2t, own)
-        n_keys = own_negatives.classes(i2t, n_keys, own)
-        out = out._replace(delta_i2t=i2t.delta, mean_neg_i2t=i2t.mean_neg, dsum_i2t=i2t.dsum)
-        out = out._replace(kept_i2t=i2t.kept if f.masked else out.kept_i2t)
     pairs = 0.5 * (softmax.row_losses(i2t, n_keys, sc.eps) + softmax.row_losses(t2i, n, sc.eps))
     return out._replace(pairs=pairs, positives_i2t=pos.new_empty((0,)), positives_t2i=pos.new_empty((0,)))
 
@@ -219,9 +219,11 @@ def _backward(grad: Tensor, x: SymmetricInputs, out: FamilyOut, f: SymmetricFlag
     if s.own:  # the own columns' share, P from the merged statistics (no kernel sees them)
         own = s.own_block(x, f, v_hat, out.rt, out.pos)
         if need_features:
-            d_v_own, d_n_own = own_negatives.grads(
-                i2t, g, own, v_hat, sc.eps, x.img.shape[0], f.masked and softmax.smooths(sc.eps)
-            )
+            # under a positive mode P over every class C(i) and ε/|C(i)|, the negatives' kernels' own
+            rows, shifted, shift = i2t, f.masked and softmax.smooths(sc.eps), None
+            if f.group_mode != 0:
+                rows, shifted, shift = i2t._replace(delta=delta_r), softmax.smooths(sc.eps), shift_r
+            d_v_own, d_n_own = own_negatives.grads(rows, g, own, v_hat, sc.eps, x.img.shape[0], shifted, shift)
             d_v.add_(d_v_own)
             d_own = own_negatives.unnormalize(x.own_negatives, d_n_own, sc.inv_tau, f.normalize)
         else:

@@ -115,6 +115,7 @@ def directional_nll_torch(
         return _with_own(
             (q, a, b, delta, pos, is_pos, margin), (mask_query, mask_key, query_groups, key_groups), own_keys, own_mask,
             tau.to(dt), gamma, label_smoothing, normalize, false_negative_threshold, return_stats,
+            (group_mode, positives),
         )  # fmt: skip
     if any(x is not None for x in (mask_query, mask_key, query_groups, key_groups)):
         check_family_directional(m, n, mask_query, mask_key, query_groups, key_groups)
@@ -161,9 +162,13 @@ def _positives(group_mode, query_groups, key_groups, rows, pos_cols, n, return_s
     return same
 
 
-def _with_own(formed, family, own_keys, own_mask, tau, gamma, label_smoothing, normalize, threshold, return_stats):
+def _with_own(
+    formed, family, own_keys, own_mask, tau, gamma, label_smoothing, normalize, threshold, return_stats, positive
+):
     """The rows with each row's own columns appended: (M, N + K) gaps, every row through
-    :func:`_masked_rows` (its class count varies with its real own columns)."""
+    :func:`_masked_rows` (its class count varies with its real own columns). ``positive`` =
+    (group_mode, P (M, N) or None): with positives the own columns are extra negatives of
+    :func:`.positives.positive_rows` (never positives, the threshold masks them as above)."""
     q, a, b, delta, pos, is_pos, margin = formed
     mask_query, mask_key, query_groups, key_groups = family
     m, n = delta.shape
@@ -186,15 +191,23 @@ def _with_own(formed, family, own_keys, own_mask, tau, gamma, label_smoothing, n
         unit_o = o.detach() / torch.linalg.vector_norm(o.detach(), dim=2, keepdim=True).clamp_min(NORM_EPS)
         with ieee_float32(q.device):
             own_cosine = torch.einsum("mkd,md->mk", unit_o, normalized(caption))
-    masked = _family_mask(cosine, threshold, query_groups, key_groups, n)
+    group_mode, positives = positive
+    # with positives the ids name them (they are never masked), the threshold masks the rest
+    masked = _family_mask(
+        cosine, threshold, *((None, None) if positives is not None else (query_groups, key_groups)), n
+    )
     if masked is None and threshold is not None:
         masked = cosine >= threshold
     if masked is not None:
-        dropped = masked
+        dropped = masked if positives is None else masked & ~positives
     own_dropped = torch.zeros(o.shape[:2], dtype=torch.bool, device=o.device) if own_mask is None else ~own_mask
     if threshold is not None:
         own_dropped = own_dropped | (own_cosine >= threshold)
     delta = torch.cat([delta, own_logits - pos[:, None]], dim=1)
+    if positives is not None:  # the own columns: negatives of the row, never positives
+        positives = torch.cat([positives, torch.zeros_like(own_dropped)], dim=1)
+        masked = torch.cat([dropped, own_dropped], dim=1)
+        return positive_rows(delta, positives, masked, label_smoothing, group_mode, _lse_of_kept)
     is_pos = torch.cat([is_pos, torch.zeros_like(own_dropped)], dim=1)
     return _masked_rows(delta, pos, is_pos, torch.cat([dropped, own_dropped], dim=1), label_smoothing, return_stats)
 

@@ -111,14 +111,15 @@ def _own_forward(i2t, n_keys, inputs, norms, pos, s: _Setup, hyper, normalize: b
 def _own_backward(d_v, rows, inputs, norms, pos, s: _Setup, hyper, normalize: bool, margin: int):
     """(dL/down (N, K, D) in its dtype, the rows' own kept counts or None under masking); adds the
     own columns' share into ``d_v`` (None: only τ wants a gradient, dL/down is zeros). ``rows`` =
-    (merged i2t statistics, g, ε, the shared keys N + M, the kernels' shifted smoothing)."""
-    i2t, g, eps, n_keys, shifted = rows
+    (merged i2t statistics, g, ε, the shared keys N + M, the kernels' shifted smoothing, the
+    positive modes' ε/|C(i)| or None: :func:`..own_negatives.grads`)."""
+    i2t, g, eps, n_keys, shifted, shift = rows
     img, txt, own, _ = inputs
     block, v_hat = _own_block(*inputs, norms, pos, s, *hyper, normalize, margin)
     counts = None if s.masked else block.keep.sum(dim=1)
     if d_v is None:
         return torch.zeros_like(own), counts
-    d_v_own, d_n_own = own_negatives.grads(i2t, g, block, v_hat, eps, n_keys, shifted)
+    d_v_own, d_n_own = own_negatives.grads(i2t, g, block, v_hat, eps, n_keys, shifted, shift)
     d_v.add_(d_v_own)
     del block, v_hat, d_v_own  # n̂ (N, K, D) freed before the normalisation's temporaries
     return own_negatives.unnormalize(own, d_n_own, s.pair.inv_tau, normalize), counts
@@ -163,12 +164,12 @@ def _symmetric_nll(
         del acc, block
         i2t = softmax.RowStats(pos, *merge_stats(rows, smoothing, masked=s.masked))
     eps = label_smoothing if smoothing else 0.0
-    if group_mode != 0:  # positives (never with own negatives: LossOptions refuses the mix)
-        return _positive_pairs(img, txt, norms, pos, s, (i2t, t2i), eps, group_mode)
     n_keys = n + m
-    if own_negatives.present(own):  # merged into the i2t statistics, which the backward reads
+    if own_negatives.present(own):  # merged into the i2t statistics (the negatives' L_K), which the backward reads
         i2t, n_keys = _own_forward(i2t, n_keys, (img, txt, own, own_mask), norms, pos, s, (gamma, threshold),
                                    normalize, margin)  # fmt: skip
+    if group_mode != 0:  # positives: their statistics beside the (merged) negatives'
+        return _positive_pairs(img, txt, norms, pos, s, (i2t, t2i), eps, group_mode)
     pairs = 0.5 * (softmax.row_losses(i2t, n_keys, eps) + softmax.row_losses(t2i, n, eps))
     no_extra = (pos.new_empty((0,)), pos.new_empty((0,)))  # two tensors: an operator's outputs may not alias
     return PairsOut(pairs, *norms, pos, *i2t[1:4], kept_output(i2t), *t2i[1:4], kept_output(t2i), *no_extra)
@@ -264,7 +265,10 @@ def _symmetric_nll_backward(
     own_counts, d_own = None, None
     if own_negatives.present(own):  # the own columns' share, P from the merged statistics
         shifted = need_features and shifts is not None
-        d_own, own_counts = _own_backward(d_v if need_features else None, (i2t, g, eps, img.shape[0] + m, shifted),
+        rows = (i2t, g, eps, img.shape[0] + m, shifted, None)
+        if group_mode != 0:  # P over every class C(i) and ε/|C(i)|: the negatives' kernels' own
+            rows = (kernel_rows, g, eps, img.shape[0] + m, shifts is not None, shifts[0] if shifts else None)
+        d_own, own_counts = _own_backward(d_v if need_features else None, rows,
                                           (img, txt, own, own_mask), saved[1:3], pos, s, (gamma, threshold),
                                           normalize, margin)  # fmt: skip
     else:
