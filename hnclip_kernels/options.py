@@ -94,11 +94,6 @@ class LossOptions:
         check_false_negative_threshold(self.false_negative_threshold)
         object.__setattr__(self, "margin", Margin.parse(self.margin))
         object.__setattr__(self, "group_mode", GroupMode.parse(self.group_mode))
-        if self.group_mode.positives and self.reduction == "directions":  # the rows' LSE assume one positive
-            raise ValueError(
-                f"reduction='directions' does not take group_mode={self.group_mode.value!r} yet; use "
-                "group_mode='mask', or reduction='none' for the per-row losses"
-            )
 
     def bind(
         self,

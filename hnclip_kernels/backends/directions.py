@@ -76,9 +76,27 @@ def positive_logits(queries, keys, offset: int, tau, normalize: bool) -> torch.T
     return (q * k).sum(dim=1) / tau.to(dt)
 
 
+def mean_positive_logits(queries, keys, offset: int, tau, normalize: bool, key_ids) -> torch.Tensor:
+    """mean_{p∈P(i)} Z_ip = q̂_i·(Σ_{p∈P(i)} k̂_p)/(|P(i)|·τ) (M,) of the multi-positive modes, P(i)
+    the keys whose id ``key_ids`` (N,) equals row i's (``key_ids[offset + i]``: the rows' ids are
+    the keys' slice), differentiable like :func:`positive_logits`: O((N + M)·D) through each group's
+    sum of k̂ (no same-group pair is formed, one group for the batch included). No margin."""
+    dt = compute_dtype(queries.dtype)
+    m = queries.shape[0]
+    q, k = queries.to(dt), keys[: key_ids.shape[0]].to(dt)
+    if normalize:
+        q, k = normalized(q), normalized(k)
+    _, group = torch.unique(key_ids, return_inverse=True)
+    sums = torch.zeros(int(group.max()) + 1 if group.numel() else 0, k.shape[1], dtype=dt, device=k.device)
+    sums = sums.index_add(0, group, k)
+    counts = torch.bincount(group, minlength=sums.shape[0]).to(dt)
+    mine = group[offset : offset + m]
+    return (q * sums[mine]).sum(dim=1) / (counts[mine] * tau.to(dt))
+
+
 def assemble(losses, unsmoothed, positives) -> DirectionRows:
-    """:class:`DirectionRows` from each direction's rows (i2t, t2i), its unsmoothed rows and its
-    positive logits."""
+    """:class:`DirectionRows` from each direction's rows (i2t, t2i), its unsmoothed (SupCon) rows
+    and its (mean) positive logits: LSE = unsmoothed + positive (module docstring)."""
     (i2t, t2i), (nll_i2t, nll_t2i), (pos_i2t, pos_t2i) = losses, unsmoothed, positives
     return DirectionRows(i2t, t2i, nll_i2t + pos_i2t, nll_t2i + pos_t2i)
 
