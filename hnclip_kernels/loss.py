@@ -112,7 +112,9 @@ def hn_clip_loss(
             (row i's target spread uniformly over its group P(i): LSE_i − mean_{p∈P(i)} Z_ip) or
             "mil_nce" (−log Σ_{p∈P(i)} softmax(Z_i)_p), in both directions; positives get no margin
             and are never masked; ε and the threshold as documented there. Needs ``group_ids``; every
-            backend; no ``return_stats``.
+            backend; no ``return_stats``. With "directions" each direction's row is the mode's and
+            its LSE runs over every class, positives included (``docs/api.md``, "Per-direction
+            rows"; each row's own ``negatives`` (N, K, D) with a positive mode: ``ValueError``).
 
     Returns:
         float32 loss (float64 for float64 inputs): a scalar, shape (N,) for "none", four (N,)

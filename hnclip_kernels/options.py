@@ -60,8 +60,9 @@ class LossOptions:
             ``docs/hard_negatives.md``.
         group_mode: what equal ``group_ids`` mean, a :class:`~hnclip_kernels.group_mode.GroupMode`
             (given as "mask", the default: no negatives of each other; "supcon" or "mil_nce":
-            positives, ``docs/hard_negatives.md#multi-positive-targets``). The positive modes run
-            on backend="torch" and "cpp" ("auto" resolves to one); "triton" raises ``ValueError``.
+            positives, ``docs/hard_negatives.md#multi-positive-targets``), on every backend and
+            with every reduction ("directions": each direction's mode row and its LSE over every
+            class, ``docs/api.md``, "Per-direction rows").
 
     Raises:
         TypeError: non-real ``gamma``/``label_smoothing``, non-bool ``normalize``,
@@ -69,8 +70,7 @@ class LossOptions:
         ValueError: γ < 0 or non-finite, ε outside [0, 1), unknown ``reduction``,
             ``backend`` or ``precision``, ``false_negative_threshold`` outside (−1, 1],
             ``margin`` not "text" or "image_text" (a non-string: ``TypeError``), ``group_mode``
-            not "mask", "supcon" or "mil_nce" (a non-string: ``TypeError``), a positive
-            ``group_mode`` with ``reduction="directions"``.
+            not "mask", "supcon" or "mil_nce" (a non-string: ``TypeError``).
     """
 
     gamma: Union[float, torch.Tensor] = 0.5

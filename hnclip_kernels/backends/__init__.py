@@ -252,7 +252,8 @@ def direction_losses(
 
     ``family``: as :func:`rank_losses`'s (the gathered negatives and all ids), or each of the R rows'
     own negatives (R, K, D) with their mask. Every backend runs its directional op once per direction
-    (twice with ε > 0: the unsmoothed rows give the LSE, :mod:`.directions`); own negatives extend
+    (twice with ε > 0 or ``group_mode="mil_nce"``: the unsmoothed (SupCon) rows give the LSE,
+    :mod:`.directions`); ``ValueError`` for own negatives with a positive ``group_mode``; own negatives extend
     the i2t rows by autograd (:func:`.directions.own_rows`); 16-bit features run in float32, each
     feature's gradients summed in float32 and rounded to its dtype once."""
     if img.dtype in (torch.float16, torch.bfloat16):
