@@ -52,8 +52,9 @@ def direction_rows_f64(img, txt, tau, *, negatives=None, group_ids=None, margin=
         supcon:  loss_i = −(1 − ε)·mean_{p∈P(i)} log p_ip − ε·mean_{k∈C(i)} log p_ik
         mil_nce: loss_i = −(1 − ε)·log Σ_{p∈P(i)} p_ip   − ε·mean_{k∈C(i)} log p_ik
 
-    formed as log p = Z − LSE_i (SupCon, ε), and MIL-NCE's as log(1 + Σ_{k∈C∖P} e^(Z_ik − LSE_P)) (a
-    row whose classes are all positives is exactly 0)."""
+    −log p_ip of SupCon formed as logaddexp(0, LSE_{k∈C,k≠p} (Z_ik − Z_ip)), MIL-NCE's row as
+    log(1 + Σ_{k∈C∖P} e^(Z_ik − LSE_P)) (a row whose classes are all positives is exactly 0), so a
+    row far below its LSE keeps its digits; ε's term as log p = Z − LSE_i."""
     if group_mode not in ("mask", "supcon", "mil_nce"):
         raise KeyError(group_mode)  # a new mode needs its formula written here
     positive_mode = group_mode != "mask"
@@ -135,8 +136,12 @@ def _positive_rows(z_i2t, drop_i2t, pos_i2t, z_t2i, drop_t2i, pos_t2i, mode, eps
         lse = torch.logsumexp(z.masked_fill(~keep, float("-inf")), dim=1)
         log_p = z - lse[:, None]
         mean_c = log_p.masked_fill(~keep, 0.0).sum(dim=1) / keep.sum(dim=1)
-        if mode == "supcon":
-            row = -log_p.masked_fill(~is_pos, 0.0).sum(dim=1) / is_pos.sum(dim=1)
+        if mode == "supcon":  # mean_p logaddexp(0, LSE_{k∈C, k≠p} (Z_ik − Z_ip)): a small row keeps its digits
+            n_cols = z.shape[1]
+            others = keep[:, None, :] & ~torch.eye(n_cols, dtype=torch.bool)[None]  # [i, p, k]
+            gaps = (z[:, None, :] - z[:, :, None]).masked_fill(~others, float("-inf"))
+            minus_log_p = torch.logaddexp(torch.zeros_like(z), torch.logsumexp(gaps, dim=2))
+            row = minus_log_p.masked_fill(~is_pos, 0.0).sum(dim=1) / is_pos.sum(dim=1)
         else:  # log(1 + Σ_{C∖P} e^(Z − LSE_P)): exactly 0 for a row whose classes are all positives
             lse_p = torch.logsumexp(z.masked_fill(~is_pos, float("-inf")), dim=1, keepdim=True)
             row = torch.log1p(torch.exp((z - lse_p).masked_fill(~keep | is_pos, float("-inf"))).sum(dim=1))
