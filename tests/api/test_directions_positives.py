@@ -8,7 +8,11 @@ backend (Triton in the interpreter); ½(i2t + t2i) equals ``reduction="none"``'s
 positive rows against ``positives_oracle.positives_f64`` (two independent writings); a few
 hypothesis draws.
 
-Bound: about 20 s on 2 shared cores (the Triton interpreter's share most of it).
+Measured (worst per-row relative error over the cases; gradients as ``direction_oracle.row_errors``
+takes them): torch float64 rows ≤ 1.2e-15, gradients ≤ 3.2e-15; cpp float64 ≤ 2.4e-15 / 3.7e-15;
+float32 torch ≤ 1.0e-6 / 1.7e-6, cpp ≤ 5.8e-7 / 1.1e-6, triton (interpreter) ≤ 5.8e-7 / 1.2e-6.
+
+Bound: about 7 s on 2 shared cores.
 """
 
 from __future__ import annotations
@@ -79,12 +83,13 @@ def test_oracle_rows_are_the_positives_oracle(mode, case):
         torch.testing.assert_close(g, h, rtol=1e-11, atol=1e-12)
 
 
+# the interpreter's budget: Triton runs the plain and the all-options cases
+PAIRS = [(b, c) for b in ALL_BACKENDS for c in sorted(CASES) if b != "triton" or c in ("plain", "all")]
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("backend", ALL_BACKENDS)
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(("backend", "case"), PAIRS)
 def test_rows_and_gradients_match_the_oracle(backend, case, mode):
-    if backend == "triton" and case not in ("plain", "all"):
-        pytest.skip("the interpreter's budget: Triton runs the plain and the all-options cases")
     img, txt, neg, kw = _inputs(case, torch.float32)
     oracle.check(img, txt, neg, 0.1, backend=backend, group_mode=mode, **kw)
 
