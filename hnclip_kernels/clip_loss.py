@@ -117,7 +117,8 @@ class HNClipLoss(HoldsProcessGroup, nn.Module):
             instead, each direction's rows and log-partition, unscaled: with ``local_loss=True``
             (and ``world_size > 1``) this rank's own n_r rows, else all N rows of the (gathered)
             batch; for FastCLIP-style estimators of the global normaliser (``docs/api.md``,
-            "Per-direction rows"). ``output_dict=True`` then raises (open_clip's loop sums the
+            "Per-direction rows"; with a positive ``group_mode`` the mode's rows and the LSE over
+            every class, positives included). ``output_dict=True`` then raises (open_clip's loop sums the
             dict's values). "sum" and "none" raise ``ValueError`` (``hn_clip_loss`` has them).
 
     ``gamma``, ``label_smoothing``, ``backend``, ``normalize``, ``precision`` and

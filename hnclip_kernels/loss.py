@@ -113,7 +113,9 @@ def hn_clip_loss(
             "mil_nce" (−log Σ_{p∈P(i)} softmax(Z_i)_p), in both directions; positives get no margin
             and are never masked; ε and the threshold as documented there. (N, K, D) ``negatives``
             are extra negative columns of the image→text rows then, never positives. Needs
-            ``group_ids``; every backend; no ``return_stats``.
+            ``group_ids``; every backend; no ``return_stats``. With "directions" each direction's
+            row is the mode's and its LSE runs over every class, positives included
+            (``docs/api.md``, "Per-direction rows"; with (N, K, D) ``negatives`` too: ``ValueError``).
 
     Returns:
         float32 loss (float64 for float64 inputs): a scalar, shape (N,) for "none", four (N,)

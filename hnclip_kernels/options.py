@@ -61,7 +61,9 @@ class LossOptions:
         group_mode: what equal ``group_ids`` mean, a :class:`~hnclip_kernels.group_mode.GroupMode`
             (given as "mask", the default: no negatives of each other; "supcon" or "mil_nce":
             positives, ``docs/hard_negatives.md#multi-positive-targets``). The positive modes run
-            on every backend, with shared (M, D) or each row's own (N, K, D) negatives.
+            on every backend, with shared (M, D) or each row's own (N, K, D) negatives, and with
+            every reduction ("directions": each direction's mode row and its LSE over every class,
+            ``docs/api.md``, "Per-direction rows"; not with own negatives too).
 
     Raises:
         TypeError: non-real ``gamma``/``label_smoothing``, non-bool ``normalize``,
@@ -69,8 +71,7 @@ class LossOptions:
         ValueError: γ < 0 or non-finite, ε outside [0, 1), unknown ``reduction``,
             ``backend`` or ``precision``, ``false_negative_threshold`` outside (−1, 1],
             ``margin`` not "text" or "image_text" (a non-string: ``TypeError``), ``group_mode``
-            not "mask", "supcon" or "mil_nce" (a non-string: ``TypeError``), a positive
-            ``group_mode`` with ``reduction="directions"``.
+            not "mask", "supcon" or "mil_nce" (a non-string: ``TypeError``).
     """
 
     gamma: Union[float, torch.Tensor] = 0.5
@@ -94,11 +95,6 @@ class LossOptions:
         check_false_negative_threshold(self.false_negative_threshold)
         object.__setattr__(self, "margin", Margin.parse(self.margin))
         object.__setattr__(self, "group_mode", GroupMode.parse(self.group_mode))
-        if self.group_mode.positives and self.reduction == "directions":  # the rows' LSE assume one positive
-            raise ValueError(
-                f"reduction='directions' does not take group_mode={self.group_mode.value!r} yet; use "
-                "group_mode='mask', or reduction='none' for the per-row losses"
-            )
 
     def bind(
         self,

@@ -33,7 +33,8 @@ FIELDS = ("i2t", "t2i", "lse_i2t", "lse_t2i")
 
 
 def direction_rows_f64(img, txt, tau, *, negatives=None, group_ids=None, margin="text", gamma=0.5,
-                       label_smoothing=0.0, normalize=True, threshold=None, own=None, own_mask=None):  # fmt: skip
+                       label_smoothing=0.0, normalize=True, threshold=None, own=None, own_mask=None,
+                       group_mode="mask"):  # fmt: skip
     """(i2t, t2i, lse_i2t, lse_t2i), each (N,), in float64 with autograd, from the formula.
 
     i2t row i over x ∈ [t_1..t_N, n_1..n_M, o_i1..o_iK]: Z_ix = (v_i·x + γ·h_ix·[x ≠ t_i]) / τ,
@@ -41,7 +42,22 @@ def direction_rows_f64(img, txt, tau, *, negatives=None, group_ids=None, margin=
     (N, K, D); ``own_mask`` (N, K) False: no column); t2i row k over the images: Z_ki = (t_k·v_i +
     γ·h'_ki·[i ≠ k]) / τ, h' = sg(t_k·t_i) or sg(v_i·t_k). A column other than the positive is
     dropped when the unit captions' cosine (t̂_i·x̂) is ≥ ``threshold`` or (caption columns only) the
-    ids are equal."""
+    ids are equal.
+
+    ``group_mode`` "supcon" / "mil_nce": equal ids make the caption (image) columns positives P(i)
+    instead (no margin, never dropped by the threshold), C(i) = P(i) ∪ the kept columns, p = softmax
+    over C(i) of Z_i, and (docs/api.md, "Per-direction rows")::
+
+        LSE_i  = log Σ_{k∈C(i)} e^Z_ik
+        supcon:  loss_i = −(1 − ε)·mean_{p∈P(i)} log p_ip − ε·mean_{k∈C(i)} log p_ik
+        mil_nce: loss_i = −(1 − ε)·log Σ_{p∈P(i)} p_ip   − ε·mean_{k∈C(i)} log p_ik
+
+    −log p_ip of SupCon formed as logaddexp(0, LSE_{k∈C,k≠p} (Z_ik − Z_ip)), MIL-NCE's row as
+    log(1 + Σ_{k∈C∖P} e^(Z_ik − LSE_P)) (a row whose classes are all positives is exactly 0), so a
+    row far below its LSE keeps its digits; ε's term as log p = Z − LSE_i."""
+    if group_mode not in ("mask", "supcon", "mil_nce"):
+        raise KeyError(group_mode)  # a new mode needs its formula written here
+    positive_mode = group_mode != "mask"
     v, t = img.double(), txt.double()
     neg = torch.zeros(0, v.shape[1], dtype=torch.float64) if negatives is None else negatives.double()
     tau = tau.double() if isinstance(tau, torch.Tensor) else torch.tensor(float(tau), dtype=torch.float64)
@@ -52,6 +68,10 @@ def direction_rows_f64(img, txt, tau, *, negatives=None, group_ids=None, margin=
     off_i2t = torch.ones(n, n + m, dtype=torch.float64)
     off_i2t[:, :n] -= torch.eye(n, dtype=torch.float64)
     off_t2i = 1.0 - torch.eye(n, dtype=torch.float64)
+    if positive_mode and group_ids is not None:  # positives carry no margin
+        same = group_ids[:, None] == group_ids[None, :]
+        off_i2t[:, :n] = (~same).double()
+        off_t2i = (~same).double()
     if str(margin) == "text":
         h_i2t, h_t2i = t @ keys.T, t @ t.T
     elif str(margin) == "image_text":
@@ -69,8 +89,12 @@ def direction_rows_f64(img, txt, tau, *, negatives=None, group_ids=None, margin=
         drop_t2i |= cu @ cu.T >= threshold
     if group_ids is not None:
         same = group_ids[:, None] == group_ids[None, :]
-        drop_i2t[:, :n] |= same
-        drop_t2i |= same
+        if positive_mode:  # never dropped (their margin is off above)
+            drop_i2t[:, :n] &= ~same
+            drop_t2i &= ~same
+        else:
+            drop_i2t[:, :n] |= same
+            drop_t2i |= same
     if own is not None:  # row i's own columns, after its N + M: none is a positive, no id reaches them
         o = F.normalize(own.double(), dim=2) if normalize else own.double()
         h_own = torch.einsum("nd,nkd->nk", t if str(margin) == "text" else v, o)
@@ -81,6 +105,9 @@ def direction_rows_f64(img, txt, tau, *, negatives=None, group_ids=None, margin=
             ou = F.normalize(own.double().detach(), dim=2)
             gone = gone | (torch.einsum("nd,nkd->nk", F.normalize(txt.double().detach(), dim=1), ou) >= threshold)
         drop_i2t = torch.cat([drop_i2t, gone], dim=1)
+    if positive_mode:
+        assert own is None, "own negatives with the positive modes: no formula here"
+        return _positive_rows(z_i2t, drop_i2t, off_i2t == 0, z_t2i, drop_t2i, off_t2i == 0, group_mode, label_smoothing)
     out = []
     for z, drop, is_pos in ((z_i2t, drop_i2t, off_i2t == 0), (z_t2i, drop_t2i, off_t2i == 0)):
         keep = is_pos | ~drop
@@ -97,6 +124,28 @@ def direction_rows_f64(img, txt, tau, *, negatives=None, group_ids=None, margin=
         target = (1.0 - label_smoothing) * is_pos.double() + label_smoothing * keep.double() / n_kept
         log_p = (gaps - nll_pos[:, None]).masked_fill(~keep, 0.0)
         out.append((-(target * log_p).sum(dim=1), pos + nll_pos))
+    (i2t, lse_i2t), (t2i, lse_t2i) = out
+    return i2t, t2i, lse_i2t, lse_t2i
+
+
+def _positive_rows(z_i2t, drop_i2t, pos_i2t, z_t2i, drop_t2i, pos_t2i, mode, eps):
+    """(i2t, t2i, lse_i2t, lse_t2i) of the positive modes (the docstring above), dense float64."""
+    out = []
+    for z, drop, is_pos in ((z_i2t, drop_i2t, pos_i2t), (z_t2i, drop_t2i, pos_t2i)):
+        keep = is_pos | ~drop
+        lse = torch.logsumexp(z.masked_fill(~keep, float("-inf")), dim=1)
+        log_p = z - lse[:, None]
+        mean_c = log_p.masked_fill(~keep, 0.0).sum(dim=1) / keep.sum(dim=1)
+        if mode == "supcon":  # mean_p logaddexp(0, LSE_{k∈C, k≠p} (Z_ik − Z_ip)): a small row keeps its digits
+            n_cols = z.shape[1]
+            others = keep[:, None, :] & ~torch.eye(n_cols, dtype=torch.bool)[None]  # [i, p, k]
+            gaps = (z[:, None, :] - z[:, :, None]).masked_fill(~others, float("-inf"))
+            minus_log_p = torch.logaddexp(torch.zeros_like(z), torch.logsumexp(gaps, dim=2))
+            row = minus_log_p.masked_fill(~is_pos, 0.0).sum(dim=1) / is_pos.sum(dim=1)
+        else:  # log(1 + Σ_{C∖P} e^(Z − LSE_P)): exactly 0 for a row whose classes are all positives
+            lse_p = torch.logsumexp(z.masked_fill(~is_pos, float("-inf")), dim=1, keepdim=True)
+            row = torch.log1p(torch.exp((z - lse_p).masked_fill(~keep | is_pos, float("-inf"))).sum(dim=1))
+        out.append(((1.0 - eps) * row - eps * mean_c, lse))
     (i2t, lse_i2t), (t2i, lse_t2i) = out
     return i2t, t2i, lse_i2t, lse_t2i
 

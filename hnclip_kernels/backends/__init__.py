@@ -36,9 +36,10 @@ from typing import Callable, Optional
 
 import torch
 
+from ..group_mode import GroupMode
 from ..margin import Margin, margin_operands
 from ..plausibility import warn_once
-from .directions import assemble, merged_stats, own_block, own_rows, positive_logits
+from .directions import assemble, mean_positive_logits, merged_stats, own_block, own_rows, positive_logits
 from .pytorch.reference import directional_nll_torch
 from .pytorch.sigmoid_pairs import sigmoid_pairs_torch
 from .softmax import smooths
@@ -251,7 +252,8 @@ def direction_losses(
 
     ``family``: as :func:`rank_losses`'s (the gathered negatives and all ids), or each of the R rows'
     own negatives (R, K, D) with their mask. Every backend runs its directional op once per direction
-    (twice with ε > 0: the unsmoothed rows give the LSE, :mod:`.directions`); own negatives extend
+    (twice with ε > 0 or ``group_mode="mil_nce"``: the unsmoothed (SupCon) rows give the LSE,
+    :mod:`.directions`); ``ValueError`` for own negatives with a positive ``group_mode``; own negatives extend
     the i2t rows by autograd (:func:`.directions.own_rows`); 16-bit features run in float32, each
     feature's gradients summed in float32 and rounded to its dtype once."""
     if img.dtype in (torch.float16, torch.bfloat16):
@@ -261,6 +263,12 @@ def direction_losses(
         img, txt, all_img, all_txt = (cast[id(x)] for x in (img, txt, all_img, all_txt))
         family = _upcast(family)
     own = family if family is not None and family.own_negatives is not None else None
+    if own is not None and options.group_mode.positives:  # own_rows' algebra assumes one positive
+        raise ValueError(
+            f"reduction='directions' does not take each row's own negatives (N, K, D) with "
+            f"group_mode={options.group_mode.value!r} yet; pass shared negatives (M, D), "
+            "or reduction='none' for the per-row losses"
+        )
     if own is not None:  # no directional op takes them: its i2t call runs over the captions
         family = dataclasses.replace(family, own_negatives=None, own_mask=None)
     kwargs = _op_kwargs(tau, options, return_stats or own is not None, offset=int(offset))
@@ -272,12 +280,17 @@ def direction_losses(
     out = _two_directions(fn, queries, keys, family, ids, kwargs)
     losses = [x[0] for x in out] if kwargs["return_stats"] else out
     unsmoothed = losses
-    if smooths(options.label_smoothing):  # the LSE needs the unsmoothed rows
+    # the LSE needs the unsmoothed rows, with the positive modes SupCon's (LSE − mean_P Z, .directions)
+    if smooths(options.label_smoothing) or options.group_mode is GroupMode.MIL_NCE:
         plain = dict(kwargs, label_smoothing=0.0, return_stats=False)
+        if options.group_mode.positives:
+            plain["group_mode"] = GroupMode.SUPCON
         unsmoothed = _two_directions(fn, queries, keys, family, ids, plain)
-    positives = [
-        positive_logits(q, k, int(offset), tau, options.normalize) for q, k in ((img, all_txt), (txt, all_img))
-    ]
+    pairs = ((img, all_txt), (txt, all_img))
+    if options.group_mode.positives:
+        positives = [mean_positive_logits(q, k, int(offset), tau, options.normalize, ids[1]) for q, k in pairs]
+    else:
+        positives = [positive_logits(q, k, int(offset), tau, options.normalize) for q, k in pairs]
     stats = (out[0][1], out[1][1]) if kwargs["return_stats"] else None
     if own is not None:  # each i2t row's own columns (t2i rows have none)
         block = own_block(img, txt, own, positives[0], tau, options)

@@ -21,6 +21,15 @@ take a second call of each direction. Work: 2 directional calls (4 with ε > 0) 
 symmetric operator of ``reduction="none"`` makes one walk of shared tiles, so about twice the
 forward's products (4× with ε > 0); nothing is materialised beyond the directional ops' own.
 
+Multi-positive targets (``group_mode="supcon"`` / ``"mil_nce"``, ``docs/hard_negatives.md``): row i
+has positives P(i) (no margin) and classes C(i) = P(i) ∪ its kept negatives; its loss is the op's
+row (the mode's, exactly), and LSE_i = log Σ_{k∈C(i)} e^Z_ik, over every class. One sum forms it
+in every mode: LSE_i = nll⁰_i + mean_{p∈P(i)} Z_ip, nll⁰ the op's unsmoothed *SupCon* row (= LSE_i −
+mean_P Z; one positive a row: mean_P Z = Z_pos, the sum above) and mean_P Z from each group's sum of
+k̂ (:func:`mean_positive_logits`, O(N·D), autograd). SupCon's unsmoothed rows are its rows at ε = 0;
+MIL-NCE's LSE takes a SupCon call of each direction (4 calls). Own negatives with a positive mode
+are refused (:func:`own_rows` assumes one positive a row).
+
 Each row's own negatives (``negatives`` (N, K, D), ``negatives_mask``; ``docs/hard_negatives.md``):
 i2t row i also keeps its own real K_i columns W_ik (t2i rows are unchanged). No directional op
 sees them: the i2t call runs over the N captions (its rows nll_b, nll⁰_b, its statistics), and
@@ -56,7 +65,9 @@ class DirectionRows(NamedTuple):
     ``t2i[i]``: caption i's over the image columns; ``lse_i2t[i]``, ``lse_t2i[i]``: the
     log-sum-exp of the same rows' logits over the columns they keep (positive included), so
     ``i2t = lse_i2t − Z_pos`` without label smoothing. ``½(i2t + t2i)`` is ``reduction="none"``'s
-    row (up to float32 rounding: a different operator)."""
+    row (up to float32 rounding: a different operator). With ``group_mode="supcon"`` / ``"mil_nce"``
+    the rows are the mode's and the LSE runs over every class the row keeps, its positives P(i)
+    included (``docs/api.md``, "Per-direction rows")."""
 
     i2t: torch.Tensor
     t2i: torch.Tensor
@@ -76,9 +87,27 @@ def positive_logits(queries, keys, offset: int, tau, normalize: bool) -> torch.T
     return (q * k).sum(dim=1) / tau.to(dt)
 
 
+def mean_positive_logits(queries, keys, offset: int, tau, normalize: bool, key_ids) -> torch.Tensor:
+    """mean_{p∈P(i)} Z_ip = q̂_i·(Σ_{p∈P(i)} k̂_p)/(|P(i)|·τ) (M,) of the multi-positive modes, P(i)
+    the keys whose id ``key_ids`` (N,) equals row i's (``key_ids[offset + i]``: the rows' ids are
+    the keys' slice), differentiable like :func:`positive_logits`: O((N + M)·D) through each group's
+    sum of k̂ (no same-group pair is formed, one group for the batch included). No margin."""
+    dt = compute_dtype(queries.dtype)
+    m = queries.shape[0]
+    q, k = queries.to(dt), keys[: key_ids.shape[0]].to(dt)
+    if normalize:
+        q, k = normalized(q), normalized(k)
+    _, group = torch.unique(key_ids, return_inverse=True)
+    sums = torch.zeros(int(group.max()) + 1 if group.numel() else 0, k.shape[1], dtype=dt, device=k.device)
+    sums = sums.index_add(0, group, k)
+    counts = torch.bincount(group, minlength=sums.shape[0]).to(dt)
+    mine = group[offset : offset + m]
+    return (q * sums[mine]).sum(dim=1) / (counts[mine] * tau.to(dt))
+
+
 def assemble(losses, unsmoothed, positives) -> DirectionRows:
-    """:class:`DirectionRows` from each direction's rows (i2t, t2i), its unsmoothed rows and its
-    positive logits."""
+    """:class:`DirectionRows` from each direction's rows (i2t, t2i), its unsmoothed (SupCon) rows
+    and its (mean) positive logits: LSE = unsmoothed + positive (module docstring)."""
     (i2t, t2i), (nll_i2t, nll_t2i), (pos_i2t, pos_t2i) = losses, unsmoothed, positives
     return DirectionRows(i2t, t2i, nll_i2t + pos_i2t, nll_t2i + pos_t2i)
 

@@ -329,9 +329,6 @@ def test_refusals_name_the_option():
         hn_clip_loss(img, txt, 0.07, group_ids=IDS, group_mode="positive")
     with pytest.raises(TypeError, match="group_mode must be a string"):
         LossOptions(group_mode=1)
-    for mode in ("supcon", "mil_nce"):  # DirectionRows' LSE assume one positive per row: refused, not wrong
-        with pytest.raises(ValueError, match=rf"reduction='directions' does not take group_mode='{mode}'"):
-            hn_clip_loss(img, txt, 0.07, group_ids=IDS, group_mode=mode, reduction="directions")
     with pytest.raises(ValueError, match="group_mode='supcon'.*no group_ids were passed"):
         hn_clip_loss(img, txt, 0.07, group_mode="supcon")
     with pytest.raises(ValueError, match="group_mode='mil_nce'.*no group_ids were passed"):

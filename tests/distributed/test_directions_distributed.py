@@ -15,7 +15,8 @@ and ids in rank order), float64. Cases: plain (no family), the family (rank 0 tw
 rank 1 three, ids repeating across ranks, ε = 0.1, ``margin="image_text"``), and each row's own
 negatives with the same options (rank 0 (5, 3, D) with a row of none, rank 1 (3, 2, D); the
 oracle's (8, 3, D) padded with masked-out slots; own negatives are never gathered with
-``local_loss=True``, gathered with grad otherwise), through
+``local_loss=True``, gathered with grad otherwise), and the family with ``group_mode="supcon"`` /
+``"mil_nce"`` (the ids as positives, groups 0 and 2 spanning the ranks), through
 ``distributed_hn_clip_loss`` and ``HNClipLoss`` alternately, on torch and cpp in float64
 (tolerance 1e-9 per row, the one-process float64 bound) and on triton in float32 (1e-4 per row,
 gradients relative to max(row, 1% of the largest row) as ``direction_oracle`` states).
@@ -56,8 +57,11 @@ def _own(dtype):
     return own, mask
 
 
-def _cases(backends):
-    return [(b, local, family) for b in backends for local in (True, False) for family in (False, True, "own")]
+POSITIVE_MODES = ("supcon", "mil_nce")
+
+
+def _cases(backends, families=(False, True, "own")):
+    return [(b, local, family) for b in backends for local in (True, False) for family in families]
 
 
 def _rank_body(rank, world, cases, dtype):
@@ -76,6 +80,8 @@ def _rank_body(rank, world, cases, dtype):
             neg_r = own[start:stop, : OWN_K[rank]].clone().requires_grad_(True)
             extra.update(negatives=neg_r, negatives_mask=mask[start:stop, : OWN_K[rank]])
         options = dict(FAMILY) if family else {}
+        if family in POSITIVE_MODES:  # the ids as positives; groups 0 and 2 span both ranks
+            options["group_mode"] = family
         tau = torch.tensor(TAU, dtype=dtype, requires_grad=True)
         common = dict(local_loss=local, gather_with_grad=True, backend=backend, normalize=True, reduction="directions")
         if k % 2 == 0:
@@ -107,6 +113,8 @@ def _check(results, cases, dtype, tol):
         leaves = [x.clone().requires_grad_(True) for x in (img, txt, own.double() if family == "own" else neg)]
         tau = torch.tensor(TAU, dtype=torch.float64, requires_grad=True)
         kw = dict(FAMILY, negatives=leaves[2], group_ids=IDS) if family else {}
+        if family in POSITIVE_MODES:
+            kw["group_mode"] = family
         if family == "own":
             kw.update(negatives=None, own=leaves[2], own_mask=mask)
         want = oracle.direction_rows_f64(leaves[0], leaves[1], tau, **kw)
@@ -147,5 +155,18 @@ def test_two_ranks_rows_and_gradients(tmp_path):
 @pytest.mark.slow
 def test_two_ranks_triton(tmp_path):
     cases = _cases(["triton"])
+    results = spawn_gloo_ranks(_rank_body, tmp_path, cases, torch.float32)
+    _check(results, cases, torch.float32, 1e-4)
+
+
+@pytest.mark.slow
+def test_two_ranks_positive_modes(tmp_path):
+    # group_mode="supcon" / "mil_nce" with the family's options (negatives, ε, "image_text"), groups
+    # spanning the ranks: torch and cpp in float64, triton in float32
+    backends = ["torch"] + (["cpp"] if cpp_directional() is not None else [])
+    cases = _cases(backends, POSITIVE_MODES)
+    results = spawn_gloo_ranks(_rank_body, tmp_path, cases, torch.float64)
+    _check(results, cases, torch.float64, 1e-9)
+    cases = _cases(["triton"], POSITIVE_MODES)
     results = spawn_gloo_ranks(_rank_body, tmp_path, cases, torch.float32)
     _check(results, cases, torch.float32, 1e-4)
