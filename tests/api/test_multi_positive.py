@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from family_oracle import features
@@ -44,6 +44,10 @@ def widest(backend: str) -> torch.dtype:
 
 
 FLOOR = 1e-4  # a row's norm floor, relative to the largest row's (row_error)
+# float32 draws: 1e-2. A D = 2, s = 50 draw's d txt row at 3.6e-4 of the largest carries 2.8e-5 of
+# float32 cancellation (5.9e-4 of itself) on torch, cpp and Triton alike; the same draws in float64
+# keep FLOOR (torch, cpp)
+FLOOR_F32_DRAWS = 1e-2
 
 
 def run_rows(img, txt, neg, tau, ids, mode, dtype=torch.float64, backend="torch", **kw):
@@ -70,7 +74,7 @@ def run_rows(img, txt, neg, tau, ids, mode, dtype=torch.float64, backend="torch"
     return got, want, dict(zip(names, got_grads)), dict(zip(names, want_grads))
 
 
-def row_error(got: torch.Tensor, want: torch.Tensor) -> float:
+def row_error(got: torch.Tensor, want: torch.Tensor, floor_share: float = FLOOR) -> float:
     """The worst row's ‖got_i − want_i‖ / ‖want_i‖, each row's norm floored at ``FLOOR`` of the largest
     row's (a gradient row that is a cancellation remnant, e.g. ~1e-12 of a row whose raw gradient is
     along the feature and projected out by the normalisation, carries both sides' rounding of the
@@ -80,20 +84,20 @@ def row_error(got: torch.Tensor, want: torch.Tensor) -> float:
         return rel_err(got, want)
     got, want = got.reshape(want.shape[0], -1), want.reshape(want.shape[0], -1)
     norms = want.norm(dim=1)
-    floor = FLOOR * norms.max().clamp_min(1e-300)
+    floor = floor_share * norms.max().clamp_min(1e-300)
     return ((got - want).norm(dim=1) / torch.maximum(norms, floor)).max().item()
 
 
-def rows_agree(got, want, gg, wg, tol):
+def rows_agree(got, want, gg, wg, tol, floor_share=FLOOR):
     """Rows and every gradient per row within ``tol`` (:func:`row_error`)."""
-    errors = worst(got, want, gg, wg)
+    errors = worst(got, want, gg, wg, floor_share)
     assert all(e <= tol for e in errors.values()), errors
 
 
-def worst(got, want, gg, wg):
+def worst(got, want, gg, wg, floor_share=FLOOR):
     """The worst per-row relative error (:func:`row_error`) of the rows and of every gradient."""
-    out = {"loss": row_error(got, want)}
-    out.update({f"d {name}": row_error(gg[name], wg[name]) for name in gg})
+    out = {"loss": row_error(got, want, floor_share)}
+    out.update({f"d {name}": row_error(gg[name], wg[name], floor_share) for name in gg})
     return out
 
 
@@ -165,7 +169,10 @@ def _drawn(backend, n, d, m, tau, gamma, eps, n_groups, margin, threshold, mode,
     kw = dict(margin=margin, gamma=gamma, label_smoothing=eps, threshold=threshold)
     dtype = widest(backend)
     got, want, gg, wg = run_rows(img, txt, neg if m else None, tau, ids, mode, dtype, backend, **kw)
-    rows_agree(got, want, gg, wg, TOL[dtype] * (1.0 if dtype == torch.float64 else max(1.0, (1 + gamma) / tau / 20)))
+    if dtype == torch.float64:
+        rows_agree(got, want, gg, wg, TOL[dtype])
+    else:  # a gradient row under 1% of the largest is a remnant of terms of the largest's size
+        rows_agree(got, want, gg, wg, TOL[dtype] * max(1.0, (1 + gamma) / tau / 20), FLOOR_F32_DRAWS)
 
 
 DRAWS = dict(
@@ -193,6 +200,8 @@ def test_drawn_group_structures_match_the_oracle(backend, **draw):
 
 @settings(max_examples=6, deadline=None)
 @given(**DRAWS)
+@example(n=4, d=2, m=2, tau=0.02, gamma=0.0, eps=0.0, n_groups=8, margin="text", threshold=None, mode="supcon",
+         seed=367)  # fmt: skip
 def test_drawn_group_structures_match_the_oracle_on_triton(**draw):
     """The draws above on Triton (float32; the interpreter: a few draws in the default tier)."""
     _drawn("triton", **draw)
