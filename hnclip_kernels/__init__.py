@@ -36,6 +36,8 @@ def workspace_bytes(
     own_negatives=0,
     normalize=True,
     reduction="none",
+    group_mode="mask",
+    positive_pairs=0,
 ) -> int:
     """Bytes the fused Triton path allocates beyond inputs and outputs (forward statistics plus
     the backward's dS chunk), GPU launch configuration; ``local_rows``: a rank's M for the
@@ -43,7 +45,8 @@ def workspace_bytes(
     ``negatives`` (M hard-negative captions) and ``group_ids`` (bool): the hard-negative family's
     loss; ``own_negatives`` (K, each row's own negatives (N, K, D)), ``normalize`` and
     ``reduction`` ("directions": two directional walks; with ``own_negatives`` also their autograd
-    block, and ``local_rows`` a rank's rows). See :func:`hnclip_kernels.backends.triton.workspace.workspace_bytes`
+    block, and ``local_rows`` a rank's rows); ``group_mode`` ("supcon"/"mil_nce" with ``group_ids``:
+    the host pass over ``positive_pairs`` = Σ over groups of |G|² same-group pairs). See :func:`hnclip_kernels.backends.triton.workspace.workspace_bytes`
     (imported on call: Triton is an optional dependency)."""
     from .backends.triton.workspace import workspace_bytes as _workspace_bytes
 
@@ -61,6 +64,8 @@ def workspace_bytes(
         own_negatives=own_negatives,
         normalize=normalize,
         reduction=reduction,
+        group_mode=group_mode,
+        positive_pairs=positive_pairs,
     )
 
 

@@ -502,3 +502,93 @@ def test_own_negatives_and_directions_figures_and_refusals():
     ):
         with pytest.raises(ValueError, match=match):
             hnclip_kernels.workspace_bytes(64, 8, torch.float32, **bad)
+
+
+class _HostBuffers(TorchDispatchMode):
+    """Every new storage an aten op returns inside a host positive pass (its outputs included),
+    logged with its bytes; the pass's peak of live ones."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.inputs, self.live, self.peak, self.mine = inputs, 0, 0, set()
+
+    def _free(self, nbytes, ptr):
+        self.live -= nbytes
+        self.mine.discard(ptr)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr not in self.inputs and ptr not in self.mine:  # a view's storage is no new buffer
+                    self.mine.add(ptr)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, storage.nbytes(), ptr)
+        return out
+
+
+POSITIVE_CASES = {  # dtype, group_mode, D, groups (ids = arange(N) % groups), M shared negatives (0: the counter logs
+    # the walk without them); N = 100
+    "float32 supcon": (torch.float32, "supcon", 16, 10, 0),
+    "bf16 mil_nce": (torch.bfloat16, "mil_nce", 32, 3, 0),
+    "float32 mil_nce wide": (torch.float32, "mil_nce", 64, 25, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(POSITIVE_CASES))
+def test_positive_modes_workspace_counted(gpu_launch_small, counter, monkeypatch, case):
+    """``group_mode="supcon"/"mil_nce"``: the kernels allocate what they do under "mask" (the
+    kept-count plane), and each direction's host pass (``hnclip::host_positive_fwd/bwd``, one chunk
+    here) at its peak within ``positive_bytes``' bound, its (pairs, D) buffers counted exactly (the
+    bound's slack at most its per-pair and per-row terms); ``workspace_bytes(group_mode=,
+    positive_pairs=)`` takes each phase's larger."""
+    from hnclip_kernels.backends import positives
+
+    dtype, mode, d, groups, m = POSITIVE_CASES[case]
+    n = 100
+    peaks = {"fwd": [], "bwd": []}
+
+    def logged(phase, op):
+        def run(*args, **kwargs):
+            log = _HostBuffers({a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)})
+            with log:
+                out = op._init_fn(*args, **kwargs)  # the op's body, so the mode sees its aten calls
+            peaks[phase].append(log.peak)
+            return out
+
+        return run
+
+    monkeypatch.setattr(symmetric, "positive_fwd", logged("fwd", positives.positive_fwd))
+    monkeypatch.setattr(symmetric, "positive_bwd", logged("bwd", positives.positive_bwd))
+    img, txt = (x.requires_grad_(True) for x in make_pair(n, d, dtype, seed=13))
+    ids = torch.arange(n) % groups
+    neg = torch.randn(m, d).to(dtype) if m else None
+    loss = hnclip_kernels.hn_clip_loss(img, txt, 0.07, negatives=neg, group_ids=ids, group_mode=mode, backend="triton")
+    loss.backward()
+    pairs = int(torch.bincount(ids).pow(2).sum())
+    host_fwd, host_bwd = workspace.positive_bytes(n, d, pairs)
+    bounded = workspace.POSITIVE_PAIR_BYTES * pairs + workspace.POSITIVE_ROW_BYTES * n
+    for phase, stated in (("fwd", host_fwd), ("bwd", host_bwd)):
+        assert len(peaks[phase]) == 2, phase  # i2t and t2i, the same sizes
+        for peak in peaks[phase]:
+            assert stated - bounded < peak <= stated, (phase, peak, stated)
+    fwd, bwd = counter.peak("fwd"), counter.peak("bwd")
+    assert fwd == workspace.family_forward_bytes(n, m, dtype.itemsize, False, masked=True) > 0
+    kernels_bwd = workspace.backward_bytes(n, n, d, dtype, symmetric=True)
+    if m:
+        kernels_bwd = max(kernels_bwd, workspace.backward_bytes(n, m, d, dtype, rank=False))
+    assert bwd == kernels_bwd > 0
+    assert max(fwd, host_fwd) + max(bwd, host_bwd) == hnclip_kernels.workspace_bytes(
+        n, d, dtype, negatives=m, group_ids=True, group_mode=mode, positive_pairs=pairs
+    )
+    for bad, match in (
+        (dict(group_mode="pairs"), "group_mode"),
+        (dict(group_mode=mode, positive_pairs=n - 1), "positive_pairs"),
+        (dict(group_mode=mode, positive_pairs=pairs, group_ids=False), "group_ids=True"),
+        (dict(group_mode=mode, positive_pairs=pairs, reduction="directions"), "reduction"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            hnclip_kernels.workspace_bytes(n, d, dtype, **{"group_ids": True, **bad})

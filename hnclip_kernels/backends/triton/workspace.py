@@ -36,6 +36,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from ...group_mode import GroupMode
+from ..positives import CHUNK_ELEMENTS
 from . import config as cfg
 
 _SIZES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -198,6 +200,27 @@ def directions_own_bytes(
     return fwd + row_bytes, bwd + row_bytes
 
 
+# bytes per same-group pair (gathered index vectors, gaps, dS: 33 measured) and per row (sorted ids,
+# each row's range, segment lengths, the (4, M) statistics: 40 to 48 measured) of the host pass: bounds
+POSITIVE_PAIR_BYTES = 40
+POSITIVE_ROW_BYTES = 64
+
+
+def positive_bytes(n: int, d: int, positive_pairs: int) -> tuple[int, int]:
+    """(forward, backward) bytes of one direction's host pass (``hnclip::host_positive_fwd`` / ``_bwd``,
+    :mod:`..positives`) over N rows and N keys of width D with ``positive_pairs`` = Σ over groups
+    of |G|² same-group (row, key) pairs, the rows' own included. A chunk gathers at most
+    P = min(pairs, max(CHUNK_ELEMENTS // D, N)) pairs (a row's pairs are never split), P − N of
+    them other positives with N = 1 chunk: three float32 (P, D) buffers (q̂ and k̂ gathered, their
+    product; in the backward dS·k̂ and dS·q̂ with a gather) counted, plus ``POSITIVE_PAIR_BYTES``·P
+    and ``POSITIVE_ROW_BYTES``·N bounded. The backward adds its float32 dL/dq̂ and dL/dk̂ (4·2·N·D),
+    live through its chunks. 16-bit features are gathered from their float32 q̂, k̂."""
+    chunk = min(positive_pairs, max(CHUNK_ELEMENTS // d, n))
+    others = min(chunk, positive_pairs - n)
+    bounded = POSITIVE_PAIR_BYTES * chunk + POSITIVE_ROW_BYTES * n
+    return 12 * others * d + bounded, 12 * others * d + 8 * n * d + bounded
+
+
 def workspace_bytes(
     n: int,
     d: int,
@@ -213,6 +236,8 @@ def workspace_bytes(
     own_negatives: int = 0,
     normalize: bool = True,
     reduction: str = "none",
+    group_mode: str | GroupMode = "mask",
+    positive_pairs: int = 0,
 ) -> int:
     """Bytes the fused Triton path allocates beyond its inputs and outputs for one forward and
     backward, in the GPU launch configuration: the forward's partial statistics plus the
@@ -234,7 +259,12 @@ def workspace_bytes(
     normalisation buffers). Across ranks with ``local_loss=False`` every rank runs this loss on
     the gathered batch: pass the global N, K = the largest K_r and ``dtype=torch.float32`` (16-bit
     features are upcast before the gather); the gathered (N, K, D) float32 negatives are an input.
-    ``group_mode`` "supcon"/"mil_nce" runs on backend "torch" only: no Triton workspace to state.
+    ``group_mode`` "supcon"/"mil_nce" (with ``group_ids``, single process, reduction "none"/"mean"/
+    "sum"): the kernels run as under "mask" (the kept-count plane), then each direction's host pass
+    over the same-group pairs (:func:`positive_bytes`) after the walk in the forward and after the
+    dS chunks in the backward, each phase the larger; ``positive_pairs`` = Σ over groups of |G|²
+    (``torch.bincount(group_ids).pow(2).sum()``, each row's own pair included; a bound such as
+    N·largest group also bounds the count).
     ``reduction``: "none", "mean" or "sum" (the same walks), or "directions": two directional
     walks, one after the other (:func:`directions_bytes`; with ``local_rows`` a rank's M rows);
     with ``own_negatives`` = K (one process, or ``local_rows`` = M for ``local_loss=True``'s rows,
@@ -265,7 +295,8 @@ def workspace_bytes(
     two directional walks per rank: state them as two ``local_rows`` calls); own_negatives < 0,
     with ``negatives`` (the operator takes one kind), or with ``local_rows`` and a reduction other
     than "directions" (``local_loss=True`` runs those on backend "torch" only); a ``reduction``
-    other than "none", "mean", "sum", "directions".
+    other than "none", "mean", "sum", "directions"; an unknown ``group_mode``, or a positive one without
+    ``group_ids``, with own_negatives, local_rows or "directions", or ``positive_pairs`` outside [n, n²].
     Source: the allocations of :mod:`.forward` and :mod:`.backward`, and of the own negatives'
     host blocks (``tests/backends/test_workspace.py`` counts them).
     """
@@ -279,6 +310,14 @@ def workspace_bytes(
             f"single-process family loss), got negatives={negatives}, group_ids={group_ids}, local_rows={local_rows}"
         )
     _check_new_options(negatives, own_negatives, local_rows, reduction)
+    mode = _check_group_mode(group_mode, positive_pairs, n, group_ids, own_negatives, local_rows, reduction)
+    if mode.positives:  # the kernels as under "mask", then the host pass, never live together
+        fwd = family_forward_bytes(n, negatives, _SIZES[dtype], label_smoothing != 0.0, device, True)
+        bwd = backward_bytes(n, n, d, dtype, symmetric=True)
+        if negatives:
+            bwd = max(bwd, backward_bytes(n, negatives, d, dtype, rank=False))
+        host_fwd, host_bwd = positive_bytes(n, d, positive_pairs)
+        return max(fwd, host_fwd) + max(bwd, host_bwd)
     masked = false_negative_threshold is not None or group_ids
     if reduction == "directions":
         rows = n if local_rows is None else int(local_rows)
@@ -320,6 +359,30 @@ def _check_new_options(negatives: int, own_negatives: int, local_rows, reduction
             f"pass the gathered N); got own_negatives={own_negatives}, negatives={negatives}, local_rows={local_rows}, "
             f"reduction={reduction!r}"
         )
+
+
+def _check_group_mode(group_mode, positive_pairs: int, n: int, group_ids: bool, own, local_rows, reduction):
+    """The positive modes' refusals (:func:`workspace_bytes`'s Raises); the mode, typed."""
+    try:
+        mode = GroupMode(group_mode)
+    except ValueError:
+        raise ValueError(
+            f"workspace_bytes: group_mode must be 'mask', 'supcon' or 'mil_nce', got {group_mode!r}"
+        ) from None
+    if not mode.positives:
+        return mode
+    if not group_ids or own or local_rows is not None or reduction == "directions":
+        raise ValueError(
+            f"workspace_bytes: group_mode={mode.value!r} is stated for the single-process loss with group_ids=True, "
+            "without own_negatives, local_rows or reduction='directions'; got "
+            f"group_ids={group_ids}, own_negatives={own}, local_rows={local_rows}, reduction={reduction!r}"
+        )
+    if not n <= positive_pairs <= n * n:
+        raise ValueError(
+            f"workspace_bytes: positive_pairs (Σ over groups of |G|², e.g. torch.bincount(group_ids).pow(2).sum()) "
+            f"must lie in [n, n²] = [{n}, {n * n}] under group_mode={mode.value!r}, got {positive_pairs}"
+        )
+    return mode
 
 
 def sigmoid_bytes(rows: int, columns: int, d: int, dtype: torch.dtype, device=None) -> int:
