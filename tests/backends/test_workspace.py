@@ -25,7 +25,7 @@ from cases import check_against_truth, make_pair
 from hnclip_kernels import backends
 from hnclip_kernels import loss as loss_module
 from hnclip_kernels.backends.triton import config as cfg
-from hnclip_kernels.backends.triton import directional, rank, symmetric, workspace
+from hnclip_kernels.backends.triton import directional, rank, symmetric, workspace, workspace_host
 from hnclip_kernels.backends.triton import ops as tops
 from hnclip_kernels.options import LossOptions
 from hnclip_kernels.validation_family import Family
@@ -293,8 +293,8 @@ def test_own_negatives_workspace_counted(gpu_launch_small, counter, monkeypatch,
         kw.get("label_smoothing", 0.0),
         kw.get("normalize", True),
     )
-    own_fwd, own_bwd = workspace.own_bytes(n, k, d, dtype, threshold is not None, normalize)
-    rows = workspace.OWN_ROW_BYTES * n * k
+    own_fwd, own_bwd = workspace_host.own_bytes(n, k, d, dtype, threshold is not None, normalize)
+    rows = workspace_host.OWN_ROW_BYTES * n * k
     for phase, stated in (("_own_forward", own_fwd), ("_own_backward", own_bwd)):
         assert own_count.peak_of(phase, "block") == stated - rows > 0, phase
         assert 0 < own_count.peak_of(phase, "rows") <= rows, phase
@@ -464,8 +464,8 @@ def test_directions_own_negatives_workspace_counted(gpu_launch_small, counter, m
         kw.get("label_smoothing", 0.0),
         kw.get("normalize", True),
     )
-    own_fwd, own_bwd = workspace.directions_own_bytes(r, k, d, dtype, threshold is not None, normalize)
-    row_bound = workspace.DIRECTIONS_OWN_ROW_BYTES * r * k
+    own_fwd, own_bwd = workspace_host.directions_own_bytes(r, k, d, dtype, threshold is not None, normalize)
+    row_bound = workspace_host.DIRECTIONS_OWN_ROW_BYTES * r * k
     for phase, stated in (("fwd", own_fwd), ("bwd", own_bwd)):
         assert own_count.peak_spanning(phase, "block") == stated - row_bound > 0, phase
         assert 0 < own_count.peak_spanning(phase, "rows") <= row_bound, phase
@@ -569,8 +569,8 @@ def test_positive_modes_workspace_counted(gpu_launch_small, counter, monkeypatch
     loss = hnclip_kernels.hn_clip_loss(img, txt, 0.07, negatives=neg, group_ids=ids, group_mode=mode, backend="triton")
     loss.backward()
     pairs = int(torch.bincount(ids).pow(2).sum())
-    host_fwd, host_bwd = workspace.positive_bytes(n, d, pairs)
-    bounded = workspace.POSITIVE_PAIR_BYTES * pairs + workspace.POSITIVE_ROW_BYTES * n
+    host_fwd, host_bwd = workspace_host.positive_bytes(n, d, pairs)
+    bounded = workspace_host.POSITIVE_PAIR_BYTES * pairs + workspace_host.POSITIVE_ROW_BYTES * n
     for phase, stated in (("fwd", host_fwd), ("bwd", host_bwd)):
         assert len(peaks[phase]) == 2, phase  # i2t and t2i, the same sizes
         for peak in peaks[phase]:

@@ -27,7 +27,7 @@ Products executed (P = one N×N×D or N×M×D product; ``FlopCounterMode`` state
 :mod:`.flops`): the N×N part is the plain loss's to the multiply-add; the block costs (1 + g) P
 forward and (1 + g) P + 2 P of GEMMs backward, g = 1 for a margin tile or a threshold (t̂·n̂),
 else 0. 16-bit features stay 16-bit (the kernels' own rounding-compensated backward). Workspace:
-:func:`.workspace.family_forward_bytes`, and each row's own negatives' :func:`.workspace.own_bytes`.
+:func:`.workspace.family_forward_bytes`, and each row's own negatives' :func:`.workspace_host.own_bytes`.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def _own_block(img, txt, own, own_mask, norms, pos, s: _Setup, gamma, threshold,
 def _own_forward(i2t, n_keys, inputs, norms, pos, s: _Setup, hyper, normalize: bool, margin: int):
     """The kernels' i2t statistics merged with each row's own columns, and the rows' classes:
     ``inputs`` = (img, txt, own, own_mask), ``hyper`` = (γ, threshold). Every O(N·K·D) buffer of
-    the block lives and dies here (:func:`.workspace.own_bytes` counts them)."""
+    the block lives and dies here (:func:`.workspace_host.own_bytes` counts them)."""
     block, _ = _own_block(*inputs, norms, pos, s, *hyper, normalize, margin)
     i2t = own_negatives.merge(i2t, block)
     return i2t, own_negatives.classes(i2t, n_keys, block)
