@@ -85,3 +85,29 @@ def own_inputs(n, k, d, pattern, seed, dtype=torch.float32, scale=1.0):
         mask = torch.rand(n, k, generator=g) < 0.5
     own = own.masked_fill(~mask[..., None], 0.0)
     return img.to(dtype), txt.to(dtype), own.to(dtype), mask
+
+
+def difference_bounds(leaves, hats, d_hats, w, eps, plain_rows):
+    """Each feature row's float64 scale for a float32 gradient's error: the magnitudes it is a
+    difference of. The normalisation's backward projects dL/dx̂ off x̂ and divides by |x| (D = 3
+    draws cancel there), and ε's uniform target cancels a negative's P (dS = g(P − ε/n)): with ε,
+    the hard target's part (``plain_rows()``, the rows at ε = 0, times 1 − ε) and the rest apart.
+    ``leaves``: the raw features; ``hats``: their unit rows; ``d_hats``: dL/dx̂; ``w``: the upstream."""
+    parts = [g.abs() for g in d_hats]
+    if eps:
+        hard = torch.autograd.grad(((1.0 - eps) * plain_rows() * w).sum(), hats)
+        parts = [h.abs() + (g - h).abs() for g, h in zip(d_hats, hard)]
+    return [p / x.norm(dim=-1, keepdim=True).clamp_min(1e-300) for p, x in zip(parts, leaves)]
+
+
+def row_error(got, want, bound=None) -> float:
+    """Row i's error over the norm of its float64 value, or over ``bound``'s row
+    (:func:`difference_bounds`, at least as large) where that is given; rows under 1e-6 of the
+    largest compared against that floor."""
+    got, want = got.double(), want.double()
+    if got.dim() == 0:
+        return ((got - want).abs() / want.abs().clamp_min(1e-300)).item()
+    diff = (got - want).reshape(got.shape[0], -1).norm(dim=1)
+    scale = (want if bound is None else bound).reshape(want.shape[0], -1).norm(dim=1)
+    floor = 1e-6 * scale.max().clamp_min(1e-300)
+    return (diff / torch.maximum(scale, floor)).max().item()

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from cases import ALL_BACKENDS
 from hnclip_kernels import HNClipLoss, hn_clip_loss
-from own_oracle import own_cases, own_inputs, own_rows_f64
+from own_oracle import difference_bounds, own_cases, own_inputs, own_rows_f64, row_error
 
 # the unnormalized option's features are off unit norm on purpose
 pytestmark = pytest.mark.filterwarnings("ignore:normalize=False:RuntimeWarning")
@@ -53,16 +53,8 @@ def oracle(img, txt, own, mask, tau=0.1, *, normalize=True, false_negative_thres
     if not normalize:
         return rows.detach(), torch.autograd.grad((rows * w).sum(), [*leaves, t])
     *grads, d_v, d_c, d_o = torch.autograd.grad((rows * w).sum(), [*leaves, t, v, c, o], retain_graph=True)
-    # what a float32 gradient's error is relative to: the magnitudes it is a difference of. ε's
-    # uniform target cancels a negative's P (dS = g(P − ε/n), one term for a K = 1 row) and the
-    # normalisation's backward projects dL/dx̂ off x̂, then divides by |x| (D = 3 draws cancel there)
-    eps = kw.get("label_smoothing", 0.0)
-    parts = [d_v.abs(), d_c.abs(), d_o.abs()]
-    if eps:
-        plain = own_rows_f64(v, c, o, mask, t, threshold=false_negative_threshold, **{**kw, "label_smoothing": 0.0})
-        hard = torch.autograd.grad(((1.0 - eps) * plain * w).sum(), [v, c, o])
-        parts = [h.abs() + (g - h).abs() for g, h in zip((d_v, d_c, d_o), hard)]
-    bounds = [p / x.norm(dim=-1, keepdim=True).clamp_min(1e-300) for p, x in zip(parts, leaves)]
+    plain = lambda: own_rows_f64(v, c, o, mask, t, threshold=false_negative_threshold, **{**kw, "label_smoothing": 0.0})  # noqa: E731
+    bounds = difference_bounds(leaves, [v, c, o], [d_v, d_c, d_o], w, kw.get("label_smoothing", 0.0), plain)
     return rows.detach(), grads, bounds
 
 
@@ -71,22 +63,10 @@ def row_errors(got, want):
     rows, grads = got
     ref_rows, ref_grads, *bounds = want
     bounds = bounds[0] if bounds else [None] * 3
-    out = {"loss": _per_row(rows, ref_rows)}
+    out = {"loss": row_error(rows, ref_rows)}
     for name, g, r, b in zip(NAMES, grads, ref_grads, [*bounds, None]):
-        out[name] = _per_row(g, r, b)
+        out[name] = row_error(g, r, b)
     return out
-
-
-def _per_row(got, want, bound=None) -> float:
-    """Row i's error over the norm of its float64 gradient, or over ``bound``'s row (the pre-projection
-    |dL/dx̂|/|x|, at least as large) where that is given."""
-    got, want = got.double(), want.double()
-    if got.dim() == 0:
-        return ((got - want).abs() / want.abs().clamp_min(1e-300)).item()
-    diff = (got - want).reshape(got.shape[0], -1).norm(dim=1)
-    scale = (want if bound is None else bound).reshape(want.shape[0], -1).norm(dim=1)
-    floor = 1e-6 * scale.max().clamp_min(1e-300)
-    return (diff / torch.maximum(scale, floor)).max().item()
 
 
 def check(backend, errors):

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from cases import ALL_BACKENDS
 from hnclip_kernels import hn_clip_loss
-from own_oracle import own_cases, own_inputs
+from own_oracle import difference_bounds, own_cases, own_inputs, row_error
 from positives_oracle import own_positive_rows_f64
 
 TOL = {"torch": (1e-10, 1e-10), "cpp": (1e-10, 1e-10), "triton": (1e-5, 1e-4)}  # (loss, gradients)
@@ -60,26 +60,9 @@ def oracle(img, txt, own, mask, ids, mode, tau=0.1, *, false_negative_threshold=
     rows = own_positive_rows_f64(v, c, o, mask, t, ids, **kw)
     w = _weights(rows.shape[0], torch.float64)
     *grads, d_v, d_c, d_o = torch.autograd.grad((rows * w).sum(), [*leaves, t, v, c, o], retain_graph=True)
-    # a float32 gradient's error is relative to the magnitudes it is a difference of: dL/dx̂ before the
-    # normalisation's projection, over |x|, with ε's uniform target apart (dS = g(P − ε/|C|) cancels)
-    eps = kw.get("label_smoothing", 0.0)
-    parts = [d_v.abs(), d_c.abs(), d_o.abs()]
-    if eps:
-        plain = own_positive_rows_f64(v, c, o, mask, t, ids, **{**kw, "label_smoothing": 0.0})
-        hard = torch.autograd.grad(((1.0 - eps) * plain * w).sum(), [v, c, o])
-        parts = [h.abs() + (g - h).abs() for g, h in zip((d_v, d_c, d_o), hard)]
-    bounds = [p / x.norm(dim=-1, keepdim=True).clamp_min(1e-300) for p, x in zip(parts, leaves)]
+    plain = lambda: own_positive_rows_f64(v, c, o, mask, t, ids, **{**kw, "label_smoothing": 0.0})  # noqa: E731
+    bounds = difference_bounds(leaves, [v, c, o], [d_v, d_c, d_o], w, kw.get("label_smoothing", 0.0), plain)
     return rows.detach(), grads, bounds
-
-
-def _per_row(got, want, bound=None) -> float:
-    got, want = got.double(), want.double()
-    if got.dim() == 0:
-        return ((got - want).abs() / want.abs().clamp_min(1e-300)).item()
-    diff = (got - want).reshape(got.shape[0], -1).norm(dim=1)
-    scale = (want if bound is None else bound).reshape(want.shape[0], -1).norm(dim=1)
-    floor = 1e-6 * scale.max().clamp_min(1e-300)
-    return (diff / torch.maximum(scale, floor)).max().item()
 
 
 def errors(backend, case, mode, options, scale=1.0):
@@ -91,9 +74,9 @@ def errors(backend, case, mode, options, scale=1.0):
     kw = OPTIONS[options]
     rows, grads = run(backend, img, txt, own, mask, ids, mode, **kw)
     ref_rows, ref_grads, bounds = oracle(img, txt, own, mask, ids, mode, **kw)
-    out = {"loss": _per_row(rows, ref_rows)}
+    out = {"loss": row_error(rows, ref_rows)}
     for name, g, r, b in zip(NAMES, grads, ref_grads, [*bounds, None]):
-        out[name] = _per_row(g, r, b if backend == "triton" else None)
+        out[name] = row_error(g, r, b if backend == "triton" else None)
     return out
 
 
