@@ -39,6 +39,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from ..group_mode import GroupMode
 from ..numerics import softplus
 from .epilogue import scaled, unnormalize_grad
 
@@ -260,11 +261,13 @@ def _positive_parts(neg: RowStats, extra: torch.Tensor):
     return lse_p, neg.delta - lse_p, extra[3] + 1.0
 
 
-def positive_losses(neg: RowStats, extra: torch.Tensor, supcon: bool, label_smoothing) -> torch.Tensor:
+def positive_losses(neg: RowStats, extra: torch.Tensor, group_mode: int, label_smoothing) -> torch.Tensor:
     """Each row's multi-positive loss from its negatives' statistics ``neg`` (``kept`` given) and its
-    other positives' ``extra`` (4, M) (their LSE, softmax-mean gap, Σ gap, count): MIL-NCE's
+    other positives' ``extra`` (4, M) (their LSE, softmax-mean gap, Σ gap, count), for a positive
+    ``group_mode`` code (:attr:`~hnclip_kernels.group_mode.GroupMode.code`, as the operators carry it): MIL-NCE's
     softplus(L_K − L_P), SupCon's that plus L_P − mean_P Z (both ≥ 0 and formed from gaps: a loss far
     below float32's epsilon keeps its value); with ε, (1 − ε)·that + ε·(LSE_C − mean_C Z)."""
+    supcon = GroupMode.from_code(group_mode) is GroupMode.SUPCON
     lse_p, x, count = _positive_parts(neg, extra)
     any_positive = softplus(x)
     rows = any_positive + (lse_p - extra[2] / count) if supcon else any_positive

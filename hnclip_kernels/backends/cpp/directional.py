@@ -21,7 +21,6 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ...group_mode import GroupMode
 from ...numerics import compute_dtype
 from .. import epilogue, glue, softmax
 from ..outputs import CppDirectionalOut, schema
@@ -66,7 +65,7 @@ def _forward(x: DirectionalInputs, f: DirectionalFlags):
     if f.group_mode == 0:
         return out._replace(loss=softmax.row_losses(out.stats(f.masked), x.k.shape[0], sc.eps))
     extra = RAW.cpp_raw_positive_fwd(q_hat, k_hat, pos, sc.inv_tau, f.offset, x.query_groups, x.key_groups)
-    loss = softmax.positive_losses(out.stats(f.masked), extra, f.group_mode == GroupMode.SUPCON.code, sc.eps)
+    loss = softmax.positive_losses(out.stats(f.masked), extra, f.group_mode, sc.eps)
     return out._replace(loss=loss, positives=extra)
 
 

@@ -35,7 +35,6 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ...group_mode import GroupMode
 from ...margin import Margin, margin_operands
 from ...numerics import compute_dtype
 from .. import epilogue, glue, own_negatives, softmax
@@ -151,11 +150,10 @@ def _forward(x: SymmetricInputs, f: SymmetricFlags):
         out = out._replace(delta_i2t=i2t.delta, mean_neg_i2t=i2t.mean_neg, dsum_i2t=i2t.dsum)
         out = out._replace(kept_i2t=i2t.kept if f.masked else out.kept_i2t)
     if f.group_mode != 0:  # positives: their statistics beside the (merged) negatives'
-        supcon = f.group_mode == GroupMode.SUPCON.code
         extra_i2t = RAW.cpp_raw_positive_fwd(v_hat, t_hat, pos, sc.inv_tau, 0, s.ids, s.ids)
         extra_t2i = RAW.cpp_raw_positive_fwd(t_hat, v_hat, pos, sc.inv_tau, 0, s.ids, s.ids)
-        i2t_rows = softmax.positive_losses(i2t, extra_i2t, supcon, sc.eps)
-        pairs = 0.5 * (i2t_rows + softmax.positive_losses(t2i, extra_t2i, supcon, sc.eps))
+        i2t_rows = softmax.positive_losses(i2t, extra_i2t, f.group_mode, sc.eps)
+        pairs = 0.5 * (i2t_rows + softmax.positive_losses(t2i, extra_t2i, f.group_mode, sc.eps))
         return out._replace(pairs=pairs, positives_i2t=extra_i2t, positives_t2i=extra_t2i)
     pairs = 0.5 * (softmax.row_losses(i2t, n_keys, sc.eps) + softmax.row_losses(t2i, n, sc.eps))
     return out._replace(pairs=pairs, positives_i2t=pos.new_empty((0,)), positives_t2i=pos.new_empty((0,)))

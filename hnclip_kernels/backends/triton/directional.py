@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...group_mode import GroupMode
 from .. import epilogue, softmax
 from ..outputs import DirectionalOut, row_stats, schema
 from ..positives import positive_bwd, positive_fwd
@@ -90,7 +89,7 @@ def _directional_nll(
         return (*DirectionalOut.of(loss, norms, stats), pos.new_empty((0,)))
     q_hat, k_hat = epilogue.scaled(q, norms[0]), epilogue.scaled(k, norms[1])
     extra = positive_fwd(q_hat, k_hat, pos, sc.inv_tau, offset, query_groups, key_groups)
-    loss = softmax.positive_losses(stats, extra, group_mode == GroupMode.SUPCON.code, eps)
+    loss = softmax.positive_losses(stats, extra, group_mode, eps)
     return (*DirectionalOut.of(loss, norms, stats), extra)
 
 

@@ -37,7 +37,6 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...group_mode import GroupMode
 from ...margin import Margin, margin_operands
 from .. import epilogue, own_negatives, softmax
 from ..outputs import FamilyPairsOut, kept_output, schema
@@ -184,8 +183,9 @@ def _positive_pairs(img, txt, norms, pos, s: _Setup, stats, eps, group_mode: int
     v_hat, t_hat = epilogue.scaled(img, norms[0]), epilogue.scaled(txt, norms[1])
     extra_i2t = positive_fwd(v_hat, t_hat, pos, s.pair.inv_tau, 0, ids, ids)
     extra_t2i = positive_fwd(t_hat, v_hat, pos, s.pair.inv_tau, 0, ids, ids)
-    supcon = group_mode == GroupMode.SUPCON.code
-    rows = softmax.positive_losses(i2t, extra_i2t, supcon, eps) + softmax.positive_losses(t2i, extra_t2i, supcon, eps)
+    rows = softmax.positive_losses(i2t, extra_i2t, group_mode, eps) + softmax.positive_losses(
+        t2i, extra_t2i, group_mode, eps
+    )
     return PairsOut(0.5 * rows, *norms, pos, *i2t[1:4], kept_output(i2t), *t2i[1:4], kept_output(t2i), extra_i2t,
                     extra_t2i)  # fmt: skip
 
